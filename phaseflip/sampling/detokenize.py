@@ -1,0 +1,129 @@
+"""Incremental detokenisation and stop-string search.
+
+Decoding token by token and concatenating is wrong for tokenizers whose text depends on context
+(SentencePiece drops the leading space of the first token it decodes; byte-level BPE can split
+one UTF-8 character over several tokens). We decode a short window instead: `prefix_offset`
+marks a few already-emitted tokens kept as context and `read_offset` the first token whose text
+was not emitted yet; the delta is decode(window) minus decode(context).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+REPLACEMENT_CHAR = "\ufffd"
+# Prompt tokens kept as context when `context_from_prompt` is set (enough for any tokenizer's
+# context effects, cheap to re-decode).
+_PROMPT_CONTEXT = 5
+
+
+class Decoder(Protocol):
+    """The part of a Hugging Face tokenizer the detokenizer uses."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into text without re-decoding everything each
+    step and without emitting half a UTF-8 character: text ending in U+FFFD is held back until
+    a later token completes it (or `flush` gives up on it at the end).
+
+    By default the text equals `tokenizer.decode(output_ids, skip_special_tokens=...)`. With
+    `context_from_prompt=True` the last prompt tokens are used as decoding context instead, so
+    a SentencePiece first token keeps its leading space (prompt text + output text reads right).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Decoder,
+        prompt_ids: list[int],
+        skip_special_tokens: bool = True,
+        *,
+        context_from_prompt: bool = False,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        context = list(prompt_ids[-_PROMPT_CONTEXT:]) if context_from_prompt else []
+        self._ids: list[int] = context
+        self._num_context = len(context)
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+    def append(self, token_ids: list[int]) -> str:
+        """Add newly generated tokens; return the text that became stable (possibly "")."""
+        if not token_ids:
+            return ""
+        self._ids.extend(token_ids)
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+            # Nothing visible yet (e.g. a skipped special token) or a character is incomplete.
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self._text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Emit held-back text (a trailing U+FFFD that no token completed); call at the end."""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        if len(new_text) <= len(prefix_text):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self._text += delta
+        return delta
+
+    @property
+    def text(self) -> str:
+        """All stable output text so far."""
+        return self._text
+
+    @property
+    def output_ids(self) -> list[int]:
+        """The output token ids appended so far (prompt context excluded)."""
+        return self._ids[self._num_context :]
+
+
+def find_stop_match(text: str, stop: list[str], start: int) -> tuple[int, str] | None:
+    """(index, stop string) of the earliest match whose last character is at or after `start`;
+    at equal index the shorter string wins, as a token-by-token stream would have seen it first.
+    """
+    best: tuple[int, str] | None = None
+    for s in stop:
+        if not s:
+            continue
+        idx = text.find(s, max(0, start - len(s) + 1))
+        if idx < 0:
+            continue
+        if best is None or idx < best[0] or (idx == best[0] and len(s) < len(best[1])):
+            best = (idx, s)
+    return best
+
+
+def find_stop(text: str, stop: list[str], start: int) -> int | None:
+    """Index in `text` where the earliest stop string begins, considering only matches that end
+    at or after `start` (a check after each delta then only rescans the tail: pass the previous
+    length, or previous length - max stop length + 1, clamped at 0). None if none."""
+    match = find_stop_match(text, stop, start)
+    return None if match is None else match[0]
+
+
+def partial_stop_len(text: str, stop: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string: text a
+    streaming server must hold back, since the next delta may turn it into a stop match."""
+    longest = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:n]):
+                longest = n
+                break
+    return longest
