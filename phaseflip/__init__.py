@@ -1,0 +1,28 @@
+"""phaseflip: an LLM inference engine that flips between TP and PP layouts at runtime."""
+
+from phaseflip.config import EngineConfig
+from phaseflip.engine.engine import Engine
+from phaseflip.engine.outputs import CompletionOutput, RequestOutput, StreamDelta, Usage
+from phaseflip.errors import (
+    CapacityError,
+    ContextLengthError,
+    InvalidRequestError,
+    ModelLoadError,
+    PhaseflipError,
+)
+from phaseflip.sampling.params import SamplingParams
+
+__all__ = [
+    "CapacityError",
+    "CompletionOutput",
+    "ContextLengthError",
+    "Engine",
+    "EngineConfig",
+    "InvalidRequestError",
+    "ModelLoadError",
+    "PhaseflipError",
+    "RequestOutput",
+    "SamplingParams",
+    "StreamDelta",
+    "Usage",
+]

@@ -1,0 +1,53 @@
+"""Reference attention over the paged KV pool, in plain torch.
+
+It is the test oracle for every faster backend and the CPU path: one sequence at a time,
+gather the sequence's slots, causal softmax in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from phaseflip.cache.kv_pool import KVPool
+from phaseflip.engine.forward_batch import ForwardBatch
+
+
+class TorchRefAttention:
+    name = "torch"
+
+    def forward(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: ForwardBatch,
+        pool: KVPool,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens. Returns [T, H*D] in q's dtype."""
+        pool.store(layer_id, batch.out_cache_loc, k, v)
+        k_cache, v_cache = pool.layer(layer_id)
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        group = num_heads // k.shape[1]
+        out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype, device=q.device)
+        indptr = batch.kv_indptr.tolist()
+        start = 0
+        for i, (ext, pre) in enumerate(zip(batch.extend_lens, batch.prefix_lens)):
+            slots = batch.kv_indices[indptr[i] : indptr[i + 1]]
+            kk = k_cache[slots].float().repeat_interleave(group, dim=1)  # [S, H, D]
+            vv = v_cache[slots].float().repeat_interleave(group, dim=1)
+            qq = q[start : start + ext].float()  # [E, H, D]
+            scores = torch.einsum("ehd,shd->hes", qq, kk) * scale
+            q_pos = torch.arange(pre, pre + ext, device=q.device)[:, None]
+            k_pos = torch.arange(slots.numel(), device=q.device)[None, :]
+            masked = k_pos > q_pos
+            if sliding_window is not None:
+                masked |= k_pos <= q_pos - sliding_window
+            scores.masked_fill_(masked, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            o = torch.einsum("hes,shd->ehd", probs, vv)
+            out[start : start + ext] = o.reshape(ext, -1).to(q.dtype)
+            start += ext
+        return out

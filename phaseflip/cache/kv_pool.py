@@ -1,0 +1,73 @@
+"""The device KV pool and the request→token table.
+
+Slot space: slot `s` is row `s` of every layer's K and V buffer. The driver's allocator owns the
+slot space (which slots are free, which belong to the prefix tree, which to a request); this
+module only stores rows. Slot 0 is the reserved padding slot (page 0 is never allocated), so a
+padded token can write there harmlessly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """K and V buffers for the layers this process holds: `[num_slots, kv_heads, head_dim]` each."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        layer_range: tuple[int, int],
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.num_slots = num_slots
+        self.start_layer, self.end_layer = layer_range
+        self.dtype = dtype
+        shape = (num_slots, num_kv_heads, head_dim)
+        n = self.end_layer - self.start_layer
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
+
+    @staticmethod
+    def bytes_per_slot(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * layers * kv_heads * head_dim * dtype.itemsize
+
+    def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        i = layer_id - self.start_layer
+        self.k[i][slots] = k.to(self.dtype)
+        self.v[i][slots] = v.to(self.dtype)
+
+    def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i = layer_id - self.start_layer
+        return self.k[i], self.v[i]
+
+
+class ReqToTokenTable:
+    """`table[row, pos]` is the slot of token `pos` of the request occupying `row`.
+
+    Owned by the scheduler (host memory): forward plans carry the slots they need explicitly,
+    so no rank ever reads this table. Entries beyond a request's KV length are stale.
+    """
+
+    def __init__(self, max_requests: int, max_context: int) -> None:
+        self.table = torch.zeros((max_requests, max_context), dtype=torch.int64)
+        self.max_context = max_context
+        self._free_rows = list(range(max_requests - 1, -1, -1))
+
+    @property
+    def free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        if row in self._free_rows:
+            raise RuntimeError(f"request table row {row} freed twice")
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.table[row, start : start + slots.numel()] = slots

@@ -1,0 +1,75 @@
+"""Engine configuration: one frozen dataclass; CLI flags are generated from its fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from phaseflip.errors import InvalidRequestError
+
+EMBEDDED_MODEL = Path(__file__).parent / "assets" / "tiny-llama"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = str(EMBEDDED_MODEL)
+    """Hugging Face model directory (default: the tiny model shipped in the package)."""
+    device: str = "auto"
+    """cpu, cuda or auto (cuda when available)."""
+    dtype: str = "auto"
+    """float32, float16, bfloat16 or auto (the checkpoint's dtype; float32 on CPU)."""
+    max_total_tokens: int | None = None
+    """KV pool size in tokens. Default: 16384 on CPU, from --mem-fraction on GPU."""
+    mem_fraction: float = 0.85
+    """Fraction of the GPU's memory that weights plus KV pool may take."""
+    page_size: int = 1
+    """Tokens per KV page; prefix-cache matches are page aligned."""
+    max_running_requests: int = 256
+    """Most requests decoding at once."""
+    max_model_len: int | None = None
+    """Context limit (prompt + output); default the model's max_position_embeddings."""
+    chunked_prefill_size: int = 8192
+    """Most prompt tokens one request prefills per step; 0 or -1 turns chunking off."""
+    max_prefill_tokens: int = 16384
+    """Most prefill tokens in one step across requests (a request alone may exceed it)."""
+    schedule_policy: str = "fcfs"
+    """fcfs, or lpm (longest cached prefix first)."""
+    enable_prefix_cache: bool = True
+    """Reuse KV of cached prompt prefixes (radix tree)."""
+    seed: int = 0
+    """Seed for requests that do not set their own."""
+    max_logprobs: int = 20
+    """Largest top-logprobs count a request may ask for."""
+    check_accounting: bool = False
+    """Check KV pool accounting whenever the engine goes idle (debug)."""
+
+    def __post_init__(self) -> None:
+        def bad(field: str, why: str) -> InvalidRequestError:
+            return InvalidRequestError(f"invalid engine config {field}={getattr(self, field)!r}: "
+                                       f"{why}", param=field)
+
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise bad("device", "expected cpu, cuda or auto")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise bad("dtype", "expected float32, float16, bfloat16 or auto")
+        if not 0.0 < self.mem_fraction <= 1.0:
+            raise bad("mem_fraction", "expected a fraction in (0, 1]")
+        if self.page_size < 1:
+            raise bad("page_size", "must be >= 1")
+        if self.max_running_requests < 1:
+            raise bad("max_running_requests", "must be >= 1")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise bad("max_total_tokens", "must be >= 1")
+        if self.max_prefill_tokens < 1:
+            raise bad("max_prefill_tokens", "must be >= 1")
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise bad("schedule_policy", "expected fcfs or lpm")
+
+    @property
+    def chunk_size(self) -> int | None:
+        """Prefill chunk in tokens, or None when chunking is off."""
+        return self.chunked_prefill_size if self.chunked_prefill_size > 0 else None
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,241 @@
+"""The engine loop body: validate and queue requests, run one step, turn tokens into outputs.
+
+`EngineCore` is single-threaded; the public `Engine` drives it from the caller's thread
+(offline generation) or from a background thread (streaming).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from phaseflip.config import EngineConfig
+from phaseflip.engine.model_runner import ModelRunner
+from phaseflip.engine.outputs import StreamDelta, Usage
+from phaseflip.errors import ContextLengthError, InvalidRequestError
+from phaseflip.model.config import ModelConfig
+from phaseflip.sampling.detokenize import IncrementalDetokenizer, find_stop_match
+from phaseflip.sampling.params import SamplingParams
+from phaseflip.sampling.sampler import Sampler, SamplingInput, compute_logprobs
+from phaseflip.scheduler.kv_cache import KVCacheManager
+from phaseflip.scheduler.request import Req
+from phaseflip.scheduler.scheduler import Scheduled, ScheduledBatch, Scheduler
+
+
+@dataclass
+class Group:
+    """The n samples of one request."""
+
+    rid: str
+    prompt_ids: list[int]
+    reqs: list[Req]
+    done: set[int] = field(default_factory=set)
+
+
+class EngineCore:
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, tokenizer) -> None:
+        self.cfg, self.model_cfg, self.tokenizer = cfg, model_cfg, tokenizer
+        self.runner = ModelRunner(cfg, model_cfg)
+        self.max_context = cfg.max_model_len or model_cfg.max_position_embeddings
+        self.kv = KVCacheManager(
+            self.runner.num_slots, cfg.page_size, cfg.max_running_requests + 1,
+            self.max_context + 1, cfg.enable_prefix_cache,
+        )
+        self.scheduler = Scheduler(cfg, self.kv, self.max_context)
+        self.sampler = Sampler(cfg.seed)
+        self.groups: dict[str, Group] = {}
+        self._arrivals = 0
+
+    # ------------------------------------------------------------------ requests
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises InvalidRequestError/ContextLengthError for anything the loop cannot run."""
+        vocab = self.model_cfg.vocab_size
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}", "prompt"
+            )
+        params.validate(vocab, self.cfg.max_logprobs)
+        total = len(prompt_ids) + params.max_new_tokens
+        if total > self.max_context:
+            raise ContextLengthError(
+                f"this model's maximum context length is {self.max_context} tokens, but "
+                f"{total} were requested ({len(prompt_ids)} in the prompt, "
+                f"{params.max_new_tokens} to generate); shorten the prompt or lower "
+                f"max_tokens by {total - self.max_context}",
+                param="max_tokens",
+            )
+        ps = self.cfg.page_size
+        if math.ceil(total / ps) * ps > self.kv.capacity_tokens:
+            raise ContextLengthError(
+                f"the request needs {total} tokens of KV cache but the pool holds only "
+                f"{self.kv.capacity_tokens}; raise max_total_tokens/mem_fraction or shorten it",
+                param="max_tokens",
+            )
+
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if rid in self.groups:
+            raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
+        self.validate(prompt_ids, params)
+        reqs: list[Req] = []
+        for i in range(params.n):
+            p = params
+            if i > 0:  # only the leader computes prompt logprobs; samples get distinct seeds
+                seed = None if params.seed is None else params.seed + i
+                p = replace(params, prompt_logprobs=None, seed=seed)
+            req = Req(
+                rid=f"{rid}#{i}", prompt_ids=list(prompt_ids), params=p,
+                eos_ids=self.model_cfg.eos_token_ids, arrival=self._arrivals, index=i,
+                leader=reqs[0] if reqs else None,
+            )
+            req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids,
+                                               p.skip_special_tokens)
+            self._arrivals += 1
+            reqs.append(req)
+            self.scheduler.add(req)
+        self.groups[rid] = Group(rid, list(prompt_ids), reqs)
+
+    def abort(self, rid: str) -> list[StreamDelta]:
+        group = self.groups.get(rid)
+        if group is None:
+            return []
+        out = []
+        for req in group.reqs:
+            if not req.finished:
+                req.finish_reason = "abort"
+                self.scheduler.remove(req)
+                out.append(self._delta(group, req))
+        return out
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[StreamDelta]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            if self.cfg.check_accounting:
+                self.kv.check(self.scheduler.running)
+            return []
+        logits = self.runner.forward(batch.plan)
+        self._prompt_logprobs(batch, logits)
+        sampled = self._sample(batch, logits)
+        self.scheduler.advance(batch)
+        deltas = []
+        for it in batch.items:
+            req = it.req
+            if it in sampled:
+                tok, lp, top = sampled[it]
+                self._append(req, tok, lp, top)
+            if req.finished:
+                self.scheduler.remove(req)
+            if it in sampled or req.finished:
+                deltas.append(self._delta(self.groups[req.rid.rsplit("#", 1)[0]], req))
+            elif it.req.params.max_new_tokens == 0 and req.kv_len == req.num_tokens:
+                req.finish_reason = "length"
+                self.scheduler.remove(req)
+                deltas.append(self._delta(self.groups[req.rid.rsplit("#", 1)[0]], req))
+        return deltas
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
+        for it in batch.items:
+            req = it.req
+            if not req.wants_prompt_logprobs or it.num_logit_rows == 0:
+                continue
+            last = len(req.prompt_ids) - 1
+            n = max(0, min(it.start + it.extend_len, last) - it.start)
+            if n == 0:
+                continue
+            rows = logits[it.logit_row : it.logit_row + n]
+            targets = torch.tensor(req.prompt_ids[it.start + 1 : it.start + 1 + n],
+                                   device=rows.device)
+            k = req.params.prompt_logprobs or 0
+            chosen, top_vals, top_ids = compute_logprobs(rows, targets, k)
+            chosen, top_vals, top_ids = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
+            for j in range(n):
+                req.prompt_logprobs[it.start + 1 + j] = chosen[j]
+                req.prompt_top_logprobs[it.start + 1 + j] = list(zip(top_ids[j], top_vals[j]))
+            req.prompt_lp_next = max(req.prompt_lp_next, it.start + n)
+
+    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> dict:
+        items = [it for it in batch.items if it.samples]
+        if not items:
+            return {}
+        rows = torch.tensor([it.logit_row + it.num_logit_rows - 1 for it in items],
+                            device=logits.device)
+        inputs = [
+            SamplingInput(it.req.params, it.req.prompt_ids, it.req.output_ids, it.req.eos_ids)
+            for it in items
+        ]
+        out = self.sampler.sample(logits[rows], inputs)
+        result: dict[Scheduled, tuple] = {}
+        for i, it in enumerate(items):
+            lp = out.logprobs[i] if out.logprobs is not None else None
+            top = out.top_logprobs[i] if out.top_logprobs is not None else None
+            result[it] = (out.token_ids[i], lp, top)
+        return result
+
+    # ------------------------------------------------------------------ outputs
+    def _append(self, req: Req, tok: int, lp: float | None, top) -> None:
+        p = req.params
+        req.output_ids.append(tok)
+        if p.logprobs is not None:
+            req.output_logprobs.append(lp)
+            req.output_top_logprobs.append(top or [])
+        n_out = len(req.output_ids)
+        if (not p.ignore_eos and tok in req.eos_ids) or tok in p.stop_token_ids:
+            req.finish_reason, req.matched_stop = "stop", tok
+            if p.include_stop_str_in_output:
+                req.detok.append([tok])
+            return
+        before = len(req.detok.text)
+        req.detok.append([tok])
+        if p.stop and n_out >= p.min_new_tokens:
+            longest = max(len(s) for s in p.stop)
+            match = find_stop_match(req.detok.text, p.stop, max(0, before - longest + 1))
+            if match is not None:
+                pos, stop = match
+                req.finish_reason, req.matched_stop = "stop", stop
+                req.text_limit = pos + (len(stop) if p.include_stop_str_in_output else 0)
+                return
+        if n_out >= p.max_new_tokens or req.num_tokens >= self.max_context:
+            req.finish_reason = "length"
+            req.detok.flush()
+
+    def _delta(self, group: Group, req: Req) -> StreamDelta:
+        text = req.detok.text
+        if req.text_limit is not None:
+            text = text[: req.text_limit]
+        end = len(text)
+        if not req.finished and req.params.stop:  # hold back a possible stop-string prefix
+            end = max(req.text_sent, end - max(len(s) for s in req.params.stop) + 1)
+        new_text, req.text_sent = text[req.text_sent : end], end
+        sent = req.tokens_sent
+        req.tokens_sent = len(req.output_ids)
+        lps = req.output_logprobs[sent:] if req.params.logprobs is not None else None
+        tops = req.output_top_logprobs[sent:] if req.params.logprobs is not None else None
+        delta = StreamDelta(
+            request_id=group.rid, index=req.index, text=new_text,
+            token_ids=req.output_ids[sent:], logprobs=lps, top_logprobs=tops,
+            finish_reason=req.finish_reason, matched_stop=req.matched_stop,
+        )
+        if req.index == 0 and not req.prompt_lp_sent and req.prompt_logprobs is not None and (
+            not req.wants_prompt_logprobs or req.finished
+        ):
+            delta.prompt_logprobs = req.prompt_logprobs
+            delta.prompt_top_logprobs = req.prompt_top_logprobs
+            req.prompt_lp_sent = True
+        if req.finished:
+            group.done.add(req.index)
+            if len(group.done) == len(group.reqs):
+                delta.usage = Usage(
+                    prompt_tokens=len(group.prompt_ids),
+                    completion_tokens=sum(len(r.output_ids) for r in group.reqs),
+                    cached_tokens=group.reqs[0].cached_tokens,
+                )
+                del self.groups[group.rid]
+        return delta

@@ -1,0 +1,201 @@
+"""The offline Python API: `Engine(model).generate(prompts, params)` and async streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import fields
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from phaseflip.config import EngineConfig
+from phaseflip.engine.core import EngineCore
+from phaseflip.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
+from phaseflip.errors import InvalidRequestError
+from phaseflip.model.config import ModelConfig
+from phaseflip.model.loader import load_tokenizer
+from phaseflip.sampling.params import SamplingParams
+
+Prompt = str | list[int]
+
+
+def merge_delta(out: RequestOutput, d: StreamDelta) -> None:
+    """Folds one streaming delta into an accumulating RequestOutput."""
+    c = out.outputs[d.index]
+    c.text += d.text
+    c.token_ids += d.token_ids
+    if d.logprobs is not None:
+        c.logprobs = (c.logprobs or []) + d.logprobs
+        c.top_logprobs = (c.top_logprobs or []) + (d.top_logprobs or [])
+    c.finish_reason, c.matched_stop = d.finish_reason, d.matched_stop
+    if d.prompt_logprobs is not None:
+        out.prompt_logprobs, out.prompt_top_logprobs = d.prompt_logprobs, d.prompt_top_logprobs
+    if d.usage is not None:
+        out.usage = d.usage
+
+
+class Engine:
+    """An inference engine for one model in this process.
+
+    `generate` runs the loop in the calling thread; the async API runs it in a background
+    thread that sleeps when there is no work. Use as a context manager to free the model.
+    """
+
+    def __init__(self, model: str | None = None, **config: Any) -> None:
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown engine options {unknown}; known: {sorted(known)}")
+        if model is not None:
+            config["model"] = str(model)
+        self.config = EngineConfig(**config)
+        self.model_config = ModelConfig.from_dir(self.config.model)
+        self.tokenizer = load_tokenizer(self.config.model)
+        self.core = EngineCore(self.config, self.model_config, self.tokenizer)
+        self._ids = itertools.count()
+        self._lock = threading.Lock()  # serialises core access between the two drivers
+        self._inbox: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+
+    # ------------------------------------------------------------------ helpers
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty", param="prompt")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list | tuple):
+            raise InvalidRequestError("a prompt is a string or a list of token ids", "prompt")
+        return list(prompt)
+
+    def _new_output(self, rid: str, ids: list[int], n: int) -> RequestOutput:
+        return RequestOutput(rid, ids, [CompletionOutput(index=i) for i in range(n)])
+
+    # ------------------------------------------------------------------ offline
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt (a string, token ids, or a list of either); returns one
+        RequestOutput per prompt, in order. Invalid input raises before anything runs."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} params")
+        encoded = [self.encode(p) for p in prompts]
+        for ids, p in zip(encoded, params):
+            self.core.validate(ids, p)
+        with self._lock:
+            results: dict[str, RequestOutput] = {}
+            order = []
+            for ids, p in zip(encoded, params):
+                rid = f"gen-{next(self._ids)}"
+                self.core.add_request(rid, ids, p)
+                results[rid] = self._new_output(rid, ids, p.n)
+                order.append(rid)
+            bar = tqdm(total=len(order), desc="Generating", disable=not use_tqdm, unit="req")
+            while self.core.has_work():
+                for d in self.core.step():
+                    out = results[d.request_id]
+                    merge_delta(out, d)
+                    if d.usage is not None:
+                        bar.update(1)
+            bar.close()
+        return [results[r] for r in order]
+
+    # ------------------------------------------------------------------ streaming
+    async def generate_stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[StreamDelta]:
+        """Yields deltas as tokens are produced; the last delta of each sample carries its
+        finish reason. Cancelling the consumer aborts the request and frees its KV."""
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        self.core.validate(ids, params)
+        rid = request_id or f"stream-{next(self._ids)}"
+        q: asyncio.Queue = asyncio.Queue()
+        self._subscribers[rid] = (asyncio.get_running_loop(), q)
+        self._ensure_thread()
+        self._inbox.put(("add", rid, ids, params))
+        finished = False
+        try:
+            while not finished:
+                item = await q.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.usage is not None
+                yield item
+        finally:
+            self._subscribers.pop(rid, None)
+            if not finished:
+                self._inbox.put(("abort", rid))
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="phaseflip-engine",
+                                             daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                idle = not self.core.has_work()
+            try:  # block only when idle: no spinning
+                msg = self._inbox.get(timeout=0.5) if idle else self._inbox.get_nowait()
+            except queue.Empty:
+                msg = None
+            with self._lock:
+                while msg is not None:
+                    self._handle(msg)
+                    try:
+                        msg = self._inbox.get_nowait()
+                    except queue.Empty:
+                        msg = None
+                deltas = self.core.step() if self.core.has_work() else []
+            for d in deltas:
+                self._publish(d.request_id, d)
+
+    def _handle(self, msg: tuple) -> None:
+        if msg[0] == "add":
+            _, rid, ids, params = msg
+            try:
+                self.core.add_request(rid, ids, params)
+            except Exception as e:  # reported to the waiting consumer, loop keeps running
+                self._publish(rid, e)
+        elif msg[0] == "abort":
+            self.core.abort(msg[1])
+
+    def _publish(self, rid: str, item: StreamDelta | Exception) -> None:
+        sub = self._subscribers.get(rid)
+        if sub is not None:
+            loop, q = sub
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    # ------------------------------------------------------------------ lifetime
+    def pool_accounting(self):
+        with self._lock:
+            return self.core.kv.check(self.core.scheduler.running)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        self.core = None  # drops the model and the KV pool
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

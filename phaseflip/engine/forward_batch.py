@@ -1,0 +1,43 @@
+"""The forward plan: everything one model forward needs, as plain tensors and counts.
+
+Built by the scheduler (the one decider), executed verbatim by the model runner. Sequences are
+laid out back to back: sequence `i` contributes `extend_lens[i]` new tokens (its queries) and
+attends to `kv_indptr[i+1] - kv_indptr[i]` slots (its cached prefix followed by the new tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # int64 [T] new tokens of every sequence, concatenated
+    positions: torch.Tensor  # int64 [T]
+    out_cache_loc: torch.Tensor  # int64 [T] slot each new token's K/V is written to
+    extend_lens: list[int]  # new tokens per sequence
+    prefix_lens: list[int]  # tokens per sequence already in the KV pool before this forward
+    kv_indptr: torch.Tensor  # int64 [B+1] offsets into kv_indices
+    kv_indices: torch.Tensor  # int64 [sum seq_lens] slots of each sequence's whole context
+    logits_indices: torch.Tensor  # int64 [L] rows of the hidden states whose logits are needed
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.extend_lens)
+
+    def to(self, device: torch.device | str) -> ForwardBatch:
+        move = {
+            k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+            for k, v in self.__dict__.items()
+        }
+        return ForwardBatch(**move)

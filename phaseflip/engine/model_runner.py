@@ -1,0 +1,97 @@
+"""Builds the model on its device, loads its weights, sizes the KV pool and runs forward plans."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from phaseflip.attention.torch_ref import TorchRefAttention
+from phaseflip.cache.kv_pool import KVPool
+from phaseflip.config import EngineConfig
+from phaseflip.engine.forward_batch import ForwardBatch
+from phaseflip.errors import CapacityError
+from phaseflip.layout import Layout
+from phaseflip.model.config import ModelConfig
+from phaseflip.model.llama import LlamaForCausalLM
+from phaseflip.model.loader import iter_checkpoint_tensors
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CPU_DEFAULT_KV_TOKENS = 16384
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CapacityError("device=cuda was asked for but no CUDA device is available")
+    return device
+
+
+def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # CPU half-precision matmuls are slow and a poor oracle
+    return model_cfg.dtype if model_cfg.dtype != torch.float32 else torch.bfloat16
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, layout: Layout | None = None):
+        self.cfg, self.model_cfg = cfg, model_cfg
+        self.layout = layout or Layout()
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, model_cfg, self.device)
+        with torch.device(self.device):
+            self.model = LlamaForCausalLM(model_cfg, self.layout, self.dtype)
+        self.model.load_weights(iter_checkpoint_tensors(model_cfg.model_dir))
+        self.model.eval()
+        self.backend = TorchRefAttention()
+        self.num_slots = self._kv_slots()
+        n_layers = self.model.end_layer - self.model.start_layer
+        kv_heads = self.model.layers[0].self_attn.num_kv_heads if n_layers else 0
+        self.pool = KVPool(
+            self.num_slots, (self.model.start_layer, self.model.end_layer), kv_heads,
+            model_cfg.head_dim, self.dtype, self.device,
+        )
+        log.info("KV pool: %d slots on %s (%s)", self.num_slots, self.device, self.dtype)
+
+    def _kv_slots(self) -> int:
+        """Usable KV tokens plus the reserved padding page, rounded to whole pages."""
+        ps = self.cfg.page_size
+        if self.cfg.max_total_tokens is not None:
+            tokens = self.cfg.max_total_tokens
+        elif self.device.type == "cpu":
+            tokens = CPU_DEFAULT_KV_TOKENS
+        else:
+            tokens = self._tokens_from_memory()
+        pages = -(-tokens // ps) + 1
+        return pages * ps
+
+    def _tokens_from_memory(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = free - total * (1.0 - self.cfg.mem_fraction)
+        m = self.model_cfg
+        kv_heads = self.model.layers[0].self_attn.num_kv_heads
+        n_layers = self.model.end_layer - self.model.start_layer
+        per_token = KVPool.bytes_per_slot(n_layers, kv_heads, m.head_dim, self.dtype)
+        tokens = int(budget // per_token)
+        if tokens < 1024:
+            raise CapacityError(
+                f"only {budget / 2**30:.2f} GiB left for the KV cache ({tokens} tokens) after "
+                f"loading weights; raise --mem-fraction (now {self.cfg.mem_fraction}) or use a "
+                "smaller model"
+            )
+        return tokens
+
+    @torch.inference_mode()
+    def forward(self, plan: ForwardBatch) -> torch.Tensor:
+        """float32 logits [len(plan.logits_indices), vocab]."""
+        plan = plan.to(self.device)
+        hidden, _ = self.model(plan, self.pool, self.backend)
+        if plan.logits_indices.numel() == 0:
+            return torch.empty(0, self.model_cfg.vocab_size, device=self.device)
+        return self.model.compute_logits(hidden)

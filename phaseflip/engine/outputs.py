@@ -1,0 +1,64 @@
+"""What generation returns: whole results (offline) and per-step deltas (streaming)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TopLogprobs = list[tuple[int, float]]
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    matched_stop: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list[float | None] | None = None  # entry 0 is None
+    prompt_top_logprobs: list[TopLogprobs | None] | None = None
+    usage: Usage | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+
+@dataclass
+class StreamDelta:
+    """New output of one sample of one request since the previous delta."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    prompt_logprobs: list[float | None] | None = None  # once, when computed, if asked
+    prompt_top_logprobs: list[TopLogprobs | None] | None = None
+    usage: Usage | None = None  # on the request's last delta

@@ -1,0 +1,76 @@
+"""Parallel layout: which slice of the model this process holds.
+
+The layout is a runtime object held by the model runner and replaced whole by a layout change;
+nothing reads ranks or groups from module globals. With one process every layer sees
+`tp_size == 1` and the communicator's collectives are identities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+class Communicator:
+    """Collectives of one tensor-parallel group. The single-process default does nothing."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+@dataclass(frozen=True)
+class ProcessGroupCommunicator(Communicator):
+    """Collectives over a torch.distributed process group (NCCL on GPUs, gloo on CPU)."""
+
+    group: dist.ProcessGroup
+    size: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Tensor-parallel rank/size and the pipeline stage's layer range of one process."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    tp_comm: Communicator = field(default_factory=Communicator)
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.tp_rank < self.tp_size and 0 <= self.pp_rank < self.pp_size):
+            raise ValueError(f"invalid layout {self}")
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def layer_range(self, num_layers: int) -> tuple[int, int]:
+        """Contiguous [start, end) layers of this stage; earlier stages take the remainder."""
+        base, extra = divmod(num_layers, self.pp_size)
+        start = self.pp_rank * base + min(self.pp_rank, extra)
+        return start, start + base + (1 if self.pp_rank < extra else 0)
+
+    def shard(self, total: int, what: str) -> tuple[int, int]:
+        """[start, end) of this TP rank's equal share of `total` units of `what`."""
+        if total % self.tp_size:
+            raise ValueError(f"{what}={total} is not divisible by tp_size={self.tp_size}")
+        size = total // self.tp_size
+        return self.tp_rank * size, (self.tp_rank + 1) * size

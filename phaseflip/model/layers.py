@@ -1,0 +1,228 @@
+"""Building blocks whose parameters know how to take their own shard of a checkpoint tensor.
+
+Every parallel layer is told its tensor-parallel rank and size by a `Layout`; each parameter
+carries a `weight_loader(param, loaded, shard_id=None)` that slices the full checkpoint tensor
+to this rank's part. With `tp_size == 1` the slices are the whole tensors and the collectives
+are identities, so the single-process path is the general path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from phaseflip.layout import Layout
+
+WeightLoader = Callable[..., None]
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, loader: WeightLoader) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    p.weight_loader = loader  # type: ignore[attr-defined]
+    return p
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 like the reference, optionally fused with the residual add.
+
+    `forward(x, residual)` returns `(norm(x + residual), x + residual)` so a decoder layer
+    carries the residual stream without a separate add.
+    """
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param((size,), dtype, default_weight_loader)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's output rows split across TP ranks (no communication)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, layout: Layout, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.layout = layout
+        start, end = layout.shard(out_features, "output features")
+        self.out_start, self.out_local = start, end - start
+        self.weight = _param((self.out_local, in_features), dtype, self._load)
+        self.bias = _param((self.out_local,), dtype, self._load) if bias else None
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        default_weight_loader(param, loaded.narrow(0, self.out_start, self.out_local))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Several column-parallel projections of one input fused into one matmul (gate/up).
+
+    The local weight is `[shard_0 | shard_1 | ...]`, each shard being this rank's slice of the
+    corresponding checkpoint tensor; `weight_loader(param, loaded, shard_id=i)` places it.
+    """
+
+    def __init__(
+        self, in_features: int, out_sizes: list[int], bias: bool, layout: Layout, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.layout = layout
+        self.shards = [layout.shard(n, "output features") for n in out_sizes]
+        self.local_sizes = [e - s for s, e in self.shards]
+        total = sum(self.local_sizes)
+        self.weight = _param((total, in_features), dtype, self._load)
+        self.bias = _param((total,), dtype, self._load) if bias else None
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        (start, end), offset = self.shards[shard_id], sum(self.local_sizes[:shard_id])
+        dst = param.data.narrow(0, offset, end - start)
+        src = loaded.narrow(0, start, end - start)
+        if dst.shape != src.shape:
+            raise ValueError(f"shape mismatch in shard {shard_id}: {dst.shape} vs {src.shape}")
+        dst.copy_(src)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(nn.Module):
+    """Fused Q/K/V projection. Q heads are split across TP ranks; KV heads too, or replicated
+    (each rank keeps the one KV head its Q heads use) when tp_size exceeds the KV head count."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        layout: Layout,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        tp = layout.tp_size
+        q_start, q_end = layout.shard(num_heads, "attention heads")
+        self.num_heads = q_end - q_start
+        if num_kv_heads >= tp:
+            kv_start, kv_end = layout.shard(num_kv_heads, "key/value heads")
+        else:
+            if tp % num_kv_heads:
+                raise ValueError(f"tp_size={tp} is not a multiple of num_kv_heads={num_kv_heads}")
+            kv_start = layout.tp_rank * num_kv_heads // tp
+            kv_end = kv_start + 1
+        self.num_kv_heads = kv_end - kv_start
+        self.head_dim = head_dim
+        self.rows = {
+            "q": (q_start * head_dim, self.num_heads * head_dim),
+            "k": (kv_start * head_dim, self.num_kv_heads * head_dim),
+            "v": (kv_start * head_dim, self.num_kv_heads * head_dim),
+        }
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        total = self.q_size + 2 * self.kv_size
+        self.weight = _param((total, hidden_size), dtype, self._load)
+        self.bias = _param((total,), dtype, self._load) if bias else None
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        offset = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}[shard_id]
+        start, size = self.rows[shard_id]
+        dst, src = param.data.narrow(0, offset, size), loaded.narrow(0, start, size)
+        if dst.shape != src.shape:
+            raise ValueError(f"shape mismatch in {shard_id}: {dst.shape} vs {src.shape}")
+        dst.copy_(src)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = F.linear(x, self.weight, self.bias)
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input columns split across TP ranks; partial sums are all-reduced and
+    the bias is added once, after the reduction."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, layout: Layout, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.layout = layout
+        start, end = layout.shard(in_features, "input features")
+        self.in_start, self.in_local = start, end - start
+        self.weight = _param((out_features, self.in_local), dtype, self._load)
+        self.bias = _param((out_features,), dtype, default_weight_loader) if bias else None
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        default_weight_loader(param, loaded.narrow(1, self.in_start, self.in_local))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.layout.tp_comm.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+def _vocab_shard(vocab_size: int, layout: Layout) -> tuple[int, int, int]:
+    """(padded vocab, start, end): the vocabulary padded to a multiple of tp_size, then split."""
+    padded = -(-vocab_size // layout.tp_size) * layout.tp_size
+    start, end = layout.shard(padded, "padded vocabulary")
+    return padded, start, end
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split across TP ranks; each rank embeds the ids it owns, zeros elsewhere,
+    and an all-reduce assembles the full embedding."""
+
+    def __init__(self, vocab_size: int, hidden: int, layout: Layout, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layout = layout
+        _, self.start, self.end = _vocab_shard(vocab_size, layout)
+        self.vocab_size = vocab_size
+        self.weight = _param((self.end - self.start, hidden), dtype, self._load)
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.zero_()
+        rows = max(0, min(self.end, loaded.shape[0]) - self.start)
+        param.data[:rows].copy_(loaded[self.start : self.start + rows])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.layout.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        mine = (ids >= self.start) & (ids < self.end)
+        out = F.embedding((ids - self.start).masked_fill(~mine, 0), self.weight)
+        out = out.masked_fill(~mine[:, None], 0)
+        return self.layout.tp_comm.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection, vocabulary split across TP ranks; logits are gathered in float32
+    and cut back to the true vocabulary size."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = F.linear(hidden, self.weight).float()
+        full = self.layout.tp_comm.all_gather_last_dim(local)
+        return full[:, : self.vocab_size]
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up

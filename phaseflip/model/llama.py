@@ -1,0 +1,217 @@
+"""The Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5 (QKV bias) and Qwen3 (q/k norm).
+
+One module serves them all; the differences are flags on `ModelConfig`. The model holds only
+the layers of its pipeline stage and only its tensor-parallel shard of each (`Layout`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from phaseflip.attention.torch_ref import TorchRefAttention
+from phaseflip.cache.kv_pool import KVPool
+from phaseflip.engine.forward_batch import ForwardBatch
+from phaseflip.errors import ModelLoadError
+from phaseflip.layout import Layout
+from phaseflip.model.config import ModelConfig
+from phaseflip.model.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+    default_weight_loader,
+)
+from phaseflip.model.rope import RotaryEmbedding
+
+# checkpoint name fragment -> (fused parameter fragment, shard id)
+_FUSED = (
+    ("q_proj", "qkv_proj", "q"),
+    ("k_proj", "qkv_proj", "k"),
+    ("v_proj", "qkv_proj", "v"),
+    ("gate_proj", "gate_up_proj", 0),
+    ("up_proj", "gate_up_proj", 1),
+)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, layout: Layout, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+            cfg.attention_bias, layout, dtype,
+        )
+        self.o_proj = RowParallelLinear(
+            cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, layout, dtype
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.sliding_window = cfg.layer_sliding_window(layer_id)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        rope: RotaryEmbedding,
+        pool: KVPool,
+        backend: TorchRefAttention,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(batch.positions, q, k)
+        o = backend.forward(
+            self.layer_id, q, k, v, batch, pool, self.scale, self.sliding_window
+        )
+        return self.o_proj(o)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, layout: Layout, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [size, size], False, layout, dtype
+        )
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, layout, dtype)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, layout: Layout, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_id, layout, dtype)
+        self.mlp = MLP(cfg, layout, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, x, residual, batch, rope, pool, backend):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, batch, rope, pool, backend)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Holds layers [start, end) of the stage; the first stage embeds, the last one norms and
+    projects to logits. Between stages the (hidden, residual) pair is what travels."""
+
+    def __init__(self, cfg: ModelConfig, layout: Layout, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg, self.layout = cfg, layout
+        self.start_layer, self.end_layer = layout.layer_range(cfg.num_layers)
+        if layout.is_first_stage:
+            self.embed_tokens = VocabParallelEmbedding(
+                cfg.vocab_size, cfg.hidden_size, layout, dtype
+            )
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, layout, dtype) for i in range(self.start_layer, self.end_layer)
+        )
+        if layout.is_last_stage:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, layout, dtype)
+            if cfg.tie_word_embeddings and layout.is_first_stage:
+                self.lm_head.weight = self.embed_tokens.weight
+        self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+
+    def forward(
+        self,
+        batch: ForwardBatch,
+        pool: KVPool,
+        backend: TorchRefAttention,
+        hidden: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (hidden, residual) after this stage's layers; on the last stage `hidden` is
+        the final-normed state of the rows named by `batch.logits_indices`."""
+        if self.layout.is_first_stage:
+            hidden, residual = self.embed_tokens(batch.input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, batch, self.rope, pool, backend)
+        if not self.layout.is_last_stage:
+            return hidden, residual
+        idx = batch.logits_indices
+        return self.norm(hidden[idx], residual[idx])[0], None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Feeds every checkpoint tensor to the parameter that owns it (slicing its shard);
+        raises naming any parameter the checkpoint did not provide."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target = self._param_name(name)
+            if target is None:
+                continue
+            pname, shard = target
+            if pname not in params:
+                continue  # another stage's layer, or lm_head of a tied model
+            param = params[pname]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            t = tensor.to(param.dtype)
+            loader(param, t) if shard is None else loader(param, t, shard)
+            loaded.add(pname if shard is None else f"{pname}#{shard}")
+        self._check_complete(params, loaded)
+
+    def _param_name(self, name: str) -> tuple[str, str | int | None] | None:
+        if "rotary_emb" in name:
+            return None
+        name = name.removeprefix("model.")
+        tied = self.cfg.tie_word_embeddings
+        if name == "lm_head.weight" and tied:
+            return None
+        if name == "embed_tokens.weight" and tied and not self.layout.is_first_stage:
+            return "lm_head.weight", None  # a last stage without the embedding shares its rows
+        if not name.startswith("layers."):
+            return name, None
+        idx = int(name.split(".")[1])
+        if not self.start_layer <= idx < self.end_layer:
+            return None
+        name = name.replace(f"layers.{idx}.", f"layers.{idx - self.start_layer}.", 1)
+        for src, dst, shard in _FUSED:
+            if f".{src}." in name:
+                return name.replace(src, dst), shard
+        return name, None
+
+    def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        missing = []
+        for pname in params:
+            if "qkv_proj" in pname:
+                need = [f"{pname}#{s}" for s in ("q", "k", "v")]
+            elif "gate_up_proj" in pname:
+                need = [f"{pname}#{s}" for s in (0, 1)]
+            elif pname == "lm_head.weight" and "embed_tokens.weight" in params and (
+                self.cfg.tie_word_embeddings
+            ):
+                need = []
+            else:
+                need = [pname]
+            missing += [n for n in need if n not in loaded]
+        if missing:
+            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+            raise ModelLoadError(
+                f"checkpoint in {self.cfg.model_dir} lacks {len(missing)} tensors: {shown}"
+            )

@@ -1,0 +1,170 @@
+"""KV holdings of requests: matching cached prefixes, allocating slots, handing KV back.
+
+Owns the slot space (page allocator), the radix prefix tree and the request→token table, and
+keeps them consistent: every usable slot is, at any idle point, exactly one of free, evictable
+(in the tree, unlocked), protected (in the tree, locked by a request) or private to a request.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from phaseflip.cache.allocator import PageAllocator
+from phaseflip.cache.kv_pool import ReqToTokenTable
+from phaseflip.cache.radix_cache import RadixCache
+from phaseflip.scheduler.request import Req
+
+
+@dataclass(frozen=True)
+class PoolAccounting:
+    total: int
+    free: int
+    evictable: int
+    protected: int
+    private: int
+
+    @property
+    def locked(self) -> int:
+        return self.protected + self.private
+
+    @property
+    def balanced(self) -> bool:
+        return self.total == self.free + self.evictable + self.locked
+
+
+class KVCacheManager:
+    def __init__(
+        self, num_slots: int, page_size: int, max_requests: int, max_context: int,
+        enable_prefix_cache: bool,
+    ) -> None:
+        self.page_size = page_size
+        self.allocator = PageAllocator(num_slots // page_size, page_size)
+        self.tree = RadixCache(self.allocator, page_size, enabled=enable_prefix_cache)
+        self.table = ReqToTokenTable(max_requests, max_context)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.allocator.total_slots
+
+    def available(self) -> int:
+        return self.allocator.free_slots + self.tree.evictable_size()
+
+    def _aligned(self, n: int) -> int:
+        return n - n % self.page_size
+
+    # ------------------------------------------------------------------ admission
+    def admit(self, req: Req, match_limit: int) -> bool:
+        """Takes a table row and locks the longest cached prefix of `req`'s tokens (at most
+        `match_limit` tokens). False, with nothing held, when no row is free."""
+        row = self.table.alloc()
+        if row is None:
+            return False
+        match = self.tree.match_prefix(req.all_ids[:match_limit])
+        n = int(match.slots.numel())
+        self.tree.inc_lock_ref(match.last_node)
+        self.table.write(row, 0, match.slots)
+        req.row, req.last_node = row, match.last_node
+        req.kv_len = req.alloc_len = req.protected_len = n
+        return True
+
+    def allocate(self, req: Req, num_tokens: int) -> torch.Tensor | None:
+        """Slots for tokens [alloc_len, alloc_len + num_tokens) of `req`, evicting cached
+        prefixes if needed; None (nothing allocated) when the pool cannot provide them."""
+        start, ps = req.alloc_len, self.page_size
+        tail_free = (-start) % ps  # unused slots in the request's last page
+        new_pages = math.ceil(max(0, num_tokens - tail_free) / ps)
+        if new_pages:
+            short = new_pages * ps - self.allocator.free_slots
+            if short > 0:
+                self.tree.evict(short)
+            fresh = self.allocator.alloc_slots(new_pages)
+            if fresh is None:
+                return None
+        else:
+            fresh = torch.empty(0, dtype=torch.int64)
+        row = self.table.table[req.row]
+        if tail_free:
+            last = int(row[start - 1])
+            tail = torch.arange(last + 1, last + 1 + tail_free, dtype=torch.int64)
+            fresh = torch.cat([tail, fresh])
+        slots = fresh[:num_tokens]
+        self.table.write(req.row, start, slots)
+        req.alloc_len += num_tokens
+        return slots
+
+    def pages_needed(self, req: Req, num_tokens: int) -> int:
+        return math.ceil(max(0, num_tokens - (-req.alloc_len) % self.page_size) / self.page_size)
+
+    # ------------------------------------------------------------------ release
+    def cache_unfinished(self, req: Req) -> None:
+        """Publishes `req`'s computed KV to the tree (so concurrent requests can share it) and
+        moves its lock to the new deepest node; duplicate private slots are freed and replaced
+        by the tree's own."""
+        if not self.tree.enabled:
+            return
+        aligned = self._aligned(req.kv_len)
+        if aligned <= req.protected_len:
+            return
+        row = self.table.table[req.row]
+        self._insert(req, aligned, row[:aligned].clone())
+        match = self.tree.match_prefix(req.all_ids[:aligned])
+        if match.slots.numel() != aligned:
+            raise RuntimeError(
+                f"request {req.rid}: tree holds {match.slots.numel()} of {aligned} tokens just "
+                "inserted"
+            )
+        self.tree.inc_lock_ref(match.last_node)
+        self.tree.dec_lock_ref(req.last_node)
+        self.table.write(req.row, 0, match.slots)
+        req.last_node, req.protected_len = match.last_node, aligned
+
+    def release(self, req: Req) -> None:
+        """Hands back every slot `req` holds: computed full pages go to the tree (evictable),
+        the rest to the allocator. Leaves `req` holding nothing."""
+        if req.row is None:
+            return
+        if req.alloc_len != req.kv_len:
+            raise RuntimeError(f"request {req.rid} released with uncomputed slots")
+        row = self.table.table[req.row]
+        aligned = self._aligned(req.kv_len)
+        self._insert(req, aligned, row[:aligned].clone())
+        end = math.ceil(req.alloc_len / self.page_size) * self.page_size
+        if end > aligned:  # the partial last page: its slots are contiguous in one page
+            first = int(row[aligned]) - int(row[aligned]) % self.page_size
+            self.allocator.free(torch.arange(first, first + self.page_size, dtype=torch.int64))
+        self.tree.dec_lock_ref(req.last_node)
+        self.table.free(req.row)
+        req.row, req.last_node = None, None
+        req.kv_len = req.alloc_len = req.protected_len = 0
+
+    def _insert(self, req: Req, aligned: int, slots: torch.Tensor) -> None:
+        dup = self.tree.insert(req.all_ids[:aligned], slots)
+        if self.tree.enabled and dup < req.protected_len:
+            raise RuntimeError(
+                f"request {req.rid}: its locked prefix ({req.protected_len} tokens) is missing "
+                f"from the tree ({dup} found)"
+            )
+        if dup > req.protected_len:
+            self.allocator.free(slots[req.protected_len : dup])
+
+    # ------------------------------------------------------------------ checks
+    def accounting(self, running: list[Req]) -> PoolAccounting:
+        return PoolAccounting(
+            total=self.allocator.total_slots,
+            free=self.allocator.free_slots,
+            evictable=self.tree.evictable_size(),
+            protected=self.tree.protected_size(),
+            private=sum(r.private_slots(self.page_size) for r in running),
+        )
+
+    def check(self, running: list[Req]) -> PoolAccounting:
+        """Raises naming the numbers if the pool does not balance or the tree is inconsistent."""
+        acc = self.accounting(running)
+        if not acc.balanced:
+            owners = ", ".join(f"{r.rid}:{r.private_slots(self.page_size)}" for r in running)
+            raise RuntimeError(f"KV pool accounting broken: {acc} (private holders: {owners})")
+        self.tree.check_integrity()
+        return acc

@@ -1,0 +1,85 @@
+"""A request as the scheduler sees it: its tokens, its KV holdings and its progress."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from phaseflip.sampling.params import SamplingParams
+
+
+@dataclass
+class Req:
+    """One generation sequence. KV holdings (`row`, `kv_len`, ...) are set only while running.
+
+    Invariants while running: table row `row` holds slots for tokens [0, alloc_len); tokens
+    [0, protected_len) are owned by the prefix tree and locked through `last_node`; slots from
+    `protected_len` up to the end of the page holding token alloc_len-1 belong to this request.
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_ids: tuple[int, ...]
+    arrival: int
+    index: int = 0  # sample index within an n > 1 group
+    leader: Req | None = None  # the group member whose prompt prefill the others reuse
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # prompt_logprobs[p] is log P(prompt[p] | prompt[:p]); position 0 has none
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_lp_next: int = 0  # first position whose logits were not computed yet
+    # KV holdings
+    row: int | None = None
+    kv_len: int = 0
+    alloc_len: int = 0
+    protected_len: int = 0
+    last_node: Any = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    admitted_once: bool = False
+    retractions: int = 0
+    # output state
+    detok: Any = None
+    text_sent: int = 0
+    text_limit: int | None = None  # output text is cut here (stop string)
+    tokens_sent: int = 0
+    prompt_lp_sent: bool = False
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None:
+            n = len(self.prompt_ids)
+            self.prompt_logprobs = [None] * n
+            self.prompt_top_logprobs = [None] * n
+            self.prompt_lp_next = 0
+        else:
+            self.prompt_lp_next = len(self.prompt_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to be fed to the model before the next token can be sampled."""
+        return self.num_tokens - self.kv_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.prompt_lp_next < len(self.prompt_ids) - 1
+
+    def private_slots(self, page_size: int) -> int:
+        """Slots this request holds outside the prefix tree (whole pages)."""
+        return math.ceil(self.alloc_len / page_size) * page_size - self.protected_len

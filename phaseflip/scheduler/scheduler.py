@@ -1,0 +1,232 @@
+"""The one decider: which requests run this step, how many tokens each, and where their KV goes.
+
+Every step it (1) secures one KV slot for every decoding request, retracting the newest
+requests when the pool is exhausted, (2) continues partially prefilled requests and (3) admits
+waiting ones under the prefill token budget. The result is a `ScheduledBatch`: a forward plan
+plus the bookkeeping needed to apply the sampled tokens afterwards.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from phaseflip.config import EngineConfig
+from phaseflip.engine.forward_batch import ForwardBatch
+from phaseflip.scheduler.kv_cache import KVCacheManager
+from phaseflip.scheduler.request import Req
+
+
+@dataclass(eq=False)
+class Scheduled:
+    """One request's part of a step: it extends `extend_len` tokens from `start`."""
+
+    req: Req
+    start: int
+    extend_len: int
+    logit_row: int  # first row of this request in the logits matrix, or -1
+    num_logit_rows: int
+    samples: bool  # whether the last logits row is used to sample a token
+
+
+@dataclass
+class ScheduledBatch:
+    plan: ForwardBatch
+    items: list[Scheduled]
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    retractions: int = 0
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    decode_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, kv: KVCacheManager, max_context: int) -> None:
+        self.cfg, self.kv = cfg, kv
+        self.max_context = max_context
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # admission order; the newest is retracted first
+        self.stats = SchedulerStats()
+        self._hold_admission_at: int | None = None
+
+    # ------------------------------------------------------------------ queue
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, req: Req) -> None:
+        """Takes a request out of the scheduler, returning its KV (finish or abort)."""
+        if req in self.running:
+            self.kv.release(req)
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> ScheduledBatch | None:
+        self._secure_decode_slots()
+        items: list[Scheduled] = []
+        budget = self._prefill_budget()
+        for req in self.running:
+            if req.remaining == 1:
+                if self.kv.allocate(req, 1) is None:
+                    raise RuntimeError(f"no KV slot for request {req.rid} after securing slots")
+                items.append(self._extend(req, 1))
+        for req in self.running:
+            if req.remaining > 1:
+                n = self._chunk(req, budget, first=not _has_prefill(items))
+                if n == 0 or self.kv.allocate(req, n) is None:
+                    break
+                items.append(self._extend(req, n))
+                budget -= n
+        self._admit(items, budget)
+        if not items:
+            return None
+        self.stats.steps += 1
+        return self._build(items)
+
+    def _prefill_budget(self) -> int:
+        chunk = self.cfg.chunk_size
+        return min(chunk, self.cfg.max_prefill_tokens) if chunk else self.cfg.max_prefill_tokens
+
+    def _chunk(self, req: Req, budget: int, first: bool) -> int:
+        """Tokens of `req` to prefill this step: all of them when they fit the budget; a chunk
+        when chunking is on; everything if it is the step's first prefill and chunking is off
+        (a prompt larger than the budget must still run, alone)."""
+        if req.remaining <= budget:
+            return req.remaining
+        if self.cfg.chunk_size:
+            return max(0, budget)
+        return req.remaining if first else 0
+
+    def _secure_decode_slots(self) -> None:
+        """Ensures every decoding request gets its next slot, retracting newest-first."""
+        while True:
+            decoding = [r for r in self.running if r.remaining == 1]
+            pages = sum(self.kv.pages_needed(r, 1) for r in decoding)
+            if pages * self.kv.page_size <= self.kv.available() or not self.running:
+                return
+            if len(self.running) == 1:
+                raise RuntimeError(
+                    f"request {self.running[0].rid} alone does not fit the KV pool "
+                    f"({self.kv.accounting(self.running)})"
+                )
+            self._retract(self.running[-1])
+
+    def _retract(self, req: Req) -> None:
+        self.kv.release(req)
+        self.running.remove(req)
+        req.retractions += 1
+        self.stats.retractions += 1
+        self.waiting.appendleft(req)
+        self._hold_admission_at = len(self.running)
+
+    def _admission_order(self) -> list[Req]:
+        if self.cfg.schedule_policy == "lpm" and self.kv.tree.enabled and len(self.waiting) > 1:
+            def cached(r: Req) -> int:
+                return -int(self.kv.tree.match_prefix(r.all_ids[:-1]).slots.numel())
+            return sorted(self.waiting, key=lambda r: (cached(r), r.arrival))
+        return list(self.waiting)
+
+    def _admit(self, items: list[Scheduled], budget: int) -> None:
+        if self._hold_admission_at is not None:
+            if len(self.running) >= self._hold_admission_at and self.running:
+                return
+            self._hold_admission_at = None
+        for req in self._admission_order():
+            if len(self.running) >= self.cfg.max_running_requests or budget <= 0 and (
+                _has_prefill(items) or self.cfg.chunk_size
+            ):
+                return
+            if self._waits_for_leader(req):
+                continue
+            limit = min(req.num_tokens - 1, req.prompt_lp_next)
+            if not self.kv.admit(req, limit):
+                return
+            n = self._chunk(req, budget, first=not _has_prefill(items))
+            reserve = sum(self.kv.pages_needed(r, 1) for r in self.running) * self.kv.page_size
+            fits = n > 0 and self.kv.pages_needed(req, n) * self.kv.page_size + reserve <= (
+                self.kv.available()
+            )
+            if not fits or self.kv.allocate(req, n) is None:
+                self.kv.release(req)
+                return
+            self.waiting.remove(req)
+            self.running.append(req)
+            if not req.admitted_once:
+                req.cached_tokens = req.kv_len
+                self.stats.cached_tokens += req.kv_len
+                req.admitted_once = True
+            items.append(self._extend(req, n))
+            budget -= n
+
+    def _waits_for_leader(self, req: Req) -> bool:
+        """Samples of an n > 1 group wait until the leader's prompt is in the prefix tree."""
+        lead = req.leader
+        if lead is None or not self.kv.tree.enabled or lead.finished:
+            return False
+        return lead.kv_len < len(lead.prompt_ids) or lead not in self.running
+
+    # ------------------------------------------------------------------ plan
+    def _extend(self, req: Req, n: int) -> Scheduled:
+        """The step's part of `req` (its slots are already allocated). Logits are taken for
+        every new token when prompt logprobs are wanted, else for the last one if it samples."""
+        start = req.kv_len
+        samples = start + n == req.num_tokens and req.params.max_new_tokens > 0
+        rows = n if req.wants_prompt_logprobs else int(samples)
+        return Scheduled(req, start, n, -1, rows, samples)
+
+    def _build(self, items: list[Scheduled]) -> ScheduledBatch:
+        ids, pos, locs, indptr, indices, logit_idx = [], [], [], [0], [], []
+        offset = 0
+        table = self.kv.table.table
+        for it in items:
+            req, s, n = it.req, it.start, it.extend_len
+            ids += req.all_ids[s : s + n]
+            pos.append(torch.arange(s, s + n))
+            locs.append(table[req.row, s : s + n])
+            indices.append(table[req.row, : s + n])
+            indptr.append(indptr[-1] + s + n)
+            if it.num_logit_rows:
+                it.logit_row = len(logit_idx)
+                first = offset + n - it.num_logit_rows
+                logit_idx += range(first, offset + n)
+            offset += n
+            if n > 1 or req.kv_len < req.num_tokens - 1:
+                self.stats.prefill_tokens += n
+            else:
+                self.stats.decode_tokens += n
+        plan = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.cat(pos),
+            out_cache_loc=torch.cat(locs),
+            extend_lens=[it.extend_len for it in items],
+            prefix_lens=[it.start for it in items],
+            kv_indptr=torch.tensor(indptr, dtype=torch.int64),
+            kv_indices=torch.cat(indices),
+            logits_indices=torch.tensor(logit_idx, dtype=torch.int64),
+        )
+        return ScheduledBatch(plan, items)
+
+    # ------------------------------------------------------------------ after the forward
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Marks the planned tokens as computed and publishes finished prefill chunks."""
+        for it in batch.items:
+            req = it.req
+            req.kv_len += it.extend_len
+            if it.extend_len > 1 or req.kv_len <= len(req.prompt_ids):
+                # a prefill chunk: share it at once (n > 1 samples wait for exactly this)
+                self.kv.cache_unfinished(req)
+
+
+def _has_prefill(items: list[Scheduled]) -> bool:
+    return any(it.extend_len > 1 or it.req.kv_len + it.extend_len < it.req.num_tokens
+               for it in items)
