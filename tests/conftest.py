@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -121,8 +122,9 @@ def make_engine():
     engines = []
 
     def make(model_dir, **cfg):
-        cfg.setdefault("device", "cpu")
+        cfg.setdefault("device", os.environ.get("PHASEFLIP_TEST_DEVICE", "cpu"))
         cfg.setdefault("check_accounting", True)
+        cfg.setdefault("max_total_tokens", 16384)
         from phaseflip import Engine
 
         e = Engine(str(model_dir), **cfg)

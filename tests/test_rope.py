@@ -120,7 +120,7 @@ def test_cache_grows_beyond_max_position_embeddings() -> None:
     k = torch.randn(len(positions), 2, HEAD_DIM, dtype=torch.bfloat16)
     rope = RotaryEmbedding(RopeConfig("default", THETA), HEAD_DIM, MAX_POS)
     assert rope.cache_len == MAX_POS
-    out_q, out_k = rope(positions, q, k)
+    out_q, out_k = rope(positions, q, k, max_position=70000)
     assert rope.cache_len == 131072  # next power of two above 70000
     ref_q, ref_k = hf_rotate(hf_config("default", {}), positions, q, k)
     assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)

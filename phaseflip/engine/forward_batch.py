@@ -22,6 +22,7 @@ class ForwardBatch:
     kv_indptr: torch.Tensor  # int64 [B+1] offsets into kv_indices
     kv_indices: torch.Tensor  # int64 [sum seq_lens] slots of each sequence's whole context
     logits_indices: torch.Tensor  # int64 [L] rows of the hidden states whose logits are needed
+    max_position: int  # largest entry of `positions` (known on the host, so no device sync)
 
     @property
     def batch_size(self) -> int:

@@ -19,7 +19,6 @@ seq_len=n)` still exposes HF's rescaled frequencies for a given length.
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 from torch import nn
@@ -209,7 +208,6 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", sin, persistent=False)
         # (positions tensor, its _version) whose bound was last checked: every layer gets the
         # same positions tensor in a step, so the device sync to read its max happens once.
-        self._checked: tuple[weakref.ref[torch.Tensor], int] | None = None
 
     @property
     def cache_len(self) -> int:
@@ -240,13 +238,10 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [*positions.shape, rotary_dim] in `dtype`, shareable across layers.
 
-        `max_position` (largest position in `positions`) lets the caller skip the device sync
-        that finding it costs; otherwise it is read from `positions` once per tensor (skipped
-        during CUDA graph capture, where `ensure_capacity` must have been called).
+        `max_position` (largest position in `positions`, known on the host to whoever built
+        the batch) grows the cache when needed; without it the cache must already cover the
+        positions (`ensure_capacity`), which keeps this free of device syncs and graph-safe.
         """
-        if max_position is None and positions.numel() and not self._already_checked(positions):
-            max_position = int(positions.max())
-            self._checked = (weakref.ref(positions), positions._version)
         if max_position is not None:
             self.ensure_capacity(max_position + 1)
         cos = self.cos_cache[positions]
@@ -254,14 +249,6 @@ class RotaryEmbedding(nn.Module):
         cos = torch.cat((cos, cos), dim=-1).to(dtype)
         sin = torch.cat((sin, sin), dim=-1).to(dtype)
         return cos, sin
-
-    def _already_checked(self, positions: torch.Tensor) -> bool:
-        if positions.is_cuda and torch.cuda.is_current_stream_capturing():
-            return True
-        if self._checked is None:
-            return False
-        ref, version = self._checked
-        return ref() is positions and positions._version == version
 
     def forward(
         self,

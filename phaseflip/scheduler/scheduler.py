@@ -213,6 +213,7 @@ class Scheduler:
             kv_indptr=torch.tensor(indptr, dtype=torch.int64),
             kv_indices=torch.cat(indices),
             logits_indices=torch.tensor(logit_idx, dtype=torch.int64),
+            max_position=max(it.start + it.extend_len for it in items) - 1,
         )
         return ScheduledBatch(plan, items)
 
