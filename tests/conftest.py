@@ -125,6 +125,7 @@ def make_engine():
         cfg.setdefault("device", os.environ.get("PHASEFLIP_TEST_DEVICE", "cpu"))
         cfg.setdefault("check_accounting", True)
         cfg.setdefault("max_total_tokens", 16384)
+        cfg.setdefault("dtype", "float32")  # the oracle comparisons are exact in fp32 only
         from phaseflip import Engine
 
         e = Engine(str(model_dir), **cfg)
