@@ -1,0 +1,802 @@
+#!/usr/bin/env python
+"""Train the tiny Llama-architecture model that ships with phaseflip.
+
+The model is a *toy*: a few million parameters, trained for a few minutes on two CPU
+cores, on text every Python installation has (the docstrings and comments of the
+standard library).  Its only purpose is to let ``phaseflip serve`` and the test suite
+run with no download while producing recognisable (English-ish, Python-ish) text.
+
+Usage::
+
+    python tools/train_tiny_model.py --out phaseflip/assets/tiny-llama --seed 0 \
+        [--max-minutes 18] [--steps N]
+
+Everything is deterministic given ``--seed`` and ``--steps`` (sorted file order,
+seeded shuffles, fixed thread count).  Without ``--steps`` the number of steps is
+chosen from a short timing probe so that training fits in ``--max-minutes``; the
+chosen value is written to ``training_log.json`` so the run can be repeated exactly
+with ``--steps``.
+
+Outputs (a Hugging Face model directory): config.json, model.safetensors,
+generation_config.json, tokenizer files (with a ChatML chat template), README.md
+(model card), training_log.json and heldout_sample.txt (the exact held-out text the
+reported perplexity was computed on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import io
+import json
+import math
+import os
+import platform
+import random
+import re
+import sys
+import sysconfig
+import time
+import tokenize
+from pathlib import Path
+
+# Keep the BPE trainer (rayon) from grabbing every core of a shared machine.
+os.environ.setdefault("RAYON_NUM_THREADS", "2")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+EOT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [EOT, IM_START, IM_END]  # ids 0, 1, 2
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "__pycache__"}
+HELDOUT_EVERY = 20  # document i is held out iff i % HELDOUT_EVERY == 0
+MIN_DOC_CHARS = 24
+SEQ_LEN = 256
+HELDOUT_WINDOWS = 160  # 160 x 256 = 40,960 evaluation tokens
+HELDOUT_MAX_BYTES = 200_000
+
+SAMPLE_PROMPTS = [
+    "Return the",
+    "This module provides",
+    "If the file does not exist,",
+    "The default value is",
+    "Raise ValueError if",
+]
+CHAT_SAMPLE = "What does os.path.join do?"
+
+
+# --------------------------------------------------------------------------- corpus
+
+
+def _clean(text: str) -> str:
+    text = text.expandtabs(4).replace("\r\n", "\n").replace("\r", "\n")
+    lines = [ln.rstrip() for ln in text.split("\n")]
+    text = "\n".join(lines).strip()
+    text = re.sub(r"\n{3,}", "\n\n", text)
+    return text
+
+
+_PUNCT_ONLY = re.compile(r"^[\W_]*$")
+
+
+def _comment_blocks(source: str) -> list[tuple[int, str]]:
+    """Groups of comment lines on consecutive source lines -> (first line, text)."""
+    blocks: list[tuple[int, str]] = []
+    cur: list[str] = []
+    start = last = -10
+    try:
+        toks = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (tokenize.TokenError, SyntaxError, IndentationError):
+        return blocks
+    for tok in toks:
+        if tok.type != tokenize.COMMENT:
+            continue
+        row = tok.start[0]
+        body = tok.string[1:]
+        if body.startswith(" "):
+            body = body[1:]
+        if row <= 2 and (body.startswith("!") or "coding" in body):
+            continue  # shebang / encoding cookie
+        if _PUNCT_ONLY.match(body):
+            body = ""  # ruler lines like '#######'
+        if row != last + 1 and cur:
+            blocks.append((start, "\n".join(cur)))
+            cur = []
+        if not cur:
+            start = row
+        cur.append(body)
+        last = row
+    if cur:
+        blocks.append((start, "\n".join(cur)))
+    return blocks
+
+
+def _docstrings(tree: ast.AST, modname: str) -> list[tuple[int, str, str | None]]:
+    """(line, docstring, qualified name or None for modules)."""
+    out: list[tuple[int, str, str | None]] = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                qual = f"{prefix}.{child.name}"
+                doc = ast.get_docstring(child, clean=True)
+                if doc:
+                    out.append((child.lineno, doc, qual))
+                visit(child, qual)
+
+    doc = ast.get_docstring(tree, clean=True)  # type: ignore[arg-type]
+    if doc:
+        out.append((1, doc, None))
+    visit(tree, modname)
+    return out
+
+
+def iter_stdlib_files(root: Path):
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("."))
+        for fn in sorted(filenames):
+            if fn.endswith(".py"):
+                yield Path(dirpath) / fn
+
+
+def build_corpus(max_chars: int) -> tuple[list[dict], dict]:
+    """All documents in deterministic order, each {'text', 'kind', 'name', 'file'}."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs: list[dict] = []
+    seen: set[str] = set()
+    total = 0
+    n_files = 0
+    for path in iter_stdlib_files(root):
+        rel = path.relative_to(root).as_posix()
+        try:
+            with tokenize.open(path) as fh:
+                source = fh.read()
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+            continue
+        n_files += 1
+        modname = rel[:-3].replace("/", ".").removesuffix(".__init__")
+        items: list[tuple[int, str, str, str | None]] = []
+        for line, text, qual in _docstrings(tree, modname):
+            items.append((line, "docstring", text, qual))
+        for line, text in _comment_blocks(source):
+            items.append((line, "comment", text, None))
+        items.sort(key=lambda t: (t[0], t[1]))
+        for _, kind, text, qual in items:
+            text = _clean(text)
+            if len(text) < MIN_DOC_CHARS or text in seen:
+                continue
+            seen.add(text)
+            docs.append({"text": text, "kind": kind, "name": qual, "file": rel})
+            total += len(text)
+        if total >= max_chars:
+            break
+    meta = {
+        "stdlib_root": str(root),
+        "files_parsed": n_files,
+        "documents": len(docs),
+        "chars": total,
+        "last_file": docs[-1]["file"] if docs else None,
+    }
+    return docs, meta
+
+
+def _stable_frac(s: str) -> float:
+    return int(hashlib.sha256(s.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+
+
+def to_training_text(doc: dict, chat_frac: float) -> str:
+    """Plain text, or (for a deterministic fraction of named docstrings) a ChatML turn,
+    so the model also learns to answer after ``<|im_start|>assistant`` and to stop
+    with ``<|im_end|>``."""
+    name = doc["name"]
+    if doc["kind"] == "docstring" and name and _stable_frac(doc["text"]) < chat_frac:
+        short = name.split(".", 1)[-1] if name.count(".") > 1 else name
+        return (
+            f"{IM_START}user\nWhat does {short} do?{IM_END}\n"
+            f"{IM_START}assistant\n{doc['text']}{IM_END}\n"
+        )
+    return doc["text"]
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    # No post-processor: tokenizer(text) adds no bos/eos.
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    return tok
+
+
+def wrap_tokenizer(tok):
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=EOT,
+        eos_token=EOT,
+        pad_token=EOT,
+        additional_special_tokens=[IM_START, IM_END],
+        model_max_length=1024,
+        clean_up_tokenization_spaces=False,
+        add_bos_token=False,
+        add_eos_token=False,
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+# --------------------------------------------------------------------------- model
+
+
+def make_model(args, vocab_size: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
+        tie_word_embeddings=True,
+        attention_bias=False,
+        mlp_bias=False,
+        initializer_range=0.02,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        torch_dtype="float32",
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def lr_at(step: int, total: int, warmup: int, peak: float, floor_frac: float) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    prog = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (floor_frac + (1 - floor_frac) * 0.5 * (1 + math.cos(math.pi * prog)))
+
+
+@torch.no_grad()
+def heldout_perplexity(model, ids: list[int], n_windows: int):
+    """exp(mean next-token NLL) over non-overlapping SEQ_LEN windows of ``ids``.
+
+    Window w is ids[w*256:(w+1)*256], evaluated independently (fresh context, position
+    0 at its first token); each window contributes 255 predictions (tokens 1..255 given
+    their prefix).  Returns (ppl, mean_nll, n_predicted_tokens, per-window NLL sums)."""
+    model.eval()
+    x = torch.tensor(ids[: n_windows * SEQ_LEN], dtype=torch.long).view(n_windows, SEQ_LEN)
+    per_window: list[float] = []
+    for batch in x.split(16):
+        logits = model(input_ids=batch).logits.float()
+        lp = torch.log_softmax(logits[:, :-1], dim=-1)
+        nll = -lp.gather(-1, batch[:, 1:, None]).squeeze(-1)
+        per_window.extend(nll.double().sum(dim=1).tolist())
+    model.train()
+    count = n_windows * (SEQ_LEN - 1)
+    mean = sum(per_window) / count
+    return math.exp(mean), mean, count, per_window
+
+
+# --------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="phaseflip/assets/tiny-llama")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=None, help="fix the number of steps")
+    ap.add_argument("--max-minutes", type=float, default=18.0, help="training time budget")
+    ap.add_argument("--batch", type=int, default=16, help="sequences of 256 tokens per step")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=60)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--intermediate", type=int, default=688)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--max-corpus-mb", type=float, default=12.0)
+    ap.add_argument("--chat-frac", type=float, default=0.15)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--log-every", type=int, default=20)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    t_start = time.time()
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def say(msg: str) -> None:
+        print(f"[{time.time() - t_start:7.1f}s] {msg}", flush=True)
+
+    # ---- corpus
+    docs, corpus_meta = build_corpus(int(args.max_corpus_mb * 1e6))
+    train_docs = [d for i, d in enumerate(docs) if i % HELDOUT_EVERY != 0]
+    held_docs = [d for i, d in enumerate(docs) if i % HELDOUT_EVERY == 0]
+    train_texts = [to_training_text(d, args.chat_frac) for d in train_docs]
+    n_chat = sum(t.startswith(IM_START) for t in train_texts)
+    say(
+        f"corpus: {corpus_meta['files_parsed']} files, {len(docs)} docs, "
+        f"{corpus_meta['chars'] / 1e6:.2f} M chars; train {len(train_docs)} "
+        f"({n_chat} as ChatML), held-out {len(held_docs)}"
+    )
+
+    # ---- tokenizer (trained on the training split only, plain text)
+    tok = train_tokenizer([d["text"] for d in train_docs], args.vocab)
+    hf_tok = wrap_tokenizer(tok)
+    eot_id = hf_tok.convert_tokens_to_ids(EOT)
+    im_start_id = hf_tok.convert_tokens_to_ids(IM_START)
+    im_end_id = hf_tok.convert_tokens_to_ids(IM_END)
+    assert (eot_id, im_start_id, im_end_id) == (0, 1, 2), (eot_id, im_start_id, im_end_id)
+    vocab_size = tok.get_vocab_size()
+    probe = "Return the value of x.  Ünïcødé → ok\n\tdef f(): pass"
+    assert hf_tok.decode(hf_tok(probe)["input_ids"]) == probe
+    say(f"tokenizer: vocab {vocab_size}")
+
+    # ---- token streams
+    enc = tok.encode_batch(train_texts, add_special_tokens=False)
+    stream: list[int] = []
+    for e in enc:
+        stream.extend(e.ids)
+        stream.append(eot_id)
+    n_chunks = len(stream) // SEQ_LEN
+    data = torch.tensor(stream[: n_chunks * SEQ_LEN], dtype=torch.long).view(n_chunks, SEQ_LEN)
+    chars_per_tok = sum(len(t) for t in train_texts) / len(stream)
+    say(
+        f"train tokens {len(stream):,} -> {n_chunks:,} sequences of {SEQ_LEN}; "
+        f"{chars_per_tok:.2f} chars/token"
+    )
+
+    # held-out sample: held-out docs (plain text) joined by <|endoftext|>, until it has
+    # enough tokens for HELDOUT_WINDOWS windows.
+    need = HELDOUT_WINDOWS * SEQ_LEN
+    parts: list[str] = []
+    n_ids = 0
+    for d in held_docs:
+        parts.append(d["text"])
+        n_ids += len(tok.encode(d["text"]).ids) + 1
+        if n_ids >= need + 1:
+            break
+    held_text = EOT.join(parts) + EOT
+    held_ids = hf_tok(held_text, verbose=False)["input_ids"]
+    assert len(held_ids) >= need, (len(held_ids), need)
+    held_bytes = held_text.encode("utf-8")
+    assert len(held_bytes) < HELDOUT_MAX_BYTES, len(held_bytes)
+    (out / "heldout_sample.txt").write_bytes(held_bytes)
+    say(
+        f"held-out sample: {len(parts)} docs, {len(held_bytes):,} bytes, "
+        f"{len(held_ids):,} tokens, evaluating first {need:,}"
+    )
+
+    # ---- model
+    model = make_model(args, vocab_size)
+    n_params = sum(p.numel() for p in model.parameters())
+    say(f"model: {n_params:,} parameters")
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": args.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+
+    g = torch.Generator().manual_seed(args.seed)
+    order: list[int] = []
+
+    def next_batch() -> torch.Tensor:
+        nonlocal order
+        if len(order) < args.batch:
+            order = order + torch.randperm(n_chunks, generator=g).tolist()
+        idx, order = order[: args.batch], order[args.batch :]
+        return data[idx]
+
+    def train_step(step: int, total: int) -> float:
+        lr = lr_at(step, total, args.warmup, args.lr, 0.1)
+        for grp in opt.param_groups:
+            grp["lr"] = lr
+        batch = next_batch()
+        loss = model(input_ids=batch, labels=batch).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss.item()
+
+    model.train()
+    budget_s = args.max_minutes * 60
+    t_train0 = time.time()
+    curve: list[dict] = []
+    step = 0
+    if args.steps is None:
+        # Timing probe: the first steps are real training steps (warmup schedule for a
+        # provisional total); the total is then fixed from the measured speed.
+        probe_steps = 8
+        provisional = 10_000
+        losses = []
+        for step in range(probe_steps):
+            losses.append(train_step(step, provisional))
+        per_step = (time.time() - t_train0) / probe_steps
+        total_steps = max(probe_steps + 1, int(budget_s * 0.93 / per_step))
+        step = probe_steps
+        say(
+            f"timing probe: {per_step:.2f} s/step -> {total_steps} steps "
+            f"(re-run with --steps {total_steps} to reproduce)"
+        )
+        curve.append(
+            {
+                "step": probe_steps,
+                "loss": sum(losses) / len(losses),
+                "lr": lr_at(probe_steps - 1, total_steps, args.warmup, args.lr, 0.1),
+                "elapsed_s": round(time.time() - t_train0, 1),
+            }
+        )
+        # Note: the probe steps used a warmup computed for the provisional total, which
+        # is identical (warmup only depends on the step index) as long as total > warmup.
+    else:
+        total_steps = args.steps
+
+    acc = 0.0
+    acc_n = 0
+    stopped_early = False
+    while step < total_steps:
+        acc += train_step(step, total_steps)
+        acc_n += 1
+        step += 1
+        if step % args.log_every == 0 or step == total_steps:
+            elapsed = time.time() - t_train0
+            rec = {
+                "step": step,
+                "loss": round(acc / acc_n, 4),
+                "lr": round(lr_at(step - 1, total_steps, args.warmup, args.lr, 0.1), 6),
+                "elapsed_s": round(elapsed, 1),
+            }
+            curve.append(rec)
+            eta = elapsed / step * (total_steps - step)
+            say(
+                f"step {step:5d}/{total_steps}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
+                f"eta {eta / 60:.1f} min"
+            )
+            acc, acc_n = 0.0, 0
+        if time.time() - t_train0 > budget_s * 1.15 and step < total_steps:
+            say(f"!! over the time budget, stopping at step {step}")
+            stopped_early = True
+            break
+    train_s = time.time() - t_train0
+    final_loss = curve[-1]["loss"] if curve else float("nan")
+
+    # ---- evaluation
+    ppl, mean_nll, n_eval, window_nll = heldout_perplexity(model, held_ids, HELDOUT_WINDOWS)
+    say(f"held-out perplexity {ppl:.3f} (mean NLL {mean_nll:.4f} nats over {n_eval} tokens)")
+
+    # ---- save
+    model.config.use_cache = True
+    model.save_pretrained(out, safe_serialization=True)
+    hf_tok.save_pretrained(out)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    gen = GenerationConfig(
+        bos_token_id=eot_id,
+        eos_token_id=[im_end_id, eot_id],
+        pad_token_id=eot_id,
+        do_sample=False,
+        max_new_tokens=64,
+    )
+    gen.save_pretrained(out)
+    add_compat_fields(out)
+
+    # ---- reload from disk (offline) and produce sample completions
+    tok2 = AutoTokenizer.from_pretrained(out)
+    model2 = AutoModelForCausalLM.from_pretrained(out)
+    model2.eval()
+    ppl2, _, _, _ = heldout_perplexity(
+        model2, tok2(held_text, verbose=False)["input_ids"], HELDOUT_WINDOWS
+    )
+    assert abs(ppl2 - ppl) < 1e-3 * ppl, (ppl, ppl2)
+
+    samples = []
+    with torch.no_grad():
+        for p in SAMPLE_PROMPTS:
+            ids = tok2(p, return_tensors="pt")
+            o = model2.generate(**ids, max_new_tokens=40, do_sample=False)
+            samples.append(
+                {"prompt": p, "completion": tok2.decode(o[0, ids["input_ids"].shape[1] :])}
+            )
+        chat = tok2.apply_chat_template(
+            [{"role": "user", "content": CHAT_SAMPLE}],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        ids = tok2(chat, return_tensors="pt")
+        o = model2.generate(**ids, max_new_tokens=60, do_sample=False)
+        samples.append(
+            {
+                "prompt": chat,
+                "chat": True,
+                "completion": tok2.decode(o[0, ids["input_ids"].shape[1] :]),
+            }
+        )
+    for s in samples:
+        say(f"sample {s['prompt']!r} -> {s['completion']!r}")
+
+    files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
+    weights_bytes = files.get("model.safetensors", 0)
+    wall = time.time() - t_start
+    log = {
+        "command": "python tools/train_tiny_model.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "reproduce_with": reproduce_command(args, total_steps),
+        "steps_source": "timing probe" if args.steps is None else "--steps",
+        "args": vars(args),
+        "seed": args.seed,
+        "corpus": {
+            **corpus_meta,
+            "skip_dirs": sorted(SKIP_DIRS),
+            "min_doc_chars": MIN_DOC_CHARS,
+            "heldout_rule": f"document index i % {HELDOUT_EVERY} == 0",
+            "train_documents": len(train_docs),
+            "train_chat_documents": n_chat,
+            "heldout_documents": len(held_docs),
+        },
+        "tokenizer": {
+            "type": "byte-level BPE (tokenizers)",
+            "vocab_size": vocab_size,
+            "special_tokens": {EOT: eot_id, IM_START: im_start_id, IM_END: im_end_id},
+            "train_chars_per_token": round(chars_per_tok, 3),
+        },
+        "model": {
+            "parameters": n_params,
+            **{
+                k: getattr(model.config, k)
+                for k in (
+                    "hidden_size",
+                    "intermediate_size",
+                    "num_hidden_layers",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "max_position_embeddings",
+                    "vocab_size",
+                    "tie_word_embeddings",
+                )
+            },
+            "rope_theta": 10000.0,
+            "weights_dtype": "float32",
+        },
+        "training": {
+            "steps": step,
+            "planned_steps": total_steps,
+            "stopped_early": stopped_early,
+            "batch_sequences": args.batch,
+            "seq_len": SEQ_LEN,
+            "tokens_seen": step * args.batch * SEQ_LEN,
+            "train_tokens": len(stream),
+            "epochs": step * args.batch / n_chunks,
+            "optimizer": "AdamW(betas=(0.9, 0.95), eps=1e-8), grad clip 1.0",
+            "lr_schedule": f"linear warmup {args.warmup} steps to {args.lr}, cosine to 10%",
+            "train_seconds": round(train_s, 1),
+            "final_train_loss": final_loss,
+            "loss_curve": curve,
+        },
+        "heldout": {
+            "perplexity": round(ppl, 4),
+            "mean_nll_nats": round(mean_nll, 6),
+            "predicted_tokens": n_eval,
+            "windows": HELDOUT_WINDOWS,
+            "window": SEQ_LEN,
+            "window_nll_sums": [round(v, 4) for v in window_nll],
+            "file": "heldout_sample.txt",
+            "file_sha256": hashlib.sha256(held_bytes).hexdigest(),
+            "method": (
+                "ids = tokenizer(open('heldout_sample.txt', encoding='utf-8').read())"
+                "['input_ids'] (no bos added; '<|endoftext|>' between documents is the "
+                "special token 0); take the first 160*256 ids as 160 non-overlapping "
+                "windows of 256; run each window independently (positions 0..255, no "
+                "cache); NLL of token t+1 from logits at t for t=0..254 (255 per window, "
+                "40,800 in total); perplexity = exp(sum NLL / 40800), float32."
+            ),
+        },
+        "samples": samples,
+        "files_bytes": files,
+        "weights_bytes": weights_bytes,
+        "wall_seconds": round(wall, 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "tokenizers": __import__("tokenizers").__version__,
+        "platform": platform.platform(),
+        "threads": args.threads,
+    }
+    (out / "training_log.json").write_text(json.dumps(log, indent=2, ensure_ascii=False) + "\n")
+    write_card(out, log)
+    say(f"done in {wall / 60:.1f} min; weights {weights_bytes / 1e6:.2f} MB")
+    return 0
+
+
+def reproduce_command(args, total_steps: int) -> str:
+    """The command line that repeats this run exactly (every hyper-parameter that differs
+    from its default, and the step count actually planned)."""
+    defaults = vars(build_parser().parse_args([]))
+    parts = [f"--out {args.out}", f"--seed {args.seed}", f"--steps {total_steps}"]
+    for k, v in vars(args).items():
+        if k in ("out", "seed", "steps", "max_minutes") or v == defaults[k]:
+            continue
+        parts.append(f"--{k.replace('_', '-')} {v}")
+    return "python tools/train_tiny_model.py " + " ".join(parts)
+
+
+def add_compat_fields(out: Path) -> None:
+    """Make the saved files readable by older transformers (4.5x) and by engines that read
+    the JSON directly: top-level ``rope_theta`` in config.json; ``tokenizer_class``
+    PreTrainedTokenizerFast, the chat template and ``additional_special_tokens`` in
+    tokenizer_config.json (transformers 5 also writes chat_template.jinja)."""
+    cfg_p = out / "config.json"
+    cfg = json.loads(cfg_p.read_text())
+    cfg.setdefault("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    cfg_p.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    tc_p = out / "tokenizer_config.json"
+    tc = json.loads(tc_p.read_text())
+    tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tc["chat_template"] = CHAT_TEMPLATE
+    tc["additional_special_tokens"] = [IM_START, IM_END]
+    tc["add_bos_token"] = False
+    tc["add_eos_token"] = False
+    tc_p.write_text(json.dumps(tc, indent=2) + "\n")
+
+
+def write_card(out: Path, log: dict) -> None:
+    m, t, h, c = log["model"], log["training"], log["heldout"], log["corpus"]
+    files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
+    files["README.md"] = 0
+    steps_note = (
+        "the step count was chosen by a timing probe and is fixed by `--steps` above."
+        if log.get("steps_source") == "timing probe"
+        else "the step count was given with `--steps`."
+    )
+    stop_note = (
+        f"**the max-minutes safety stop triggered after {t['steps']} of {t['planned_steps']} "
+        "steps, so the command above would train longer than this model was**"
+        if t["stopped_early"]
+        else "the --max-minutes budget is only a safety stop and did not trigger"
+    )
+    samples = "\n\n".join(
+        f"**Prompt** `{s['prompt']!r}` → greedy:\n\n```\n{s['prompt'] if not s.get('chat') else ''}"
+        f"{s['completion']}\n```"
+        if not s.get("chat")
+        else f"**Chat** (template applied, `add_generation_prompt=True`) user: "
+        f"`{CHAT_SAMPLE}` → greedy assistant reply:\n\n```\n{s['completion']}\n```"
+        for s in log["samples"]
+    )
+    final_loss = t["final_train_loss"]
+    file_list = "\n".join(
+        f"- `{k}`" + (f" — {v:,} bytes" if k != "README.md" else "") for k, v in files.items()
+    )
+    card = f"""---
+license: psf-2.0
+library_name: transformers
+pipeline_tag: text-generation
+tags: [llama, toy, test-fixture]
+---
+
+# tiny-llama (phaseflip test/demo model)
+
+**This is a toy.** A {m["parameters"] / 1e6:.2f} M-parameter Llama-architecture model trained for
+{t["train_seconds"] / 60:.1f} minutes on 2 CPU cores. It exists so that `phaseflip serve` and
+the test suite run with no download and print recognisable (English-ish, Python-docstring-ish)
+text instead of noise. It knows nothing useful, repeats itself, and must not be used for
+anything but tests and demos.
+
+## How it was made
+
+```
+{log["reproduce_with"]}
+```
+
+(Actual invocation: `{log["command"]}`; {steps_note} The command above is deterministic given
+the seed, the Python standard library version, the thread count and the library versions
+below; {stop_note}) Python {log["python"]},
+torch {log["torch"]}, transformers {log["transformers"]}, tokenizers {log["tokenizers"]},
+{log["threads"]} threads, total wall time {log["wall_seconds"] / 60:.1f} min.
+
+## Corpus
+
+Docstrings (via `ast`) and comments (via `tokenize`, consecutive comment lines grouped) of
+the Python {log["python"]} standard library (`sysconfig.get_paths()["stdlib"]`), walked in
+sorted order, skipping directories {", ".join(c["skip_dirs"])}. Whitespace cleaned, documents
+shorter than {c["min_doc_chars"]} characters and exact duplicates dropped:
+{c["documents"]:,} documents, {c["chars"] / 1e6:.2f} M characters from {c["files_parsed"]} files.
+Held out: every {HELDOUT_EVERY}th document ({c["heldout_rule"]}), {c["heldout_documents"]:,}
+documents, never used for the tokenizer or training. Of the {c["train_documents"]:,} training
+documents, {c["train_chat_documents"]:,} named function/class docstrings (a deterministic
+hash-selected ~{log["args"]["chat_frac"]:.0%}) were written as a ChatML exchange
+(`<|im_start|>user\\nWhat does NAME do?<|im_end|>\\n<|im_start|>assistant\\nDOCSTRING<|im_end|>\\n`)
+so the model has seen the chat format and learns to stop with `<|im_end|>`.
+Training text is packed into {t["seq_len"]}-token sequences with `<|endoftext|>` between documents.
+
+## Tokenizer
+
+Byte-level BPE (`tokenizers`), vocabulary {log["tokenizer"]["vocab_size"]}, trained on the training
+split. Special tokens: `<|endoftext|>` = 0 (bos, eos and pad), `<|im_start|>` = 1,
+`<|im_end|>` = 2. `tokenizer(text)["input_ids"]` is exactly the BPE encoding of `text` —
+**no bos or eos is added**; special-token strings inside the text are encoded as their ids.
+`decode(encode(text)) == text` for any text (byte-level). A ChatML `chat_template` is included:
+`<|im_start|>{{role}}\\n{{content}}<|im_end|>\\n` per message, plus `<|im_start|>assistant\\n`
+with `add_generation_prompt=True` (no system message is inserted automatically).
+
+## Architecture
+
+`LlamaForCausalLM`: hidden {m["hidden_size"]}, {m["num_hidden_layers"]} layers,
+{m["num_attention_heads"]} attention heads, {m["num_key_value_heads"]} KV heads (GQA, head dim
+{m["hidden_size"] // m["num_attention_heads"]}), MLP intermediate {m["intermediate_size"]} (SwiGLU),
+RMSNorm eps 1e-5, RoPE theta {m["rope_theta"]:.0f}, max positions {m["max_position_embeddings"]},
+vocabulary {m["vocab_size"]}, tied input/output embeddings. **{m["parameters"]:,} parameters**,
+stored in **{m["weights_dtype"]}** (`model.safetensors`, {log["weights_bytes"] / 1e6:.2f} MB).
+`generation_config.json`: eos `[2, 0]` (`<|im_end|>`, `<|endoftext|>`), bos 0, pad 0, greedy.
+
+## Training
+
+Plain PyTorch loop, AdamW (betas 0.9/0.95, weight decay {log["args"]["weight_decay"]} on
+matrices), grad-norm clip 1.0, {t["lr_schedule"]}, {t["steps"]} steps x {t["batch_sequences"]}
+sequences x {t["seq_len"]} tokens = {t["tokens_seen"]:,} tokens ({t["epochs"]:.2f} epochs of
+{t["train_tokens"]:,} training tokens), fp32, seed {log["seed"]}, {t["train_seconds"] / 60:.1f} min.
+Final training loss (mean of the last {log["args"]["log_every"]} steps): **{final_loss:.3f}**.
+The full loss curve is in `training_log.json`.
+
+## Held-out perplexity
+
+**{h["perplexity"]:.2f}** (mean NLL {h["mean_nll_nats"]:.4f} nats/token) on `heldout_sample.txt`
+(the exact text, sha256 `{h["file_sha256"][:16]}…`). Method: {h["method"]}
+
+## Sample greedy completions (transformers `generate`, `do_sample=False`)
+
+{samples}
+
+## Files
+
+{file_list}
+"""
+    (out / "README.md").write_text(card)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
