@@ -1,0 +1,1 @@
+"""HTTP server: OpenAI-compatible and native endpoints over the engine."""

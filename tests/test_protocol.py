@@ -1,0 +1,886 @@
+"""The wire format: what requests are accepted, how they map to SamplingParams, and that our
+responses are exactly what the official `openai` client parses."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+import httpx2
+import openai
+import pytest
+from openai._models import construct_type
+from openai.types import Completion, Model
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from pydantic import BaseModel, ValidationError
+
+from phaseflip.sampling.params import SamplingParams
+from phaseflip.server.protocol import (
+    AbortRequest,
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    ErrorResponse,
+    GenerateRequest,
+    ModelCard,
+    ModelList,
+    NativeSamplingParams,
+    TokenizeRequest,
+    UsageInfo,
+    chat_sampling_params,
+    completion_sampling_params,
+    error_body,
+    generate_sampling_params,
+    native_sampling_param_names,
+    unsupported,
+    validation_error_to_openai,
+)
+
+NAN = float("nan")
+INF = float("inf")
+USER = [{"role": "user", "content": "hi"}]
+
+
+def comp(**kw: Any) -> dict[str, Any]:
+    return {"model": "m", "prompt": "hello", **kw}
+
+
+def chat(**kw: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": USER, **kw}
+
+
+def gen(**kw: Any) -> dict[str, Any]:
+    return {"text": "hello", **kw}
+
+
+def rejected(cls: type[BaseModel], body: dict[str, Any]) -> tuple[str, str | None]:
+    with pytest.raises(ValidationError) as info:
+        cls.model_validate(body)
+    return validation_error_to_openai(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests: accepted
+# ---------------------------------------------------------------------------------------------
+
+VALID_COMPLETIONS: list[tuple[dict[str, Any], Callable[[CompletionRequest], bool]]] = [
+    (comp(), lambda r: r.max_tokens == 16 and r.temperature == 1.0 and r.n == 1),
+    (comp(prompt=["a", "b"]), lambda r: r.prompt == ["a", "b"]),
+    (comp(prompt=[1, 2, 0]), lambda r: r.prompt == [1, 2, 0]),
+    (comp(prompt=[[1], [2, 3]]), lambda r: r.prompt == [[1], [2, 3]]),
+    (comp(max_tokens=None), lambda r: r.max_tokens is None),
+    (comp(max_tokens=0, echo=True), lambda r: r.max_tokens == 0 and r.echo),
+    (comp(temperature=0), lambda r: r.temperature == 0.0),
+    (comp(temperature=2, top_p=1), lambda r: r.temperature == 2.0),
+    (comp(temperature=None, n=None, stream=None, top_p=None), lambda r: r.temperature == 1.0
+     and r.n == 1 and r.stream is False and r.top_p == 1.0),
+    (comp(n=2, best_of=2), lambda r: r.best_of == 2),
+    (comp(n=2, best_of=5), lambda r: r.best_of == 5),
+    (comp(stream=True, stream_options={"include_usage": True}), lambda r: r.include_usage),
+    (comp(stream=True, stream_options=None), lambda r: not r.include_usage),
+    (comp(logprobs=0), lambda r: r.logprobs == 0),
+    (comp(logprobs=20), lambda r: r.logprobs == 20),
+    (comp(stop="x"), lambda r: r.stop == "x"),
+    (comp(stop=[f"s{i}" for i in range(16)]), lambda r: len(r.stop) == 16),
+    (comp(stop=[]), lambda r: r.stop == []),
+    (comp(presence_penalty=-2, frequency_penalty=2), lambda r: r.presence_penalty == -2.0),
+    (comp(logit_bias={"5": -100, "0": 100.0}), lambda r: r.logit_bias == {"5": -100, "0": 100}),
+    (comp(seed=-1, user="u"), lambda r: r.seed == -1 and r.user == "u"),
+    (comp(suffix="tail"), lambda r: r.suffix == "tail"),
+    (comp(top_k=0, min_p=0.5, repetition_penalty=1.1, min_tokens=3, ignore_eos=True),
+     lambda r: r.top_k == 0 and r.min_tokens == 3 and r.ignore_eos),
+    (comp(top_k=-1, stop_token_ids=[1, 2], skip_special_tokens=False,
+          include_stop_str_in_output=True),
+     lambda r: r.stop_token_ids == [1, 2] and not r.skip_special_tokens),
+    (comp(max_tokens=5, min_tokens=5), lambda r: r.min_tokens == 5),
+]
+
+
+@pytest.mark.parametrize(("body", "check"), VALID_COMPLETIONS)
+def test_valid_completion_requests(body: dict[str, Any], check: Callable[..., bool]) -> None:
+    assert check(CompletionRequest.model_validate(body))
+
+
+VALID_CHATS: list[tuple[dict[str, Any], Callable[[ChatCompletionRequest], bool]]] = [
+    (chat(), lambda r: r.requested_max_tokens is None and r.add_generation_prompt),
+    (chat(messages=[{"role": r, "content": "x"} for r in
+                    ("system", "developer", "user", "assistant", "tool")]),
+     lambda r: len(r.messages) == 5),
+    (chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                 {"type": "text", "text": "b"}]}]),
+     lambda r: r.messages[0].text() == "a\nb"),
+    (chat(messages=[{"role": "user", "content": "x", "name": "bob"}]),
+     lambda r: r.messages[0].name == "bob"),
+    (chat(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]),
+     lambda r: r.messages[0].content is None),
+    (chat(max_tokens=7), lambda r: r.requested_max_tokens == 7),
+    (chat(max_completion_tokens=9), lambda r: r.requested_max_tokens == 9),
+    (chat(max_tokens=7, max_completion_tokens=9), lambda r: r.requested_max_tokens == 9),
+    (chat(logprobs=True), lambda r: r.logprobs and r.top_logprobs is None),
+    (chat(logprobs=True, top_logprobs=20), lambda r: r.top_logprobs == 20),
+    (chat(logprobs=None, top_logprobs=None), lambda r: r.logprobs is False),
+    (chat(response_format={"type": "text"}), lambda r: r.response_format is not None),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+     lambda r: r.response_format is not None and r.response_format.type == "json_schema"),
+    (chat(tools=[{"type": "function"}], tool_choice="auto"), lambda r: r.tools is not None),
+    (chat(tool_choice={"type": "function", "function": {"name": "f"}}),
+     lambda r: isinstance(r.tool_choice, dict)),
+    (chat(functions=[{"name": "f"}], function_call="auto"), lambda r: r.functions is not None),
+    (chat(add_generation_prompt=False, chat_template_kwargs={"enable_thinking": False}),
+     lambda r: not r.add_generation_prompt and r.chat_template_kwargs is not None),
+    (chat(top_k=5, min_p=0.1, repetition_penalty=1.2, min_tokens=1, ignore_eos=True,
+          stop_token_ids=[3], skip_special_tokens=False, include_stop_str_in_output=True),
+     lambda r: r.top_k == 5 and r.stop_token_ids == [3]),
+    (chat(stream=True, stream_options={"include_usage": False, "include_obfuscation": False}),
+     lambda r: r.stream and not r.include_usage),
+]
+
+
+@pytest.mark.parametrize(("body", "check"), VALID_CHATS)
+def test_valid_chat_requests(body: dict[str, Any], check: Callable[..., bool]) -> None:
+    assert check(ChatCompletionRequest.model_validate(body))
+
+
+VALID_OTHERS: list[tuple[type[BaseModel], dict[str, Any]]] = [
+    (GenerateRequest, gen()),
+    (GenerateRequest, gen(text=["a", "b"])),
+    (GenerateRequest, {"input_ids": [1, 2]}),
+    (GenerateRequest, {"input_ids": [[1], [2]], "stream": True, "rid": "r1"}),
+    (GenerateRequest, gen(sampling_params={"max_new_tokens": 3, "temperature": 0,
+                                           "stop": "x", "logit_bias": {"1": 2.0}})),
+    (GenerateRequest, gen(return_logprob=True, top_logprobs_num=5, logprob_start_len=0)),
+    (TokenizeRequest, {"prompt": "hi"}),
+    (TokenizeRequest, {"prompt": ""}),
+    (TokenizeRequest, {"model": "m", "messages": USER, "add_special_tokens": False}),
+    (DetokenizeRequest, {"tokens": [1, 2, 3]}),
+    (DetokenizeRequest, {"model": "m", "tokens": []}),
+    (AbortRequest, {"rid": "abc"}),
+]
+
+
+@pytest.mark.parametrize(("cls", "body"), VALID_OTHERS)
+def test_valid_other_requests(cls: type[BaseModel], body: dict[str, Any]) -> None:
+    cls.model_validate(body)
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests: rejected, with a message naming the field
+# ---------------------------------------------------------------------------------------------
+
+INVALID: list[tuple[type[BaseModel], dict[str, Any], str, str]] = [
+    # (model, body, expected param, expected message fragment)
+    (CompletionRequest, {"prompt": "x"}, "model", "Field required"),
+    (CompletionRequest, {"model": "m"}, "prompt", "Field required"),
+    (CompletionRequest, comp(model=None), "model", "valid string"),
+    (CompletionRequest, comp(prompt=""), "prompt", "must not be empty"),
+    (CompletionRequest, comp(prompt=[]), "prompt", "must not be empty"),
+    (CompletionRequest, comp(prompt=["a", ""]), "prompt", "empty strings"),
+    (CompletionRequest, comp(prompt=[[1], []]), "prompt", "must not be empty"),
+    (CompletionRequest, comp(prompt=[1, -1]), "prompt", "non-negative"),
+    (CompletionRequest, comp(prompt=[[1, -2]]), "prompt", "non-negative"),
+    (CompletionRequest, comp(prompt=[1, "a"]), "prompt", "mixed"),
+    (CompletionRequest, comp(prompt=[1.5]), "prompt", "non-negative integer"),
+    (CompletionRequest, comp(prompt=[True]), "prompt", "non-negative integer"),
+    (CompletionRequest, comp(prompt=5), "prompt", "got int"),
+    (CompletionRequest, comp(temperature=2.5), "temperature", "less than or equal to 2"),
+    (CompletionRequest, comp(temperature=-0.1), "temperature", "greater than or equal to 0"),
+    (CompletionRequest, comp(temperature="0.5"), "temperature", "valid number"),
+    (CompletionRequest, comp(temperature=True), "temperature", "valid number"),
+    (CompletionRequest, comp(temperature=NAN), "temperature", "finite number"),
+    (CompletionRequest, comp(top_p=0), "top_p", "greater than 0"),
+    (CompletionRequest, comp(top_p=1.01), "top_p", "less than or equal to 1"),
+    (CompletionRequest, comp(n=0), "n", "greater than or equal to 1"),
+    (CompletionRequest, comp(n=129), "n", "less than or equal to 128"),
+    (CompletionRequest, comp(n=1.0), "n", "valid integer"),
+    (CompletionRequest, comp(n="2"), "n", "valid integer"),
+    (CompletionRequest, comp(max_tokens=-1), "max_tokens", "greater than or equal to 0"),
+    (CompletionRequest, comp(max_tokens=True), "max_tokens", "valid integer"),
+    (CompletionRequest, comp(n=3, best_of=2), "best_of", "greater than or equal to n"),
+    (CompletionRequest, comp(n=1, best_of=3, stream=True), "best_of", "streamed"),
+    (CompletionRequest, comp(stream_options={"include_usage": True}), "stream_options",
+     "only allowed when stream is true"),
+    (CompletionRequest, comp(stream=True, stream_options={"include_usage": True, "x": 1}),
+     "stream_options.x", "Unrecognized"),
+    (CompletionRequest, comp(logprobs=21), "logprobs", "less than or equal to 20"),
+    (CompletionRequest, comp(logprobs=-1), "logprobs", "greater than or equal to 0"),
+    (CompletionRequest, comp(logprobs=True), "logprobs", "valid integer"),
+    (CompletionRequest, comp(stop=[f"s{i}" for i in range(17)]), "stop", "at most 16"),
+    (CompletionRequest, comp(stop=""), "stop", "must not be empty"),
+    (CompletionRequest, comp(stop=["a", ""]), "stop", "must not be empty"),
+    (CompletionRequest, comp(stop=5), "stop", "string or a list of strings"),
+    (CompletionRequest, comp(presence_penalty=2.1), "presence_penalty", "less than or equal"),
+    (CompletionRequest, comp(frequency_penalty=-3), "frequency_penalty", "greater than"),
+    (CompletionRequest, comp(logit_bias={"abc": 1}), "logit_bias", "decimal strings"),
+    (CompletionRequest, comp(logit_bias={"-1": 1}), "logit_bias", "decimal strings"),
+    (CompletionRequest, comp(logit_bias={"5": 101}), "logit_bias.5", "less than or equal"),
+    (CompletionRequest, comp(logit_bias={"5": NAN}), "logit_bias.5", "finite number"),
+    (CompletionRequest, comp(logit_bias=[1]), "logit_bias", "valid dictionary"),
+    (CompletionRequest, comp(seed=1.5), "seed", "valid integer"),
+    (CompletionRequest, comp(seed=2**64), "seed", "less than or equal"),
+    (CompletionRequest, comp(echo="yes"), "echo", "valid boolean"),
+    (CompletionRequest, comp(top_k=-2), "top_k", "greater than or equal to -1"),
+    (CompletionRequest, comp(min_p=1.5), "min_p", "less than or equal to 1"),
+    (CompletionRequest, comp(repetition_penalty=0), "repetition_penalty", "greater than 0"),
+    (CompletionRequest, comp(min_tokens=-1), "min_tokens", "greater than or equal to 0"),
+    (CompletionRequest, comp(max_tokens=2, min_tokens=3), "min_tokens", "must not exceed"),
+    (CompletionRequest, comp(stop_token_ids=[-1]), "stop_token_ids.0", "greater than or equal"),
+    (CompletionRequest, comp(request_id="x"), "request_id", "Unrecognized request argument"),
+    (CompletionRequest, comp(tools=[]), "tools", "Unrecognized request argument"),
+    (ChatCompletionRequest, {"model": "m"}, "messages", "Field required"),
+    (ChatCompletionRequest, chat(messages=[]), "messages", "at least 1 item"),
+    (ChatCompletionRequest, chat(messages="hi"), "messages", "valid list"),
+    (ChatCompletionRequest, chat(messages=[{"role": "bot", "content": "x"}]),
+     "messages.0.role", "'system', 'user', 'assistant', 'tool' or 'developer'"),
+    (ChatCompletionRequest, chat(messages=[{"role": "user"}]), "messages.0.content",
+     "content is required"),
+    (ChatCompletionRequest, chat(messages=[{"role": "assistant", "content": None}]),
+     "messages.0.content", "content is required"),
+    (ChatCompletionRequest, chat(messages=[{"role": "user", "content": 5}]),
+     "messages.0.content", "string or a list of content parts"),
+    (ChatCompletionRequest,
+     chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+     "messages.0.content", "only text content is supported"),
+    (ChatCompletionRequest, chat(messages=[{"role": "user", "content": ["hi"]}]),
+     "messages.0.content", "content parts must be objects"),
+    (ChatCompletionRequest, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
+     "messages.0.content", "string `text`"),
+    (ChatCompletionRequest,
+     chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}]),
+     "messages.0.content.0.x", "Unrecognized request argument"),
+    (ChatCompletionRequest, chat(messages=[{"role": "user", "content": "x", "foo": 1}]),
+     "messages.0.foo", "Unrecognized request argument"),
+    (ChatCompletionRequest, chat(top_logprobs=2), "top_logprobs", "requires logprobs"),
+    (ChatCompletionRequest, chat(logprobs=False, top_logprobs=0), "top_logprobs",
+     "requires logprobs"),
+    (ChatCompletionRequest, chat(logprobs=True, top_logprobs=21), "top_logprobs",
+     "less than or equal to 20"),
+    (ChatCompletionRequest, chat(logprobs=1), "logprobs", "valid boolean"),
+    (ChatCompletionRequest, chat(stream=False, stream_options={"include_usage": True}),
+     "stream_options", "only allowed when stream is true"),
+    (ChatCompletionRequest, chat(max_completion_tokens=-1), "max_completion_tokens",
+     "greater than or equal to 0"),
+    (ChatCompletionRequest, chat(max_tokens=10, max_completion_tokens=2, min_tokens=3),
+     "min_tokens", "must not exceed"),
+    (ChatCompletionRequest, chat(response_format={"type": "xml"}), "response_format.type",
+     "'text', 'json_object' or 'json_schema'"),
+    (ChatCompletionRequest, chat(tool_choice=5), "tool_choice", "string"),
+    (ChatCompletionRequest, chat(best_of=2), "best_of", "Unrecognized request argument"),
+    (ChatCompletionRequest, chat(echo=True), "echo", "Unrecognized request argument"),
+    (ChatCompletionRequest, chat(temperature=INF), "temperature", "finite number"),
+    (ChatCompletionRequest, chat(chat_template_kwargs=[1]), "chat_template_kwargs",
+     "valid dictionary"),
+    (GenerateRequest, {}, "text", "exactly one of text and input_ids"),
+    (GenerateRequest, gen(input_ids=[1]), "text", "exactly one of text and input_ids"),
+    (GenerateRequest, gen(text=""), "text", "must not be empty"),
+    (GenerateRequest, gen(text=[1, 2]), "text", "got"),
+    (GenerateRequest, {"input_ids": "abc"}, "input_ids", "got str"),
+    (GenerateRequest, {"input_ids": [[]]}, "input_ids", "must not be empty"),
+    (GenerateRequest, {"input_ids": [0, -5]}, "input_ids", "non-negative"),
+    (GenerateRequest, gen(sampling_params={"max_tokens": 3}), "sampling_params.max_tokens",
+     "Unrecognized request argument"),
+    (GenerateRequest, gen(sampling_params={"logprobs": 3}), "sampling_params.logprobs",
+     "return_logprob"),
+    (GenerateRequest, gen(sampling_params={"prompt_logprobs": 3}),
+     "sampling_params.prompt_logprobs", "return_logprob"),
+    (GenerateRequest, gen(sampling_params={"temperature": NAN}), "sampling_params.temperature",
+     "finite number"),
+    (GenerateRequest, gen(sampling_params={"max_new_tokens": "5"}),
+     "sampling_params.max_new_tokens", "valid integer"),
+    (GenerateRequest, gen(sampling_params={"logit_bias": {"x": 1.0}}),
+     "sampling_params.logit_bias", "decimal strings"),
+    (GenerateRequest, gen(sampling_params=[1]), "sampling_params", "valid dictionary"),
+    (GenerateRequest, gen(top_logprobs_num=2), "top_logprobs_num", "requires return_logprob"),
+    (GenerateRequest, gen(logprob_start_len=0), "logprob_start_len", "requires return_logprob"),
+    (GenerateRequest, gen(return_logprob=True, top_logprobs_num=21), "top_logprobs_num",
+     "less than or equal to 20"),
+    (GenerateRequest, gen(return_logprob=True, logprob_start_len=-2), "logprob_start_len",
+     "greater than or equal to -1"),
+    (GenerateRequest, gen(rid=""), "rid", "at least 1 character"),
+    (GenerateRequest, gen(foo=1), "foo", "Unrecognized request argument"),
+    (TokenizeRequest, {}, "prompt", "exactly one of prompt and messages"),
+    (TokenizeRequest, {"prompt": "a", "messages": USER}, "prompt", "exactly one"),
+    (TokenizeRequest, {"messages": []}, "messages", "at least 1 item"),
+    (TokenizeRequest, {"prompt": 5}, "prompt", "valid string"),
+    (DetokenizeRequest, {}, "tokens", "Field required"),
+    (DetokenizeRequest, {"tokens": [1, -1]}, "tokens.1", "greater than or equal to 0"),
+    (DetokenizeRequest, {"tokens": ["1"]}, "tokens.0", "valid integer"),
+    (AbortRequest, {}, "rid", "Field required"),
+    (AbortRequest, {"rid": ""}, "rid", "at least 1 character"),
+    (AbortRequest, {"rid": "a", "x": 1}, "x", "Unrecognized request argument"),
+]
+
+
+@pytest.mark.parametrize(("cls", "body", "param", "fragment"), INVALID,
+                         ids=[f"{c.__name__}-{i}" for i, (c, *_) in enumerate(INVALID)])
+def test_invalid_requests(cls: type[BaseModel], body: dict[str, Any], param: str,
+                          fragment: str) -> None:
+    message, got_param = rejected(cls, body)
+    assert got_param == param, message
+    assert fragment in message
+    assert message.startswith(("Unrecognized", param + ":")), message
+
+
+FLOAT_FIELDS = ["temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p",
+                "repetition_penalty"]
+
+
+@pytest.mark.parametrize("value", [NAN, INF, -INF])
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+@pytest.mark.parametrize("make", [comp, chat], ids=["completion", "chat"])
+def test_non_finite_floats_rejected(make: Callable[..., dict[str, Any]], field: str,
+                                    value: float) -> None:
+    cls = CompletionRequest if make is comp else ChatCompletionRequest
+    message, param = rejected(cls, make(**{field: value}))
+    assert param == field
+    assert "finite number" in message
+
+
+def test_all_errors_reported_first_one_is_param() -> None:
+    message, param = rejected(CompletionRequest, comp(top_p=0, n=0))
+    assert param == "top_p"
+    assert message == ("top_p: Input should be greater than 0; "
+                       "n: Input should be greater than or equal to 1")
+
+
+def test_null_means_default_but_null_max_tokens_means_context() -> None:
+    req = CompletionRequest.model_validate(comp(
+        temperature=None, top_p=None, n=None, echo=None, top_k=None, skip_special_tokens=None,
+        stop_token_ids=None, presence_penalty=None, max_tokens=None))
+    assert (req.temperature, req.top_p, req.n, req.echo, req.top_k) == (1.0, 1.0, 1, False, -1)
+    assert req.skip_special_tokens is True and req.stop_token_ids == []
+    assert req.max_tokens is None  # not the default 16: null means "what the context allows"
+    assert CompletionRequest.model_validate(comp()).max_tokens == 16
+
+
+def test_json_input_with_nan_literal_rejected() -> None:
+    # Python's json (what Starlette uses) accepts the non-standard NaN literal.
+    body = json.loads('{"model": "m", "prompt": "x", "temperature": NaN}')
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate(body)
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate_json('{"model": "m", "prompt": "x", "top_p": NaN}')
+
+
+# ---------------------------------------------------------------------------------------------
+# validation_error_to_openai on FastAPI-shaped errors
+# ---------------------------------------------------------------------------------------------
+
+
+def test_fastapi_error_list_strips_body_and_keeps_ctx_field() -> None:
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate(comp(n=3, best_of=2, temperature=9))
+    errors = [{**e, "loc": ("body", *e["loc"])} for e in info.value.errors()]
+    message, param = validation_error_to_openai(errors)
+    assert param == "temperature"
+    assert message == "temperature: Input should be less than or equal to 2"
+    # Cross-field errors run after field validation succeeds, so alone they name their field.
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate(comp(n=3, best_of=2))
+    errors = [{**e, "loc": ("body", *e["loc"])} for e in info.value.errors()]
+    assert validation_error_to_openai(errors) == (
+        "best_of: best_of (2) must be greater than or equal to n (3)", "best_of")
+
+
+def test_fastapi_json_and_body_errors() -> None:
+    assert validation_error_to_openai([{
+        "type": "json_invalid", "loc": ("body", 12), "msg": "JSON decode error",
+        "ctx": {"error": "Expecting value"}}]) == ("invalid JSON body: Expecting value", None)
+    assert validation_error_to_openai([{
+        "type": "missing", "loc": ("body",), "msg": "Field required"}]) == (
+        "request body: Field required", None)
+
+
+def test_union_alternatives_merged_or_dropped() -> None:
+    # A union nobody pre-checks: alternatives failing at the same place are merged, and a
+    # shallow mismatch is dropped when another alternative got deeper.
+    errors = [
+        {"type": "string_type", "loc": ("body", "x", "str"), "msg": "Input should be a string"},
+        {"type": "int_type", "loc": ("body", "x", "int"), "msg": "Input should be an int"},
+    ]
+    assert validation_error_to_openai(errors) == (
+        "x: Input should be a string or Input should be an int", "x")
+    errors = [
+        {"type": "string_type", "loc": ("body", "x", "str"), "msg": "Input should be a string"},
+        {"type": "int_type", "loc": ("body", "x", "list[Part]", 0, "text"), "msg": "bad text"},
+    ]
+    assert validation_error_to_openai(errors) == ("x.0.text: bad text", "x.0.text")
+
+
+def test_with_real_fastapi_request_validation() -> None:
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from fastapi.testclient import TestClient
+
+    app = FastAPI()
+
+    @app.exception_handler(RequestValidationError)
+    async def handler(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_error_to_openai(exc.errors())
+        return JSONResponse(error_body(message, param=param), status_code=400)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> dict[str, Any]:
+        return {"n": req.n}
+
+    client = TestClient(app)
+    assert client.post("/v1/completions", json=comp(n=2)).json() == {"n": 2}
+    r = client.post("/v1/completions", json=comp(temperature=3))
+    assert r.status_code == 400
+    assert r.json() == {"error": {
+        "message": "temperature: Input should be less than or equal to 2",
+        "type": "invalid_request_error", "param": "temperature", "code": None}}
+    r = client.post("/v1/completions", json=comp(n=2, best_of=1))
+    assert r.json()["error"]["param"] == "best_of"
+    r = client.post("/v1/completions", content=b'{"model": "m", "prompt": "x", "top_p": NaN}',
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
+    r = client.post("/v1/completions", content=b"{not json",
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("invalid JSON body")
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversion to SamplingParams
+# ---------------------------------------------------------------------------------------------
+
+
+def test_completion_sampling_params_defaults() -> None:
+    p = completion_sampling_params(CompletionRequest.model_validate(comp()), 999)
+    assert p == SamplingParams(max_new_tokens=16)
+    p = completion_sampling_params(CompletionRequest.model_validate(comp(max_tokens=None)), 999)
+    assert p.max_new_tokens == 999
+
+
+def test_completion_sampling_params_field_by_field() -> None:
+    req = CompletionRequest.model_validate(comp(
+        max_tokens=40, temperature=0.7, top_p=0.9, n=3, stop="END", presence_penalty=0.5,
+        frequency_penalty=-0.5, logit_bias={"7": 5, "12": -100}, seed=42, logprobs=3,
+        top_k=0, min_p=0.05, repetition_penalty=1.3, min_tokens=2, ignore_eos=True,
+        stop_token_ids=[9], skip_special_tokens=False, include_stop_str_in_output=True))
+    p = completion_sampling_params(req, 1000)
+    assert p == SamplingParams(
+        max_new_tokens=40, min_new_tokens=2, temperature=0.7, top_k=-1, top_p=0.9, min_p=0.05,
+        repetition_penalty=1.3, frequency_penalty=-0.5, presence_penalty=0.5,
+        logit_bias={7: 5.0, 12: -100.0}, seed=42, n=3, ignore_eos=True, stop=["END"],
+        stop_token_ids=[9], logprobs=3, prompt_logprobs=None, skip_special_tokens=False,
+        include_stop_str_in_output=True)
+    p.validate(vocab_size=100)
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    (comp(temperature=0), {"temperature": 0.0, "is_greedy": True}),
+    (comp(top_k=5), {"top_k": 5}),
+    (comp(top_k=0), {"top_k": -1}),
+    (comp(stop=["a", "b"]), {"stop": ["a", "b"]}),
+    (comp(logit_bias={}), {"logit_bias": None}),
+    (comp(echo=True), {"prompt_logprobs": None, "logprobs": None}),
+    (comp(echo=True, logprobs=2), {"prompt_logprobs": 2, "logprobs": 2}),
+    (comp(echo=True, logprobs=0), {"prompt_logprobs": 0, "logprobs": 0}),
+    (comp(logprobs=2), {"prompt_logprobs": None, "logprobs": 2}),
+    (comp(n=2, best_of=2), {"n": 2, "logprobs": None}),
+    (comp(n=2, best_of=4), {"n": 4, "logprobs": 0}),
+    (comp(n=1, best_of=3, logprobs=4), {"n": 3, "logprobs": 4}),
+])
+def test_completion_sampling_params_mapping(body: dict[str, Any],
+                                            expected: dict[str, Any]) -> None:
+    p = completion_sampling_params(CompletionRequest.model_validate(body), 100)
+    for name, value in expected.items():
+        assert getattr(p, name) == value, name
+
+
+def test_chat_sampling_params_field_by_field() -> None:
+    req = ChatCompletionRequest.model_validate(chat(
+        max_tokens=5, temperature=0, top_p=0.5, n=2, stop=["x", "y"], presence_penalty=1,
+        frequency_penalty=1.5, logit_bias={"3": 1}, seed=7, logprobs=True, top_logprobs=4,
+        top_k=10, min_p=0.2, repetition_penalty=0.9, min_tokens=1, ignore_eos=True,
+        stop_token_ids=[1, 2], skip_special_tokens=False, include_stop_str_in_output=True))
+    assert chat_sampling_params(req, 1000) == SamplingParams(
+        max_new_tokens=5, min_new_tokens=1, temperature=0.0, top_k=10, top_p=0.5, min_p=0.2,
+        repetition_penalty=0.9, frequency_penalty=1.5, presence_penalty=1.0,
+        logit_bias={3: 1.0}, seed=7, n=2, ignore_eos=True, stop=["x", "y"],
+        stop_token_ids=[1, 2], logprobs=4, prompt_logprobs=None, skip_special_tokens=False,
+        include_stop_str_in_output=True)
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    (chat(), {"max_new_tokens": 321, "logprobs": None, "n": 1}),
+    (chat(max_tokens=4), {"max_new_tokens": 4}),
+    (chat(max_completion_tokens=6), {"max_new_tokens": 6}),
+    (chat(max_tokens=4, max_completion_tokens=6), {"max_new_tokens": 6}),
+    (chat(logprobs=True), {"logprobs": 0, "prompt_logprobs": None}),
+    (chat(logprobs=True, top_logprobs=0), {"logprobs": 0}),
+    (chat(logprobs=True, top_logprobs=3), {"logprobs": 3}),
+    (chat(logprobs=False), {"logprobs": None}),
+    (chat(top_k=0), {"top_k": -1}),
+    (chat(stop="z"), {"stop": ["z"]}),
+])
+def test_chat_sampling_params_mapping(body: dict[str, Any], expected: dict[str, Any]) -> None:
+    p = chat_sampling_params(ChatCompletionRequest.model_validate(body), 321)
+    for name, value in expected.items():
+        assert getattr(p, name) == value, name
+
+
+def test_native_sampling_params_cover_sampling_params() -> None:
+    # A field added to SamplingParams must be settable natively (or excluded on purpose).
+    assert set(NativeSamplingParams.model_fields) == native_sampling_param_names()
+    assert "logprobs" not in native_sampling_param_names()
+    assert "temperature" in native_sampling_param_names()
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    (gen(), {"max_new_tokens": 77, "temperature": 1.0, "logprobs": None,
+             "prompt_logprobs": None}),
+    (gen(sampling_params={"max_new_tokens": 3}), {"max_new_tokens": 3}),
+    (gen(sampling_params={"max_new_tokens": None, "temperature": None}),
+     {"max_new_tokens": 77, "temperature": 1.0}),
+    (gen(sampling_params={"temperature": 0, "top_k": 0, "stop": "x", "n": 2, "seed": 5}),
+     {"temperature": 0.0, "top_k": -1, "stop": ["x"], "n": 2, "seed": 5}),
+    (gen(sampling_params={"logit_bias": {"4": -1.5}, "stop_token_ids": [2],
+                          "min_new_tokens": 1, "ignore_eos": True}),
+     {"logit_bias": {4: -1.5}, "stop_token_ids": [2], "min_new_tokens": 1, "ignore_eos": True}),
+    (gen(return_logprob=True), {"logprobs": 0, "prompt_logprobs": None}),
+    (gen(return_logprob=True, top_logprobs_num=3), {"logprobs": 3, "prompt_logprobs": None}),
+    (gen(return_logprob=True, top_logprobs_num=3, logprob_start_len=0),
+     {"logprobs": 3, "prompt_logprobs": 3}),
+])
+def test_generate_sampling_params(body: dict[str, Any], expected: dict[str, Any]) -> None:
+    p = generate_sampling_params(GenerateRequest.model_validate(body), 77)
+    for name, value in expected.items():
+        assert getattr(p, name) == value, name
+
+
+def test_generate_sampling_params_every_field_reaches_sampling_params() -> None:
+    values: dict[str, Any] = {
+        "max_new_tokens": 9, "min_new_tokens": 2, "temperature": 0.3, "top_k": 4, "top_p": 0.8,
+        "min_p": 0.1, "repetition_penalty": 1.2, "frequency_penalty": 0.4,
+        "presence_penalty": -0.4, "logit_bias": {"1": 2.0}, "seed": 3, "n": 2,
+        "ignore_eos": True, "stop": ["q"], "stop_token_ids": [5], "skip_special_tokens": False,
+        "include_stop_str_in_output": True,
+    }
+    assert set(values) == native_sampling_param_names()
+    p = generate_sampling_params(GenerateRequest.model_validate(gen(sampling_params=values)), 1)
+    assert p == SamplingParams(**{**values, "logit_bias": {1: 2.0}})
+
+
+# ---------------------------------------------------------------------------------------------
+# unsupported()
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("cls", "body", "expected"), [
+    (CompletionRequest, comp(), None),
+    (CompletionRequest, comp(suffix=None), None),
+    (CompletionRequest, comp(suffix=""), None),
+    (CompletionRequest, comp(suffix="x"), "suffix"),
+    (ChatCompletionRequest, chat(), None),
+    (ChatCompletionRequest, chat(response_format={"type": "text"}), None),
+    (ChatCompletionRequest, chat(tools=[]), None),
+    (ChatCompletionRequest, chat(tool_choice="none"), None),
+    (ChatCompletionRequest, chat(tool_choice="auto"), None),
+    (ChatCompletionRequest, chat(function_call="none", functions=[]), None),
+    (ChatCompletionRequest, chat(tools=[{"type": "function"}]), "tools"),
+    (ChatCompletionRequest, chat(tools=[{"type": "function"}], tool_choice="none"), "tools"),
+    (ChatCompletionRequest, chat(tool_choice="required"), "tool_choice"),
+    (ChatCompletionRequest, chat(tool_choice={"type": "function"}), "tool_choice"),
+    (ChatCompletionRequest, chat(functions=[{"name": "f"}]), "functions"),
+    (ChatCompletionRequest, chat(function_call={"name": "f"}), "function_call"),
+    (ChatCompletionRequest, chat(response_format={"type": "json_object"}), "response_format"),
+    (ChatCompletionRequest, chat(response_format={"type": "json_schema", "json_schema": {}}),
+     "response_format"),
+    (ChatCompletionRequest,
+     chat(messages=[*USER, {"role": "assistant", "tool_calls": [{"id": "c"}]}]), "tool_calls"),
+])
+def test_unsupported(cls: type[BaseModel], body: dict[str, Any], expected: str | None) -> None:
+    assert unsupported(cls.model_validate(body)) == expected  # type: ignore[arg-type]
+
+
+def test_template_messages() -> None:
+    req = ChatCompletionRequest.model_validate(chat(messages=[
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+         "name": "ann"},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]))
+    assert req.template_messages() == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "a\nb", "name": "ann"},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses, parsed by the openai client's own types
+# ---------------------------------------------------------------------------------------------
+
+
+def wire(model: BaseModel) -> dict[str, Any]:
+    """What goes over HTTP: the JSON text, parsed back (so json-mode serialisation is used)."""
+    return json.loads(model.model_dump_json())
+
+
+def round_trip(client_type: Any, model: BaseModel, strict: bool = True) -> Any:
+    """Parse our JSON with the client's type: strictly (pydantic validation) where the client's
+    Literals allow, else the way the client itself parses responses (`construct_type`)."""
+    data = wire(model)
+    parsed = (client_type.model_validate(data) if strict
+              else construct_type(type_=client_type, value=data))
+    assert parsed.to_dict(exclude_unset=True) == data
+    return parsed
+
+
+def completion_response() -> CompletionResponse:
+    return CompletionResponse(
+        id="cmpl-1", created=1700000000, model="m",
+        choices=[
+            CompletionChoice(
+                index=0, text=" world", finish_reason="length",
+                logprobs=CompletionLogprobs(
+                    tokens=[" wor", "ld"], token_logprobs=[-0.5, -1.25],
+                    top_logprobs=[{" wor": -0.5, " w": -2.0}, {"ld": -1.25}],
+                    text_offset=[5, 9])),
+            CompletionChoice(index=1, text="!", finish_reason="stop", stop_reason="\n"),
+        ],
+        usage=UsageInfo.from_counts(5, 2, cached_tokens=4))
+
+
+def test_completion_response_round_trip() -> None:
+    parsed = round_trip(Completion, completion_response())
+    assert parsed.object == "text_completion"
+    assert parsed.choices[0].logprobs.top_logprobs[1] == {"ld": -1.25}
+    assert parsed.choices[1].finish_reason == "stop"
+    assert parsed.usage.total_tokens == 7
+    assert parsed.usage.prompt_tokens_details.cached_tokens == 4
+
+
+def test_completion_echo_logprobs_with_leading_none() -> None:
+    resp = CompletionResponse(id="c", model="m", usage=UsageInfo.from_counts(2, 0), choices=[
+        CompletionChoice(index=0, text="ab", finish_reason="length", logprobs=CompletionLogprobs(
+            tokens=["a", "b"], token_logprobs=[None, -1.0], top_logprobs=[None, {"b": -1.0}],
+            text_offset=[0, 1]))])
+    parsed = round_trip(Completion, resp, strict=False)
+    assert parsed.choices[0].logprobs.token_logprobs == [None, -1.0]
+
+
+def test_completion_stream_chunks_round_trip() -> None:
+    chunk = CompletionStreamResponse(id="c", created=1, model="m", choices=[
+        CompletionChoice(index=0, text="he")])
+    parsed = round_trip(Completion, chunk, strict=False)
+    assert parsed.choices[0].finish_reason is None and parsed.usage is None
+    last = CompletionStreamResponse(id="c", created=1, model="m", choices=[
+        CompletionChoice(index=0, text="", finish_reason="stop")])
+    round_trip(Completion, last)
+    usage = CompletionStreamResponse(id="c", created=1, model="m", choices=[],
+                                     usage=UsageInfo.from_counts(3, 4))
+    assert round_trip(Completion, usage).usage.total_tokens == 7
+
+
+def chat_logprobs() -> ChatChoiceLogprobs:
+    return ChatChoiceLogprobs(content=[ChatTokenLogprob(
+        token="Hi", logprob=-0.1, bytes=[72, 105],
+        top_logprobs=[ChatTopLogprob(token="Hi", logprob=-0.1, bytes=[72, 105]),
+                      ChatTopLogprob(token="Hey", logprob=-2.5, bytes=None)])])
+
+
+def test_chat_response_round_trip() -> None:
+    resp = ChatCompletionResponse(id="chatcmpl-1", created=2, model="m", choices=[
+        ChatCompletionChoice(index=0, message=ChatResponseMessage(content="Hi"),
+                             logprobs=chat_logprobs(), finish_reason="stop"),
+        ChatCompletionChoice(index=1, message=ChatResponseMessage(content="Yo"),
+                             finish_reason="length"),
+    ], usage=UsageInfo.from_counts(10, 1))
+    parsed = round_trip(ChatCompletion, resp)
+    assert parsed.object == "chat.completion"
+    assert parsed.choices[0].message.role == "assistant"
+    assert parsed.choices[0].logprobs.content[0].top_logprobs[1].token == "Hey"
+    assert parsed.choices[0].logprobs.content[0].bytes == [72, 105]
+
+
+def test_chat_stream_chunks_round_trip() -> None:
+    first = ChatCompletionStreamResponse(id="x", created=3, model="m", choices=[
+        ChatCompletionStreamChoice(index=0, delta=DeltaMessage(role="assistant", content=""))])
+    assert round_trip(ChatCompletionChunk, first).choices[0].delta.role == "assistant"
+    middle = ChatCompletionStreamResponse(id="x", created=3, model="m", choices=[
+        ChatCompletionStreamChoice(index=0, delta=DeltaMessage(content="Hi"),
+                                   logprobs=chat_logprobs())])
+    parsed = round_trip(ChatCompletionChunk, middle)
+    assert parsed.choices[0].delta.content == "Hi" and parsed.choices[0].finish_reason is None
+    last = ChatCompletionStreamResponse(id="x", created=3, model="m", choices=[
+        ChatCompletionStreamChoice(index=0, delta=DeltaMessage(), finish_reason="length")])
+    assert round_trip(ChatCompletionChunk, last).choices[0].finish_reason == "length"
+    usage = ChatCompletionStreamResponse(id="x", created=3, model="m", choices=[],
+                                         usage=UsageInfo.from_counts(1, 2, cached_tokens=0))
+    assert round_trip(ChatCompletionChunk, usage).usage.completion_tokens == 2
+
+
+def test_abort_finish_reason_passes_the_clients_lenient_parsing() -> None:
+    resp = ChatCompletionResponse(id="a", model="m", usage=UsageInfo.from_counts(1, 0), choices=[
+        ChatCompletionChoice(index=0, message=ChatResponseMessage(content=""),
+                             finish_reason="abort")])
+    assert round_trip(ChatCompletion, resp, strict=False).choices[0].finish_reason == "abort"
+
+
+def test_model_list_round_trip() -> None:
+    card = ModelCard(id="tiny", created=5, max_model_len=2048)
+    parsed = round_trip(Model, card)
+    assert parsed.owned_by == "phaseflip" and parsed.object == "model"
+    assert wire(ModelList(data=[card])) == {"object": "list", "data": [wire(card)]}
+
+
+def test_non_finite_logprobs_become_openai_sentinel() -> None:
+    lp = ChatTokenLogprob(token="a", logprob=-INF, top_logprobs=[
+        ChatTopLogprob(token="a", logprob=-INF)])
+    assert wire(lp)["logprob"] == -9999.0 and wire(lp)["top_logprobs"][0]["logprob"] == -9999.0
+    legacy = CompletionLogprobs(tokens=["a"], token_logprobs=[-INF], top_logprobs=[{"a": NAN}],
+                                text_offset=[0])
+    assert wire(legacy)["token_logprobs"] == [-9999.0]
+    assert wire(legacy)["top_logprobs"] == [{"a": -9999.0}]
+    assert ChatTopLogprob(token="a", logprob=-1.5).logprob == -1.5
+
+
+def test_response_models_refuse_unknown_fields() -> None:
+    with pytest.raises(ValidationError):
+        ChatResponseMessage(content="x", reasoning="y")  # type: ignore[call-arg]
+    with pytest.raises(ValidationError):
+        CompletionChoice(index=0, text="", finish_reason="eos")  # type: ignore[arg-type]
+
+
+def test_error_body() -> None:
+    assert error_body("bad n", param="n") == {"error": {
+        "message": "bad n", "type": "invalid_request_error", "param": "n", "code": None}}
+    body = error_body("busy", type_="server_error", code="overloaded")
+    assert ErrorResponse.model_validate(body).error.code == "overloaded"
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end through the official client (HTTP mocked in-process)
+# ---------------------------------------------------------------------------------------------
+
+
+def sse(*events: BaseModel) -> bytes:
+    lines = [f"data: {e.model_dump_json()}\n\n" for e in events]
+    return ("".join(lines) + "data: [DONE]\n\n").encode()
+
+
+class FakeServer:
+    """Validates what the client sends with our request models and answers canned bodies."""
+
+    def __init__(self) -> None:
+        self.requests: list[BaseModel] = []
+
+    def __call__(self, request: httpx2.Request) -> httpx2.Response:
+        path = request.url.path
+        if path == "/v1/models":
+            return httpx2.Response(200, json=wire(ModelList(data=[ModelCard(id="m")])))
+        body = json.loads(request.content)
+        cls = CompletionRequest if path == "/v1/completions" else ChatCompletionRequest
+        try:
+            req = cls.model_validate(body)
+        except ValidationError as exc:
+            message, param = validation_error_to_openai(exc)
+            return httpx2.Response(400, json=error_body(message, param=param))
+        self.requests.append(req)
+        if isinstance(req, CompletionRequest):
+            if req.stream:
+                return httpx2.Response(200, content=sse(
+                    CompletionStreamResponse(id="c", model="m", choices=[
+                        CompletionChoice(index=0, text="a")]),
+                    CompletionStreamResponse(id="c", model="m", choices=[
+                        CompletionChoice(index=0, text="b", finish_reason="stop")]),
+                ), headers={"content-type": "text/event-stream"})
+            return httpx2.Response(200, json=wire(completion_response()))
+        if req.stream:
+            return httpx2.Response(200, content=sse(
+                ChatCompletionStreamResponse(id="x", model="m", choices=[
+                    ChatCompletionStreamChoice(index=0, delta=DeltaMessage(role="assistant",
+                                                                           content=""))]),
+                ChatCompletionStreamResponse(id="x", model="m", choices=[
+                    ChatCompletionStreamChoice(index=0, delta=DeltaMessage(content="Hi"),
+                                               finish_reason="stop")]),
+                ChatCompletionStreamResponse(id="x", model="m", choices=[],
+                                             usage=UsageInfo.from_counts(4, 1)),
+            ), headers={"content-type": "text/event-stream"})
+        return httpx2.Response(200, json=wire(ChatCompletionResponse(
+            id="x", model="m", usage=UsageInfo.from_counts(4, 1), choices=[ChatCompletionChoice(
+                index=0, message=ChatResponseMessage(content="Hi"), finish_reason="stop")])))
+
+
+@pytest.fixture
+def fake() -> tuple[openai.OpenAI, FakeServer]:
+    server = FakeServer()
+    client = openai.OpenAI(
+        base_url="http://phaseflip.test/v1", api_key="k", max_retries=0,
+        http_client=httpx2.Client(transport=httpx2.MockTransport(server)))
+    return client, server
+
+
+def test_client_completions(fake: tuple[openai.OpenAI, FakeServer]) -> None:
+    client, server = fake
+    out = client.completions.create(
+        model="m", prompt=[1, 2, 3], max_tokens=4, logprobs=2, echo=True, seed=1,
+        extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "ignore_eos": True})
+    assert out.choices[0].text == " world" and out.usage.prompt_tokens_details.cached_tokens == 4
+    req = server.requests[-1]
+    assert isinstance(req, CompletionRequest)
+    assert req.prompt == [1, 2, 3] and req.top_k == 5 and req.ignore_eos
+    params = completion_sampling_params(req, 100)
+    assert (params.logprobs, params.prompt_logprobs, params.top_k) == (2, 2, 5)
+
+    chunks = list(client.completions.create(model="m", prompt="x", stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == "ab"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_client_chat(fake: tuple[openai.OpenAI, FakeServer]) -> None:
+    client, server = fake
+    out = client.chat.completions.create(
+        model="m", messages=[{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+        max_completion_tokens=3, logprobs=True, top_logprobs=2,
+        extra_body={"add_generation_prompt": True, "chat_template_kwargs": {"a": 1}})
+    assert out.choices[0].message.content == "Hi"
+    req = server.requests[-1]
+    assert isinstance(req, ChatCompletionRequest) and req.chat_template_kwargs == {"a": 1}
+    assert chat_sampling_params(req, 100).logprobs == 2
+
+    stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "u"}],
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hi"
+    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 5
+
+
+def test_client_models_and_errors(fake: tuple[openai.OpenAI, FakeServer]) -> None:
+    client, _ = fake
+    assert [m.id for m in client.models.list()] == ["m"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "u"}],
+                                       temperature=5)
+    assert info.value.status_code == 400
+    assert info.value.param == "temperature"  # type: ignore[attr-defined]
+    assert "temperature: Input should be less than or equal to 2" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="m", prompt="x", extra_body={"bogus": 1})
+    assert "Unrecognized request argument supplied: bogus" in info.value.message
+
+
+def test_finite_check_is_not_vacuous() -> None:
+    # Guards the NaN tests: a plain pydantic float would have accepted NaN.
+    class Loose(BaseModel):
+        x: float
+
+    assert math.isnan(Loose(x=NAN).x)
