@@ -1,4 +1,8 @@
-"""Command line: `phaseflip generate` (offline). Flags come from EngineConfig's fields."""
+"""Command line: `phaseflip serve` and `phaseflip generate`.
+
+Flags are generated from the fields of `EngineConfig` and `ServerConfig` (and their docstrings
+become the help text), so nothing is written twice.
+"""
 
 from __future__ import annotations
 
@@ -14,9 +18,9 @@ import typing
 from phaseflip.config import EngineConfig
 
 
-def _field_docs() -> dict[str, str]:
-    """The docstring under each EngineConfig field (the flag's help text)."""
-    tree = ast.parse(inspect.getsource(EngineConfig))
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each dataclass field (the flag's help text)."""
+    tree = ast.parse(inspect.getsource(cls))
     docs, body = {}, tree.body[0].body
     for prev, node in zip(body, body[1:]):
         if isinstance(prev, ast.AnnAssign) and isinstance(node, ast.Expr):
@@ -24,9 +28,9 @@ def _field_docs() -> dict[str, str]:
     return docs
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    docs, hints = _field_docs(), typing.get_type_hints(EngineConfig)
-    for f in dataclasses.fields(EngineConfig):
+def add_config_flags(parser: argparse.ArgumentParser, cls: type = EngineConfig) -> None:
+    docs, hints = _field_docs(cls), typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
         if isinstance(kind, types.UnionType):
@@ -39,8 +43,15 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                                 help=f"{docs.get(f.name, '')} (default: %(default)s)")
 
 
-def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+def config_from_args(args: argparse.Namespace, cls: type = EngineConfig):
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from phaseflip.server.context import ServerConfig
+    from phaseflip.server.launch import serve
+
+    return serve(config_from_args(args), config_from_args(args, ServerConfig))
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -72,8 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--json", action="store_true", help="one JSON object per line")
     add_config_flags(gen)
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    from phaseflip.server.context import ServerConfig
+
+    add_config_flags(srv, ServerConfig)
+    add_config_flags(srv)
     args = parser.parse_args(argv)
-    return _generate(args)
+    return _serve(args) if args.command == "serve" else _generate(args)
 
 
 if __name__ == "__main__":

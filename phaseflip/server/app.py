@@ -1,0 +1,252 @@
+"""The FastAPI application: routes, OpenAI-shaped errors, auth and request ids."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import phaseflip
+from phaseflip.errors import ContextLengthError, InvalidRequestError
+from phaseflip.server import protocol as p
+from phaseflip.server.context import OverloadedError, ServerContext, UnknownModelError
+from phaseflip.server.engine_client import EngineDeadError
+from phaseflip.server.openai_api import (
+    Choice,
+    PromptRun,
+    create_chat_completion,
+    create_completion,
+    respond,
+    run_prompts,
+    sse,
+    stream_response,
+)
+
+
+def _error(status: int, message: str, type_: str, param: str | None = None,
+           code: str | None = None) -> JSONResponse:
+    return JSONResponse(p.error_body(message, type_, param, code), status_code=status)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = p.validation_error_to_openai(exc.errors())
+        return _error(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(ContextLengthError)
+    async def too_long(_: Request, exc: ContextLengthError) -> JSONResponse:
+        return _error(400, str(exc), "invalid_request_error", exc.param, "context_length_exceeded")
+
+    @app.exception_handler(InvalidRequestError)
+    async def bad(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return _error(400, str(exc), "invalid_request_error", exc.param)
+
+    @app.exception_handler(UnknownModelError)
+    async def unknown_model(_: Request, exc: UnknownModelError) -> JSONResponse:
+        return _error(404, str(exc), "invalid_request_error", "model", "model_not_found")
+
+    @app.exception_handler(OverloadedError)
+    async def overloaded(_: Request, exc: OverloadedError) -> JSONResponse:
+        return _error(503, str(exc), "server_overloaded")
+
+    @app.exception_handler(EngineDeadError)
+    async def dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return _error(503, str(exc), "server_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(exc.status_code, str(exc.detail), kind)
+
+
+def build_app(ctx: ServerContext) -> FastAPI:
+    app = FastAPI(title="phaseflip", version=phaseflip.__version__)
+    _install_error_handlers(app)
+
+    @app.middleware("http")
+    async def request_id_and_auth(request: Request, call_next):
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        key = ctx.cfg.api_key
+        if key and request.url.path.startswith("/v1") and (
+            request.headers.get("authorization") != f"Bearer {key}"
+        ):
+            resp = _error(401, "invalid or missing API key", "authentication_error",
+                          code="invalid_api_key")
+        elif request.url.path.startswith(("/v1/", "/generate", "/tokenize", "/detokenize",
+                                          "/flush_cache", "/abort_request")) and not ctx.ready:
+            resp = _error(503, ctx.engine.state.dead or "the model is still loading",
+                          "server_error")
+        else:
+            resp = await call_next(request)
+        resp.headers["x-request-id"] = rid
+        return resp
+
+    @app.get("/health")
+    async def health() -> Response:
+        if ctx.ready:
+            return Response(status_code=200)
+        return _error(503, ctx.engine.state.dead or "loading", "server_error")
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        if not ctx.ready:
+            return _error(503, ctx.engine.state.dead or "loading", "server_error")
+        from phaseflip.sampling.params import SamplingParams
+
+        async for _ in ctx.run(ctx.new_id("health"), [0], SamplingParams(max_new_tokens=1)):
+            pass
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return p.ModelList(data=[_card(ctx)]).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        ctx.check_model(model_id)
+        return _card(ctx).model_dump()
+
+    @app.post("/v1/completions")
+    async def completions(req: p.CompletionRequest, request: Request):
+        return await create_completion(req, request, ctx)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: p.ChatCompletionRequest, request: Request):
+        return await create_chat_completion(req, request, ctx)
+
+    @app.post("/generate")
+    async def generate(req: p.GenerateRequest, request: Request):
+        return await _native_generate(ctx, req, request)
+
+    @app.post("/tokenize")
+    async def tokenize(req: p.TokenizeRequest) -> dict:
+        ctx.check_model(req.model)
+        if req.messages is not None:
+            text = ctx.tokenizer.apply_chat_template(
+                [m.template_dict() for m in req.messages], tokenize=False,
+                add_generation_prompt=req.add_generation_prompt)
+            ids = ctx.tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = ctx.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)[
+                "input_ids"]
+        return p.TokenizeResponse(tokens=ids, count=len(ids),
+                                  max_model_len=ctx.max_context).model_dump()
+
+    @app.post("/detokenize")
+    async def detokenize(req: p.DetokenizeRequest) -> dict:
+        ctx.check_model(req.model)
+        vocab = ctx.engine.state.ready.vocab_size
+        if any(t >= vocab for t in req.tokens):
+            raise InvalidRequestError(f"token ids must be below {vocab}", "tokens")
+        return p.DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens)).model_dump()
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> Response:
+        reply = await ctx.engine.control("flush_cache")
+        if not reply.ok:
+            return _error(400, reply.message, "invalid_request_error")
+        return JSONResponse({"freed_tokens": reply.data["freed_tokens"]})
+
+    @app.post("/abort_request")
+    async def abort_request(req: p.AbortRequest) -> dict:
+        await ctx.engine.abort(req.rid)
+        return {"rid": req.rid}
+
+    @app.get("/server_info")
+    async def server_info() -> dict:
+        info = (await ctx.engine.control("info")).data
+        ready = ctx.engine.state.ready
+        return info | {
+            "model": ctx.model_name, "max_model_len": ctx.max_context,
+            "device": ready.device, "dtype": ready.dtype,
+            "server_config": {k: v for k, v in vars(ctx.cfg).items() if k != "api_key"},
+            "versions": _versions(),
+        }
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        st = ctx.engine.state
+        ctx.metrics.running.set(st.running)
+        ctx.metrics.waiting.set(st.waiting)
+        if st.ready is not None and not st.dead:
+            info = (await ctx.engine.control("info")).data["pool"]
+            ctx.metrics.token_usage.set((info["protected"] + info["private"]) / info["total"])
+        return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _card(ctx: ServerContext) -> p.ModelCard:
+    return p.ModelCard(id=ctx.model_name, created=ctx.started, max_model_len=ctx.max_context)
+
+
+def _versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    return {"phaseflip": phaseflip.__version__, "torch": torch.__version__,
+            "transformers": transformers.__version__}
+
+
+async def _native_generate(ctx: ServerContext, req: p.GenerateRequest, request: Request):
+    if req.text is not None:
+        texts = [req.text] if isinstance(req.text, str) else req.text
+        prompts = [ctx.tokenizer(t)["input_ids"] for t in texts]
+    else:
+        ids = req.input_ids
+        prompts = [list(ids)] if ids and isinstance(ids[0], int) else [list(x) for x in ids]
+    single = isinstance(req.text, str) or (req.input_ids and isinstance(req.input_ids[0], int))
+    base = req.rid or ctx.new_id("gen")
+    runs = []
+    for i, ids in enumerate(prompts):
+        params = p.generate_sampling_params(req, ctx.default_max_tokens(len(ids)))
+        ctx.validate(ids, params)
+        runs.append(PromptRun(base if single else f"{base}-{i}", ids, params, 0))
+
+    def meta(run: PromptRun, c: Choice, finished: bool) -> dict:
+        out = {"id": run.rid, "finish_reason": c.finish_reason if finished else None,
+               "matched_stop": c.stop_reason, "prompt_tokens": len(run.prompt_ids),
+               "completion_tokens": len(c.token_ids),
+               "cached_tokens": run.usage.cached_tokens if run.usage else 0}
+        if req.return_logprob:
+            out["output_token_logprobs"] = list(zip(c.logprobs, c.token_ids))
+            out["output_top_logprobs"] = c.top
+            if run.prompt_logprobs is not None:
+                start = max(req.logprob_start_len, 0)
+                out["input_token_logprobs"] = list(zip(run.prompt_logprobs[start:],
+                                                       run.prompt_ids[start:]))
+        return out
+
+    if req.stream:
+        async def events() -> AsyncIterator[str]:
+            acc: dict[tuple[str, int], Choice] = {}
+            async for run, d in run_prompts(ctx, runs):
+                c = acc.setdefault((run.rid, d.index), Choice(d.index))
+                c.add(d)
+                if d.prompt_logprobs is not None:
+                    run.prompt_logprobs = d.prompt_logprobs
+                if d.usage is not None:
+                    run.usage = d.usage
+                yield sse({"text": c.text, "index": d.index,
+                           "meta_info": meta(run, c, d.finish_reason is not None)})
+        return stream_response(events())
+
+    async def body():
+        acc: dict[tuple[str, int], Choice] = {}
+        async for run, d in run_prompts(ctx, runs):
+            acc.setdefault((run.rid, d.index), Choice(d.index)).add(d)
+            if d.prompt_logprobs is not None:
+                run.prompt_logprobs = d.prompt_logprobs
+            if d.usage is not None:
+                run.usage = d.usage
+        outs = [{"text": c.text, "output_ids": c.token_ids, "index": c.index,
+                 "meta_info": meta(run, c, True)}
+                for run in runs for (rid, _), c in sorted(acc.items()) if rid == run.rid]
+        return outs[0] if single and len(outs) == 1 else outs
+
+    return await respond(request, body)

@@ -1,0 +1,141 @@
+"""The front end's handle on the engine process: submit, stream back, abort, control calls.
+
+One asyncio task reads the engine's output socket and routes each delta to the queue of the
+request it belongs to; HTTP handlers only ever await their own queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing as mp
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from phaseflip.engine.outputs import StreamDelta
+from phaseflip.errors import InvalidRequestError, PhaseflipError
+from phaseflip.sampling.params import SamplingParams
+from phaseflip.server import messages as m
+
+
+class EngineDeadError(PhaseflipError):
+    """The engine process exited; the server is unhealthy."""
+
+
+@dataclass
+class EngineState:
+    ready: m.Ready | None = None
+    running: int = 0
+    waiting: int = 0
+    dead: str | None = None  # why the engine is gone, once it is
+    in_flight: dict[str, asyncio.Queue] = field(default_factory=dict)
+
+
+class EngineClient:
+    def __init__(self, requests_addr: str, outputs_addr: str, process: mp.Process | None):
+        self.ctx = zmq.asyncio.Context()
+        self.out = self.ctx.socket(zmq.PUSH)
+        self.out.bind(requests_addr)
+        self.inp = self.ctx.socket(zmq.PULL)
+        self.inp.bind(outputs_addr)
+        self.process = process
+        self.state = EngineState()
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._ready = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+
+    async def wait_ready(self, timeout_s: float | None = None) -> m.Ready:
+        await asyncio.wait_for(self._ready.wait(), timeout_s)
+        if self.state.ready is None:
+            raise EngineDeadError(self.state.dead or "engine failed to start")
+        return self.state.ready
+
+    async def _read(self) -> None:
+        while True:
+            msg = m.decode(await self.inp.recv())
+            if isinstance(msg, m.Deltas):
+                self.state.running, self.state.waiting = msg.running, msg.waiting
+                for d in msg.deltas:
+                    q = self.state.in_flight.get(d.request_id)
+                    if q is not None:
+                        q.put_nowait(d)
+            elif isinstance(msg, m.RequestFailed):
+                q = self.state.in_flight.get(msg.rid)
+                if q is not None:
+                    q.put_nowait(msg)
+            elif isinstance(msg, m.ControlReply):
+                fut = self._calls.pop(msg.call_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            elif isinstance(msg, m.Ready):
+                self.state.ready = msg
+                self._ready.set()
+
+    async def _watch(self) -> None:
+        """Turns an engine exit into a named failure for everyone waiting on it."""
+        if self.process is None:
+            return
+        while self.process.is_alive():
+            await asyncio.sleep(0.5)
+        self.state.dead = f"engine process exited with code {self.process.exitcode}"
+        self._ready.set()
+        err = m.RequestFailed("", "server_error", self.state.dead)
+        for q in self.state.in_flight.values():
+            q.put_nowait(err)
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(self.state.dead))
+
+    async def generate(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[StreamDelta]:
+        """Streams the request's deltas; leaving early (client gone) aborts it in the engine."""
+        if self.state.dead:
+            raise EngineDeadError(self.state.dead)
+        if rid in self.state.in_flight:
+            raise InvalidRequestError(f"request id {rid!r} is already in flight", "request_id")
+        q: asyncio.Queue = asyncio.Queue()
+        self.state.in_flight[rid] = q
+        await self.out.send(m.encode(m.AddRequest(rid, prompt_ids, params)))
+        done = False
+        try:
+            while not done:
+                item = await q.get()
+                if isinstance(item, m.RequestFailed):
+                    done = True
+                    if item.kind == "server_error":
+                        raise EngineDeadError(item.message)
+                    raise InvalidRequestError(item.message, item.param)
+                done = item.usage is not None
+                yield item
+        finally:
+            self.state.in_flight.pop(rid, None)
+            if not done:
+                await self.abort(rid)
+
+    async def abort(self, rid: str) -> None:
+        if not self.state.dead:
+            await self.out.send(m.encode(m.AbortRequest(rid)))
+
+    async def control(self, op: str, timeout_s: float = 30.0) -> m.ControlReply:
+        if self.state.dead:
+            raise EngineDeadError(self.state.dead)
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        await self.out.send(m.encode(m.Control(call_id, op)))
+        return await asyncio.wait_for(fut, timeout_s)
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        self.out.close(linger=0)
+        self.inp.close(linger=0)
+        self.ctx.term()

@@ -1,0 +1,98 @@
+"""Typed messages between the HTTP front end and the engine process, and their one codec.
+
+Every message is a small dataclass; `encode`/`decode` turn any of them into bytes. Decoding
+only ever constructs the classes registered here (plus plain containers), so a stray or
+malicious frame cannot instantiate arbitrary objects.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+from phaseflip.engine.outputs import StreamDelta, Usage
+from phaseflip.sampling.params import SamplingParams
+
+# ---------------------------------------------------------------- front end → engine
+
+
+@dataclass
+class AddRequest:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class AbortRequest:
+    rid: str
+
+
+@dataclass
+class Control:
+    """A call that expects a `ControlReply` with the same `call_id`."""
+
+    call_id: int
+    op: str  # "info", "flush_cache", "shutdown"
+
+
+# ---------------------------------------------------------------- engine → front end
+
+
+@dataclass
+class Ready:
+    model: str
+    max_context: int
+    vocab_size: int
+    kv_capacity_tokens: int
+    device: str
+    dtype: str
+
+
+@dataclass
+class Deltas:
+    deltas: list[StreamDelta]
+    running: int = 0
+    waiting: int = 0
+
+
+@dataclass
+class RequestFailed:
+    rid: str
+    kind: str  # "invalid_request_error" or "server_error"
+    message: str
+    param: str | None = None
+
+
+@dataclass
+class ControlReply:
+    call_id: int
+    ok: bool
+    data: dict[str, Any] = field(default_factory=dict)
+    message: str = ""
+
+
+Message = AddRequest | AbortRequest | Control | Ready | Deltas | RequestFailed | ControlReply
+
+_ALLOWED = {
+    (c.__module__, c.__name__)
+    for c in (AddRequest, AbortRequest, Control, Ready, Deltas, RequestFailed, ControlReply,
+              StreamDelta, Usage, SamplingParams)
+}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"message codec refuses {module}.{name}")
+
+
+def encode(msg: Message) -> bytes:
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes) -> Message:
+    return _Unpickler(io.BytesIO(data)).load()

@@ -1,0 +1,46 @@
+"""Prometheus metrics of one server (its own registry: no process-global state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        ns = "phaseflip"
+        self.running = Gauge("num_requests_running", "Requests in the engine's running batch",
+                             namespace=ns, registry=r)
+        self.waiting = Gauge("num_requests_waiting", "Requests queued in the engine",
+                             namespace=ns, registry=r)
+        self.token_usage = Gauge("token_usage", "Fraction of the KV pool held by requests",
+                                 namespace=ns, registry=r)
+        self.cache_hit_rate = Gauge("cache_hit_rate",
+                                    "Prompt tokens served from the prefix cache / prompt tokens",
+                                    namespace=ns, registry=r)
+        self.prompt_tokens = Counter("prompt_tokens", "Prompt tokens processed",
+                                     namespace=ns, registry=r)
+        self.cached_tokens = Counter("cached_prompt_tokens", "Prompt tokens served from cache",
+                                     namespace=ns, registry=r)
+        self.generation_tokens = Counter("generation_tokens", "Tokens generated",
+                                         namespace=ns, registry=r)
+        self.requests = Counter("requests", "Finished requests by finish reason",
+                                ["finish_reason"], namespace=ns, registry=r)
+        self.ttft = Histogram("time_to_first_token_seconds", "Time to first token",
+                              namespace=ns, registry=r, buckets=_LATENCY_BUCKETS)
+        self.itl = Histogram("inter_token_latency_seconds", "Time between output tokens",
+                             namespace=ns, registry=r, buckets=_LATENCY_BUCKETS)
+        self.e2e = Histogram("e2e_request_latency_seconds", "Request latency, end to end",
+                             namespace=ns, registry=r, buckets=_LATENCY_BUCKETS)
+
+    def observe_usage(self, prompt_tokens: int, cached: int, generated: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached)
+        self.generation_tokens.inc(generated)
+        total = self.prompt_tokens._value.get()
+        self.cache_hit_rate.set(self.cached_tokens._value.get() / total if total else 0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

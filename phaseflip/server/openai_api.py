@@ -1,0 +1,317 @@
+"""`/v1/completions` and `/v1/chat/completions`: prompts in, OpenAI-shaped answers out.
+
+Each prompt (and each of its n samples, which the engine runs as one group sharing the
+prompt's KV) becomes engine deltas; this module only reshapes them — as one JSON body, or as
+server-sent events ending in `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from phaseflip.engine.outputs import StreamDelta
+from phaseflip.errors import InvalidRequestError, PhaseflipError
+from phaseflip.sampling.params import SamplingParams
+from phaseflip.server import protocol as p
+from phaseflip.server.context import ServerContext
+
+
+@dataclass
+class Choice:
+    """Accumulated output of one choice."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, d: StreamDelta) -> None:
+        self.text += d.text
+        self.token_ids += d.token_ids
+        self.logprobs += d.logprobs or []
+        self.top += d.top_logprobs or []
+        self.finish_reason, self.stop_reason = d.finish_reason, d.matched_stop
+
+
+@dataclass
+class PromptRun:
+    """One prompt's engine request and what came back."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    first_index: int  # choice index of sample 0
+    usage: object = None
+    prompt_logprobs: list | None = None
+    prompt_top: list | None = None
+
+
+def sse(obj: p.BaseModel | dict) -> str:
+    body = obj.model_dump_json(exclude_none=False) if hasattr(obj, "model_dump_json") else (
+        json.dumps(obj))
+    return f"data: {body}\n\n"
+
+
+async def run_prompts(ctx: ServerContext, runs: list[PromptRun]) -> AsyncIterator[
+        tuple[PromptRun, StreamDelta]]:
+    """Runs every prompt concurrently and yields (run, delta) as deltas arrive."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(run: PromptRun) -> None:
+        try:
+            async for d in ctx.run(run.rid, run.prompt_ids, run.params):
+                await queue.put((run, d))
+        except Exception as e:  # noqa: BLE001 — handed to the consumer, which re-raises
+            await queue.put((run, e))
+        finally:
+            await queue.put((run, None))
+
+    tasks = [asyncio.create_task(pump(r)) for r in runs]
+    try:
+        open_runs = len(runs)
+        while open_runs:
+            run, item = await queue.get()
+            if item is None:
+                open_runs -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield run, item
+    finally:
+        for t in tasks:  # client gone or error: cancelling aborts the engine requests
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_disconnected(request: Request, work: asyncio.Task) -> None:
+    """Cancels `work` (and so aborts its engine requests) when the client goes away."""
+    while not work.done():
+        if await request.is_disconnected():
+            work.cancel()
+            return
+        await asyncio.sleep(0.1)
+
+
+async def respond(request: Request, make_body) -> JSONResponse:
+    """Awaits a non-streaming body, aborting the work if the client disconnects first."""
+    work = asyncio.create_task(make_body())
+    watcher = asyncio.create_task(until_disconnected(request, work))
+    try:
+        return JSONResponse(await work)
+    finally:
+        watcher.cancel()
+
+
+def stream_response(events: AsyncIterator[str]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for ev in events:
+                yield ev
+        except PhaseflipError as e:
+            kind = "invalid_request_error" if isinstance(e, InvalidRequestError) else (
+                "server_error")
+            yield sse(p.error_body(str(e), kind, getattr(e, "param", None)))
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+def usage_of(runs: list[PromptRun]) -> p.UsageInfo:
+    prompt = sum(r.usage.prompt_tokens for r in runs if r.usage)
+    completion = sum(r.usage.completion_tokens for r in runs if r.usage)
+    cached = sum(r.usage.cached_tokens for r in runs if r.usage)
+    return p.UsageInfo.from_counts(prompt, completion, cached)
+
+
+def token_str(ctx: ServerContext, tok: int) -> str:
+    return ctx.tokenizer.decode([tok])
+
+
+# ------------------------------------------------------------------ completions
+def completion_logprobs(ctx: ServerContext, ids: list[int], lps: list[float | None],
+                        tops: list, offset: int) -> p.CompletionLogprobs:
+    tokens = [token_str(ctx, t) for t in ids]
+    offsets, pos = [], offset
+    for s in tokens:
+        offsets.append(pos)
+        pos += len(s)
+    top = [None if t is None else {token_str(ctx, i): v for i, v in t} for t in tops]
+    return p.CompletionLogprobs(tokens=tokens, token_logprobs=lps, top_logprobs=top,
+                                text_offset=offsets)
+
+
+async def create_completion(req: p.CompletionRequest, request: Request,
+                            ctx: ServerContext):
+    ctx.check_model(req.model)
+    feature = p.unsupported(req)
+    if feature:
+        raise InvalidRequestError(f"{feature} is not supported", feature)
+    if req.stream and req.best_of is not None and req.best_of > req.n:
+        raise InvalidRequestError("best_of > n cannot be streamed", "best_of")
+    prompts = _completion_prompts(ctx, req.prompt)
+    base = ctx.new_id("cmpl")
+    runs = []
+    width = req.best_of if req.best_of and req.best_of > req.n else req.n
+    for i, ids in enumerate(prompts):
+        params = p.completion_sampling_params(req, ctx.default_max_tokens(len(ids)))
+        ctx.validate(ids, params)
+        runs.append(PromptRun(f"{base}-{i}", ids, params, i * req.n))
+    if req.stream:
+        return stream_response(_stream_completion(ctx, req, base, runs))
+    return await respond(request, lambda: _complete(ctx, req, base, runs, width))
+
+
+def _completion_prompts(ctx: ServerContext, prompt) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [ctx.tokenizer(prompt)["input_ids"]]
+    if prompt and isinstance(prompt[0], int):
+        return [list(prompt)]
+    if prompt and isinstance(prompt[0], str):
+        return [ctx.tokenizer(s)["input_ids"] for s in prompt]
+    return [list(x) for x in prompt]
+
+
+async def _complete(ctx, req: p.CompletionRequest, base: str, runs: list[PromptRun],
+                    width: int) -> dict:
+    choices = {r.rid: [Choice(j) for j in range(width)] for r in runs}
+    async for run, d in run_prompts(ctx, runs):
+        choices[run.rid][d.index].add(d)
+        if d.prompt_logprobs is not None:
+            run.prompt_logprobs, run.prompt_top = d.prompt_logprobs, d.prompt_top_logprobs
+        if d.usage is not None:
+            run.usage = d.usage
+    out = []
+    for run in runs:
+        cs = choices[run.rid]
+        if width > req.n:  # best_of: keep the n most likely
+            cs = sorted(cs, key=lambda c: -sum(c.logprobs))[: req.n]
+        prompt_text = ctx.tokenizer.decode(run.prompt_ids) if req.echo else ""
+        for j, c in enumerate(cs):
+            lp = None
+            if req.logprobs is not None:
+                ids, lps, tops = list(c.token_ids), list(c.logprobs), list(c.top)
+                if req.echo:
+                    ids = run.prompt_ids + ids
+                    lps = list(run.prompt_logprobs or [None] * len(run.prompt_ids)) + lps
+                    tops = list(run.prompt_top or [None] * len(run.prompt_ids)) + tops
+                lp = completion_logprobs(ctx, ids, lps, tops, 0)
+            out.append(p.CompletionChoice(
+                index=run.first_index + j, text=prompt_text + c.text, logprobs=lp,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    return p.CompletionResponse(id=base, model=ctx.model_name, choices=out,
+                                usage=usage_of(runs)).model_dump()
+
+
+async def _stream_completion(ctx, req: p.CompletionRequest, base: str,
+                             runs: list[PromptRun]) -> AsyncIterator[str]:
+    echoed: set[str] = set()
+    offsets: dict[tuple[str, int], int] = {}
+    async for run, d in run_prompts(ctx, runs):
+        text, lp = d.text, None
+        key = (run.rid, d.index)
+        if req.echo and key not in echoed:
+            echoed.add(key)
+            text = ctx.tokenizer.decode(run.prompt_ids) + text
+        if req.logprobs is not None:
+            ids, lps, tops = list(d.token_ids), list(d.logprobs or []), list(d.top_logprobs or [])
+            if d.prompt_logprobs is not None and req.echo:
+                ids = run.prompt_ids + ids
+                lps, tops = list(d.prompt_logprobs) + lps, list(d.prompt_top_logprobs) + tops
+            lp = completion_logprobs(ctx, ids, lps, tops, offsets.get(key, 0))
+            offsets[key] = offsets.get(key, 0) + sum(len(t) for t in lp.tokens)
+        if d.usage is not None:
+            run.usage = d.usage
+        choice = p.CompletionChoice(index=run.first_index + d.index, text=text, logprobs=lp,
+                                    finish_reason=d.finish_reason,
+                                    stop_reason=d.matched_stop if d.finish_reason else None)
+        yield sse(p.CompletionStreamResponse(id=base, model=ctx.model_name, choices=[choice]))
+    if req.include_usage:
+        yield sse(p.CompletionStreamResponse(id=base, model=ctx.model_name, choices=[],
+                                             usage=usage_of(runs)))
+
+
+# ------------------------------------------------------------------ chat
+def chat_prompt(ctx: ServerContext, req: p.ChatCompletionRequest) -> list[int]:
+    try:
+        text = ctx.tokenizer.apply_chat_template(
+            req.template_messages(), tokenize=False,
+            add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+    except Exception as e:  # noqa: BLE001 — a template error is the request's fault
+        raise InvalidRequestError(f"the chat template failed: {e}", "messages") from None
+    return ctx.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def chat_logprobs(ctx: ServerContext, ids: list[int], lps: list[float],
+                  tops: list) -> p.ChatChoiceLogprobs:
+    content = []
+    for t, lp, top in zip(ids, lps, tops):
+        s = token_str(ctx, t)
+        content.append(p.ChatTokenLogprob(
+            token=s, logprob=lp, bytes=list(s.encode()),
+            top_logprobs=[p.ChatTopLogprob(token=(ts := token_str(ctx, i)), logprob=v,
+                                           bytes=list(ts.encode())) for i, v in top]))
+    return p.ChatChoiceLogprobs(content=content)
+
+
+async def create_chat_completion(req: p.ChatCompletionRequest, request: Request,
+                                 ctx: ServerContext):
+    ctx.check_model(req.model)
+    feature = p.unsupported(req)
+    if feature:
+        raise InvalidRequestError(f"{feature} is not supported yet", feature)
+    ids = chat_prompt(ctx, req)
+    params = p.chat_sampling_params(req, ctx.default_max_tokens(len(ids)))
+    ctx.validate(ids, params)
+    base = ctx.new_id("chatcmpl")
+    run = PromptRun(base, ids, params, 0)
+    if req.stream:
+        return stream_response(_stream_chat(ctx, req, run))
+    return await respond(request, lambda: _chat(ctx, req, run))
+
+
+async def _chat(ctx, req: p.ChatCompletionRequest, run: PromptRun) -> dict:
+    choices = [Choice(j) for j in range(req.n)]
+    async for _, d in run_prompts(ctx, [run]):
+        choices[d.index].add(d)
+        if d.usage is not None:
+            run.usage = d.usage
+    out = [p.ChatCompletionChoice(
+        index=c.index, message=p.ChatResponseMessage(content=c.text),
+        logprobs=chat_logprobs(ctx, c.token_ids, c.logprobs, c.top) if req.logprobs else None,
+        finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in choices]
+    return p.ChatCompletionResponse(id=run.rid, model=ctx.model_name, choices=out,
+                                    usage=usage_of([run])).model_dump()
+
+
+async def _stream_chat(ctx, req: p.ChatCompletionRequest,
+                       run: PromptRun) -> AsyncIterator[str]:
+    def chunk(choices: list, usage=None) -> str:
+        return sse(p.ChatCompletionStreamResponse(id=run.rid, model=ctx.model_name,
+                                                  choices=choices, usage=usage))
+
+    for j in range(req.n):
+        yield chunk([p.ChatCompletionStreamChoice(
+            index=j, delta=p.DeltaMessage(role="assistant", content=""))])
+    async for _, d in run_prompts(ctx, [run]):
+        if d.usage is not None:
+            run.usage = d.usage
+        lp = None
+        if req.logprobs and d.token_ids:
+            lp = chat_logprobs(ctx, d.token_ids, d.logprobs or [], d.top_logprobs or [])
+        if d.text or lp is not None or d.finish_reason:
+            yield chunk([p.ChatCompletionStreamChoice(
+                index=d.index, delta=p.DeltaMessage(content=d.text or None), logprobs=lp,
+                finish_reason=d.finish_reason,
+                stop_reason=d.matched_stop if d.finish_reason else None)])
+    if req.include_usage:
+        yield chunk([], usage_of([run]))
