@@ -11,6 +11,7 @@ import asyncio
 import logging
 import multiprocessing as mp
 import os
+import signal
 import tempfile
 from pathlib import Path
 
@@ -63,6 +64,10 @@ async def _serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
         log.error("engine process exited (code %s); shutting down", proc.exitcode)
         server.should_exit = True
 
+    # uvicorn handles SIGTERM/SIGINT while serving and re-raises them afterwards under the
+    # handlers it found; make those no-ops so the engine shutdown below still runs.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     tasks = [asyncio.create_task(announce()), asyncio.create_task(stop_if_engine_dies())]
     try:
         await server.serve()

@@ -1,0 +1,271 @@
+"""A real `phaseflip serve` subprocess on a loopback port, driven by the `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from phaseflip import Engine, SamplingParams
+
+MODEL = "tiny-llama"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(*args: str, deadline_s: float = 60) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "phaseflip.cli", "serve", "--port", str(port), "--device", "cpu",
+         "--check-accounting", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    stop_server(proc)
+    raise RuntimeError("server did not become healthy in time")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = start_server()
+    yield url
+    stop_server(proc)
+    assert proc.returncode == 0, proc.stdout.read()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+
+
+def idle_accounting(url: str, deadline_s: float = 10) -> dict:
+    """Waits until the engine is idle; returns its pool accounting."""
+    end = time.monotonic() + deadline_s
+    while True:
+        info = httpx.get(url + "/server_info").json()
+        if info["running"] == 0 and info["waiting"] == 0 or time.monotonic() > end:
+            return info
+
+
+def test_models(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("nope")
+    assert err.value.body["code"] == "model_not_found"
+
+
+def test_greedy_equals_offline_engine(client):
+    prompts = ["Return the", "def main():", "If the file does not exist,"]
+    with Engine(device="cpu") as engine:
+        offline = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12),
+                                  use_tqdm=False)
+    got = client.completions.create(model=MODEL, prompt=prompts, max_tokens=12, temperature=0)
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [
+        o.text for o in offline]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What does os.path.join do?"}],
+        max_tokens=8, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+
+
+def test_list_prompts_with_echo_and_logprobs(client):
+    prompts = ["Return the value", "The default"]
+    got = client.completions.create(model=MODEL, prompt=prompts, max_tokens=3, temperature=0,
+                                    echo=True, logprobs=2)
+    assert len(got.choices) == 2
+    for c, prompt in zip(sorted(got.choices, key=lambda c: c.index), prompts):
+        assert c.text.startswith(prompt)
+        lp = c.logprobs
+        assert lp.token_logprobs[0] is None  # the first prompt token has no logprob
+        assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset)
+        assert "".join(lp.tokens).startswith(c.text)  # plus an EOS token's own string
+        assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+        assert all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    assert got.usage.prompt_tokens == sum(
+        len(httpx.post(f"{client.base_url}".replace("/v1/", "") + "/tokenize",
+                       json={"prompt": p}).json()["tokens"]) for p in prompts)
+
+
+def test_max_tokens_zero_with_echo_scores_prompt(client):
+    got = client.completions.create(model=MODEL, prompt="Return the value of x", max_tokens=0,
+                                    echo=True, logprobs=0)
+    c = got.choices[0]
+    assert c.text == "Return the value of x" and got.usage.completion_tokens == 0
+    assert c.logprobs.token_logprobs[0] is None and c.logprobs.token_logprobs[-1] < 0
+
+
+def test_streaming_n_choices_and_usage(client):
+    stream = client.completions.create(model=MODEL, prompt="Return the", max_tokens=5, n=3,
+                                       temperature=1.0, seed=3, stream=True,
+                                       stream_options={"include_usage": True})
+    texts, finished, usage = {}, set(), None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finished.add(c.index)
+    assert finished == {0, 1, 2}
+    assert usage.completion_tokens == 15 and usage.prompt_tokens == 2
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=4, n=2,
+        stream=True, stream_options={"include_usage": True}, logprobs=True, top_logprobs=2)
+    roles, content, usage = set(), {0: "", 1: ""}, None
+    for chunk in chat:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            if c.delta.role:
+                roles.add(c.index)
+            content[c.index] += c.delta.content or ""
+    assert roles == {0, 1} and all(content.values())
+    assert usage.completion_tokens == 8
+
+
+def test_best_of_keeps_the_most_likely(client):
+    got = client.completions.create(model=MODEL, prompt="Return the", max_tokens=4, n=1,
+                                    best_of=3, temperature=1.0, seed=5)
+    assert len(got.choices) == 1 and got.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", n=3, best_of=2)
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"n": 0}, "n"),
+    ({"max_tokens": 100000}, "max_tokens"),
+    ({"suffix": "tail"}, "suffix"),
+    ({"extra_body": {"no_such_field": 1}}, "no_such_field"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias"),
+    ({"prompt": ""}, "prompt"),
+])
+def test_bad_completion_requests_are_400(client, kwargs, param):
+    kwargs = {"model": MODEL, "prompt": "Return", "max_tokens": 2} | kwargs
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(**kwargs)
+    body = err.value.body
+    assert body["type"] == "invalid_request_error" and body["message"]
+    assert body["param"] is not None and param in body["param"]
+
+
+def test_context_length_error_says_by_how_much(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="Return the", max_tokens=1030)
+    assert err.value.body["code"] == "context_length_exceeded"
+    assert "8 too many" in err.value.body["message"]
+
+
+def test_unsupported_chat_features_are_400(client):
+    for extra in ({"tools": [{"type": "function", "function": {"name": "f"}}]},
+                  {"response_format": {"type": "json_object"}}):
+        with pytest.raises(openai.BadRequestError, match="not supported"):
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}], **extra)
+
+
+def test_error_shape_for_bad_json_and_request_id(server):
+    r = httpx.post(server + "/v1/completions", content=b"{not json",
+                   headers={"content-type": "application/json", "x-request-id": "abc"})
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert r.headers["x-request-id"] == "abc"
+    assert httpx.get(server + "/nope").status_code == 404
+
+
+def test_native_endpoints(server):
+    tok = httpx.post(server + "/tokenize", json={"prompt": "Return the value"}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0
+    text = httpx.post(server + "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
+    assert text == "Return the value"
+    gen = httpx.post(server + "/generate", json={
+        "input_ids": tok["tokens"], "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        "return_logprob": True}).json()
+    assert len(gen["output_ids"]) == 4 and len(gen["meta_info"]["output_token_logprobs"]) == 4
+    assert httpx.get(server + "/health_generate").status_code == 200
+    assert httpx.post(server + "/flush_cache").status_code == 200
+    metrics = httpx.get(server + "/metrics").text
+    for name in ("phaseflip_num_requests_running", "phaseflip_time_to_first_token_seconds",
+                 "phaseflip_generation_tokens_total", "phaseflip_cache_hit_rate"):
+        assert name in metrics
+    info = httpx.get(server + "/server_info").json()
+    assert info["pool"]["balanced"] and info["versions"]["phaseflip"]
+
+
+def test_disconnect_aborts_and_frees_kv(server):
+    body = {"model": MODEL, "prompt": "Return the", "max_tokens": 900, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=30) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 3:
+                break  # hang up mid-stream
+    info = idle_accounting(server)
+    assert info["running"] == 0, info
+    pool = info["pool"]
+    assert pool["balanced"] and pool["private"] == 0 and pool["protected"] == 0
+    assert info["scheduler"]["decode_tokens"] < 900  # it really stopped early
+
+
+def test_concurrent_clients_all_answered(server):
+    async def main():
+        client = openai.AsyncOpenAI(base_url=server + "/v1", api_key="x", max_retries=0)
+        async def one(i):
+            if i % 2:
+                r = await client.completions.create(model=MODEL, prompt=f"Return {i}",
+                                                    max_tokens=6, temperature=0)
+                return r.choices[0].text
+            s = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"q{i}"}], max_tokens=6,
+                stream=True)
+            return "".join([c.choices[0].delta.content or "" async for c in s if c.choices])
+        return await asyncio.gather(*(one(i) for i in range(32)))
+
+    outs = asyncio.run(main())
+    assert len(outs) == 32 and all(isinstance(o, str) for o in outs)
+    info = idle_accounting(server)
+    assert info["pool"]["balanced"] and info["pool"]["private"] == 0
+
+
+def test_api_key_is_enforced():
+    proc, url = start_server("--api-key", "sekret")
+    try:
+        bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
+        assert good.models.list().data[0].id == MODEL
+    finally:
+        stop_server(proc)
