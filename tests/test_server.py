@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -259,13 +260,56 @@ def test_concurrent_clients_all_answered(server):
     assert info["pool"]["balanced"] and info["pool"]["private"] == 0
 
 
-def test_api_key_is_enforced():
-    proc, url = start_server("--api-key", "sekret")
+def test_error_inside_a_stream_is_an_event():
+    """An error after the stream started is sent as an error event, then [DONE]."""
+    from phaseflip.errors import ContextLengthError
+    from phaseflip.server.openai_api import stream_response
+
+    async def events():
+        yield "data: {}\n\n"
+        raise ContextLengthError("too long by 3", "max_tokens")
+
+    async def collect():
+        return [c async for c in stream_response(events()).body_iterator]
+
+    out = asyncio.run(collect())
+    assert out[0] == "data: {}\n\n" and out[-1] == "data: [DONE]\n\n"
+    err = json.loads(out[1].removeprefix("data: "))["error"]
+    assert err["message"] == "too long by 3" and err["param"] == "max_tokens"
+    assert err["type"] == "invalid_request_error"
+
+
+def test_api_key_and_queue_bound():
+    proc, url = start_server("--api-key", "sekret", "--max-queued-requests", "1")
     try:
         bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
         good = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
         assert good.models.list().data[0].id == MODEL
+
+        async def burst():
+            c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
+            return await asyncio.gather(*(
+                c.completions.create(model=MODEL, prompt=f"Return {i}", max_tokens=300,
+                                     extra_body={"ignore_eos": True}) for i in range(8)),
+                return_exceptions=True)
+
+        results = asyncio.run(burst())
+        refused = [r for r in results if isinstance(r, openai.InternalServerError)]
+        assert refused and all(r.status_code == 503 for r in refused)
+        assert len(refused) < len(results)  # the first one was served
     finally:
         stop_server(proc)
+
+
+def test_dead_engine_makes_server_exit():
+    proc, url = start_server()
+    try:
+        engine_pid = int(subprocess.check_output(["pgrep", "-P", str(proc.pid)]).split()[0])
+        os.kill(engine_pid, signal.SIGKILL)
+        proc.wait(timeout=15)  # the front end notices and shuts down, no hang
+        assert proc.returncode is not None
+    finally:
+        if proc.poll() is None:
+            stop_server(proc)
