@@ -42,6 +42,20 @@ class EngineConfig:
     """Largest top-logprobs count a request may ask for."""
     check_accounting: bool = False
     """Check KV pool accounting whenever the engine goes idle (debug)."""
+    tp_size: int = 1
+    """Tensor-parallel ranks (each holds a slice of every layer)."""
+    pp_size: int = 1
+    """Pipeline-parallel stages (each holds a contiguous range of layers)."""
+    dist_backend: str = "auto"
+    """torch.distributed backend: gloo, nccl, or auto (nccl when every rank has its own GPU)."""
+    dist_init_addr: str | None = None
+    """host:port of rank 0 for the process group (default: a free loopback port)."""
+    nnodes: int = 1
+    """Hosts the ranks are spread over (ranks split evenly, node 0 holds rank 0)."""
+    node_rank: int = 0
+    """This host's index among --nnodes."""
+    dist_timeout_s: float = 120.0
+    """A rank blocked this long on a peer stops the group with a named stall error."""
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidRequestError:
@@ -64,6 +78,20 @@ class EngineConfig:
             raise bad("max_prefill_tokens", "must be >= 1")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise bad("schedule_policy", "expected fcfs or lpm")
+        if self.tp_size < 1 or self.pp_size < 1:
+            raise bad("tp_size" if self.tp_size < 1 else "pp_size", "must be >= 1")
+        if self.dist_backend not in ("auto", "gloo", "nccl"):
+            raise bad("dist_backend", "expected gloo, nccl or auto")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise bad("node_rank", f"must be in [0, nnodes={self.nnodes})")
+        if self.world_size % self.nnodes:
+            raise bad("nnodes", f"tp_size*pp_size={self.world_size} ranks do not split evenly")
+        if self.dist_timeout_s <= 0:
+            raise bad("dist_timeout_s", "must be > 0")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
 
     @property
     def chunk_size(self) -> int | None:

@@ -37,7 +37,12 @@ class Group:
 class EngineCore:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, tokenizer) -> None:
         self.cfg, self.model_cfg, self.tokenizer = cfg, model_cfg, tokenizer
-        self.runner = ModelRunner(cfg, model_cfg)
+        if cfg.world_size > 1:
+            from phaseflip.distributed.driver import DistributedRunner
+
+            self.runner = DistributedRunner(cfg)
+        else:
+            self.runner = ModelRunner(cfg, model_cfg)
         self.max_context = cfg.max_model_len or model_cfg.max_position_embeddings
         self.kv = KVCacheManager(
             self.runner.num_slots, cfg.page_size, cfg.max_running_requests + 1,
@@ -113,6 +118,18 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def check_alive(self) -> None:
+        """Raises if a worker rank of a multi-rank layout has died (checked when idle)."""
+        check = getattr(self.runner, "check_alive", None)
+        if check is not None:
+            check()
+
+    def close(self) -> None:
+        """Stops the worker ranks of a multi-rank layout (nothing to do for one process)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[StreamDelta]:

@@ -192,6 +192,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+        if self.core is not None:
+            self.core.close()
         self.core = None  # drops the model and the KV pool
 
     def __enter__(self) -> Engine:

@@ -36,6 +36,31 @@ class ForwardBatch:
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.extend_lens)
 
+    def split(self, parts: int) -> list[ForwardBatch]:
+        """Cuts the batch into up to `parts` micro-batches of whole sequences (for pipeline
+        parallelism); concatenating their logits gives this batch's logits, in order."""
+        parts = max(1, min(parts, self.batch_size))
+        if parts == 1:
+            return [self]
+        bounds = [round(i * self.batch_size / parts) for i in range(parts + 1)]
+        tok = [0]
+        for n in self.extend_lens:
+            tok.append(tok[-1] + n)
+        out = []
+        for a, b in zip(bounds, bounds[1:]):
+            t0, t1 = tok[a], tok[b]
+            k0, k1 = int(self.kv_indptr[a]), int(self.kv_indptr[b])
+            li = self.logits_indices
+            sel = li[(li >= t0) & (li < t1)] - t0
+            out.append(ForwardBatch(
+                input_ids=self.input_ids[t0:t1], positions=self.positions[t0:t1],
+                out_cache_loc=self.out_cache_loc[t0:t1], extend_lens=self.extend_lens[a:b],
+                prefix_lens=self.prefix_lens[a:b], kv_indptr=self.kv_indptr[a:b + 1] - k0,
+                kv_indices=self.kv_indices[k0:k1], logits_indices=sel,
+                max_position=int(self.positions[t0:t1].max()),
+            ))
+        return out
+
     def to(self, device: torch.device | str) -> ForwardBatch:
         move = {
             k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -40,17 +41,23 @@ def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> to
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, layout: Layout | None = None):
+    """One rank's model shard and KV pool. In a group every rank must use the same slot space:
+    `agree_slots(local_slots)` returns the size all ranks agreed on (the minimum)."""
+
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, layout: Layout | None = None,
+                 device: torch.device | None = None,
+                 agree_slots: Callable[[int], int] | None = None):
         self.cfg, self.model_cfg = cfg, model_cfg
         self.layout = layout or Layout()
-        self.device = resolve_device(cfg.device)
+        self.device = device or resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, model_cfg, self.device)
         with torch.device(self.device):
             self.model = LlamaForCausalLM(model_cfg, self.layout, self.dtype)
         self.model.load_weights(iter_checkpoint_tensors(model_cfg.model_dir))
         self.model.eval()
         self.backend = TorchRefAttention()
-        self.num_slots = self._kv_slots()
+        local = self._kv_slots()
+        self.num_slots = agree_slots(local) if agree_slots else local
         n_layers = self.model.end_layer - self.model.start_layer
         kv_heads = self.model.layers[0].self_attn.num_kv_heads if n_layers else 0
         self.pool = KVPool(
@@ -89,9 +96,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, plan: ForwardBatch) -> torch.Tensor:
-        """float32 logits [len(plan.logits_indices), vocab]."""
-        plan = plan.to(self.device)
-        hidden, _ = self.model(plan, self.pool, self.backend)
-        if plan.logits_indices.numel() == 0:
+        """float32 logits [len(plan.logits_indices), vocab] (single-stage layouts)."""
+        hidden, _ = self.run_stage(plan.to(self.device))
+        return self.logits(hidden)
+
+    @torch.inference_mode()
+    def run_stage(
+        self, plan: ForwardBatch, hidden: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This stage's layers on a plan already on the device; see LlamaForCausalLM.forward."""
+        return self.model(plan, self.pool, self.backend, hidden, residual)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[0] == 0:
             return torch.empty(0, self.model_cfg.vocab_size, device=self.device)
         return self.model.compute_logits(hidden)

@@ -56,6 +56,8 @@ class EngineServer:
             elif os.getppid() != self.parent:
                 log.warning("front end process is gone; engine exits")
                 return
+            else:
+                self.core.check_alive()
             if self.core.has_work():
                 deltas = self.core.step()
                 if deltas:
@@ -111,8 +113,11 @@ def engine_main(cfg: EngineConfig, requests_addr: str, outputs_addr: str) -> Non
     """Entry point of the engine process (spawned by the launcher)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher stops us with a message/SIGTERM
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    server = None
     try:
-        EngineServer(cfg, requests_addr, outputs_addr).run()
+        server = EngineServer(cfg, requests_addr, outputs_addr)
+        server.run()
+        server.core.close()
     except Exception:
         log.error("engine process failed:\n%s", traceback.format_exc())
         raise SystemExit(1) from None

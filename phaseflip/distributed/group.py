@@ -1,0 +1,110 @@
+"""Ranks and process groups of one tensor×pipeline layout.
+
+Global rank r = pp_rank * tp_size + tp_rank. Rank 0 (stage 0, TP rank 0) is the driver. Every
+rank creates every group in the same order (a torch.distributed requirement); the groups are
+held by a `RankGroups` object, never in module globals, so a later layout can replace them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from phaseflip.config import EngineConfig
+from phaseflip.layout import Layout, ProcessGroupCommunicator
+
+
+def rank_coords(rank: int, tp_size: int) -> tuple[int, int]:
+    """(tp_rank, pp_rank) of a global rank."""
+    return rank % tp_size, rank // tp_size
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class DistSpec:
+    """Everything a rank needs to join the group (picklable, sent to spawned ranks)."""
+
+    world_size: int
+    tp_size: int
+    pp_size: int
+    init_addr: str  # host:port of rank 0
+    backend: str  # gloo or nccl
+    timeout_s: float
+    ranks_per_node: int
+    node_rank: int
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> DistSpec:
+        addr = cfg.dist_init_addr or f"127.0.0.1:{free_port()}"
+        backend = cfg.dist_backend
+        per_node = cfg.world_size // cfg.nnodes
+        if backend == "auto":
+            gpus = torch.cuda.device_count() if cfg.device != "cpu" else 0
+            backend = "nccl" if gpus >= per_node and cfg.device != "cpu" else "gloo"
+        return cls(cfg.world_size, cfg.tp_size, cfg.pp_size, addr, backend, cfg.dist_timeout_s,
+                   per_node, cfg.node_rank)
+
+    def local_ranks(self) -> range:
+        start = self.node_rank * self.ranks_per_node
+        return range(start, start + self.ranks_per_node)
+
+
+@dataclass
+class RankGroups:
+    rank: int
+    spec: DistSpec
+    tp_group: dist.ProcessGroup | None
+    cpu_group: dist.ProcessGroup  # gloo group of all ranks: plans travel here
+
+    @property
+    def tp_rank(self) -> int:
+        return rank_coords(self.rank, self.spec.tp_size)[0]
+
+    @property
+    def pp_rank(self) -> int:
+        return rank_coords(self.rank, self.spec.tp_size)[1]
+
+    def stage_rank(self, pp_rank: int) -> int:
+        """Global rank of the same TP rank in another stage."""
+        return pp_rank * self.spec.tp_size + self.tp_rank
+
+    def layout(self) -> Layout:
+        comm = (ProcessGroupCommunicator(self.tp_group, self.spec.tp_size)
+                if self.spec.tp_size > 1 else None)
+        kwargs = {"tp_comm": comm} if comm is not None else {}
+        return Layout(self.tp_rank, self.spec.tp_size, self.pp_rank, self.spec.pp_size, **kwargs)
+
+
+def join(rank: int, spec: DistSpec) -> RankGroups:
+    """init_process_group for this rank and create the TP groups and the CPU plan group."""
+    host, port = spec.init_addr.rsplit(":", 1)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    dist.init_process_group(spec.backend, init_method=f"tcp://{host}:{port}", rank=rank,
+                            world_size=spec.world_size, timeout=timeout)
+    tp_group = None
+    for pp in range(spec.pp_size):
+        ranks = [pp * spec.tp_size + t for t in range(spec.tp_size)]
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            tp_group = group
+    cpu_group = (dist.group.WORLD if spec.backend == "gloo"
+                 else dist.new_group(backend="gloo", timeout=timeout))
+    return RankGroups(rank, spec, tp_group if spec.tp_size > 1 else None, cpu_group)
+
+
+def rank_device(rank: int, spec: DistSpec, cfg: EngineConfig) -> torch.device:
+    if cfg.device == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    local = rank - spec.node_rank * spec.ranks_per_node
+    return torch.device("cuda", local % torch.cuda.device_count())

@@ -1,0 +1,90 @@
+"""Executing one forward plan on one rank: its micro-batches through its stage.
+
+Stage s receives each micro-batch's (hidden, residual) from stage s-1, runs its layers and sends
+the result on to stage s+1 with a non-blocking send, so it is already working on the next
+micro-batch while s+1 works on this one. Every receive has a matching send in the same step
+by construction (each stage handles the same micro-batches in the same order), and a stage
+posts its sends before it blocks on anything else. The last stage's TP rank 0 sends the logits
+to the driver.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from phaseflip.distributed.group import RankGroups
+from phaseflip.distributed.watchdog import PositionTracker
+from phaseflip.engine.forward_batch import ForwardBatch
+from phaseflip.engine.model_runner import ModelRunner
+
+
+class StageExecutor:
+    def __init__(self, runner: ModelRunner, groups: RankGroups, tracker: PositionTracker):
+        self.runner, self.groups, self.tracker = runner, groups, tracker
+        self.spec = groups.spec
+        self.staged = self.spec.backend == "gloo"  # gloo cannot send CUDA tensors: stage on host
+        self.hidden_size = runner.model_cfg.hidden_size
+
+    @property
+    def first(self) -> bool:
+        return self.groups.pp_rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.groups.pp_rank == self.spec.pp_size - 1
+
+    def micro_batches(self, plan: ForwardBatch) -> list[ForwardBatch]:
+        return plan.split(self.spec.pp_size) if self.spec.pp_size > 1 else [plan]
+
+    def execute(self, step: int, plan: ForwardBatch) -> torch.Tensor | None:
+        """Runs the plan; returns the float32 logits on the driver, None elsewhere."""
+        tr, runner = self.tracker, self.runner
+        pending, logits = [], []
+        for i, mb in enumerate(self.micro_batches(plan)):
+            hidden = residual = None
+            if not self.first:
+                src = self.groups.stage_rank(self.groups.pp_rank - 1)
+                with tr.at(f"recv hidden of micro-batch {i} from rank {src}", step):
+                    hidden = self._recv((mb.num_tokens, self.hidden_size), runner.dtype, src)
+                    residual = self._recv((mb.num_tokens, self.hidden_size), runner.dtype, src)
+            with tr.at(f"forward micro-batch {i}", step):
+                h, r = runner.run_stage(mb.to(runner.device), hidden, residual)
+            if self.last:
+                logits.append(runner.logits(h))
+            else:
+                dst = self.groups.stage_rank(self.groups.pp_rank + 1)
+                pending += [self._isend(h, dst), self._isend(r, dst)]
+        with tr.at("drain sends", step):
+            for work, _keep in pending:
+                work.wait()
+        out = torch.cat(logits) if logits else None
+        return self._logits_to_driver(step, plan, out)
+
+    def _logits_to_driver(self, step: int, plan: ForwardBatch, logits) -> torch.Tensor | None:
+        rank, last_rank0 = self.groups.rank, (self.spec.pp_size - 1) * self.spec.tp_size
+        if rank == 0 and self.last:
+            return logits
+        if self.last and rank == last_rank0:
+            with self.tracker.at("send logits to rank 0", step):
+                self._send(logits, 0)
+        elif rank == 0:
+            rows = int(plan.logits_indices.numel())
+            with self.tracker.at(f"recv logits from rank {last_rank0}", step):
+                return self._recv((rows, self.runner.model_cfg.vocab_size), torch.float32,
+                                  last_rank0)
+        return None
+
+    # -------------------------------------------------------------- point to point
+    def _isend(self, t: torch.Tensor, dst: int):
+        t = t.contiguous().cpu() if self.staged else t.contiguous()
+        return dist.isend(t, dst), t  # keep the buffer alive until the send completes
+
+    def _send(self, t: torch.Tensor, dst: int) -> None:
+        dist.send(t.contiguous().cpu() if self.staged else t.contiguous(), dst)
+
+    def _recv(self, shape: tuple[int, int], dtype: torch.dtype, src: int) -> torch.Tensor:
+        device = "cpu" if self.staged else self.runner.device
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(buf, src)
+        return buf.to(self.runner.device)

@@ -1,0 +1,89 @@
+"""Turns a stalled rank into a named error that carries every rank's position.
+
+Each rank records where it is (`tracker.at("recv hidden mb 2 from rank 0")`); a daemon thread
+publishes that position to a file in the group's run directory once a second. Blocking
+collectives carry the process-group timeout, so a rank waiting on a send that never comes gets
+an exception instead of hanging; `stall_error` then reads every rank's last position so the
+error says who waited for what, and who was where.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+
+class DistributedStallError(RuntimeError):
+    """A rank waited on a peer past the timeout; the message names every rank's position."""
+
+
+class PositionTracker:
+    def __init__(self, rank: int, run_dir: str | None, parent_pid: int | None = None) -> None:
+        self.rank, self.run_dir = rank, Path(run_dir) if run_dir else None
+        self.step, self.label, self.since = -1, "starting", time.time()
+        self._stop = threading.Event()
+        self._parent = parent_pid
+        self._thread = threading.Thread(target=self._publish_loop, daemon=True,
+                                        name=f"phaseflip-watchdog-{rank}")
+        self._thread.start()
+
+    @contextmanager
+    def at(self, label: str, step: int | None = None):
+        if step is not None:
+            self.step = step
+        prev = self.label
+        self.label, self.since = label, time.time()
+        try:
+            yield
+        finally:
+            self.label, self.since = f"after {label}" if prev == "idle" else prev, time.time()
+
+    def set(self, label: str) -> None:
+        self.label, self.since = label, time.time()
+
+    def _publish_loop(self) -> None:
+        while not self._stop.wait(1.0):
+            if self._parent is not None and os.getppid() != self._parent:
+                sys.stderr.write(f"rank {self.rank}: parent process is gone; exiting\n")
+                os._exit(1)  # the driver died: nothing left to serve, do not linger
+            self.publish()
+
+    def publish(self) -> None:
+        if self.run_dir is None:
+            return
+        pos = {"rank": self.rank, "step": self.step, "label": self.label,
+               "waiting_s": round(time.time() - self.since, 1), "pid": os.getpid()}
+        tmp = self.run_dir / f".rank{self.rank}.tmp"
+        try:
+            tmp.write_text(json.dumps(pos))
+            os.replace(tmp, self.run_dir / f"rank{self.rank}.json")
+        except OSError:
+            pass  # the run directory is gone: the group is shutting down
+
+    def positions(self, world_size: int) -> list[str]:
+        self.publish()
+        out = []
+        for r in range(world_size):
+            f = self.run_dir / f"rank{r}.json" if self.run_dir else None
+            try:
+                p = json.loads(f.read_text())
+                out.append(f"rank {r}: step {p['step']}, {p['label']} ({p['waiting_s']} s)")
+            except (OSError, ValueError, AttributeError):
+                out.append(f"rank {r}: position unknown (another host, or not started)")
+        return out
+
+    def stall_error(self, exc: BaseException, world_size: int) -> DistributedStallError:
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        lines = "\n  ".join(self.positions(world_size))
+        return DistributedStallError(
+            f"rank {self.rank} stalled at step {self.step} while '{self.label}': {exc}\n"
+            f"  {lines}")
+
+    def close(self) -> None:
+        self._stop.set()

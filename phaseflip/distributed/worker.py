@@ -1,0 +1,75 @@
+"""A worker rank: joins the group, loads its shard, then executes the driver's plans verbatim.
+
+It holds no scheduling state: every decision arrives in the plan (law 1). A plan it cannot
+execute, or a peer that never answers, stops the group with a named error (law 4).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from phaseflip.config import EngineConfig
+from phaseflip.distributed.group import DistSpec, RankGroups, join, rank_device
+from phaseflip.distributed.stage import StageExecutor
+from phaseflip.distributed.watchdog import PositionTracker
+from phaseflip.engine.model_runner import ModelRunner
+from phaseflip.model.config import ModelConfig
+
+log = logging.getLogger("phaseflip.worker")
+
+STOP = "stop"
+
+
+def build_rank(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | None,
+               parent_pid: int | None) -> tuple[RankGroups, ModelRunner, StageExecutor]:
+    """Everything one rank needs; the driver calls it for rank 0 too."""
+    tracker = PositionTracker(rank, run_dir, parent_pid)
+    with tracker.at("joining the process group"):
+        groups = join(rank, spec)
+    model_cfg = ModelConfig.from_dir(cfg.model)
+    if spec.pp_size > model_cfg.num_layers:
+        raise ValueError(f"pp_size={spec.pp_size} exceeds the model's {model_cfg.num_layers} "
+                         "layers")
+
+    def agree(local_slots: int) -> int:
+        t = torch.tensor([local_slots], dtype=torch.int64)
+        with tracker.at("agreeing on the KV slot space"):
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=groups.cpu_group)
+        return int(t.item())
+
+    device = rank_device(rank, spec, cfg)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    runner = ModelRunner(cfg, model_cfg, groups.layout(), device, agree_slots=agree)
+    tracker.set("idle")
+    return groups, runner, StageExecutor(runner, groups, tracker)
+
+
+def worker_main(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | None,
+                parent_pid: int) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(message)s")
+    groups, runner, stage = build_rank(rank, spec, cfg, run_dir, parent_pid)
+    tracker = stage.tracker
+    try:
+        while True:
+            box = [None]
+            with tracker.at("waiting for the next plan from rank 0"):
+                dist.broadcast_object_list(box, src=0, group=groups.cpu_group)
+            msg = box[0]
+            if msg == STOP:
+                break
+            step, plan = msg
+            stage.execute(step, plan)
+            tracker.set("idle")
+    except Exception as e:  # noqa: BLE001 — report with every rank's position, then exit
+        err = tracker.stall_error(e, spec.world_size)
+        log.error("%s\n%s", err, traceback.format_exc())
+        os._exit(1)
+    finally:
+        tracker.close()
+    dist.destroy_process_group()
