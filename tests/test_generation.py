@@ -170,3 +170,20 @@ def test_unknown_option_and_bad_model_dir(tmp_path):
         Engine(str(tmp_path), no_such_option=1)
     with pytest.raises(ModelLoadError):
         Engine(str(tmp_path / "missing"), device="cpu")
+
+
+def test_max_running_requests_is_respected(llama_dir, make_engine):
+    engine = make_engine(llama_dir, max_running_requests=2)
+    sched = engine.core.scheduler
+    schedule, peak = sched.schedule, []
+
+    def spy():
+        batch = schedule()
+        peak.append(len(sched.running))
+        return batch
+
+    sched.schedule = spy
+    prompts = prompts_for(engine.model_config.vocab_size)
+    outs = engine.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(len(o.token_ids) == 8 for o in outs)
+    assert max(peak) == 2

@@ -39,10 +39,8 @@ class PositionTracker:
             self.step = step
         prev = self.label
         self.label, self.since = label, time.time()
-        try:
-            yield
-        finally:
-            self.label, self.since = f"after {label}" if prev == "idle" else prev, time.time()
+        yield  # no finally: after an exception the position stays where the rank failed
+        self.label, self.since = prev, time.time()
 
     def set(self, label: str) -> None:
         self.label, self.since = label, time.time()

@@ -212,8 +212,7 @@ class EngineCore:
         before = len(req.detok.text)
         req.detok.append([tok])
         if p.stop and n_out >= p.min_new_tokens:
-            longest = max(len(s) for s in p.stop)
-            match = find_stop_match(req.detok.text, p.stop, max(0, before - longest + 1))
+            match = find_stop_match(req.detok.text, p.stop, before)
             if match is not None:
                 pos, stop = match
                 req.finish_reason, req.matched_stop = "stop", stop

@@ -104,11 +104,16 @@ class Engine:
                 results[rid] = self._new_output(rid, ids, p.n)
                 order.append(rid)
             bar = tqdm(total=len(order), desc="Generating", disable=not use_tqdm, unit="req")
-            while self.core.has_work():
+            pending = set(order)
+            while pending:
                 for d in self.core.step():
-                    out = results[d.request_id]
+                    out = results.get(d.request_id)
+                    if out is None:  # a streaming request: hand it to its consumer
+                        self._publish(d.request_id, d)
+                        continue
                     merge_delta(out, d)
                     if d.usage is not None:
+                        pending.discard(d.request_id)
                         bar.update(1)
             bar.close()
         return [results[r] for r in order]
@@ -124,7 +129,10 @@ class Engine:
         self.core.validate(ids, params)
         rid = request_id or f"stream-{next(self._ids)}"
         q: asyncio.Queue = asyncio.Queue()
-        self._subscribers[rid] = (asyncio.get_running_loop(), q)
+        with self._lock:
+            if rid in self._subscribers or rid in self.core.groups:
+                raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
+            self._subscribers[rid] = (asyncio.get_running_loop(), q)
         self._ensure_thread()
         self._inbox.put(("add", rid, ids, params))
         finished = False
@@ -148,6 +156,15 @@ class Engine:
             self._thread.start()
 
     def _loop(self) -> None:
+        err: BaseException = RuntimeError("the engine was shut down")
+        try:
+            self._run()
+        except BaseException as e:  # noqa: BLE001 - reported to every waiting consumer
+            err = e
+        for rid in list(self._subscribers):
+            self._publish(rid, err)
+
+    def _run(self) -> None:
         while not self._stop.is_set():
             with self._lock:
                 idle = not self.core.has_work()
@@ -180,7 +197,10 @@ class Engine:
         sub = self._subscribers.get(rid)
         if sub is not None:
             loop, q = sub
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the consumer's event loop is closed
+                self._subscribers.pop(rid, None)
 
     # ------------------------------------------------------------------ lifetime
     def pool_accounting(self):

@@ -148,7 +148,7 @@ class Scheduler:
                 return
             if self._waits_for_leader(req):
                 continue
-            limit = min(req.num_tokens - 1, req.prompt_lp_next)
+            limit = req.prompt_lp_next if req.wants_prompt_logprobs else req.num_tokens - 1
             if not self.kv.admit(req, limit):
                 return
             n = self._chunk(req, budget, first=not _has_prefill(items))

@@ -1,0 +1,123 @@
+"""TP, PP and TP×PP over real processes (gloo on CPU) equal the single-process engine.
+
+Every test runs under a deadline (pytest-timeout), so a deadlock fails instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from phaseflip import Engine, SamplingParams
+from tests.conftest import build_model, prompts_for
+
+pytestmark = pytest.mark.timeout(180, method="thread")  # signals cannot interrupt gloo
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def deep_dir(tmp_path_factory):
+    """5 layers, so pp=3 splits unevenly (2+2+1); 4 KV heads for tp=2 and tp=4."""
+    return build_model(tmp_path_factory.mktemp("deep") / "llama5", "llama",
+                       num_hidden_layers=5, num_key_value_heads=4)
+
+
+def run(model_dir, prompts, params=GREEDY, **cfg) -> list[list[int]]:
+    cfg = {"device": "cpu", "dtype": "float32", "max_total_tokens": 4096,
+           "dist_timeout_s": 60, "check_accounting": True} | cfg
+    with Engine(str(model_dir), **cfg) as e:
+        outs = e.generate(prompts, params, use_tqdm=False)
+        e.pool_accounting()
+        if cfg.get("max_total_tokens", 4096) < 200:
+            assert e.core.scheduler.stats.retractions > 0
+        return [[o.token_ids for o in out.outputs] for out in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(deep_dir):
+    cache = {}
+
+    def ref(prompts, params=GREEDY, **cfg):
+        key = (tuple(map(tuple, prompts)), repr(params), tuple(sorted(cfg.items())))
+        if key not in cache:
+            cache[key] = run(deep_dir, prompts, params, **cfg)
+        return cache[key]
+
+    return ref
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), (1, 3), (2, 2)])
+def test_layouts_match_single_process(tp, pp, deep_dir, reference):
+    prompts = prompts_for(300)
+    want = reference(prompts)
+    assert run(deep_dir, prompts, tp_size=tp, pp_size=pp) == want
+    # prefix-cache hits, small prefill chunks, pages of 4
+    again = run(deep_dir, prompts + prompts[::-1], tp_size=tp, pp_size=pp,
+                chunked_prefill_size=5, page_size=4)
+    assert again == want + want[::-1]
+
+
+def test_retraction_and_n_samples_under_tp_pp(deep_dir, reference):
+    prompts = prompts_for(300, shared=False)
+    assert run(deep_dir, prompts * 2, tp_size=2, pp_size=2, max_total_tokens=56,
+               chunked_prefill_size=16) == reference(prompts) * 2
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=6, n=3, seed=11, ignore_eos=True)
+    assert run(deep_dir, prompts[:2], sampled, tp_size=2, pp_size=2) == reference(
+        prompts[:2], sampled)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama-tied-mqa"])
+def test_architectures_under_tp_and_pp(arch, model_dirs):
+    """Qwen3 q/k norms shard per head; MQA replicates its one KV head across TP ranks; a tied
+    LM head on the last stage loads the embedding rows."""
+    prompts = prompts_for(300)[:4]
+    want = run(model_dirs[arch], prompts)
+    assert run(model_dirs[arch], prompts, tp_size=2) == want
+    assert run(model_dirs[arch], prompts, pp_size=2) == want
+
+
+def test_streaming_under_tp(deep_dir, reference):
+    prompts = prompts_for(300)[:3]
+    with Engine(str(deep_dir), device="cpu", max_total_tokens=4096, tp_size=2,
+                dist_timeout_s=60) as e:
+        async def one(p):
+            ids = []
+            async for d in e.generate_stream(p, GREEDY):
+                ids += d.token_ids
+            return [ids]
+
+        async def main():
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+        assert asyncio.run(main()) == reference(prompts)
+
+
+@pytest.mark.timeout(90, method="thread")
+def test_broken_plan_is_a_named_stall_not_a_hang(deep_dir):
+    """The driver broadcasts a plan of two micro-batches but sends stage 1 only the first:
+    stage 1 waits for a micro-batch nobody sends. The group timeout turns that into an error
+    naming every rank's position, well within the test deadline."""
+    from phaseflip.distributed.watchdog import DistributedStallError
+
+    e = Engine(str(deep_dir), device="cpu", max_total_tokens=4096, pp_size=2, dist_timeout_s=5)
+    try:
+        core = e.core
+        for p in prompts_for(300)[:2]:
+            core.add_request(f"r{len(p)}", p, GREEDY)
+        plan = core.scheduler.schedule().plan
+        assert plan.batch_size >= 2
+        runner = core.runner
+        first_only = plan.split(2)[0]
+        runner.stage.micro_batches = lambda _plan: [first_only]  # the defect under test
+        start = time.monotonic()
+        with pytest.raises(DistributedStallError) as err:
+            runner.forward(plan)
+        msg = str(err.value)
+        assert time.monotonic() - start < 30
+        assert "rank 0: step 1, recv logits from rank 1" in msg
+        assert "rank 1: step 1, recv hidden of micro-batch 1 from rank 0" in msg
+    finally:
+        core.runner.close(graceful=False)
+        e.core = None

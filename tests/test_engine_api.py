@@ -1,0 +1,148 @@
+"""Engine API edge cases: streams beside offline calls, shutdown, ids, resume, stops."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from phaseflip import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+
+
+def test_generate_while_streaming(llama_dir, make_engine):
+    """Offline generate() while a stream is in flight: generate steps the stream's request
+    too and looks its deltas up in its own results dict."""
+    engine = make_engine(llama_dir)
+    long = SamplingParams(temperature=0.0, max_new_tokens=200, ignore_eos=True)
+
+    async def main():
+        agen = engine.generate_stream([5, 6, 7], long)
+        first = await agen.__anext__()  # the stream's request is now running in the core
+        assert first.token_ids
+        loop = asyncio.get_running_loop()
+        offline = await loop.run_in_executor(
+            None, lambda: engine.generate([[1, 2, 3]], GREEDY, use_tqdm=False))
+        ids = list(first.token_ids)
+        async for d in agen:
+            ids += d.token_ids
+        return offline, ids
+
+    offline, ids = asyncio.run(asyncio.wait_for(main(), 60))
+    assert len(offline[0].token_ids) == 8
+    assert len(ids) == 200
+
+
+def test_duplicate_stream_request_id_does_not_hijack_first(llama_dir, make_engine):
+    """A second stream reusing a live request_id must be refused without touching the first
+    one; today it steals the first one's subscription and then aborts it, so the first hangs."""
+    from phaseflip import InvalidRequestError
+
+    engine = make_engine(llama_dir)
+    long = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+
+    async def main():
+        a = engine.generate_stream([5, 6, 7], long, request_id="x")
+        first = await a.__anext__()
+        with pytest.raises(InvalidRequestError):
+            async for _ in engine.generate_stream([1, 2], long, request_id="x"):
+                pass
+        ids, finish = list(first.token_ids), None
+        async for d in a:
+            ids += d.token_ids
+            finish = d.finish_reason
+        return ids, finish
+
+    ids, finish = asyncio.run(asyncio.wait_for(main(), 30))
+    assert finish == "length" and len(ids) == 40
+
+
+def test_shutdown_ends_inflight_streams(llama_dir):
+    """shutdown() with a stream in flight must end it (finish or error), not leave the
+    consumer awaiting forever."""
+    from phaseflip import Engine
+
+    engine = Engine(str(llama_dir), device="cpu", dtype="float32", max_total_tokens=4096)
+    long = SamplingParams(temperature=0.0, max_new_tokens=500, ignore_eos=True)
+
+    async def main():
+        agen = engine.generate_stream([5, 6, 7], long)
+        await agen.__anext__()
+        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+        try:
+            async for _ in agen:
+                pass
+        except Exception:
+            pass  # an error is an acceptable way to end it
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_stop_string_completed_before_min_tokens(llama_dir, make_engine):
+    """A stop string that was complete before min_new_tokens was reached must not end the
+    request later (it is matched retroactively today, and the streamed text then holds half
+    of it: neither the full text nor the text cut at the stop)."""
+    from tests.conftest import prompts_for
+
+    engine = make_engine(llama_dir)
+    tok = engine.tokenizer
+    for prompt in prompts_for(engine.model_config.vocab_size):
+        full = engine.generate([prompt], GREEDY, use_tqdm=False)[0]
+        first = tok.decode(full.token_ids[:1])
+        if len(first) >= 2 and "\ufffd" not in first and first[-2:] not in first[:-1]:
+            break
+    else:
+        pytest.skip("no prompt whose first token decodes to >= 2 characters")
+    stop = first[-2:]
+    out = engine.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=8,
+                                                   ignore_eos=True, stop=[stop],
+                                                   min_new_tokens=2), use_tqdm=False)[0]
+    c = out.outputs[0]
+    if c.finish_reason == "stop":  # at least be consistent with the stop it reports
+        assert c.text == full.text[: full.text.find(c.matched_stop)], (c.text, full.text, stop)
+    assert c.finish_reason == "length" and c.text == full.text, (c, full.text, stop)
+
+
+def test_engine_thread_failure_reaches_streams(llama_dir, make_engine, monkeypatch):
+    """If the engine thread dies (any exception in step), in-flight streams must get the error
+    instead of waiting forever."""
+    engine = make_engine(llama_dir)
+    real_step = engine.core.step
+    calls = []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return real_step()
+
+    monkeypatch.setattr(engine.core, "step", failing_step)
+
+    async def main():
+        with pytest.raises(RuntimeError, match="injected"):
+            async for _ in engine.generate_stream([5, 6, 7], GREEDY):
+                pass
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 20))
+    finally:  # leave the engine clean for the fixture's teardown checks
+        monkeypatch.undo()
+        with engine._lock:
+            for rid in list(engine.core.groups):
+                engine.core.abort(rid)
+
+
+def test_resumed_request_reuses_its_generated_kv(llama_dir, make_engine):
+    """A retracted request's generated tokens are published to the tree on release, but the
+    match limit on resume is min(num_tokens - 1, prompt_lp_next) = len(prompt) for requests
+    without prompt logprobs, so everything it generated is recomputed."""
+    engine = make_engine(llama_dir, max_total_tokens=29)
+    a, b = list(range(3, 13)), list(range(100, 110))
+    engine.generate([a, b], [
+        SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_new_tokens=15, ignore_eos=True),
+    ], use_tqdm=False)
+    stats = engine.core.scheduler.stats
+    assert stats.retractions == 1
+    assert stats.prefill_tokens == len(a) + len(b)  # b resumes from its own cached KV
