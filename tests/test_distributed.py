@@ -121,3 +121,67 @@ def test_broken_plan_is_a_named_stall_not_a_hang(deep_dir):
     finally:
         core.runner.close(graceful=False)
         e.core = None
+
+
+def _descendants(pid: int) -> list[int]:
+    import subprocess
+
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    kids = [int(x) for x in out.split()]
+    return kids + [d for k in kids for d in _descendants(k)]
+
+
+def test_server_with_tp2_answers_like_tp1():
+    import httpx
+
+    from tests.test_server import start_server, stop_server
+
+    body = {"model": "tiny-llama", "prompt": ["Return the", "def main():", "The default"],
+            "max_tokens": 10, "temperature": 0}
+    texts = []
+    for args in ((), ("--tp-size", "2")):
+        proc, url = start_server(*args)
+        try:
+            r = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+            texts.append([c["text"] for c in sorted(r["choices"], key=lambda c: c["index"])])
+        finally:
+            stop_server(proc)
+    assert texts[0] == texts[1] and all(texts[0])
+
+
+def test_killing_a_worker_stops_the_server_and_every_rank():
+    import os
+    import signal
+
+    from tests.test_server import start_server, stop_server
+
+    proc, url = start_server("--tp-size", "2", "--pp-size", "2")
+    try:
+        ranks = [p for p in _descendants(proc.pid)
+                 if b"resource_tracker" not in open(f"/proc/{p}/cmdline", "rb").read()]
+        workers = [p for p in ranks if os.getppid() != p and p not in _direct(proc.pid)]
+        assert len(workers) == 3, ranks  # ranks 1..3 are children of the engine process
+        os.kill(workers[1], signal.SIGKILL)
+        proc.wait(timeout=30)  # the engine notices at its next idle check, the server exits
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in ranks if _alive(p)], "orphaned ranks"
+    finally:
+        if proc.poll() is None:
+            stop_server(proc)
+
+
+def _direct(pid: int) -> list[int]:
+    import subprocess
+
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False

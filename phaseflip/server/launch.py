@@ -37,7 +37,7 @@ async def _serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     req_addr, out_addr = f"ipc://{ipc_dir}/requests", f"ipc://{ipc_dir}/outputs"
     spawn = mp.get_context("spawn")
     proc = spawn.Process(target=engine_main, args=(engine_cfg, req_addr, out_addr),
-                         name="phaseflip-engine", daemon=True)
+                         name="phaseflip-engine", daemon=False)  # it spawns ranks
     client = EngineClient(req_addr, out_addr, proc)  # binds before the engine connects
     proc.start()
     client.start()
