@@ -51,7 +51,12 @@ def _serve(args: argparse.Namespace) -> int:
     from phaseflip.server.context import ServerConfig
     from phaseflip.server.launch import serve
 
-    return serve(config_from_args(args), config_from_args(args, ServerConfig))
+    cfg = config_from_args(args)
+    if cfg.node_rank > 0:  # another host's ranks: no HTTP, no scheduler
+        from phaseflip.distributed.driver import run_node_workers
+
+        return run_node_workers(cfg)
+    return serve(cfg, config_from_args(args, ServerConfig))
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -86,6 +86,8 @@ class EngineConfig:
             raise bad("node_rank", f"must be in [0, nnodes={self.nnodes})")
         if self.world_size % self.nnodes:
             raise bad("nnodes", f"tp_size*pp_size={self.world_size} ranks do not split evenly")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise bad("dist_init_addr", "is required with --nnodes > 1 (host:port of node 0)")
         if self.dist_timeout_s <= 0:
             raise bad("dist_timeout_s", "must be > 0")
 

@@ -25,19 +25,29 @@ class Communicator:
 
 @dataclass(frozen=True)
 class ProcessGroupCommunicator(Communicator):
-    """Collectives over a torch.distributed process group (NCCL on GPUs, gloo on CPU)."""
+    """Collectives over a torch.distributed process group (NCCL on GPUs, gloo on CPU).
+
+    `staged`: the group is gloo but tensors live on a GPU (several ranks sharing one GPU for
+    correctness runs) — collectives then go through host copies.
+    """
 
     group: dist.ProcessGroup
     size: int
+    staged: bool = False
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.staged and x.is_cuda:
+            host = x.cpu()
+            dist.all_reduce(host, group=self.group)
+            return x.copy_(host)
         dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        src = x.contiguous().cpu() if self.staged and x.is_cuda else x.contiguous()
+        parts = [torch.empty_like(src) for _ in range(self.size)]
+        dist.all_gather(parts, src, group=self.group)
+        return torch.cat(parts, dim=-1).to(x.device)
 
 
 @dataclass(frozen=True)

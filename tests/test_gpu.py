@@ -61,3 +61,21 @@ def test_bf16_logprobs_within_reference_deviation(arch, model_dirs, make_engine)
           f"{sum(theirs) / len(theirs):.4f}; argmax agreement {agree}/{total}")
     assert max(ours) <= 1.5 * max(theirs) + 0.02
     assert sum(ours) / len(ours) <= 1.5 * sum(theirs) / len(theirs) + 0.01
+
+
+@pytest.mark.timeout(300, method="thread")
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), (2, 2)])
+def test_layouts_on_one_gpu_match_single_process(tp, pp, model_dirs):
+    """Several ranks share the one GPU through gloo with host staging (NCCL refuses two ranks
+    on one device); fp32 greedy output must equal the single-process GPU engine."""
+    from phaseflip import Engine
+
+    prompts = prompts_for(300)
+    cfg = {"device": "cuda", "dtype": "float32", "max_total_tokens": 4096}
+    with Engine(str(model_dirs["llama"]), **cfg) as e:
+        want = [o.token_ids for o in e.generate(prompts, GREEDY, use_tqdm=False)]
+    with Engine(str(model_dirs["llama"]), tp_size=tp, pp_size=pp, dist_timeout_s=120,
+                **cfg) as e:
+        assert e.core.runner.spec.backend == "gloo"
+        got = [o.token_ids for o in e.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == want

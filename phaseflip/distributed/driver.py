@@ -93,3 +93,18 @@ class DistributedRunner:
         if graceful and dist.is_initialized():
             dist.destroy_process_group()
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def run_node_workers(cfg: EngineConfig) -> int:
+    """`phaseflip serve --node-rank k` (k > 0): run this host's ranks until the driver stops
+    them. Returns non-zero if any rank failed."""
+    spec = DistSpec.from_config(cfg)
+    spawn = mp.get_context("spawn")
+    procs = [spawn.Process(target=worker_main, name=f"phaseflip-rank{r}",
+                           args=(r, spec, cfg, None, os.getpid()))
+             for r in spec.local_ranks()]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    return max(p.exitcode or 0 for p in procs)

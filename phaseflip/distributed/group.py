@@ -79,7 +79,8 @@ class RankGroups:
         return pp_rank * self.spec.tp_size + self.tp_rank
 
     def layout(self) -> Layout:
-        comm = (ProcessGroupCommunicator(self.tp_group, self.spec.tp_size)
+        comm = (ProcessGroupCommunicator(self.tp_group, self.spec.tp_size,
+                                         staged=self.spec.backend == "gloo")
                 if self.spec.tp_size > 1 else None)
         kwargs = {"tp_comm": comm} if comm is not None else {}
         return Layout(self.tp_rank, self.spec.tp_size, self.pp_rank, self.spec.pp_size, **kwargs)
