@@ -15,7 +15,7 @@ import sys
 import types
 import typing
 
-from phaseflip.config import EngineConfig
+from phaseflip.config import EngineConfig, resolve_model
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -44,7 +44,8 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type = EngineConfig) 
 
 
 def config_from_args(args: argparse.Namespace, cls: type = EngineConfig):
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    cfg = cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    return resolve_model(cfg) if isinstance(cfg, EngineConfig) else cfg
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from phaseflip.errors import InvalidRequestError
@@ -13,7 +13,10 @@ EMBEDDED_MODEL = Path(__file__).parent / "assets" / "tiny-llama"
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = str(EMBEDDED_MODEL)
-    """Hugging Face model directory (default: the tiny model shipped in the package)."""
+    """Hugging Face model directory, or a bundled shape name (llama-3.1-8b, qwen3-8b,
+    llama-3.2-1b, qwen3-0.6b) with --load-format dummy (default: the tiny shipped model)."""
+    load_format: str = "auto"
+    """auto (the checkpoint's safetensors) or dummy (random weights made on the device)."""
     device: str = "auto"
     """cpu, cuda or auto (cuda when available)."""
     dtype: str = "auto"
@@ -64,6 +67,8 @@ class EngineConfig:
 
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise bad("device", "expected cpu, cuda or auto")
+        if self.load_format not in ("auto", "dummy"):
+            raise bad("load_format", "expected auto or dummy")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise bad("dtype", "expected float32, float16, bfloat16 or auto")
         if not 0.0 < self.mem_fraction <= 1.0:
@@ -103,3 +108,14 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def resolve_model(cfg: EngineConfig) -> EngineConfig:
+    """The config with `model` turned into a directory (bundled shape names → their dir)."""
+    if Path(cfg.model).is_dir():
+        return cfg
+    try:
+        from phaseflip.model.dummy import resolve_model_dir
+    except ImportError:  # bundled shapes not installed: the loader names the missing dir
+        return cfg
+    return replace(cfg, model=str(resolve_model_dir(cfg.model)))

@@ -12,7 +12,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from phaseflip.config import EngineConfig
+from phaseflip.config import EngineConfig, resolve_model
 from phaseflip.engine.core import EngineCore
 from phaseflip.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
 from phaseflip.errors import InvalidRequestError
@@ -52,7 +52,7 @@ class Engine:
             raise InvalidRequestError(f"unknown engine options {unknown}; known: {sorted(known)}")
         if model is not None:
             config["model"] = str(model)
-        self.config = EngineConfig(**config)
+        self.config = resolve_model(EngineConfig(**config))
         self.model_config = ModelConfig.from_dir(self.config.model)
         self.tokenizer = load_tokenizer(self.config.model)
         self.core = EngineCore(self.config, self.model_config, self.tokenizer)

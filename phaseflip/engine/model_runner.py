@@ -53,7 +53,12 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg.dtype, model_cfg, self.device)
         with torch.device(self.device):
             self.model = LlamaForCausalLM(model_cfg, self.layout, self.dtype)
-        self.model.load_weights(iter_checkpoint_tensors(model_cfg.model_dir))
+        if cfg.load_format == "dummy":
+            from phaseflip.model.dummy import init_dummy_weights
+
+            init_dummy_weights(self.model, cfg.seed)
+        else:
+            self.model.load_weights(iter_checkpoint_tensors(model_cfg.model_dir))
         self.model.eval()
         self.backend = TorchRefAttention()
         local = self._kv_slots()
