@@ -1,0 +1,152 @@
+"""Triton attention backend: same contract as `TorchRefAttention`, fused GPU kernels.
+
+`forward` stores the new tokens' K/V at `batch.out_cache_loc` (a torch index_put: it is a
+scatter of T rows, noise next to the attention itself), then runs the split-K decode kernel when
+every sequence has one new token, else the tiled extend kernel (prefill, chunked prefill and
+mixed decode+prefill batches alike). See `phaseflip.kernels.attention` for the kernels.
+
+Per-batch metadata. A model forward calls `forward` once per layer with the same
+`ForwardBatch`, and the metadata (query offsets, the extend tile list, the decode split plan and
+its float32 workspace) depends only on the batch, the head layout and the sliding window. It is
+built on the first layer from the batch's *host* lists (`extend_lens`, `prefix_lens`), copied to
+the device once (pinned, non-blocking), and reused by the remaining layers: no host<->device sync
+on the per-layer path. The cache holds one batch, matched by identity (`cached is batch`); it
+keeps a reference to that batch so that its `id` cannot be recycled by a new batch while cached.
+Inside it, a small dict keys the layout-dependent parts on (num_kv_heads, group, head_dim,
+dtype, sliding_window), so models whose layers differ in window (Qwen2) get one entry per kind.
+A `ForwardBatch` is treated as immutable once it reaches the backend.
+
+The workspace is shared by all layers of one batch: layers run in order on one stream, so a
+layer's reduce has consumed the partials before the next layer overwrites them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from phaseflip.cache.kv_pool import KVPool
+from phaseflip.engine.forward_batch import ForwardBatch
+from phaseflip.kernels import attention as kernels
+
+
+def _to_device(data: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
+    """int32 host list -> device tensor, through pinned memory so the copy does not block."""
+    t = torch.tensor(data, dtype=torch.int32)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+@dataclass
+class _BatchMeta:
+    batch: ForwardBatch  # held so that the identity match cannot alias a recycled id
+    is_decode: bool
+    max_kv_len: int
+    qo_indptr: torch.Tensor | None = None
+    by_layout: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+
+
+class TritonAttention:
+    """Paged attention with Triton kernels (CUDA; CPU only under `TRITON_INTERPRET=1`).
+
+    `decode_splits` forces the split-K count and `decode_min_chunk` the smallest split;
+    `decode_config` / `extend_config` replace the per-dtype launch shapes (all for tests and
+    tuning). By default the split count is planned per batch from the GPU's SM count.
+    """
+
+    name = "triton"
+
+    def __init__(
+        self,
+        *,
+        decode_splits: int | None = None,
+        decode_min_chunk: int = 256,
+        decode_config: kernels.KernelConfig | None = None,
+        extend_config: kernels.KernelConfig | None = None,
+    ) -> None:
+        self.decode_splits = decode_splits
+        self.decode_min_chunk = decode_min_chunk
+        self.decode_config = decode_config
+        self.extend_config = extend_config
+        self._meta: _BatchMeta | None = None
+
+    def _batch_meta(self, batch: ForwardBatch, device: torch.device) -> _BatchMeta:
+        meta = self._meta
+        if meta is not None and meta.batch is batch:
+            return meta
+        seq_lens = [p + e for p, e in zip(batch.prefix_lens, batch.extend_lens)]
+        meta = _BatchMeta(batch=batch, is_decode=batch.is_decode,
+                          max_kv_len=max(seq_lens, default=0))
+        if not meta.is_decode:
+            indptr = [0]
+            for e in batch.extend_lens:
+                indptr.append(indptr[-1] + e)
+            meta.qo_indptr = _to_device(indptr, device)
+        self._meta = meta
+        return meta
+
+    def forward(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: ForwardBatch,
+        pool: KVPool,
+        scale: float,
+        sliding_window: int | None = None,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens. Returns [T, H*D] in q's dtype.
+
+        `out` (optional, [T, H*D] in q's dtype) receives the result instead of a fresh tensor.
+        """
+        pool.store(layer_id, batch.out_cache_loc, k, v)
+        k_cache, v_cache = pool.layer(layer_id)
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = k_cache.shape[1]
+        group = num_heads // num_kv_heads
+        if out is None:
+            out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype, device=q.device)
+        if q.shape[0] == 0:
+            return out
+        meta = self._batch_meta(batch, q.device)
+        key = (num_kv_heads, group, head_dim, k_cache.dtype, sliding_window)
+        if meta.is_decode:
+            cfg = self.decode_config or kernels.decode_config(
+                k_cache.dtype, head_dim, group, q.device)
+            cached = meta.by_layout.get(key)
+            if cached is None:
+                max_len = meta.max_kv_len
+                if sliding_window is not None:
+                    max_len = min(max_len, sliding_window)
+                plan = kernels.plan_decode(
+                    batch.batch_size, num_kv_heads, -(-group // cfg.block_m), max_len,
+                    cfg.block_n, kernels.num_sms(q.device), num_splits=self.decode_splits,
+                    min_chunk=self.decode_min_chunk,
+                )
+                ws = None
+                if plan.num_splits > 1:
+                    ws = kernels.decode_workspace(batch.batch_size, num_heads, head_dim, plan,
+                                                  q.device)
+                cached = meta.by_layout[key] = (plan, ws)
+            plan, ws = cached
+            return kernels.decode_attention(
+                q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, scale, plan,
+                sliding_window=sliding_window, out=out, workspace=ws, config=cfg,
+            )
+        cfg = self.extend_config or kernels.extend_config(k_cache.dtype, head_dim, q.device)
+        tkey = ("tiles", group, cfg.block_m)
+        tiles = meta.by_layout.get(tkey)
+        if tiles is None:
+            host = kernels.extend_tiles(batch.extend_lens, batch.prefix_lens, group, cfg.block_m)
+            tiles = meta.by_layout[tkey] = _to_device(host, q.device)
+        assert meta.qo_indptr is not None
+        return kernels.extend_attention(
+            q, k_cache, v_cache, meta.qo_indptr, batch.kv_indptr, batch.kv_indices, tiles,
+            scale, sliding_window=sliding_window, out=out, config=cfg,
+        )

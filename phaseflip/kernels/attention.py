@@ -1,0 +1,495 @@
+"""Triton attention kernels over the paged KV pool: split-K decode and tiled extend/prefill.
+
+Both kernels read K/V rows of one layer's pool (`[num_slots, kv_heads, head_dim]`) through the
+slot list `kv_indices` (each sequence's whole context, prefix then new tokens, laid out back to
+back with offsets `kv_indptr`), so pages need not be contiguous. Key position = index into that
+slot list, exactly as in `TorchRefAttention`. Softmax is online (running max / sum, base-2
+exponentials with the scale folded into log2(e)) with float32 accumulation for every input dtype.
+
+Decode (one query per sequence) is memory-bound: the cost is reading the context's K/V once.
+So a program owns one (sequence, KV head) pair and *all* query heads of that KV head's group
+(padded to 16 rows for `tl.dot`), loading each K/V row once for the group; and long contexts
+are split over several programs (split-K, "flash-decoding") whose partial (max, sum, acc) are
+merged by a small reduce kernel, so a batch of one still fills the GPU. With a single split the
+first kernel normalises and writes the output itself and the reduce is skipped.
+
+Extend (prefill, chunked prefill, mixed batches) is flash-attention style: a program owns a tile
+of BLOCK_M *packed rows* of one sequence, where row r is query r // group of query head
+r % group of one KV head, so K/V tiles are again loaded once per group, and a decode sequence
+inside a mixed batch costs `group` rows instead of a whole BLOCK_M tile per head. Key blocks
+entirely below the tile's first query position need no causal mask; only the blocks on the
+diagonal are masked. Tiles are listed on the host (from the host-side `extend_lens`) longest
+first, so the grid has no dead programs and the heavy diagonal tiles start early.
+
+Everything the kernels need from the batch is either already on the device (`kv_indptr`,
+`kv_indices`) or derived from host lists once per batch (`qo_indptr`, the tile list, the split
+plan): no host<->device synchronisation on the per-layer path.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, KV_INDPTR, KV_INDICES, OUT, MID_O, MID_M, MID_L,
+    qk_scale, window, chunk, num_splits,
+    stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """One (sequence, KV head, head block, split): attend the group's queries over one chunk."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1) // HEAD_BLOCKS
+    hblk = tl.program_id(1) % HEAD_BLOCKS
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) // HEAD_BLOCKS * GROUP
+
+    offs_g = hblk * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    offs_n = tl.arange(0, BLOCK_N)
+
+    kv_beg = tl.load(KV_INDPTR + b)
+    seq_len = tl.load(KV_INDPTR + b + 1) - kv_beg
+    start = seq_len * 0
+    if HAS_WINDOW:
+        start = tl.maximum(seq_len - window, 0)
+    lo = start + split * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
+
+    q = tl.load(
+        Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :], other=0.0,
+    )
+    q = q.to(K.dtype.element_ty)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        idx = n0 + offs_n
+        mask_n = idx < hi
+        slots = tl.load(KV_INDICES + kv_beg + idx, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(K + slots[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    if DIRECT:
+        out = acc / l_i[:, None]
+        tl.store(
+            OUT + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(OUT.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :],
+        )
+    else:
+        # Partials live at [b, head, split]; an empty split stores (-inf, 0, 0), which the
+        # reduce weighs by exp2(-inf) = 0.
+        row = (b * num_heads + heads) * num_splits + split
+        tl.store(MID_M + row, m_i, mask=mask_h)
+        tl.store(MID_L + row, l_i, mask=mask_h)
+        tl.store(MID_O + row[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=mask_h[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    OUT, MID_O, MID_M, MID_L, num_splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Merge one (sequence, head)'s split partials: rescale each to the global max and sum."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < num_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    row = (b * num_heads + h) * num_splits + offs_s
+    m = tl.load(MID_M + row, mask=mask_s, other=float("-inf"))
+    l_s = tl.load(MID_L + row, mask=mask_s, other=0.0)
+    acc = tl.load(MID_O + row[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    m_max = tl.max(m, 0)  # finite: split 0 always holds the newest key
+    w = tl.exp2(m - m_max)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
+    tl.store(OUT + b * stride_ot + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty),
+             mask=mask_d)
+
+
+@triton.jit
+def _extend_block(
+    acc, l_i, m_i, q, K, V, KV_INDICES, kv_beg, n0, kv_hi, q_pos, window, kvh,
+    stride_kn, stride_kh, stride_vn, stride_vh, qk_scale,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """One BLOCK_N key block of the online softmax; MASK only on diagonal (and window) blocks."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    idx = n0 + offs_n
+    k_ptrs = K + kvh * stride_kh + offs_d[None, :]
+    v_ptrs = V + kvh * stride_vh + offs_d[None, :]
+    if MASK:
+        in_range = idx < kv_hi
+        slots = tl.load(KV_INDICES + kv_beg + idx, mask=in_range, other=0).to(tl.int64)
+        kv_mask = in_range[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_ptrs + slots[:, None] * stride_kn, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs + slots[:, None] * stride_vn, mask=kv_mask, other=0.0)
+    else:
+        # Full blocks lie inside the context: only a padded head_dim needs a mask.
+        slots = tl.load(KV_INDICES + kv_beg + idx).to(tl.int64)
+        if HEAD_DIM == BLOCK_D:
+            k = tl.load(k_ptrs + slots[:, None] * stride_kn)
+            v = tl.load(v_ptrs + slots[:, None] * stride_vn)
+        else:
+            d_mask = (offs_d < HEAD_DIM)[None, :]
+            k = tl.load(k_ptrs + slots[:, None] * stride_kn, mask=d_mask, other=0.0)
+            v = tl.load(v_ptrs + slots[:, None] * stride_vn, mask=d_mask, other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    if MASK:
+        visible = (idx[None, :] <= q_pos[:, None]) & in_range[None, :]
+        if HAS_WINDOW:
+            visible = visible & (idx[None, :] > q_pos[:, None] - window)
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # A row can see nothing yet (window not reached): keep exp2 away from -inf - -inf.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_ref = m_new
+    p = tl.exp2(qk - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K, V, QO_INDPTR, KV_INDPTR, KV_INDICES, TILES, OUT,
+    qk_scale, window, num_tiles,
+    stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """One tile of BLOCK_M packed (query, head-in-group) rows of one sequence, one KV head."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.load(TILES + tile)
+    r0 = tl.load(TILES + num_tiles + tile)
+    q_beg = tl.load(QO_INDPTR + b)
+    ext = tl.load(QO_INDPTR + b + 1) - q_beg
+    kv_beg = tl.load(KV_INDPTR + b)
+    seq_len = tl.load(KV_INDPTR + b + 1) - kv_beg
+    prefix = seq_len - ext
+    num_rows = ext * GROUP
+
+    rows = r0 + tl.arange(0, BLOCK_M)
+    mask_m = rows < num_rows
+    qi = rows // GROUP
+    heads = kvh * GROUP + rows % GROUP
+    q_pos = prefix + qi
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(
+        Q + (q_beg + qi).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh
+        + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :], other=0.0,
+    )
+    q = q.to(K.dtype.element_ty)
+
+    q_lo = prefix + r0 // GROUP
+    q_hi = prefix + (tl.minimum(r0 + BLOCK_M, num_rows) - 1) // GROUP
+    kv_hi = q_hi + 1
+    kv_lo = q_lo * 0
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(q_lo - window + 1, 0)
+    # Keys [kv_lo, full_end) are visible to every row of the tile (causally): no mask there.
+    full_end = kv_lo + (q_lo + 1 - kv_lo) // BLOCK_N * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(kv_lo, full_end, BLOCK_N):
+        acc, l_i, m_i = _extend_block(
+            acc, l_i, m_i, q, K, V, KV_INDICES, kv_beg, n0, kv_hi, q_pos, window, kvh,
+            stride_kn, stride_kh, stride_vn, stride_vh, qk_scale,
+            BLOCK_N, HEAD_DIM, BLOCK_D, HAS_WINDOW, HAS_WINDOW, DOT_PREC,
+        )
+    for n0 in range(full_end, kv_hi, BLOCK_N):
+        acc, l_i, m_i = _extend_block(
+            acc, l_i, m_i, q, K, V, KV_INDICES, kv_beg, n0, kv_hi, q_pos, window, kvh,
+            stride_kn, stride_kh, stride_vn, stride_vh, qk_scale,
+            BLOCK_N, HEAD_DIM, BLOCK_D, True, HAS_WINDOW, DOT_PREC,
+        )
+    # Padding rows past the sequence may have seen no key (l = 0): divide them by 1, not 0.
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        OUT + (q_beg + qi).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh
+        + offs_d[None, :],
+        out.to(OUT.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :],
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch configuration and host-side planning
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int  # extend: packed rows per tile; decode: query-head rows per program (>= 16)
+    block_n: int  # keys per inner-loop step
+    num_warps: int
+    num_stages: int
+
+
+def _on_gpu(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def decode_config(dtype: torch.dtype, head_dim: int, group: int, device: torch.device
+                  ) -> KernelConfig:
+    """Decode launch shape. The head block pads the group to >= 16 rows (tl.dot's minimum)."""
+    block_h = min(max(16, triton.next_power_of_2(group)), 64)
+    if not _on_gpu(device):  # interpreter: small key blocks so tiny tests cross blocks
+        return KernelConfig(block_h, 16, 4, 1)
+    block_n = 32 if dtype == torch.float32 else 64
+    return KernelConfig(block_h, block_n, 4, 2)
+
+
+def extend_config(dtype: torch.dtype, head_dim: int, device: torch.device) -> KernelConfig:
+    """Extend tile shape: large tiles for bf16/fp16; fp32 halves them to fit shared memory."""
+    if not _on_gpu(device):
+        return KernelConfig(16, 16, 4, 1)
+    if dtype == torch.float32:  # IEEE fp32 dots run on FMA units: small tiles, no spills
+        return KernelConfig(32, 32, 4, 2) if head_dim <= 64 else KernelConfig(32, 16, 8, 2)
+    if head_dim <= 64:
+        return KernelConfig(128, 64, 8, 3)
+    return KernelConfig(128, 64, 8, 2)
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def num_sms(device: torch.device) -> int:
+    if not _on_gpu(device):
+        return 8
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """How a decode batch's contexts are cut into split-K chunks (host ints, no device data)."""
+
+    num_splits: int
+    chunk: int  # keys per split, a multiple of block_n
+
+
+def plan_decode(
+    batch_size: int,
+    num_kv_heads: int,
+    head_blocks: int,
+    max_kv_len: int,
+    block_n: int,
+    sms: int,
+    *,
+    num_splits: int | None = None,
+    min_chunk: int = 256,
+    max_splits: int = 64,
+) -> DecodePlan:
+    """Pick the split count: enough programs for ~4 per SM, never chunks below `min_chunk`.
+
+    Splitting costs a reduce launch and a float32 round trip of the partials, so large batches
+    (which already have enough programs) run unsplit and write their output directly.
+    `max_kv_len` is the longest attended range (already clipped to a sliding window).
+    """
+    max_kv_len = max(max_kv_len, 1)
+    if num_splits is None:
+        programs = batch_size * num_kv_heads * head_blocks
+        want = math.ceil(4 * sms / programs)
+        num_splits = max(1, min(want, math.ceil(max_kv_len / min_chunk), max_splits))
+    chunk = math.ceil(math.ceil(max_kv_len / num_splits) / block_n) * block_n
+    return DecodePlan(num_splits=math.ceil(max_kv_len / chunk), chunk=chunk)
+
+
+def extend_tiles(extend_lens: list[int], prefix_lens: list[int], group: int, block_m: int
+                 ) -> list[list[int]]:
+    """Host tile list `[seq_ids, row_starts]` for the extend kernel, heaviest tiles first.
+
+    A tile's work is its last query position (keys it reads); launching the longest tiles
+    first keeps the causal triangle's big tiles off the grid's tail.
+    """
+    work: list[tuple[int, int, int]] = []
+    for i, (ext, pre) in enumerate(zip(extend_lens, prefix_lens)):
+        rows = ext * group
+        for r0 in range(0, rows, block_m):
+            last = pre + (min(r0 + block_m, rows) - 1) // group
+            work.append((-last, i, r0))
+    work.sort()
+    return [[w[1] for w in work], [w[2] for w in work]]
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs must not be rounded to tf32 (the fp32 path is held to 1e-5 of the reference).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
+    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
+        raise ValueError("q must be [T, H, D] and k/v caches [slots, KVH, D]")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[1]
+    if num_heads % num_kv_heads or k_cache.shape[2] != head_dim:
+        raise ValueError(f"bad head layout: q {tuple(q.shape)}, kv {tuple(k_cache.shape)}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k/v caches must be contiguous in head_dim")
+    return num_heads // num_kv_heads, head_dim
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrappers
+# ----------------------------------------------------------------------------------------------
+
+
+def decode_workspace(batch_size: int, num_heads: int, head_dim: int, plan: DecodePlan,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 partials (acc [B,H,S,D], max [B,H,S], sum [B,H,S]) for a split decode."""
+    s = plan.num_splits
+    return (
+        torch.empty(batch_size, num_heads, s, head_dim, dtype=torch.float32, device=device),
+        torch.empty(batch_size, num_heads, s, dtype=torch.float32, device=device),
+        torch.empty(batch_size, num_heads, s, dtype=torch.float32, device=device),
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    scale: float,
+    plan: DecodePlan,
+    *,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """Attention of one query per sequence (q row b = sequence b) over its paged context.
+
+    q: [B, H, D]; caches [slots, KVH, D]; kv_indptr [B+1] / kv_indices (device, any int dtype).
+    `plan` comes from `plan_decode` with the same `config.block_n`. Returns out [B, H*D] in q's
+    dtype (written into `out` when given). `workspace` (from `decode_workspace`) may be reused
+    across calls of one batch; it is allocated here when omitted and the plan splits.
+    """
+    group, head_dim = _check(q, k_cache, v_cache)
+    batch_size, num_heads = q.shape[0], q.shape[1]
+    num_kv_heads = k_cache.shape[1]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    cfg = config or decode_config(k_cache.dtype, head_dim, group, q.device)
+    if out is None:
+        out = torch.empty(batch_size, num_heads * head_dim, dtype=q.dtype, device=q.device)
+    if batch_size == 0:
+        return out
+    head_blocks = triton.cdiv(group, cfg.block_m)
+    direct = plan.num_splits == 1
+    if direct:
+        mid_o = mid_m = mid_l = out  # unused
+    else:
+        mid_o, mid_m, mid_l = workspace or decode_workspace(
+            batch_size, num_heads, head_dim, plan, q.device)
+    block_d = triton.next_power_of_2(head_dim)
+    grid = (batch_size, num_kv_heads * head_blocks, plan.num_splits)
+    _decode_split_kernel[grid](
+        q, k_cache, v_cache, kv_indptr, kv_indices, out, mid_o, mid_m, mid_l,
+        scale * LOG2E, sliding_window or 0, plan.chunk, plan.num_splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), out.stride(0), head_dim,
+        GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_H=cfg.block_m, BLOCK_N=cfg.block_n,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_WINDOW=sliding_window is not None,
+        DIRECT=direct, DOT_PREC=_dot_precision(k_cache.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if not direct:
+        _decode_reduce_kernel[(batch_size, num_heads)](
+            out, mid_o, mid_m, mid_l, plan.num_splits, out.stride(0), head_dim,
+            HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_S=max(2, triton.next_power_of_2(plan.num_splits)), num_warps=4,
+        )
+    return out
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    tiles: torch.Tensor,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole paged context.
+
+    q: [T, H, D], sequence i's queries at rows qo_indptr[i]:qo_indptr[i+1] and positions
+    prefix_i .. seq_len_i - 1 (prefix_i = its KV length minus its query count). `tiles` is
+    `extend_tiles(...)` for the same group and `config.block_m`, as an int32 [2, n] device
+    tensor. Returns out [T, H*D] in q's dtype (written into `out` when given).
+    """
+    group, head_dim = _check(q, k_cache, v_cache)
+    num_tokens, num_heads = q.shape[0], q.shape[1]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    cfg = config or extend_config(k_cache.dtype, head_dim, q.device)
+    if out is None:
+        out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
+    num_tiles = tiles.shape[1]
+    if num_tiles == 0:
+        return out
+    grid = (num_tiles, k_cache.shape[1])
+    _extend_kernel[grid](
+        q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, tiles, out,
+        scale * LOG2E, sliding_window or 0, num_tiles,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), out.stride(0), head_dim,
+        GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), HAS_WINDOW=sliding_window is not None,
+        DOT_PREC=_dot_precision(k_cache.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out

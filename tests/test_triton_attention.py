@@ -1,0 +1,252 @@
+"""Triton attention backend against the torch reference backend (the oracle).
+
+Runs on CUDA when present, else on the CPU through Triton's interpreter (`TRITON_INTERPRET=1`,
+set here before the kernels are defined); skipped when triton is not installed. Interpreter
+block sizes are 16 so that tiny shapes still cross key blocks, tile boundaries and split-K
+chunks. Every check draws fresh random q/k/v and a random prefix in the pool, uses shuffled
+(non-contiguous) slots, and NaN-fills the output first so an unwritten row fails.
+
+Bounds on ||out - ref|| / ||ref||: fp32 1e-5 (the kernels use IEEE fp32 dots, no tf32; measured
+~1e-7 on CPU), bf16/fp16 1e-2 (P is rounded to bf16 before the PV dot, as in any flash kernel).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from phaseflip.attention.torch_ref import TorchRefAttention  # noqa: E402
+from phaseflip.attention.triton_backend import TritonAttention  # noqa: E402
+from phaseflip.cache.kv_pool import KVPool  # noqa: E402
+from phaseflip.engine.forward_batch import ForwardBatch  # noqa: E402
+from phaseflip.kernels import attention as kernels  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _fix_interpreter() -> None:
+    """Two Triton-interpreter gaps our kernels hit, patched for the interpreter only.
+
+    1. `tensor.__index__` is `int(data)` on a 1-element 1-d array in Triton <= 3.6, an error
+       since NumPy 2.4, so a loaded scalar cannot bound a `range`; later Triton squeezes first.
+    2. `tl.dot` on bfloat16 multiplies the raw uint16 storage (still so in 3.9); widen
+       bfloat16 operands to float32 exactly (bits << 16), which is what the GPU's bf16 MMA with
+       fp32 accumulation computes.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is not None and not getattr(patch, "_phaseflip_fixed", False):
+
+        def patched(tensor, scope) -> None:
+            patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        patched._phaseflip_fixed = True  # type: ignore[attr-defined]
+        interpreter._patch_lang_tensor = patched
+
+    builder = type(interpreter.interpreter_builder)
+    dot = builder.create_dot
+    if not getattr(dot, "_phaseflip_fixed", False):
+        import triton.language as tl
+
+        def widen(h):
+            if h.dtype == tl.bfloat16:
+                data = (h.data.astype(np.uint32) << 16).view(np.float32)
+                return interpreter.TensorHandle(data, tl.float32)
+            return h
+
+        def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+            return dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+        create_dot._phaseflip_fixed = True  # type: ignore[attr-defined]
+        builder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _fix_interpreter()
+BOUND = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+def make_batch(seqs: list[tuple[int, int]], gen: torch.Generator) -> ForwardBatch:
+    """seqs: (prefix_len, extend_len) each; slots are a random permutation of 1..N (0 = pad)."""
+    total = sum(p + e for p, e in seqs)
+    perm = (torch.randperm(total + 5, generator=gen) + 1)[:total]
+    kv_indptr, out_loc, positions = [0], [], []
+    for p, e in seqs:
+        start = kv_indptr[-1]
+        out_loc.append(perm[start + p : start + p + e])
+        positions.extend(range(p, p + e))
+        kv_indptr.append(start + p + e)
+    num_tokens = sum(e for _, e in seqs)
+    return ForwardBatch(
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        out_cache_loc=torch.cat(out_loc),
+        extend_lens=[e for _, e in seqs],
+        prefix_lens=[p for p, _ in seqs],
+        kv_indptr=torch.tensor(kv_indptr, dtype=torch.int64),
+        kv_indices=perm.clone(),
+        logits_indices=torch.tensor([], dtype=torch.int64),
+        max_position=max(positions),
+    ).to(DEVICE)
+
+
+def run_case(
+    seqs: list[tuple[int, int]],
+    *,
+    num_kv_heads: int = 2,
+    group: int = 4,
+    head_dim: int = 64,
+    dtype: torch.dtype = torch.float32,
+    window: int | None = None,
+    backend: TritonAttention | None = None,
+    layers: int = 1,
+    seed: int = 0,
+) -> float:
+    """Worst relative error over `layers` forwards of one batch (fresh q/k/v per layer)."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = make_batch(seqs, gen)
+    num_heads = num_kv_heads * group
+    num_slots = int(batch.kv_indices.max()) + 8
+    pools = [KVPool(num_slots, (0, layers), num_kv_heads, head_dim, dtype, DEVICE)
+             for _ in range(2)]
+    for i in range(layers):  # random prefix contents (and garbage in unused slots)
+        for src in ("k", "v"):
+            data = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen)
+            for pool in pools:
+                getattr(pool, src)[i].copy_(data)
+    backend = backend or TritonAttention()
+    ref = TorchRefAttention()
+    worst = 0.0
+    for layer in range(layers):
+        t = batch.num_tokens
+        q = torch.randn(t, num_heads, head_dim, generator=gen).to(DEVICE, dtype)
+        k = torch.randn(t, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+        v = torch.randn(t, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+        scale = head_dim**-0.5
+        want = ref.forward(layer, q, k, v, batch, pools[0], scale, window)
+        out = torch.full((t, num_heads * head_dim), float("nan"), dtype=dtype, device=DEVICE)
+        got = backend.forward(layer, q, k, v, batch, pools[1], scale, window, out=out)
+        assert got.data_ptr() == out.data_ptr() and got.shape == want.shape
+        assert torch.isfinite(got).all(), "unwritten or non-finite output rows"
+        assert torch.equal(pools[0].k[layer], pools[1].k[layer])
+        assert torch.equal(pools[0].v[layer], pools[1].v[layer])
+        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        worst = max(worst, err)
+    assert worst < BOUND[dtype], f"relative error {worst:.3g} >= {BOUND[dtype]}"
+    return worst
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_only(dtype):
+    run_case([(5, 1), (33, 1), (0, 1), (17, 1)], dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extend_without_prefix(dtype):
+    run_case([(0, 7), (0, 21), (0, 1)], dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extend_with_cached_prefix(dtype):
+    run_case([(13, 5), (40, 17), (3, 1)], dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_decode_and_extend(dtype):
+    run_case([(10, 1), (0, 9), (25, 1), (7, 12)], dtype=dtype)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_extend_every_diagonal_alignment(group):
+    # Prefixes 0..17 put tile starts at every offset within a 16-key block, so each possible
+    # split between the unmasked blocks and the masked diagonal blocks is exercised.
+    seqs = [(p, 6 + p % 5) for p in range(18)]
+    run_case(seqs, group=group, num_kv_heads=1, head_dim=64, seed=group)
+
+
+def test_single_sequence_of_length_one():
+    run_case([(0, 1)])
+    run_case([(0, 1)], group=8, num_kv_heads=1, head_dim=128)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 7])
+def test_decode_split_k_chunk_boundaries(splits):
+    # Interpreter block_n is 16, so a chunk is 16k keys: lengths 16/17/31/50/61 put the last
+    # key exactly on, just past and just before chunk edges, and leave some splits empty.
+    backend = TritonAttention(decode_splits=splits, decode_min_chunk=1)
+    seqs = [(15, 1), (16, 1), (30, 1), (49, 1), (60, 1), (0, 1)]
+    run_case(seqs, backend=backend, seed=splits)
+
+
+def test_decode_planner_splits_long_contexts():
+    plan = kernels.plan_decode(1, 8, 1, 4096, 64, 132)
+    assert plan.num_splits > 1 and plan.chunk % 64 == 0
+    assert plan.num_splits * plan.chunk >= 4096 > (plan.num_splits - 1) * plan.chunk
+    assert kernels.plan_decode(256, 8, 1, 4096, 64, 132).num_splits == 1
+    assert kernels.plan_decode(1, 8, 1, 1, 64, 132).num_splits == 1
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gqa_ratios_and_head_dims(group, head_dim):
+    kvh = 2 if group < 8 else 1
+    run_case([(6, 1), (0, 5), (20, 1), (9, 8)], group=group, num_kv_heads=kvh,
+             head_dim=head_dim, seed=group * head_dim)
+    run_case([(6, 1), (35, 1)], group=group, num_kv_heads=kvh, head_dim=head_dim,
+             backend=TritonAttention(decode_splits=2, decode_min_chunk=1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sliding_window(dtype):
+    # Windows shorter than the context, on decode (split and unsplit) and on extend tiles
+    # whose first rows see nothing in the first key blocks.
+    run_case([(40, 1), (3, 1), (57, 1)], window=7, dtype=dtype)
+    run_case([(40, 1), (3, 1), (57, 1)], window=20, dtype=dtype,
+             backend=TritonAttention(decode_splits=3, decode_min_chunk=1))
+    run_case([(30, 12), (0, 40), (5, 1)], window=9, dtype=dtype)
+
+
+def test_window_rows_that_see_nothing_in_early_blocks():
+    # A tile spanning more query positions than a key block (32 rows of one head, 16 keys):
+    # its last rows' windows start past the first key block, which they must skip without
+    # NaNs (the -inf - -inf guard of the online softmax).
+    backend = TritonAttention(extend_config=kernels.KernelConfig(32, 16, 4, 1))
+    run_case([(3, 40), (20, 33)], group=1, num_kv_heads=2, window=5, backend=backend)
+
+
+def test_odd_head_dim_and_mha():
+    run_case([(9, 3), (4, 1)], group=1, num_kv_heads=3, head_dim=80)
+    run_case([(9, 1), (4, 1)], group=2, num_kv_heads=2, head_dim=80)
+
+
+def test_metadata_reused_across_layers_and_rebuilt_per_batch():
+    backend = TritonAttention()
+    run_case([(12, 4), (3, 1)], backend=backend, layers=3)
+    first = backend._meta
+    assert first is not None and first.qo_indptr is not None
+    run_case([(12, 1), (3, 1)], backend=backend, layers=2)  # a new batch: new metadata
+    assert backend._meta is not first and backend._meta.is_decode
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="larger shapes are too slow interpreted")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpu_long_contexts(dtype):
+    # Real block sizes (64-128): several full blocks, several diagonal blocks, planner splits.
+    run_case([(700, 1), (1500, 1), (0, 1), (130, 1)], num_kv_heads=8, head_dim=128,
+             dtype=dtype)
+    run_case([(0, 300), (512, 129), (77, 1), (1000, 1)], num_kv_heads=8, head_dim=128,
+             dtype=dtype)
+    run_case([(0, 500), (900, 1)], num_kv_heads=4, group=8, head_dim=128, window=128,
+             dtype=dtype)
