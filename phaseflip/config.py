@@ -45,6 +45,17 @@ class EngineConfig:
     """Largest top-logprobs count a request may ask for."""
     check_accounting: bool = False
     """Check KV pool accounting whenever the engine goes idle (debug)."""
+    enable_hicache: bool = False
+    """Keep KV pages in a host-memory tier (and a disk tier with --hicache-dir) so prefixes
+    outlive device eviction, cache flushes and restarts."""
+    hicache_host_gb: float = 1.0
+    """Host-memory tier size in GiB."""
+    hicache_dir: str | None = None
+    """Directory of the disk tier (none: host tier only)."""
+    hicache_disk_gb: float = 16.0
+    """Disk tier size in GiB."""
+    hicache_page_size: int = 64
+    """Tokens per HiCache page (a multiple of --page-size)."""
     tp_size: int = 1
     """Tensor-parallel ranks (each holds a slice of every layer)."""
     pp_size: int = 1
@@ -91,6 +102,15 @@ class EngineConfig:
             raise bad("node_rank", f"must be in [0, nnodes={self.nnodes})")
         if self.world_size % self.nnodes:
             raise bad("nnodes", f"tp_size*pp_size={self.world_size} ranks do not split evenly")
+        if self.hicache_page_size < 1 or self.hicache_page_size % self.page_size:
+            raise bad("hicache_page_size", f"must be a multiple of page_size={self.page_size}")
+        if self.enable_hicache and self.hicache_host_gb <= 0:
+            raise bad("hicache_host_gb", "must be > 0 with --enable-hicache")
+        if self.enable_hicache and not self.enable_prefix_cache:
+            raise bad("enable_hicache", "needs the prefix cache (drop --no-enable-prefix-cache)")
+        if self.enable_hicache and self.world_size > 1:
+            raise bad("enable_hicache", "is single-rank for now (pages are written whole); "
+                      "use --tp-size 1 --pp-size 1 or turn HiCache off")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise bad("dist_init_addr", "is required with --nnodes > 1 (host:port of node 0)")
         if self.dist_timeout_s <= 0:

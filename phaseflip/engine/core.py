@@ -49,6 +49,13 @@ class EngineCore:
             self.max_context + 1, cfg.enable_prefix_cache,
         )
         self.scheduler = Scheduler(cfg, self.kv, self.max_context)
+        self.hicache = None
+        if cfg.enable_hicache:
+            from phaseflip.scheduler.hicache import HiCache
+
+            self.hicache = HiCache(cfg, model_cfg, self.kv, self.runner.pool)
+            self.kv.on_publish = self.hicache.store
+            self.scheduler.hicache = self.hicache
         self.sampler = Sampler(cfg.seed)
         self.groups: dict[str, Group] = {}
         self._arrivals = 0

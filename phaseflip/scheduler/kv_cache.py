@@ -8,6 +8,7 @@ keeps them consistent: every usable slot is, at any idle point, exactly one of f
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,8 @@ class KVCacheManager:
         self.allocator = PageAllocator(num_slots // page_size, page_size)
         self.tree = RadixCache(self.allocator, page_size, enabled=enable_prefix_cache)
         self.table = ReqToTokenTable(max_requests, max_context)
+        # called with (token_ids, slots) of every computed prefix published to the tree
+        self.on_publish: Callable[[list[int], torch.Tensor], None] | None = None
 
     @property
     def capacity_tokens(self) -> int:
@@ -141,6 +144,8 @@ class KVCacheManager:
         req.kv_len = req.alloc_len = req.protected_len = 0
 
     def _insert(self, req: Req, aligned: int, slots: torch.Tensor) -> None:
+        if self.on_publish is not None and aligned:
+            self.on_publish(req.all_ids[:aligned], slots)  # before duplicates are freed
         dup = self.tree.insert(req.all_ids[:aligned], slots)
         if self.tree.enabled and dup < req.protected_len:
             raise RuntimeError(

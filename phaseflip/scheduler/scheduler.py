@@ -54,6 +54,7 @@ class Scheduler:
         self.running: list[Req] = []  # admission order; the newest is retracted first
         self.stats = SchedulerStats()
         self._hold_admission_at: int | None = None
+        self.hicache = None  # set by the engine when the host/disk tiers are on
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
@@ -149,6 +150,8 @@ class Scheduler:
             if self._waits_for_leader(req):
                 continue
             limit = req.prompt_lp_next if req.wants_prompt_logprobs else req.num_tokens - 1
+            if self.hicache is not None and self.kv.table.free_rows:
+                self.hicache.load_prefix(req.all_ids[:limit])
             if not self.kv.admit(req, limit):
                 return
             n = self._chunk(req, budget, first=not _has_prefill(items))

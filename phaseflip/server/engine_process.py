@@ -105,6 +105,8 @@ class EngineServer:
                 "scheduler": dataclasses.asdict(sched.stats),
                 "running": len(sched.running), "waiting": len(sched.waiting),
                 "config": dataclasses.asdict(self.cfg),
+                "hicache": (dataclasses.asdict(self.core.hicache.stats)
+                            if self.core.hicache else None),
             })
         return m.ControlReply(msg.call_id, False, message=f"unknown control op {msg.op!r}")
 

@@ -1,0 +1,110 @@
+"""HiCache through the engine: same outputs, prefixes served from host and disk tiers instead
+of being recomputed, corruption is a miss, capacities hold."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from phaseflip import SamplingParams
+from tests.conftest import prompts_for
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+HC = {"enable_hicache": True, "hicache_page_size": 8}
+
+
+def long_prompts(vocab: int) -> list[list[int]]:
+    return [p for p in prompts_for(vocab) if len(p) >= 17]
+
+
+def flush(engine) -> None:
+    engine.core.kv.tree.evict_all_and_reset()
+
+
+def computed_tokens(engine) -> int:
+    """Tokens fed through the model so far (prefill and decode)."""
+    st = engine.core.scheduler.stats
+    return st.prefill_tokens + st.decode_tokens
+
+
+@pytest.mark.parametrize("page_size", [1, 8])
+def test_outputs_identical_with_hicache(page_size, llama_dir, make_engine):
+    plain = make_engine(llama_dir, page_size=page_size)
+    prompts = long_prompts(plain.model_config.vocab_size)
+    want = [o.token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+    engine = make_engine(llama_dir, page_size=page_size, **HC)
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY, use_tqdm=False)] == want
+    flush(engine)
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY, use_tqdm=False)] == want
+    assert engine.core.hicache.stats.host_hit_tokens > 0
+
+
+def test_flushed_prefix_is_read_from_host_not_recomputed(llama_dir, make_engine):
+    engine = make_engine(llama_dir, **HC)
+    prompt = prompts_for(engine.model_config.vocab_size)[3]
+    assert len(prompt) == 33  # 4 full pages and one token
+    first = engine.generate([prompt], GREEDY, use_tqdm=False)[0]
+    flush(engine)
+    before = computed_tokens(engine)
+    again = engine.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert again.token_ids == first.token_ids
+    stats = engine.core.hicache.stats
+    assert stats.host_hit_tokens == 32  # the 4 full pages of the prompt
+    # only the uncached tail of the prompt is computed, then the decode steps
+    assert computed_tokens(engine) - before == (len(prompt) - 32) + (GREEDY.max_new_tokens - 1)
+    assert again.usage.cached_tokens == 32
+
+
+def test_restart_reads_the_disk_tier(llama_dir, make_engine, tmp_path):
+    cfg = HC | {"hicache_dir": str(tmp_path / "kv")}
+    first = make_engine(llama_dir, **cfg)
+    prompts = long_prompts(first.model_config.vocab_size)
+    want = [o.token_ids for o in first.generate(prompts, GREEDY, use_tqdm=False)]
+    assert first.core.hicache.stats.bytes_written > 0
+    second = make_engine(llama_dir, **cfg)  # a new process would see the same directory
+    got = [o.token_ids for o in second.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == want
+    assert second.core.hicache.stats.disk_hit_tokens > 0
+
+
+def test_corrupt_disk_page_is_a_miss_with_a_warning(llama_dir, make_engine, tmp_path, caplog):
+    cfg = HC | {"hicache_dir": str(tmp_path / "kv")}
+    first = make_engine(llama_dir, **cfg)
+    prompt = long_prompts(first.model_config.vocab_size)[0]
+    want = first.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids
+    pages = sorted((tmp_path / "kv").rglob("*.page"))
+    assert pages
+    for f in pages:  # flip a byte in the middle of every payload
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+    second = make_engine(llama_dir, **cfg)
+    with caplog.at_level(logging.WARNING, logger="phaseflip.hicache"):
+        got = second.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids
+    assert got == want
+    assert second.core.hicache.stats.disk_hit_tokens == 0
+    assert any("corrupt" in r.message.lower() or "checksum" in r.message.lower()
+               for r in caplog.records)
+
+
+def test_capacities_hold_under_a_larger_workload(llama_dir, make_engine, tmp_path):
+    page_bytes = 2 * 2 * 2 * 8 * 16 * 4  # k+v, 2 layers, 2 kv heads, 8 tokens, dim 16, fp32
+    cfg = HC | {"hicache_dir": str(tmp_path / "kv"), "hicache_host_gb": 6 * page_bytes / 2**30,
+                "hicache_disk_gb": 10 * (page_bytes + 512) / 2**30}
+    engine = make_engine(llama_dir, **cfg)
+    prompts = [list(range(1 + i, 41 + i)) for i in range(0, 60, 7)]  # ~45 distinct pages
+    engine.generate(prompts, GREEDY, use_tqdm=False)
+    hc = engine.core.hicache
+    hc.host.check()
+    hc.disk.check()
+    assert len(hc.host) <= hc.host.capacity
+    assert hc.disk.used_bytes <= 10 * (page_bytes + 512)
+    assert hc.host.stats.evictions > 0 and hc.stats.pages_written > 6
+
+
+def test_hicache_needs_the_prefix_cache(llama_dir):
+    from phaseflip import Engine, InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="needs the prefix cache"):
+        Engine(str(llama_dir), device="cpu", enable_prefix_cache=False, **HC)
