@@ -1,0 +1,178 @@
+"""Offline throughput: every request submitted at once to the offline `Engine` API.
+
+    python -m benchmarks.bench_offline --model llama-3.1-8b --load-format dummy \
+        --num-prompts 1000 --dataset sharegpt-like --seed 0 --out offline.json
+
+Prompts are random token ids (distinct, so no prefix-cache hits); each request generates
+exactly its target length (`ignore_eos`). Datasets (see `benchmarks.common`):
+  fixed          every request --input-len / --output-len
+  sharegpt-like  seeded log-normal lengths: input median 220 (sigma 0.9, clipped to [4, 2048]),
+                 output median 190 (sigma 0.8, clipped to [4, 1024])
+Reports requests/s, input, output and total tokens/s over the wall time of `generate`.
+
+`--hf` also runs `transformers` `generate` (random init) on the first --hf-num-prompts
+requests in left-padded batches of --hf-batch-size; each batch runs to its longest output,
+and only the requested tokens are counted (the padding and overshoot are transformers' cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from benchmarks.common import make_workload, parse_engine_args, print_table, write_json
+from phaseflip import Engine, SamplingParams
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None,
+                    help="model dir or bundled name (llama-3.1-8b, ...); default the tiny model")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--num-prompts", type=int, default=1000)
+    ap.add_argument("--dataset", default="sharegpt-like", choices=["sharegpt-like", "fixed"])
+    ap.add_argument("--input-len", type=int, default=1024, help="fixed dataset only")
+    ap.add_argument("--output-len", type=int, default=512, help="fixed dataset only")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mem-fraction", type=float, default=None)
+    ap.add_argument("--max-running-requests", type=int, default=None)
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="any other Engine option, repeatable")
+    ap.add_argument("--num-warmup", type=int, default=4,
+                    help="short requests run first so one-time costs stay out of the timing")
+    ap.add_argument("--hf", action="store_true", help="also measure transformers generate")
+    ap.add_argument("--hf-num-prompts", type=int, default=64)
+    ap.add_argument("--hf-batch-size", type=int, default=16)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    return ap.parse_args(argv)
+
+
+def _rates(n: int, tokens_in: int, tokens_out: int, seconds: float) -> dict[str, float]:
+    return {
+        "num_requests": n,
+        "input_tokens": tokens_in,
+        "output_tokens": tokens_out,
+        "duration_s": seconds,
+        "requests_per_s": n / seconds,
+        "input_tokens_per_s": tokens_in / seconds,
+        "output_tokens_per_s": tokens_out / seconds,
+        "total_tokens_per_s": (tokens_in + tokens_out) / seconds,
+    }
+
+
+def run_hf(model_dir: str, dtype: torch.dtype, device: torch.device, prompts: list[list[int]],
+           output_lens: list[int], batch_size: int) -> dict[str, Any]:
+    from benchmarks.bench_latency import _hf_model
+
+    model = _hf_model(model_dir, dtype, device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    for i in tqdm(range(0, len(prompts), batch_size), desc="transformers", unit="batch"):
+        batch, outs = prompts[i:i + batch_size], output_lens[i:i + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for j, p in enumerate(batch):  # left padding, as decoder-only generation needs
+            ids[j, width - len(p):] = torch.tensor(p)
+            mask[j, width - len(p):] = 1
+        with torch.inference_mode():
+            model.generate(ids.to(device), attention_mask=mask.to(device),
+                           max_new_tokens=max(outs), min_new_tokens=max(outs), do_sample=False,
+                           pad_token_id=0)
+    sync()
+    seconds = time.perf_counter() - t0
+    del model
+    gc.collect()
+    return _rates(len(prompts), sum(map(len, prompts)), sum(output_lens), seconds)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    opts: dict[str, Any] = {"load_format": args.load_format, "device": args.device,
+                            "dtype": args.dtype, "seed": args.seed}
+    if args.mem_fraction is not None:
+        opts["mem_fraction"] = args.mem_fraction
+    if args.max_running_requests is not None:
+        opts["max_running_requests"] = args.max_running_requests
+    opts.update(parse_engine_args(args.engine_arg))
+    engine = Engine(args.model, **opts)
+    m = engine.model_config
+    max_context = engine.core.max_context
+    work = make_workload(args.dataset, args.num_prompts, args.input_len, args.output_len,
+                         m.vocab_size, args.seed, max_context)
+    # Unseeded: a seeded row gets a generator of its own every step; the engine-wide generator
+    # (seeded by --seed) keeps the run reproducible without that per-row cost.
+    params = [SamplingParams(max_new_tokens=n, temperature=args.temperature, ignore_eos=True)
+              for n in work.output_lens]
+    dtype = getattr(engine.core.runner, "dtype", torch.float32)
+    model_params = list(getattr(engine.core.runner, "model", torch.nn.Module()).parameters())[:1]
+    device = model_params[0].device if model_params else torch.device("cpu")
+    try:
+        if args.num_warmup:
+            warm = make_workload("fixed", args.num_warmup, min(64, max_context // 2), 4,
+                                 m.vocab_size, args.seed + 99, max_context)
+            engine.generate(warm.prompts, SamplingParams(max_new_tokens=4, ignore_eos=True),
+                            use_tqdm=False)
+        t0 = time.perf_counter()
+        outs = engine.generate(work.prompts, params, use_tqdm=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    produced = sum(len(o.token_ids) for o in outs)
+    if produced != work.output_tokens:
+        raise RuntimeError(f"expected {work.output_tokens} output tokens, got {produced}")
+    result: dict[str, Any] = {
+        "benchmark": "offline",
+        "model": args.model or m.model_dir,
+        "model_dir": m.model_dir,
+        "load_format": args.load_format,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": str(device),
+        "dataset": args.dataset,
+        "seed": args.seed,
+        "temperature": args.temperature,
+        "input_lens": [len(p) for p in work.prompts],
+        "output_lens": work.output_lens,
+        "phaseflip": _rates(len(work.prompts), work.input_tokens, work.output_tokens, seconds),
+        "hf": None,
+    }
+    if args.hf:
+        n = min(args.hf_num_prompts, len(work.prompts))
+        result["hf"] = run_hf(m.model_dir, dtype, device, work.prompts[:n], work.output_lens[:n],
+                              args.hf_batch_size)
+        result["hf"]["batch_size"] = args.hf_batch_size
+    _print(result)
+    return write_json(args.out, result)
+
+
+def _print(result: dict[str, Any]) -> None:
+    headers = ["engine", "requests", "in tokens", "out tokens", "seconds", "req/s", "in tok/s",
+               "out tok/s", "total tok/s"]
+    rows = []
+    for name, key in (("phaseflip", "phaseflip"), ("transformers", "hf")):
+        r = result.get(key)
+        if r:
+            rows.append([name, r["num_requests"], r["input_tokens"], r["output_tokens"],
+                         r["duration_s"], r["requests_per_s"], r["input_tokens_per_s"],
+                         r["output_tokens_per_s"], r["total_tokens_per_s"]])
+    print_table(headers, rows, title=(
+        f"offline throughput: {result['model']} ({result['load_format']}, {result['dtype']}, "
+        f"{result['device']}), dataset {result['dataset']}"))
+
+
+if __name__ == "__main__":
+    main()

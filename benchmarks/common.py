@@ -1,0 +1,246 @@
+"""Helpers shared by the benchmark scripts: statistics, tables, synthetic datasets, provenance.
+
+Every result file records where its numbers came from (commit, GPU, torch, date, the exact
+command line), because `docs/benchmarks.md` may only quote figures that can be reproduced.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# H200 ceilings the MBU/MFU figures are relative to: the device-to-device copy bandwidth and
+# the dense bf16 matmul rate measured on this workplace's H200s (see the device notes), not the
+# datasheet's 4.8 TB/s and 990 TFLOP/s, which no kernel reaches.
+PEAK_BANDWIDTH = 4.2e12  # bytes/s
+PEAK_FLOPS = 780e12  # FLOP/s
+
+# ShareGPT-like synthetic lengths: log-normal, parameterised by the median and the sigma of the
+# underlying normal. Medians/sigmas chosen to resemble the ShareGPT V3 conversations used by
+# vLLM/SGLang benchmarks (prompt median ~220 tokens with a long tail, output median ~190).
+SHAREGPT_INPUT_MEDIAN, SHAREGPT_INPUT_SIGMA, SHAREGPT_INPUT_CLIP = 220, 0.9, (4, 2048)
+SHAREGPT_OUTPUT_MEDIAN, SHAREGPT_OUTPUT_SIGMA, SHAREGPT_OUTPUT_CLIP = 190, 0.8, (4, 1024)
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default); NaN for no values."""
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else math.nan
+
+
+def summarize(values: Sequence[float], qs: Iterable[float] = (50, 90, 99)) -> dict[str, float]:
+    """mean / min / max / pXX of a sample, as a JSON-friendly dict (NaNs when empty)."""
+    arr = np.asarray(values, dtype=float)
+    out: dict[str, float] = {"n": int(arr.size)}
+    if arr.size == 0:
+        out.update(mean=math.nan, min=math.nan, max=math.nan)
+        out.update({f"p{q:g}": math.nan for q in qs})
+        return out
+    out.update(mean=float(arr.mean()), min=float(arr.min()), max=float(arr.max()))
+    out.update({f"p{q:g}": float(np.percentile(arr, q)) for q in qs})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def fmt(value: Any) -> str:
+    """A table cell: floats rounded for reading (more digits when small), NaN/None as '-'."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        if abs(value) >= 1000:
+            return f"{value:.0f}"
+        if abs(value) >= 1 or value == 0:
+            return f"{value:.2f}"
+        return f"{value:.3g}"
+    return str(value)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub-markdown table (so it can be pasted into docs/benchmarks.md as printed)."""
+    cells = [[str(h) for h in headers]] + [[fmt(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(cells[0], widths)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines += ["| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |" for r in cells[1:]]
+    return "\n".join(lines)
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str = "") -> None:
+    if title:
+        print(f"\n{title}")
+    print(format_table(headers, rows), flush=True)
+
+
+def git_commit() -> str:
+    """HEAD of the repository (with '-dirty' if the tree has changes), else $PHASEFLIP_COMMIT
+    (set it where the tree travels without .git), else 'unknown'."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+                               ).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("PHASEFLIP_COMMIT", "unknown")
+
+
+def environment() -> dict[str, Any]:
+    """Provenance of a result: commit, device, library versions, date, command line."""
+    env: dict[str, Any] = {
+        "commit": git_commit(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "command": " ".join(shlex.quote(a) for a in sys.argv),
+        "host_cpu": platform.processor() or platform.machine(),
+    }
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+        env["cuda"] = torch.version.cuda
+        if torch.cuda.is_available():
+            env["gpu"] = torch.cuda.get_device_name(0)
+            env["gpu_count"] = torch.cuda.device_count()
+        else:
+            env["gpu"] = None
+    except ImportError:
+        env["torch"] = None
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        env["transformers"] = None
+    return env
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None  # strict JSON has no NaN/Infinity
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return _jsonable(obj.item())
+    return obj
+
+
+def write_json(path: str | os.PathLike[str] | None, result: dict[str, Any]) -> dict[str, Any]:
+    """Adds `env` (provenance) to `result` and writes it as strict JSON (NaN → null)."""
+    result = {**result, "env": environment()}
+    if path:
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(_jsonable(result), indent=2, allow_nan=False) + "\n")
+        print(f"wrote {out}")
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Synthetic workloads
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Token-id prompts and the exact number of tokens to generate for each."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def _lognormal(rng: np.random.Generator, median: float, sigma: float, n: int,
+               clip: tuple[int, int]) -> np.ndarray:
+    x = rng.lognormal(mean=math.log(median), sigma=sigma, size=n)
+    return np.clip(np.rint(x), clip[0], clip[1]).astype(int)
+
+
+def sample_lengths(dataset: str, n: int, input_len: int, output_len: int, seed: int,
+                   max_context: int | None = None) -> tuple[list[int], list[int]]:
+    """(input lengths, output lengths) of `n` requests.
+
+    `fixed`: every request is input_len/output_len. `sharegpt-like`: seeded log-normal lengths
+    (inputs: median SHAREGPT_INPUT_MEDIAN, sigma SHAREGPT_INPUT_SIGMA, clipped to
+    SHAREGPT_INPUT_CLIP; outputs likewise). With `max_context`, an input that would not fit
+    with its output is shortened (never below 1 token), so every request is valid.
+    """
+    rng = np.random.default_rng(seed)
+    if dataset == "fixed":
+        ins, outs = np.full(n, input_len), np.full(n, output_len)
+    elif dataset == "sharegpt-like":
+        ins = _lognormal(rng, SHAREGPT_INPUT_MEDIAN, SHAREGPT_INPUT_SIGMA, n, SHAREGPT_INPUT_CLIP)
+        outs = _lognormal(rng, SHAREGPT_OUTPUT_MEDIAN, SHAREGPT_OUTPUT_SIGMA, n,
+                          SHAREGPT_OUTPUT_CLIP)
+    else:
+        raise ValueError(f"unknown dataset {dataset!r}; expected fixed or sharegpt-like")
+    in_list, out_list = [int(x) for x in ins], [int(x) for x in outs]
+    if max_context is not None:
+        for i in range(n):
+            out_list[i] = min(out_list[i], max_context - 1)
+            in_list[i] = max(1, min(in_list[i], max_context - out_list[i]))
+    return in_list, out_list
+
+
+def random_prompts(lengths: Sequence[int], vocab_size: int, seed: int,
+                   low: int = 1) -> list[list[int]]:
+    """Uniform random token ids in [low, vocab_size): distinct prompts (no accidental
+    prefix-cache hits between requests or between runs with different seeds). Id 0 is left
+    out because the bundled tokenizer uses it as its special token."""
+    rng = np.random.default_rng(seed + 1_000_003)
+    return [rng.integers(low, vocab_size, size=n).tolist() for n in lengths]
+
+
+def make_workload(dataset: str, n: int, input_len: int, output_len: int, vocab_size: int,
+                  seed: int, max_context: int | None = None) -> Workload:
+    ins, outs = sample_lengths(dataset, n, input_len, output_len, seed, max_context)
+    return Workload(random_prompts(ins, vocab_size, seed), outs)
+
+
+def parse_engine_args(pairs: Sequence[str]) -> dict[str, Any]:
+    """`--engine-arg key=value` pairs → Engine options (ints, floats, bools parsed)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep:
+            raise ValueError(f"--engine-arg expects key=value, got {pair!r}")
+        value: Any = raw
+        if raw.lower() in ("true", "false"):
+            value = raw.lower() == "true"
+        else:
+            for conv in (int, float):
+                try:
+                    value = conv(raw)
+                    break
+                except ValueError:
+                    pass
+        out[key.replace("-", "_")] = value
+    return out
