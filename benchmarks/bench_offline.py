@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="any other Engine option, repeatable")
     ap.add_argument("--num-warmup", type=int, default=4,
                     help="short requests run first so one-time costs stay out of the timing")
+    ap.add_argument("--max-duration-s", type=float, default=None,
+                    help="stop after this long and report the partial run (marked partial)")
     ap.add_argument("--hf", action="store_true", help="also measure transformers generate")
     ap.add_argument("--hf-num-prompts", type=int, default=64)
     ap.add_argument("--hf-batch-size", type=int, default=16)
@@ -66,6 +68,54 @@ def _rates(n: int, tokens_in: int, tokens_out: int, seconds: float) -> dict[str,
         "output_tokens_per_s": tokens_out / seconds,
         "total_tokens_per_s": (tokens_in + tokens_out) / seconds,
     }
+
+
+class _DeadlineReached(Exception):
+    pass
+
+
+class Progress:
+    """Counts what `engine.core.step` produced, and stops the run at a deadline.
+
+    Wraps the step (an instance attribute, removed on exit) so a budget-limited run can still
+    report what it did: requests finished, prompt tokens of requests that got their first
+    token, output tokens. Such a run's rates cover a mostly full batch, so they overstate the
+    rates of the whole run (whose tail runs with few requests): they are reported as partial.
+    """
+
+    def __init__(self, engine: Engine, deadline: float | None) -> None:
+        self.core, self.deadline = engine.core, deadline
+        self.prompt_lens: dict[str, int] | None = None
+        self.started: set[str] = set()
+        self.finished = 0
+        self.output_tokens = 0
+
+    def __enter__(self) -> Progress:
+        step = self.core.step
+
+        def counted() -> list:
+            if self.prompt_lens is None:  # every request of the run is queued by now
+                self.prompt_lens = {r: len(g.prompt_ids) for r, g in self.core.groups.items()}
+            if self.deadline is not None and time.perf_counter() > self.deadline:
+                raise _DeadlineReached
+            deltas = step()
+            for d in deltas:
+                self.output_tokens += len(d.token_ids)
+                if d.token_ids:
+                    self.started.add(d.request_id)
+                self.finished += d.usage is not None
+            return deltas
+
+        self.core.step = counted
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.core.__dict__.pop("step", None)
+
+    @property
+    def input_tokens(self) -> int:
+        lens = self.prompt_lens or {}
+        return sum(lens.get(r, 0) for r in self.started)
 
 
 def run_hf(model_dir: str, dtype: torch.dtype, device: torch.device, prompts: list[list[int]],
@@ -122,7 +172,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             engine.generate(warm.prompts, SamplingParams(max_new_tokens=4, ignore_eos=True),
                             use_tqdm=False)
         t0 = time.perf_counter()
-        outs = engine.generate(work.prompts, params, use_tqdm=True)
+        deadline = t0 + args.max_duration_s if args.max_duration_s else None
+        complete = True
+        with Progress(engine, deadline) as progress:
+            try:
+                outs = engine.generate(work.prompts, params, use_tqdm=True)
+            except _DeadlineReached:
+                complete = False
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
@@ -132,9 +188,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    produced = sum(len(o.token_ids) for o in outs)
-    if produced != work.output_tokens:
-        raise RuntimeError(f"expected {work.output_tokens} output tokens, got {produced}")
+    if complete:
+        produced = sum(len(o.token_ids) for o in outs)
+        if produced != work.output_tokens:
+            raise RuntimeError(f"expected {work.output_tokens} output tokens, got {produced}")
+        rates = _rates(len(work.prompts), work.input_tokens, work.output_tokens, seconds)
+    else:
+        rates = _rates(progress.finished, progress.input_tokens, progress.output_tokens, seconds)
+        rates["requests_started"] = len(progress.started)
+    rates["complete"] = complete
+    if not complete:
+        print(f"stopped at --max-duration-s {args.max_duration_s}: PARTIAL run, "
+              f"{progress.finished}/{len(work.prompts)} requests finished")
     result: dict[str, Any] = {
         "benchmark": "offline",
         "model": args.model or m.model_dir,
@@ -147,7 +212,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "temperature": args.temperature,
         "input_lens": [len(p) for p in work.prompts],
         "output_lens": work.output_lens,
-        "phaseflip": _rates(len(work.prompts), work.input_tokens, work.output_tokens, seconds),
+        "num_prompts": len(work.prompts),
+        "phaseflip": rates,
         "hf": None,
     }
     if args.hf:
@@ -166,7 +232,8 @@ def _print(result: dict[str, Any]) -> None:
     for name, key in (("phaseflip", "phaseflip"), ("transformers", "hf")):
         r = result.get(key)
         if r:
-            rows.append([name, r["num_requests"], r["input_tokens"], r["output_tokens"],
+            rows.append([name + ("" if r.get("complete", True) else " (PARTIAL)"),
+                         r["num_requests"], r["input_tokens"], r["output_tokens"],
                          r["duration_s"], r["requests_per_s"], r["input_tokens_per_s"],
                          r["output_tokens_per_s"], r["total_tokens_per_s"]])
     print_table(headers, rows, title=(

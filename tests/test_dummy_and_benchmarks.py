@@ -299,6 +299,16 @@ def test_bench_offline_runs(tmp_path):
     assert r["total_tokens_per_s"] == pytest.approx(48 / r["duration_s"])
 
 
+def test_bench_offline_partial_run_is_marked(tmp_path):
+    from benchmarks import bench_offline
+
+    data = bench_offline.main(["--model", str(EMBEDDED_MODEL), "--device", "cpu",
+                               "--num-prompts", "2", "--dataset", "fixed", "--input-len", "4",
+                               "--output-len", "4", "--num-warmup", "0",
+                               "--max-duration-s", "1e-9"])
+    assert data["phaseflip"]["complete"] is False and data["phaseflip"]["num_requests"] == 0
+
+
 def test_sharegpt_like_lengths_are_seeded_and_clipped():
     from benchmarks.common import sample_lengths
 
