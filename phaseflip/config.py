@@ -21,6 +21,8 @@ class EngineConfig:
     """cpu, cuda or auto (cuda when available)."""
     dtype: str = "auto"
     """float32, float16, bfloat16 or auto (the checkpoint's dtype; float32 on CPU)."""
+    attention_backend: str = "auto"
+    """torch (the reference), triton, or auto (triton on CUDA when installed, else torch)."""
     max_total_tokens: int | None = None
     """KV pool size in tokens. Default: 16384 on CPU, from --mem-fraction on GPU."""
     mem_fraction: float = 0.85
@@ -78,6 +80,8 @@ class EngineConfig:
 
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise bad("device", "expected cpu, cuda or auto")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise bad("attention_backend", "expected torch, triton or auto")
         if self.load_format not in ("auto", "dummy"):
             raise bad("load_format", "expected auto or dummy")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):

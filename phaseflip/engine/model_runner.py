@@ -40,6 +40,26 @@ def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> to
     return model_cfg.dtype if model_cfg.dtype != torch.float32 else torch.bfloat16
 
 
+def make_attention_backend(name: str, device: torch.device):
+    """The attention backend by name; auto = Triton kernels on CUDA when Triton imports."""
+    if name == "auto":
+        name = "torch"
+        if device.type == "cuda":
+            try:
+                import triton  # noqa: F401
+
+                name = "triton"
+            except ImportError:
+                log.warning("triton is not installed: using the slow reference attention")
+    if name == "triton":
+        if device.type != "cuda":
+            raise CapacityError("attention_backend=triton needs a CUDA device")
+        from phaseflip.attention.triton_backend import TritonAttention
+
+        return TritonAttention()
+    return TorchRefAttention()
+
+
 class ModelRunner:
     """One rank's model shard and KV pool. In a group every rank must use the same slot space:
     `agree_slots(local_slots)` returns the size all ranks agreed on (the minimum)."""
@@ -60,7 +80,7 @@ class ModelRunner:
         else:
             self.model.load_weights(iter_checkpoint_tensors(model_cfg.model_dir))
         self.model.eval()
-        self.backend = TorchRefAttention()
+        self.backend = make_attention_backend(cfg.attention_backend, self.device)
         local = self._kv_slots()
         self.num_slots = agree_slots(local) if agree_slots else local
         n_layers = self.model.end_layer - self.model.start_layer

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from phaseflip.attention.torch_ref import TorchRefAttention
+from phaseflip.attention import AttentionBackend
 from phaseflip.cache.kv_pool import KVPool
 from phaseflip.engine.forward_batch import ForwardBatch
 from phaseflip.errors import ModelLoadError
@@ -66,7 +66,7 @@ class Attention(nn.Module):
         batch: ForwardBatch,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         pool: KVPool,
-        backend: TorchRefAttention,
+        backend: AttentionBackend,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -140,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         batch: ForwardBatch,
         pool: KVPool,
-        backend: TorchRefAttention,
+        backend: AttentionBackend,
         hidden: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
