@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -14,7 +13,8 @@ import torch
 from phaseflip.config import EngineConfig
 from phaseflip.engine.model_runner import ModelRunner
 from phaseflip.engine.outputs import StreamDelta, Usage
-from phaseflip.errors import ContextLengthError, InvalidRequestError
+from phaseflip.engine.validation import validate_request
+from phaseflip.errors import InvalidRequestError
 from phaseflip.model.config import ModelConfig
 from phaseflip.sampling.detokenize import IncrementalDetokenizer, find_stop_match
 from phaseflip.sampling.params import SamplingParams
@@ -63,31 +63,10 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raises InvalidRequestError/ContextLengthError for anything the loop cannot run."""
-        vocab = self.model_cfg.vocab_size
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}", "prompt"
-            )
-        params.validate(vocab, self.cfg.max_logprobs)
-        total = len(prompt_ids) + params.max_new_tokens
-        if total > self.max_context:
-            raise ContextLengthError(
-                f"this model's maximum context length is {self.max_context} tokens, but "
-                f"{total} were requested ({len(prompt_ids)} in the prompt, "
-                f"{params.max_new_tokens} to generate); shorten the prompt or lower "
-                f"max_tokens by {total - self.max_context}",
-                param="max_tokens",
-            )
-        ps = self.cfg.page_size
-        if math.ceil(total / ps) * ps > self.kv.capacity_tokens:
-            raise ContextLengthError(
-                f"the request needs {total} tokens of KV cache but the pool holds only "
-                f"{self.kv.capacity_tokens}; raise max_total_tokens/mem_fraction or shorten it",
-                param="max_tokens",
-            )
+        validate_request(
+            prompt_ids, params, vocab_size=self.model_cfg.vocab_size,
+            max_context=self.max_context, max_logprobs=self.cfg.max_logprobs,
+            kv_capacity_tokens=self.kv.capacity_tokens, page_size=self.cfg.page_size)
 
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if rid in self.groups:

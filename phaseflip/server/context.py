@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from phaseflip.engine.outputs import StreamDelta
-from phaseflip.errors import ContextLengthError, InvalidRequestError
+from phaseflip.engine.validation import validate_request
 from phaseflip.sampling.params import SamplingParams
 from phaseflip.server.engine_client import EngineClient
 from phaseflip.server.metrics import ServerMetrics
@@ -64,21 +64,10 @@ class ServerContext:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """The engine's own checks, done here so a bad request never crosses to the engine."""
         ready = self.engine.state.ready
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if any(not 0 <= t < ready.vocab_size for t in prompt_ids):
-            raise InvalidRequestError(
-                f"prompt token ids must be in [0, {ready.vocab_size})", "prompt")
-        params.validate(ready.vocab_size)
-        total = len(prompt_ids) + params.max_new_tokens
-        if total > ready.max_context:
-            raise ContextLengthError(
-                f"This model's maximum context length is {ready.max_context} tokens. However, "
-                f"you requested {total} tokens ({len(prompt_ids)} in the prompt, "
-                f"{params.max_new_tokens} for the completion); that is "
-                f"{total - ready.max_context} too many. Please reduce the prompt or max_tokens.",
-                "max_tokens",
-            )
+        validate_request(
+            prompt_ids, params, vocab_size=ready.vocab_size, max_context=ready.max_context,
+            max_logprobs=ready.max_logprobs, kv_capacity_tokens=ready.kv_capacity_tokens,
+            page_size=ready.page_size)
         if len(self.engine.state.in_flight) >= self.cfg.max_queued_requests:
             raise OverloadedError(
                 f"the server has {len(self.engine.state.in_flight)} requests in flight "

@@ -42,6 +42,7 @@ class EngineServer:
             model=cfg.model, max_context=self.core.max_context,
             vocab_size=model_cfg.vocab_size, kv_capacity_tokens=self.core.kv.capacity_tokens,
             device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
+            page_size=cfg.page_size, max_logprobs=cfg.max_logprobs,
         ))
 
     def send(self, msg: m.Message) -> None:

@@ -49,6 +49,8 @@ class Ready:
     kv_capacity_tokens: int
     device: str
     dtype: str
+    page_size: int = 1
+    max_logprobs: int = 20
 
 
 @dataclass
