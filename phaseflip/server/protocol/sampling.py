@@ -1,0 +1,130 @@
+"""Request bodies → SamplingParams, and which requested features are unsupported."""
+
+from __future__ import annotations
+
+from dataclasses import fields as dataclass_fields
+from typing import Any
+
+from phaseflip.sampling.params import SamplingParams
+from phaseflip.server.protocol.requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    _OpenAISampling,
+)
+
+# ---------------------------------------------------------------------------------------------
+# Request -> SamplingParams
+# ---------------------------------------------------------------------------------------------
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    return {int(k): v for k, v in bias.items()} if bias else None
+
+
+def _common_params(req: _OpenAISampling, max_tokens: int | None,
+                   default_max_tokens: int) -> dict[str, Any]:
+    return {
+        "max_new_tokens": default_max_tokens if max_tokens is None else max_tokens,
+        "min_new_tokens": req.min_tokens,
+        "temperature": req.temperature,  # 0 is greedy (SamplingParams.is_greedy)
+        "top_k": -1 if req.top_k == 0 else req.top_k,
+        "top_p": req.top_p,
+        "min_p": req.min_p,
+        "repetition_penalty": req.repetition_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "presence_penalty": req.presence_penalty,
+        "logit_bias": _logit_bias(req.logit_bias),
+        "seed": req.seed,
+        "ignore_eos": req.ignore_eos,
+        "stop": _stop_list(req.stop),
+        "stop_token_ids": list(req.stop_token_ids),
+        "skip_special_tokens": req.skip_special_tokens,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+    }
+
+
+def completion_sampling_params(req: CompletionRequest, default_max_tokens: int) -> SamplingParams:
+    """Sampling parameters for a completions request.
+
+    `default_max_tokens` (context minus prompt length) applies when `max_tokens` is null.
+    With `best_of > n` the engine samples `best_of` choices and the server keeps the `n` with
+    the highest cumulative logprob; to rank them logprobs must be computed, so `logprobs` is
+    at least 0 then and the server must drop them from the answer if `req.logprobs` is None.
+    `echo` with `logprobs` also asks for prompt logprobs, which OpenAI returns for the echoed
+    prompt.
+    """
+    ranking = req.best_of is not None and req.best_of > req.n
+    logprobs = req.logprobs
+    if ranking and logprobs is None:
+        logprobs = 0
+    return SamplingParams(
+        **_common_params(req, req.max_tokens, default_max_tokens),
+        n=req.best_of if ranking and req.best_of is not None else req.n,
+        logprobs=logprobs,
+        prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+    )
+
+
+def chat_sampling_params(req: ChatCompletionRequest, default_max_tokens: int) -> SamplingParams:
+    """Sampling parameters for a chat request; `logprobs: true` alone means the chosen token's
+    logprob only (top_logprobs 0), as in OpenAI."""
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return SamplingParams(
+        **_common_params(req, req.requested_max_tokens, default_max_tokens),
+        n=req.n,
+        logprobs=logprobs,
+        prompt_logprobs=None,
+    )
+
+
+def generate_sampling_params(req: GenerateRequest, default_max_tokens: int) -> SamplingParams:
+    """Sampling parameters for a native request; `default_max_tokens` applies when
+    `sampling_params.max_new_tokens` is absent (the server chooses it, e.g. context left)."""
+    given = req.sampling_params.model_dump(exclude_none=True)
+    given.setdefault("max_new_tokens", default_max_tokens)
+    if "logit_bias" in given:
+        given["logit_bias"] = _logit_bias(given["logit_bias"])
+    if given.get("top_k") == 0:
+        given["top_k"] = -1
+    if req.return_logprob:
+        given["logprobs"] = req.top_logprobs_num
+        if req.logprob_start_len >= 0:
+            given["prompt_logprobs"] = req.top_logprobs_num
+    return SamplingParams(**given)
+
+
+def native_sampling_param_names() -> frozenset[str]:
+    """`SamplingParams` fields settable through `sampling_params` (all but the logprob ones)."""
+    return frozenset(f.name for f in dataclass_fields(SamplingParams)) - {
+        "logprobs", "prompt_logprobs"}
+
+
+def unsupported(req: CompletionRequest | ChatCompletionRequest) -> str | None:
+    """Name of the first feature the request uses that phaseflip does not implement, else None.
+
+    These fields are accepted by the schema on purpose: answering "tools is not supported yet"
+    is more useful than "unrecognized argument". An empty `tools` list, `tool_choice` "none" or
+    "auto" without tools, and `response_format` {"type": "text"} change nothing and pass.
+    """
+    if isinstance(req, CompletionRequest):
+        return "suffix" if req.suffix else None
+    if req.tools:
+        return "tools"
+    if req.tool_choice not in (None, "none", "auto"):
+        return "tool_choice"
+    if req.functions:
+        return "functions"
+    if req.function_call not in (None, "none", "auto"):
+        return "function_call"
+    if req.response_format is not None and req.response_format.type != "text":
+        return "response_format"
+    if any(m.tool_calls for m in req.messages):
+        return "tool_calls"
+    return None
