@@ -108,3 +108,23 @@ def test_hicache_needs_the_prefix_cache(llama_dir):
 
     with pytest.raises(InvalidRequestError, match="needs the prefix cache"):
         Engine(str(llama_dir), device="cpu", enable_prefix_cache=False, **HC)
+
+
+def test_hicache_counters_reach_metrics_and_server_info(tmp_path):
+    import httpx
+
+    from tests.test_server import start_server, stop_server
+
+    proc, url = start_server("--enable-hicache", "--hicache-page-size", "8")
+    try:
+        body = {"model": "tiny-llama", "prompt": "Return the value of the attribute " * 3,
+                "max_tokens": 2}
+        httpx.post(url + "/v1/completions", json=body, timeout=30).raise_for_status()
+        httpx.post(url + "/flush_cache", timeout=30).raise_for_status()
+        httpx.post(url + "/v1/completions", json=body, timeout=30).raise_for_status()
+        info = httpx.get(url + "/server_info").json()["hicache"]
+        assert info["pages_written"] > 0 and info["host_hit_tokens"] > 0
+        metrics = httpx.get(url + "/metrics").text
+        assert 'phaseflip_hicache_hit_tokens{tier="host"}' in metrics
+    finally:
+        stop_server(proc)

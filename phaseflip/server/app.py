@@ -174,8 +174,10 @@ def build_app(ctx: ServerContext) -> FastAPI:
         ctx.metrics.running.set(st.running)
         ctx.metrics.waiting.set(st.waiting)
         if st.ready is not None and not st.dead:
-            info = (await ctx.engine.control("info")).data["pool"]
-            ctx.metrics.token_usage.set((info["protected"] + info["private"]) / info["total"])
+            data = (await ctx.engine.control("info")).data
+            pool = data["pool"]
+            ctx.metrics.token_usage.set((pool["protected"] + pool["private"]) / pool["total"])
+            ctx.metrics.observe_hicache(data.get("hicache"))
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app

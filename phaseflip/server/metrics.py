@@ -35,6 +35,25 @@ class ServerMetrics:
         self.e2e = Histogram("e2e_request_latency_seconds", "Request latency, end to end",
                              namespace=ns, registry=r, buckets=_LATENCY_BUCKETS)
 
+        self.hicache_tokens = Gauge("hicache_hit_tokens", "Prompt tokens read from a HiCache tier",
+                                    ["tier"], namespace=ns, registry=r)
+        self.hicache_bytes = Gauge("hicache_bytes", "Bytes moved by HiCache", ["direction"],
+                                   namespace=ns, registry=r)
+        self.hicache_pages = Gauge("hicache_pages", "HiCache page events", ["event"],
+                                   namespace=ns, registry=r)
+
+    def observe_hicache(self, stats: dict | None) -> None:
+        """Mirrors the engine's HiCache counters (absent when HiCache is off: nothing set)."""
+        if not stats:
+            return
+        self.hicache_tokens.labels("host").set(stats["host_hit_tokens"])
+        self.hicache_tokens.labels("disk").set(stats["disk_hit_tokens"])
+        self.hicache_bytes.labels("written").set(stats["bytes_written"])
+        self.hicache_bytes.labels("loaded").set(stats["bytes_loaded"])
+        for event in ("pages_written", "miss_pages", "corrupt_pages"):
+            self.hicache_pages.labels(event.removesuffix("_pages").removesuffix("s")).set(
+                stats[event])
+
     def observe_usage(self, prompt_tokens: int, cached: int, generated: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
         self.cached_tokens.inc(cached)
