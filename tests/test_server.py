@@ -316,3 +316,31 @@ def test_dead_engine_makes_server_exit():
     finally:
         if proc.poll() is None:
             stop_server(proc)
+
+
+def test_many_streaming_clients_some_disconnecting(server):
+    """150 concurrent streaming clients, every third hangs up early: every request completes
+    or is aborted, nothing is lost, and the pool balances afterwards."""
+    async def main():
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(base_url=server, timeout=120, limits=limits) as client:
+            async def one(i):
+                body = {"model": MODEL, "prompt": f"Return {i} of", "max_tokens": 12,
+                        "temperature": 0, "stream": True}
+                chunks = 0
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            chunks += 1
+                        if i % 3 == 0 and chunks == 2:
+                            return "hung up"
+                        if line == "data: [DONE]":
+                            return "done"
+                return "truncated"
+            return await asyncio.gather(*(one(i) for i in range(150)))
+
+    results = asyncio.run(main())
+    assert results.count("done") == 100 and results.count("hung up") == 50
+    info = idle_accounting(server, deadline_s=30)
+    assert info["running"] == 0 and info["waiting"] == 0
+    assert info["pool"]["balanced"] and info["pool"]["private"] == 0
