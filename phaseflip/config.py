@@ -58,6 +58,9 @@ class EngineConfig:
     """Disk tier size in GiB."""
     hicache_page_size: int = 64
     """Tokens per HiCache page (a multiple of --page-size)."""
+    hicache_write_policy: str = "write_through"
+    """write_through (store pages as soon as they are computed) or write_back (store them
+    when the device cache evicts them)."""
     tp_size: int = 1
     """Tensor-parallel ranks (each holds a slice of every layer)."""
     pp_size: int = 1
@@ -108,6 +111,8 @@ class EngineConfig:
             raise bad("nnodes", f"tp_size*pp_size={self.world_size} ranks do not split evenly")
         if self.hicache_page_size < 1 or self.hicache_page_size % self.page_size:
             raise bad("hicache_page_size", f"must be a multiple of page_size={self.page_size}")
+        if self.hicache_write_policy not in ("write_through", "write_back"):
+            raise bad("hicache_write_policy", "expected write_through or write_back")
         if self.enable_hicache and self.hicache_host_gb <= 0:
             raise bad("hicache_host_gb", "must be > 0 with --enable-hicache")
         if self.enable_hicache and not self.enable_prefix_cache:

@@ -56,6 +56,18 @@ def test_flushed_prefix_is_read_from_host_not_recomputed(llama_dir, make_engine)
     assert again.usage.cached_tokens == 32
 
 
+def test_write_back_stores_pages_when_the_device_evicts_them(llama_dir, make_engine):
+    engine = make_engine(llama_dir, hicache_write_policy="write_back", **HC)
+    prompts = long_prompts(engine.model_config.vocab_size)
+    want = [o.token_ids for o in engine.generate(prompts, GREEDY, use_tqdm=False)]
+    hc = engine.core.hicache
+    assert hc.stats.pages_written == 0  # nothing evicted yet, nothing written
+    flush(engine)  # evicts everything: write-back now
+    assert hc.stats.pages_written > 0
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY, use_tqdm=False)] == want
+    assert hc.stats.host_hit_tokens > 0
+
+
 def test_restart_reads_the_disk_tier(llama_dir, make_engine, tmp_path):
     cfg = HC | {"hicache_dir": str(tmp_path / "kv")}
     first = make_engine(llama_dir, **cfg)

@@ -25,6 +25,7 @@ whole pages (the allocator's unit).
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +108,8 @@ class RadixCache:
         self.allocator = allocator
         self.page_size = page_size
         self.enabled = enabled
+        # called with (token ids, slots) of a node's whole prefix just before it is evicted
+        self.on_evict: Callable[[list[int], torch.Tensor], None] | None = None
         self._next_node_id = 0
         self._clock = 0
         self._root = self._new_node([], _EMPTY_SLOTS, None, 0.0)
@@ -246,6 +249,8 @@ class RadixCache:
         while freed < num_tokens and heap:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
+            if self.on_evict is not None:  # write-back: the slots are still valid here
+                self.on_evict(*self.path_of(node))
             freed += self._evict_leaf(node)
             if (
                 parent is not None
@@ -255,6 +260,16 @@ class RadixCache:
             ):
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
         return freed
+
+    def path_of(self, node: TreeNode) -> tuple[list[int], torch.Tensor]:
+        """(token ids, slots) of the whole prefix from the root down to `node`."""
+        keys, values = [], []
+        while node is not None and node is not self._root:
+            keys.append(node.key)
+            values.append(node.value)
+            node = node.parent
+        tokens = [t for k in reversed(keys) for t in k]
+        return tokens, torch.cat(values[::-1]) if values else _EMPTY_SLOTS.clone()
 
     def evictable_size(self) -> int:
         """Tokens (= slots) in nodes with lock_ref == 0: what `evict` could free."""

@@ -54,7 +54,10 @@ class EngineCore:
             from phaseflip.scheduler.hicache import HiCache
 
             self.hicache = HiCache(cfg, model_cfg, self.kv, self.runner.pool)
-            self.kv.on_publish = self.hicache.store
+            if cfg.hicache_write_policy == "write_back":
+                self.kv.tree.on_evict = self.hicache.store
+            else:
+                self.kv.on_publish = self.hicache.store
             self.scheduler.hicache = self.hicache
         self.sampler = Sampler(cfg.seed)
         self.groups: dict[str, Group] = {}
