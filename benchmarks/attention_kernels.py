@@ -33,7 +33,7 @@ import triton.testing  # noqa: E402
 from phaseflip.attention.torch_ref import TorchRefAttention  # noqa: E402
 from phaseflip.attention.triton_backend import TritonAttention  # noqa: E402
 from phaseflip.cache.kv_pool import KVPool  # noqa: E402
-from phaseflip.engine.forward_batch import ForwardBatch  # noqa: E402
+from phaseflip.forward_batch import ForwardBatch  # noqa: E402
 from phaseflip.kernels import attention as kernels  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128

@@ -43,7 +43,7 @@ from benchmarks.common import (
     write_json,
 )
 from phaseflip import Engine, SamplingParams
-from phaseflip.engine.forward_batch import ForwardBatch
+from phaseflip.forward_batch import ForwardBatch
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.dummy import num_parameters
 

@@ -19,7 +19,7 @@ import torch
 from phaseflip.attention.torch_ref import TorchRefAttention
 from phaseflip.cache.kv_pool import KVPool
 from phaseflip.config import EMBEDDED_MODEL
-from phaseflip.engine.forward_batch import ForwardBatch
+from phaseflip.forward_batch import ForwardBatch
 from phaseflip.layout import Layout
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.dummy import (

@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 from phaseflip.attention.torch_ref import TorchRefAttention  # noqa: E402
 from phaseflip.attention.triton_backend import TritonAttention  # noqa: E402
 from phaseflip.cache.kv_pool import KVPool  # noqa: E402
-from phaseflip.engine.forward_batch import ForwardBatch  # noqa: E402
+from phaseflip.forward_batch import ForwardBatch  # noqa: E402
 from phaseflip.kernels import attention as kernels  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

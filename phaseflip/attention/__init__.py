@@ -8,7 +8,7 @@ if TYPE_CHECKING:
     import torch
 
     from phaseflip.cache.kv_pool import KVPool
-    from phaseflip.engine.forward_batch import ForwardBatch
+    from phaseflip.forward_batch import ForwardBatch
 
 
 class AttentionBackend(Protocol):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from phaseflip.cache.kv_pool import KVPool
-from phaseflip.engine.forward_batch import ForwardBatch
+from phaseflip.forward_batch import ForwardBatch
 
 
 class TorchRefAttention:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from phaseflip.cache.kv_pool import KVPool
-from phaseflip.engine.forward_batch import ForwardBatch
+from phaseflip.forward_batch import ForwardBatch
 from phaseflip.kernels import attention as kernels
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from phaseflip.config import EngineConfig
 from phaseflip.distributed.group import DistSpec
 from phaseflip.distributed.worker import STOP, build_rank, worker_main
-from phaseflip.engine.forward_batch import ForwardBatch
+from phaseflip.forward_batch import ForwardBatch
 
 
 class DistributedRunner:

@@ -10,8 +10,8 @@ import torch
 from phaseflip.attention.torch_ref import TorchRefAttention
 from phaseflip.cache.kv_pool import KVPool
 from phaseflip.config import EngineConfig
-from phaseflip.engine.forward_batch import ForwardBatch
 from phaseflip.errors import CapacityError
+from phaseflip.forward_batch import ForwardBatch
 from phaseflip.layout import Layout
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.llama import LlamaForCausalLM

@@ -13,8 +13,8 @@ from torch import nn
 
 from phaseflip.attention import AttentionBackend
 from phaseflip.cache.kv_pool import KVPool
-from phaseflip.engine.forward_batch import ForwardBatch
 from phaseflip.errors import ModelLoadError
+from phaseflip.forward_batch import ForwardBatch
 from phaseflip.layout import Layout
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.layers import (

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from phaseflip.config import EngineConfig
-from phaseflip.engine.forward_batch import ForwardBatch
+from phaseflip.forward_batch import ForwardBatch
 from phaseflip.scheduler.kv_cache import KVCacheManager
 from phaseflip.scheduler.request import Req
 
