@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from phaseflip.distributed.group import RankGroups
 from phaseflip.distributed.watchdog import PositionTracker
-from phaseflip.engine.model_runner import ModelRunner
 from phaseflip.forward_batch import ForwardBatch
+from phaseflip.model.runner import ModelRunner
 
 
 class StageExecutor:

@@ -17,8 +17,8 @@ from phaseflip.config import EngineConfig
 from phaseflip.distributed.group import DistSpec, RankGroups, join, rank_device
 from phaseflip.distributed.stage import StageExecutor
 from phaseflip.distributed.watchdog import PositionTracker
-from phaseflip.engine.model_runner import ModelRunner
 from phaseflip.model.config import ModelConfig
+from phaseflip.model.runner import ModelRunner
 
 log = logging.getLogger("phaseflip.worker")
 

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from phaseflip.config import EngineConfig
-from phaseflip.engine.model_runner import ModelRunner
 from phaseflip.engine.outputs import StreamDelta, Usage
 from phaseflip.engine.validation import validate_request
 from phaseflip.errors import InvalidRequestError
 from phaseflip.model.config import ModelConfig
+from phaseflip.model.runner import ModelRunner
 from phaseflip.sampling.detokenize import IncrementalDetokenizer, find_stop_match
 from phaseflip.sampling.params import SamplingParams
 from phaseflip.sampling.sampler import Sampler, SamplingInput, compute_logprobs
