@@ -132,30 +132,7 @@ class RadixCache:
         aligned = len(key) - len(key) % ps
         if not self.enabled or aligned == 0:
             return MatchResult(_EMPTY_SLOTS.clone(), self._root)
-        now = self._tick()
-        self._root.last_access = now
-        node = self._root
-        parts: list[torch.Tensor] = []
-        off = 0
-        while off < aligned:
-            child = node.children.get(self._child_key(key, off))
-            if child is None:
-                break
-            n = self._match_len(child.key, key, off, aligned)
-            if n <= 0:
-                raise AssertionError(
-                    f"child {child!r} indexed under {key[off : off + ps]} mismatched"
-                )
-            split = n < len(child.key)
-            if split:
-                child = self._split(child, n)
-            # Only the matched part is touched: after a split the lower node keeps its old time.
-            child.last_access = now
-            parts.append(child.value)
-            node = child
-            off += n
-            if split:
-                break  # the match ended inside the old node: nothing deeper can match
+        node, _, parts = self._descend(key, aligned, self._tick())
         slots = torch.cat(parts) if parts else _EMPTY_SLOTS.clone()
         return MatchResult(slots, node)
 
@@ -178,27 +155,7 @@ class RadixCache:
             return len(key)
         total = len(key)
         now = self._tick()
-        self._root.last_access = now
-        node = self._root
-        off = 0
-        while off < total:
-            child = node.children.get(self._child_key(key, off))
-            if child is None:
-                break
-            n = self._match_len(child.key, key, off, total)
-            if n <= 0:
-                raise AssertionError(
-                    f"child {child!r} indexed under {key[off : off + 8]} mismatched"
-                )
-            split = n < len(child.key)
-            if split:
-                child = self._split(child, n)
-            # Only the matched part is touched: after a split the lower node keeps its old time.
-            child.last_access = now
-            node = child
-            off += n
-            if split:
-                break  # the rest of `key` (if any) diverges within its next page: new leaf here
+        node, off, _ = self._descend(key, total, now)
         if off < total:
             new_slots = value[off:]
             pages = torch.div(new_slots[:: self.page_size], self.page_size, rounding_mode="floor")
@@ -211,6 +168,33 @@ class RadixCache:
             node.children[self._child_key(leaf.key)] = leaf
             self._evictable += total - off
         return off
+
+    def _descend(self, key: list[int], end: int, now: float
+                 ) -> tuple[TreeNode, int, list[torch.Tensor]]:
+        """Walks down the tree along `key[:end]`, splitting the last node if the match ends
+        inside it. Returns (deepest matched node, tokens matched, the matched nodes' values)."""
+        self._root.last_access = now
+        node, off, parts = self._root, 0, []
+        while off < end:
+            child = node.children.get(self._child_key(key, off))
+            if child is None:
+                break
+            n = self._match_len(child.key, key, off, end)
+            if n <= 0:
+                raise AssertionError(
+                    f"child {child!r} indexed under {key[off : off + self.page_size]} mismatched"
+                )
+            split = n < len(child.key)
+            if split:
+                child = self._split(child, n)
+            # Only the matched part is touched: after a split the lower node keeps its old time.
+            child.last_access = now
+            parts.append(child.value)
+            node = child
+            off += n
+            if split:
+                break  # the match ended inside the old node: nothing deeper can match
+        return node, off, parts
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Pin `node` and its ancestors against eviction (one lock; pair with `dec_lock_ref`).
