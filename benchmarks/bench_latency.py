@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from benchmarks.common import (
     PEAK_BANDWIDTH,
     PEAK_FLOPS,
+    add_model_args,
     parse_engine_args,
     print_table,
     random_prompts,
@@ -312,11 +313,7 @@ def bench_hf(model, batch_size: int, args: argparse.Namespace, vocab: int,
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None,
-                    help="model dir or bundled name (llama-3.1-8b, ...); default the tiny model")
-    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
+    add_model_args(ap)
     ap.add_argument("--batch-sizes", default="1,64,256")
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=32)

@@ -25,17 +25,19 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from benchmarks.common import make_workload, parse_engine_args, print_table, write_json
+from benchmarks.common import (
+    add_model_args,
+    make_workload,
+    parse_engine_args,
+    print_table,
+    write_json,
+)
 from phaseflip import Engine, SamplingParams
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None,
-                    help="model dir or bundled name (llama-3.1-8b, ...); default the tiny model")
-    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
+    add_model_args(ap)
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--dataset", default="sharegpt-like", choices=["sharegpt-like", "fixed"])
     ap.add_argument("--input-len", type=int, default=1024, help="fixed dataset only")

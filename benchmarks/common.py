@@ -244,3 +244,12 @@ def parse_engine_args(pairs: Sequence[str]) -> dict[str, Any]:
                     pass
         out[key.replace("-", "_")] = value
     return out
+
+
+def add_model_args(ap) -> None:
+    """The model flags every engine-driving benchmark takes."""
+    ap.add_argument("--model", default=None,
+                    help="model dir or bundled name (llama-3.1-8b, ...); default the tiny model")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
