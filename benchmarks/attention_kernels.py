@@ -123,8 +123,8 @@ def run_case(name: str, seqs: list[tuple[int, int]], args, device, gen) -> dict:
     if args.sweep and meta.is_decode:  # kernel time for other split counts (tuning data)
         s = 1
         while s <= min(32, max(1, kv_len // len(seqs) // 64)):
-            p = kernels.plan_decode(len(seqs), KV_HEADS, 1, kv_len // len(seqs), 64, 0,
-                                    num_splits=s)
+            p = kernels.plan_decode(len(seqs), KV_HEADS, 1, kv_len // len(seqs), 0,
+                                    num_splits=s, min_chunk=64)
             w = kernels.decode_workspace(len(seqs), HEADS, HEAD_DIM, p, device)
             sweep[f"splits={p.num_splits}"] = 1e3 * bench(
                 lambda p=p, w=w: kernels.decode_attention(

@@ -23,6 +23,10 @@ class EngineConfig:
     """float32, float16, bfloat16 or auto (the checkpoint's dtype; float32 on CPU)."""
     attention_backend: str = "auto"
     """torch (the reference), triton, or auto (triton on CUDA when installed, else torch)."""
+    disable_cuda_graph: bool = False
+    """Run decode steps eagerly instead of replaying captured CUDA graphs (CUDA only)."""
+    cuda_graph_max_bs: int = 256
+    """Largest decode batch captured in a CUDA graph; larger batches run eagerly."""
     max_total_tokens: int | None = None
     """KV pool size in tokens. Default: 16384 on CPU, from --mem-fraction on GPU."""
     mem_fraction: float = 0.85
@@ -97,6 +101,8 @@ class EngineConfig:
             raise bad("max_running_requests", "must be >= 1")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise bad("max_total_tokens", "must be >= 1")
+        if self.cuda_graph_max_bs < 1:
+            raise bad("cuda_graph_max_bs", "must be >= 1")
         if self.max_prefill_tokens < 1:
             raise bad("max_prefill_tokens", "must be >= 1")
         if self.schedule_policy not in ("fcfs", "lpm"):

@@ -12,13 +12,11 @@ Bounds on ||out - ref|| / ||ref||: fp32 1e-5 (the kernels use IEEE fp32 dots, no
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_interpreter import interpret_without_cuda
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+interpret_without_cuda()  # before triton is imported
 pytest.importorskip("triton")
 
 from phaseflip.attention.torch_ref import TorchRefAttention  # noqa: E402
@@ -30,48 +28,6 @@ from phaseflip.kernels import attention as kernels  # noqa: E402
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _fix_interpreter() -> None:
-    """Two Triton-interpreter gaps our kernels hit, patched for the interpreter only.
-
-    1. `tensor.__index__` is `int(data)` on a 1-element 1-d array in Triton <= 3.6, an error
-       since NumPy 2.4, so a loaded scalar cannot bound a `range`; later Triton squeezes first.
-    2. `tl.dot` on bfloat16 multiplies the raw uint16 storage (still so in 3.9); widen
-       bfloat16 operands to float32 exactly (bits << 16), which is what the GPU's bf16 MMA with
-       fp32 accumulation computes.
-    """
-    import numpy as np
-    from triton.runtime import interpreter
-
-    patch = getattr(interpreter, "_patch_lang_tensor", None)
-    if patch is not None and not getattr(patch, "_phaseflip_fixed", False):
-
-        def patched(tensor, scope) -> None:
-            patch(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-        patched._phaseflip_fixed = True  # type: ignore[attr-defined]
-        interpreter._patch_lang_tensor = patched
-
-    builder = type(interpreter.interpreter_builder)
-    dot = builder.create_dot
-    if not getattr(dot, "_phaseflip_fixed", False):
-        import triton.language as tl
-
-        def widen(h):
-            if h.dtype == tl.bfloat16:
-                data = (h.data.astype(np.uint32) << 16).view(np.float32)
-                return interpreter.TensorHandle(data, tl.float32)
-            return h
-
-        def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-            return dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-        create_dot._phaseflip_fixed = True  # type: ignore[attr-defined]
-        builder.create_dot = create_dot
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _fix_interpreter()
 BOUND = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
@@ -191,11 +147,18 @@ def test_decode_split_k_chunk_boundaries(splits):
 
 
 def test_decode_planner_splits_long_contexts():
-    plan = kernels.plan_decode(1, 8, 1, 4096, 64, 132)
-    assert plan.num_splits > 1 and plan.chunk % 64 == 0
-    assert plan.num_splits * plan.chunk >= 4096 > (plan.num_splits - 1) * plan.chunk
-    assert kernels.plan_decode(256, 8, 1, 4096, 64, 132).num_splits == 1
-    assert kernels.plan_decode(1, 8, 1, 1, 64, 132).num_splits == 1
+    plan = kernels.plan_decode(1, 8, 1, 4096, 132)
+    assert plan.num_splits == 16 and plan.min_chunk == 256  # 4096 / 256-key minimum chunks
+    assert kernels.plan_decode(1, 8, 1, 1 << 20, 132).num_splits == 64  # the cap
+    assert kernels.plan_decode(256, 8, 1, 4096, 132).num_splits == 1
+    assert kernels.plan_decode(1, 8, 1, 1, 132).num_splits == 1
+
+
+def test_decode_plan_for_the_longest_context_serves_short_ones():
+    # A CUDA graph plans once for the model's context limit; the kernel then cuts each
+    # sequence's own chunks, so short sequences under a many-split plan are still exact.
+    backend = TritonAttention(decode_splits=7, decode_min_chunk=16)
+    run_case([(2, 1), (0, 1), (40, 1), (100, 1)], backend=backend, seed=11)
 
 
 @pytest.mark.parametrize("group", [1, 4, 8])

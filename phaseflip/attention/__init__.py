@@ -13,6 +13,13 @@ if TYPE_CHECKING:
 
 class AttentionBackend(Protocol):
     name: str
+    graph_capturable: bool
+    """Whether decode forwards may be captured in a CUDA graph (no host reads per layer)."""
+
+    def bind_graph_batch(self, batch: ForwardBatch, max_kv_len: int) -> object:
+        """Capture hook: prepares `batch` (static graph buffers) for any context up to
+        `max_kv_len`; returns state the caller keeps alive with the graph."""
+        ...
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch, pool: KVPool, scale: float,

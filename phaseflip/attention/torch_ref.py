@@ -14,6 +14,10 @@ from phaseflip.forward_batch import ForwardBatch
 
 class TorchRefAttention:
     name = "torch"
+    graph_capturable = False  # reads kv_indptr on the host every layer
+
+    def bind_graph_batch(self, batch: ForwardBatch, max_kv_len: int) -> object:
+        raise NotImplementedError("the reference attention cannot be captured in a CUDA graph")
 
     def forward(
         self,

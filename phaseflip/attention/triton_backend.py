@@ -58,6 +58,7 @@ class TritonAttention:
     """
 
     name = "triton"
+    graph_capturable = True
 
     def __init__(
         self,
@@ -87,6 +88,20 @@ class TritonAttention:
             meta.qo_indptr = _to_device(indptr, device)
         self._meta = meta
         return meta
+
+    def bind_graph_batch(self, batch: ForwardBatch, max_kv_len: int) -> object:
+        """CUDA-graph capture hook: plans the decode `batch` (views of a graph's static input
+        buffers) for every context up to `max_kv_len`, so the grid and workspace recorded by
+        the capture hold for any replay. The kernels read lengths from the device
+        `kv_indptr` and cut each sequence's split chunks themselves.
+
+        Returns the batch state (split plans and workspaces, filled by the first forward);
+        the caller keeps it alive as long as the graph, whose kernels address that memory.
+        """
+        if not batch.is_decode:
+            raise ValueError("only decode batches are captured")
+        self._meta = _BatchMeta(batch=batch, is_decode=True, max_kv_len=max_kv_len)
+        return self._meta
 
     def forward(
         self,
@@ -126,7 +141,7 @@ class TritonAttention:
                     max_len = min(max_len, sliding_window)
                 plan = kernels.plan_decode(
                     batch.batch_size, num_kv_heads, -(-group // cfg.block_m), max_len,
-                    cfg.block_n, kernels.num_sms(q.device), num_splits=self.decode_splits,
+                    kernels.num_sms(q.device), num_splits=self.decode_splits,
                     min_chunk=self.decode_min_chunk,
                 )
                 ws = None

@@ -45,7 +45,7 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _decode_split_kernel(
     Q, K, V, KV_INDPTR, KV_INDICES, OUT, MID_O, MID_M, MID_L,
-    qk_scale, window, chunk, num_splits,
+    qk_scale, window, min_chunk, num_splits,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -70,6 +70,11 @@ def _decode_split_kernel(
     start = seq_len * 0
     if HAS_WINDOW:
         start = tl.maximum(seq_len - window, 0)
+    # The chunk is cut per sequence from its own length, so one launch shape (grid and
+    # workspace fixed by the host plan) serves any mix of lengths — which a CUDA graph needs.
+    per_split = (seq_len - start + num_splits - 1) // num_splits
+    chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    chunk = tl.maximum(chunk, min_chunk)
     lo = start + split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
 
@@ -133,7 +138,7 @@ def _decode_reduce_kernel(
     l_s = tl.load(MID_L + row, mask=mask_s, other=0.0)
     acc = tl.load(MID_O + row[:, None] * HEAD_DIM + offs_d[None, :],
                   mask=mask_s[:, None] & mask_d[None, :], other=0.0)
-    m_max = tl.max(m, 0)  # finite: split 0 always holds the newest key
+    m_max = tl.max(m, 0)  # finite: split 0 always holds the first key
     w = tl.exp2(m - m_max)
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
     tl.store(OUT + b * stride_ot + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty),
@@ -313,10 +318,16 @@ def num_sms(device: torch.device) -> int:
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """How a decode batch's contexts are cut into split-K chunks (host ints, no device data)."""
+    """How a decode batch's contexts are cut into split-K chunks (host ints, no device data).
+
+    Sequence b of length n (clipped to its window) is cut into chunks of
+    `max(ceil(ceil(n / num_splits) / block_n) * block_n, min_chunk)` keys, computed in the
+    kernel: the plan fixes only the launch shape, so it holds for any lengths below the
+    `max_kv_len` it was planned for (CUDA graphs plan once for the longest context).
+    """
 
     num_splits: int
-    chunk: int  # keys per split, a multiple of block_n
+    min_chunk: int  # keys; splits past a short sequence's end are empty
 
 
 def plan_decode(
@@ -324,7 +335,6 @@ def plan_decode(
     num_kv_heads: int,
     head_blocks: int,
     max_kv_len: int,
-    block_n: int,
     sms: int,
     *,
     num_splits: int | None = None,
@@ -342,8 +352,7 @@ def plan_decode(
         programs = batch_size * num_kv_heads * head_blocks
         want = math.ceil(4 * sms / programs)
         num_splits = max(1, min(want, math.ceil(max_kv_len / min_chunk), max_splits))
-    chunk = math.ceil(math.ceil(max_kv_len / num_splits) / block_n) * block_n
-    return DecodePlan(num_splits=math.ceil(max_kv_len / chunk), chunk=chunk)
+    return DecodePlan(num_splits=num_splits, min_chunk=min_chunk)
 
 
 def extend_tiles(extend_lens: list[int], prefix_lens: list[int], group: int, block_m: int
@@ -438,7 +447,7 @@ def decode_attention(
     grid = (batch_size, num_kv_heads * head_blocks, plan.num_splits)
     _decode_split_kernel[grid](
         q, k_cache, v_cache, kv_indptr, kv_indices, out, mid_o, mid_m, mid_l,
-        scale * LOG2E, sliding_window or 0, plan.chunk, plan.num_splits,
+        scale * LOG2E, sliding_window or 0, plan.min_chunk, plan.num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), head_dim,
         GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_H=cfg.block_m, BLOCK_N=cfg.block_n,

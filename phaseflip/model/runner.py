@@ -90,6 +90,26 @@ class ModelRunner:
             model_cfg.head_dim, self.dtype, self.device,
         )
         log.info("KV pool: %d slots on %s (%s)", self.num_slots, self.device, self.dtype)
+        self.graphs = self._capture_graphs()
+
+    def _capture_graphs(self):
+        """Decode CUDA graphs for a single-stage CUDA model (multi-rank layouts run eagerly:
+        their collectives and stage hand-offs are not captured yet)."""
+        cfg = self.cfg
+        if (self.device.type != "cuda" or cfg.disable_cuda_graph
+                or not self.backend.graph_capturable
+                or self.layout.tp_size * self.layout.pp_size != 1):
+            return None
+        from phaseflip.model.cuda_graph import DecodeGraphs
+
+        graphs = DecodeGraphs(
+            self.model, self.pool, self.backend,
+            max_bs=min(cfg.cuda_graph_max_bs, cfg.max_running_requests),
+            max_context=cfg.max_model_len or self.model_cfg.max_position_embeddings,
+            max_kv_tokens=self.num_slots,
+        )
+        graphs.capture()
+        return graphs
 
     def _kv_slots(self) -> int:
         """Usable KV tokens plus the reserved padding page, rounded to whole pages."""
@@ -122,6 +142,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, plan: ForwardBatch) -> torch.Tensor:
         """float32 logits [len(plan.logits_indices), vocab] (single-stage layouts)."""
+        if self.graphs is not None and self.graphs.can_run(plan):
+            return self.logits(self.graphs.replay(plan))
         hidden, _ = self.run_stage(plan.to(self.device))
         return self.logits(hidden)
 

@@ -1,0 +1,173 @@
+"""CUDA graphs for decode steps.
+
+Why: one decode step of an 8B Llama is ~400 kernel launches. Launched from Python each costs
+several microseconds of host time, more than the GPU needs for most of them at small batch, so
+the GPU idles between kernels and batch-1 decode is bound by the host. A graph replays the whole
+step's launches with one call.
+
+How: for every captured batch size `bs`, the graph records the model's forward (embedding, all
+layers, final norm) over views of static device buffers: token ids, positions, output slots,
+`kv_indptr` and `kv_indices`. A decode plan of `B <= bs` sequences is copied into those buffers
+and padded to `bs` with dummy sequences of length one that read and write slot 0 (the pool's
+reserved padding page), then the graph is replayed. The LM head and sampling run eagerly after
+it: their output is `[B, vocab]` floats, which per captured size would cost gigabytes.
+
+The attention backend's capture hook plans the decode kernels once for the longest context the
+engine admits (the kernels cut each sequence's split-K chunks from its own device-side length),
+so one graph serves every mix of context lengths. A plan the buffers cannot hold (more context
+slots than the static `kv_indices`, a batch above the largest size) runs eagerly instead.
+
+Sizes are captured largest first into one shared memory pool: graphs never run concurrently,
+so each smaller graph reuses the larger ones' intermediate memory.
+
+With `record=False` nothing is captured and a replay runs the same forward eagerly over the
+same static buffers: the CPU tests use it to check the buffer filling, the padding and the
+longest-context attention plan without a GPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from phaseflip.attention import AttentionBackend
+from phaseflip.cache.kv_pool import KVPool
+from phaseflip.forward_batch import ForwardBatch
+from phaseflip.model.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+PAD_SLOT = 0  # the allocator never hands out page 0: padding rows write their K/V here
+
+
+def capture_sizes(max_bs: int) -> list[int]:
+    """Batch sizes to capture: dense at the small end (batch 1-8 is latency-critical), every
+    16 above 32, so padding wastes at most 15 rows where rows are cheap."""
+    sizes = [1, 2, 4, 8, 12, 16, 24, 32] + list(range(48, 257, 16))
+    sizes = [s for s in sizes if s < max_bs] + [max_bs]
+    return sorted(set(sizes))
+
+
+@dataclass
+class _Captured:
+    batch: ForwardBatch  # views of the static buffers, `bs` rows
+    graph: torch.cuda.CUDAGraph | None  # None: replays run eagerly (record=False)
+    hidden: torch.Tensor | None  # [bs, hidden] final-normed states, written by every replay
+    backend_state: object  # the attention backend's plans/workspaces the graph addresses
+
+
+class DecodeGraphs:
+    """Captured decode graphs of one single-stage model and their static input buffers."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        pool: KVPool,
+        backend: AttentionBackend,
+        *,
+        max_bs: int,
+        max_context: int,
+        max_kv_tokens: int,
+        record: bool = True,
+    ) -> None:
+        self.model, self.pool, self.backend = model, pool, backend
+        self.record = record
+        self.max_context = max_context
+        self.sizes = capture_sizes(max_bs)
+        self.max_bs = self.sizes[-1]
+        device = pool.k[0].device
+        self.device = device
+        n = self.max_bs
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.out_cache_loc = torch.full((n,), PAD_SLOT, dtype=torch.int64, device=device)
+        self.kv_indptr = torch.arange(n + 1, dtype=torch.int64, device=device)
+        self.kv_indices = torch.full((max_kv_tokens + n,), PAD_SLOT, dtype=torch.int64,
+                                     device=device)
+        self.rows = torch.arange(n, dtype=torch.int64, device=device)
+        self.graphs: dict[int, _Captured] = {}
+
+    # ------------------------------------------------------------------ capture
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=self.input_ids[:bs], positions=self.positions[:bs],
+            out_cache_loc=self.out_cache_loc[:bs], extend_lens=[1] * bs, prefix_lens=[0] * bs,
+            kv_indptr=self.kv_indptr[: bs + 1], kv_indices=self.kv_indices,
+            logits_indices=self.rows[:bs], max_position=0,
+        )
+
+    def _run(self, batch: ForwardBatch) -> torch.Tensor:
+        hidden, _ = self.model(batch, self.pool, self.backend)
+        return hidden
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Captures every size (largest first). The static buffers hold a valid padding batch
+        (every sequence one token over slot 0) for the warm-up runs that compile kernels."""
+        self.model.rope.ensure_capacity(self.max_context)
+        if not self.record:
+            for bs in self.sizes:
+                batch = self._static_batch(bs)
+                self.graphs[bs] = _Captured(batch, None, None, None)
+            return
+        mempool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        torch.cuda.synchronize(self.device)
+        for bs in tqdm(sorted(self.sizes, reverse=True), desc="capturing CUDA graphs",
+                       unit="graph", leave=False):
+            batch = self._static_batch(bs)
+            state = self.backend.bind_graph_batch(batch, self.max_context)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # compile/autotune outside the capture
+                    self._run(batch)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool, stream=side):
+                hidden = self._run(batch)
+            self.graphs[bs] = _Captured(batch, graph, hidden, state)
+        torch.cuda.synchronize(self.device)
+        log.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+
+    # ------------------------------------------------------------------ replay
+    def can_run(self, plan: ForwardBatch) -> bool:
+        b = plan.batch_size
+        if not 0 < b <= self.max_bs or plan.max_position >= self.max_context:
+            return False
+        pad = self.sizes[bisect.bisect_left(self.sizes, b)] - b
+        return plan.is_decode and plan.kv_indices.numel() + pad <= self.kv_indices.numel()
+
+    def replay(self, plan: ForwardBatch) -> torch.Tensor:
+        """Final-normed hidden states of `plan.logits_indices` (a view valid until the next
+        replay). `plan` may live on the host; its tensors are copied into the buffers."""
+        b = plan.batch_size
+        bs = self.sizes[bisect.bisect_left(self.sizes, b)]
+        n = plan.kv_indices.numel()
+        self.input_ids[:b].copy_(plan.input_ids, non_blocking=True)
+        self.positions[:b].copy_(plan.positions, non_blocking=True)
+        self.out_cache_loc[:b].copy_(plan.out_cache_loc, non_blocking=True)
+        self.kv_indices[:n].copy_(plan.kv_indices, non_blocking=True)
+        if bs > b:  # padding rows: one key each, at slot 0, after the real contexts
+            pad = bs - b
+            indptr = torch.cat([plan.kv_indptr.cpu(), torch.arange(n + 1, n + pad + 1)])
+            self.kv_indptr[: bs + 1].copy_(indptr, non_blocking=True)
+            self.out_cache_loc[b:bs].fill_(PAD_SLOT)
+            self.kv_indices[n : n + pad].fill_(PAD_SLOT)
+            self.positions[b:bs].zero_()
+        else:
+            self.kv_indptr[: b + 1].copy_(plan.kv_indptr, non_blocking=True)
+        captured = self.graphs[bs]
+        if captured.graph is None:
+            with torch.inference_mode():
+                self.backend.bind_graph_batch(captured.batch, self.max_context)
+                hidden = self._run(captured.batch)[:b]
+        else:
+            captured.graph.replay()
+            hidden = captured.hidden[:b]
+        if plan.logits_indices.numel() == b:  # one token per sequence: every row, in order
+            return hidden
+        return hidden.index_select(0, plan.logits_indices.to(self.device))

@@ -1,0 +1,121 @@
+"""Decode CUDA graphs: static buffers, padding and the longest-context attention plan.
+
+On the CPU the graphs are not recorded (`record=False`): a replay runs the same forward eagerly
+over the same static buffers through the Triton backend in the interpreter, which checks
+everything a graph depends on except the recording itself. With CUDA the graphs are recorded
+and replayed for real. Either way the oracle is the model's ordinary forward through the
+reference attention, on the same KV pool.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_interpreter import interpret_without_cuda
+
+interpret_without_cuda()  # before triton is imported
+pytest.importorskip("triton")
+
+from phaseflip.attention.triton_backend import TritonAttention  # noqa: E402
+from phaseflip.config import EngineConfig  # noqa: E402
+from phaseflip.forward_batch import ForwardBatch  # noqa: E402
+from phaseflip.model.config import ModelConfig  # noqa: E402
+from phaseflip.model.cuda_graph import DecodeGraphs, capture_sizes  # noqa: E402
+from phaseflip.model.runner import ModelRunner  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def _plan(seqs: list[tuple[list[int], list[int], int]], decode: bool) -> ForwardBatch:
+    """seqs: (token ids of the new tokens, slots of the whole context, prefix length)."""
+    ids, pos, out, ext, pre, indptr, indices = [], [], [], [], [], [0], []
+    for toks, slots, p in seqs:
+        ids += toks
+        pos += list(range(p, p + len(toks)))
+        out += slots[p:]
+        ext.append(len(toks))
+        pre.append(p)
+        indices += slots
+        indptr.append(len(indices))
+    logits_rows = torch.tensor([sum(ext[: i + 1]) - 1 for i in range(len(ext))])
+    t = torch.tensor
+    return ForwardBatch(
+        input_ids=t(ids), positions=t(pos), out_cache_loc=t(out), extend_lens=ext,
+        prefix_lens=pre, kv_indptr=t(indptr), kv_indices=t(indices),
+        logits_indices=logits_rows, max_position=max(pos),
+    )
+
+
+@pytest.fixture(scope="module")
+def runner(llama_dir):
+    cfg = EngineConfig(model=str(llama_dir), device=DEVICE, dtype="float32",
+                       attention_backend="torch", max_total_tokens=512,
+                       disable_cuda_graph=True)
+    return ModelRunner(cfg, ModelConfig.from_dir(llama_dir))
+
+
+def _graphs(runner: ModelRunner, max_bs: int) -> DecodeGraphs:
+    graphs = DecodeGraphs(runner.model, runner.pool, TritonAttention(decode_min_chunk=16),
+                          max_bs=max_bs, max_context=256, max_kv_tokens=runner.num_slots,
+                          record=CUDA)
+    graphs.capture()
+    return graphs
+
+
+def _contexts(lengths: list[int], seed: int, first_slot: int = 1
+              ) -> list[tuple[list[int], list[int]]]:
+    """Distinct shuffled slots in [first_slot, first_slot + 240) and random tokens."""
+    g = torch.Generator().manual_seed(seed)
+    slots = (torch.randperm(240, generator=g) + first_slot).tolist()
+    out, at = [], 0
+    for n in lengths:
+        out.append((torch.randint(1, 100, (n,), generator=g).tolist(), slots[at : at + n]))
+        at += n
+    return out
+
+
+@pytest.mark.parametrize("lengths", [[5, 1, 40], [3, 70, 9, 2, 31], [12] * 8])
+def test_replay_matches_the_eager_forward(runner, lengths):
+    graphs = _graphs(runner, max_bs=8)
+    ctx = _contexts(lengths, seed=len(lengths))
+    # Prefill every context but its last token through the reference path.
+    runner.forward(_plan([(t[:-1], s[:-1], 0) for t, s in ctx if len(t) > 1], decode=False))
+    decode = _plan([(t[-1:], s, len(t) - 1) for t, s in ctx], decode=True)
+    want = runner.forward(decode)
+    got = runner.logits(graphs.replay(decode))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_padding_rows_write_only_the_padding_slot(runner):
+    """A smaller batch after a larger one: stale rows of the buffers must not write the
+    previous batch's slots (it would corrupt live KV)."""
+    graphs = _graphs(runner, max_bs=8)
+    big = _contexts([4] * 8, seed=7)
+    runner.forward(_plan([(t[:-1], s[:-1], 0) for t, s in big], decode=False))
+    graphs.replay(_plan([(t[-1:], s, 3) for t, s in big], decode=True))
+    k0 = runner.pool.k[0].clone()
+    small = _contexts([6, 6, 6], seed=8, first_slot=250)  # none of the first batch's slots
+    runner.forward(_plan([(t[:-1], s[:-1], 0) for t, s in small], decode=False))
+    k_before = runner.pool.k[0].clone()
+    plan = _plan([(t[-1:], s, 5) for t, s in small], decode=True)
+    graphs.replay(plan)  # 3 rows padded to 4
+    changed = (runner.pool.k[0] != k_before).flatten(1).any(1).nonzero().flatten().tolist()
+    assert set(changed) <= set(plan.out_cache_loc.tolist()) | {0}, changed
+    assert k0.shape == k_before.shape
+
+
+def test_plans_the_buffers_cannot_hold_run_eagerly(runner):
+    graphs = _graphs(runner, max_bs=4)
+    ctx = _contexts([3] * 5, seed=3)
+    assert not graphs.can_run(_plan([(t[-1:], s, 2) for t, s in ctx], decode=True))  # 5 > 4
+    assert not graphs.can_run(_plan([(t, s, 0) for t, s in ctx[:2]], decode=False))
+    assert graphs.can_run(_plan([(t[-1:], s, 2) for t, s in ctx[:3]], decode=True))
+
+
+def test_capture_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(10) == [1, 2, 4, 8, 10]
+    sizes = capture_sizes(256)
+    assert sizes[:8] == [1, 2, 4, 8, 12, 16, 24, 32] and sizes[-1] == 256
+    assert all(b - a <= 16 for a, b in zip(sizes, sizes[1:]))
