@@ -96,5 +96,6 @@ def test_cuda_graph_decode_matches_eager(arch, model_dirs, make_engine):
         runs[graphs] = outs
     for a, b in zip(runs[True], runs[False]):
         assert a.token_ids == b.token_ids
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
+        torch.testing.assert_close(torch.tensor(a.outputs[0].logprobs),
+                                   torch.tensor(b.outputs[0].logprobs),
                                    rtol=0, atol=1e-4)
