@@ -146,3 +146,47 @@ def test_resumed_request_reuses_its_generated_kv(llama_dir, make_engine):
     stats = engine.core.scheduler.stats
     assert stats.retractions == 1
     assert stats.prefill_tokens == len(a) + len(b)  # b resumes from its own cached KV
+
+
+def test_text_of_a_step_is_made_while_the_next_forward_runs(llama_dir, make_engine):
+    """Overlap: step k+1's forward is queued before step k's tokens are detokenised, so the
+    host's text work runs while the GPU computes. Requests with stop strings are the
+    exception: their text is made at once, because a stop string ends the request."""
+    engine = make_engine(llama_dir)
+    core = engine.core
+    events: list[tuple[str, int]] = []
+    forward = core.runner.forward
+
+    def spy_forward(plan):
+        events.append(("forward", len(events)))
+        return forward(plan)
+
+    core.runner.forward = spy_forward
+    params = {"plain": GREEDY,
+              "stop": SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True,
+                                     stop=["\x00never"])}
+    for rid, p in params.items():
+        core.add_request(rid, [5, 6, 7], p)
+    for req in core.scheduler.waiting:
+        append = req.detok.append
+
+        def spy_append(ids, append=append, name=req.rid):
+            events.append((name, len(events)))
+            return append(ids)
+
+        req.detok.append = spy_append
+    finished = set()
+    while core.has_work():
+        finished |= {d.request_id for d in core.step() if d.finish_reason}
+    assert finished == {"plain", "stop"}
+    order = [name for name, _ in events]
+    forwards = [i for i, n in enumerate(order) if n == "forward"]
+    plain = [i for i, n in enumerate(order) if n == "plain#0"]
+    stop = [i for i, n in enumerate(order) if n == "stop#0"]
+    assert len(plain) == len(stop) == 8
+    # token k of "plain" (sampled in forward k) is detokenised after forward k+1 was queued
+    for k, at in enumerate(plain[:-1]):
+        assert forwards[k + 1] < at < forwards[k + 2] if k + 2 < len(forwards) else True
+    # "stop" text is made in the step that sampled it, before the next forward
+    for k, at in enumerate(stop[:-1]):
+        assert forwards[k] < at < forwards[k + 1]

@@ -51,17 +51,20 @@ class EngineCore:
         self.scheduler = Scheduler(cfg, self.kv, self.max_context)
         self.hicache = None
         if cfg.enable_hicache:
+            import weakref
+
             from phaseflip.scheduler.hicache import HiCache
 
-            self.hicache = HiCache(cfg, model_cfg, self.kv, self.runner.pool)
-            if cfg.hicache_write_policy == "write_back":
-                self.kv.tree.on_evict = self.hicache.store
-            else:
-                self.kv.on_publish = self.hicache.store
+            # hooks itself into the tree (write policy) and, for TP/PP, into the runner's plan
+            # broadcast; its disk and copy threads finish their queues when the core goes away
+            self.hicache = HiCache(cfg, model_cfg, self.kv, self.runner)
             self.scheduler.hicache = self.hicache
+            weakref.finalize(self, self.hicache.close)
         self.sampler = Sampler(cfg.seed)
         self.groups: dict[str, Group] = {}
         self._arrivals = 0
+        # (request, token to detokenise or None) sampled last step, text not yet made
+        self._text_pending: list[tuple[Req, int | None]] = []
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -97,7 +100,9 @@ class EngineCore:
         group = self.groups.get(rid)
         if group is None:
             return []
-        out = []
+        out = self._emit_text(only={rid})
+        if rid not in self.groups:  # its last sample's text just finished it
+            return out
         for req in group.reqs:
             if not req.finished:
                 req.finish_reason = "abort"
@@ -106,7 +111,7 @@ class EngineCore:
         return out
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._text_pending)
 
     def check_alive(self) -> None:
         """Raises if a worker rank of a multi-rank layout has died (checked when idle)."""
@@ -122,29 +127,55 @@ class EngineCore:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[StreamDelta]:
+        """One forward step. While the GPU runs it, the host turns the previous step's tokens
+        into text (detokenisation and deltas, the bulk of the per-token host work at large
+        batch), so a step's deltas come out with the next step; finishing never waits for
+        text except on stop strings, which are checked at once."""
         batch = self.scheduler.schedule()
         if batch is None:
-            if self.cfg.check_accounting:
+            if self.cfg.check_accounting and not self._text_pending:
                 self.kv.check(self.scheduler.running)
-            return []
-        logits = self.runner.forward(batch.plan)
+            return self._emit_text()
+        logits = self.runner.forward(batch.plan)  # queued on the GPU; runs during _emit_text
+        deltas = self._emit_text()
         self._prompt_logprobs(batch, logits)
         sampled = self._sample(batch, logits)
         self.scheduler.advance(batch)
-        deltas = []
         for it in batch.items:
             req = it.req
             if it in sampled:
                 tok, lp, top = sampled[it]
-                self._append(req, tok, lp, top)
+                if req.params.stop:  # stop strings need the text now
+                    self._append(req, tok, lp, top)
+                    deltas.append(self._delta(self._group(req), req))
+                else:
+                    self._text_pending.append((req, self._append_token(req, tok, lp, top)))
+            elif req.params.max_new_tokens == 0 and req.kv_len == req.num_tokens:
+                req.finish_reason = "length"
             if req.finished:
                 self.scheduler.remove(req)
-            if it in sampled or req.finished:
-                deltas.append(self._delta(self.groups[req.rid.rsplit("#", 1)[0]], req))
-            elif it.req.params.max_new_tokens == 0 and req.kv_len == req.num_tokens:
-                req.finish_reason = "length"
-                self.scheduler.remove(req)
-                deltas.append(self._delta(self.groups[req.rid.rsplit("#", 1)[0]], req))
+                if it not in sampled:
+                    deltas.append(self._delta(self._group(req), req))
+        return deltas
+
+    def _group(self, req: Req) -> Group:
+        return self.groups[req.rid.rsplit("#", 1)[0]]
+
+    def _emit_text(self, only: set[str] | None = None) -> list[StreamDelta]:
+        """Detokenises the pending tokens (of the groups in `only`, default all) and returns
+        their deltas."""
+        keep, deltas = [], []
+        for req, text_tok in self._text_pending:
+            group = req.rid.rsplit("#", 1)[0]
+            if only is not None and group not in only:
+                keep.append((req, text_tok))
+                continue
+            if text_tok is not None:
+                req.detok.append([text_tok])
+            if req.finish_reason == "length":
+                req.detok.flush()
+            deltas.append(self._delta(self.groups[group], req))
+        self._text_pending = keep
         return deltas
 
     def _prompt_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
@@ -186,28 +217,42 @@ class EngineCore:
         return result
 
     # ------------------------------------------------------------------ outputs
-    def _append(self, req: Req, tok: int, lp: float | None, top) -> None:
+    def _append_token(self, req: Req, tok: int, lp: float | None, top) -> int | None:
+        """Records a sampled token and every finish that the token alone decides (EOS, stop
+        ids, length). Returns the token if its text belongs in the output, else None."""
         p = req.params
         req.output_ids.append(tok)
         if p.logprobs is not None:
             req.output_logprobs.append(lp)
             req.output_top_logprobs.append(top or [])
-        n_out = len(req.output_ids)
         if (not p.ignore_eos and tok in req.eos_ids) or tok in p.stop_token_ids:
             req.finish_reason, req.matched_stop = "stop", tok
-            if p.include_stop_str_in_output:
-                req.detok.append([tok])
+            return tok if p.include_stop_str_in_output else None
+        if len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.max_context:
+            req.finish_reason = "length"
+        return tok
+
+    def _append(self, req: Req, tok: int, lp: float | None, top) -> None:
+        """`_append_token` plus the text at once, for requests with stop strings."""
+        p = req.params
+        length_done = False
+        text_tok = self._append_token(req, tok, lp, top)
+        if req.finish_reason == "length":  # a stop string completed by this token wins
+            req.finish_reason, length_done = None, True
+        if req.finished:
+            if text_tok is not None:
+                req.detok.append([text_tok])
             return
         before = len(req.detok.text)
         req.detok.append([tok])
-        if p.stop and n_out >= p.min_new_tokens:
+        if len(req.output_ids) >= p.min_new_tokens:
             match = find_stop_match(req.detok.text, p.stop, before)
             if match is not None:
                 pos, stop = match
                 req.finish_reason, req.matched_stop = "stop", stop
                 req.text_limit = pos + (len(stop) if p.include_stop_str_in_output else 0)
                 return
-        if n_out >= p.max_new_tokens or req.num_tokens >= self.max_context:
+        if length_done:
             req.finish_reason = "length"
             req.detok.flush()
 
