@@ -113,6 +113,7 @@ class Progress:
 
     def __exit__(self, *exc: object) -> None:
         self.core.__dict__.pop("step", None)
+        self.core = None  # the engine's memory must be free for the transformers run
 
     @property
     def input_tokens(self) -> int:
@@ -218,7 +219,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "phaseflip": rates,
         "hf": None,
     }
-    if args.hf:
+    if args.hf:  # shown and saved first: the reference run may fail on its own
+        _print(result)
+        write_json(args.out, result)
         n = min(args.hf_num_prompts, len(work.prompts))
         result["hf"] = run_hf(m.model_dir, dtype, device, work.prompts[:n], work.output_lens[:n],
                               args.hf_batch_size)
