@@ -45,6 +45,14 @@ EXTEND_SWEEP = [
     kernels.KernelConfig(128, 32, 8, 3),
     kernels.KernelConfig(64, 64, 4, 3),
 ]
+# decode launch shapes (head block 16 = the GQA group of 4 padded for tl.dot)
+DECODE_SWEEP = [
+    kernels.KernelConfig(16, 64, 4, 3),
+    kernels.KernelConfig(16, 64, 4, 4),
+    kernels.KernelConfig(16, 128, 4, 2),
+    kernels.KernelConfig(16, 128, 8, 3),
+    kernels.KernelConfig(16, 32, 4, 4),
+]
 
 
 def bench(fn, quick: bool) -> float:
@@ -132,6 +140,22 @@ def run_case(name: str, seqs: list[tuple[int, int]], args, device, gen) -> dict:
                     workspace=w),
                 True)
             s *= 2
+        for cfg in DECODE_SWEEP:
+            name_cfg = f"n{cfg.block_n}_w{cfg.num_warps}_s{cfg.num_stages}"
+            sweep[name_cfg] = 1e3 * bench(
+                lambda cfg=cfg: kernels.decode_attention(
+                    q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, scale, plan,
+                    out=out, workspace=ws, config=cfg),
+                True)
+        for mc in (32, 64, 128):  # smaller minimum chunks: more splits for small batches
+            p = kernels.plan_decode(len(seqs), KV_HEADS, 1, kv_len // len(seqs),
+                                    kernels.num_sms(device), min_chunk=mc)
+            w = kernels.decode_workspace(len(seqs), HEADS, HEAD_DIM, p, device)
+            sweep[f"min_chunk={mc} (splits {p.num_splits})"] = 1e3 * bench(
+                lambda p=p, w=w: kernels.decode_attention(
+                    q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, scale, p, out=out,
+                    workspace=w),
+                True)
     elif args.sweep:  # kernel time for other extend tile shapes (tuning data)
         for cfg in EXTEND_SWEEP:
             tl_host = kernels.extend_tiles(batch.extend_lens, batch.prefix_lens,
