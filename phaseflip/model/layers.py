@@ -4,10 +4,14 @@ Every parallel layer is told its tensor-parallel rank and size by a `Layout`; ea
 carries a `weight_loader(param, loaded, shard_id=None)` that slices the full checkpoint tensor
 to this rank's part. With `tp_size == 1` the slices are the whole tensors and the collectives
 are identities, so the single-process path is the general path.
+
+`RMSNorm` and `SiluAndMul` run fused Triton kernels (`phaseflip.kernels`) on CUDA tensors when
+triton is installed, and the torch code (`forward_native`, the oracle) everywhere else.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 
 import torch
@@ -17,6 +21,10 @@ from torch import nn
 from phaseflip.layout import Layout
 
 WeightLoader = Callable[..., None]
+
+# Whether the fused kernels can be used on CUDA tensors. The kernel modules themselves are
+# imported on first use: triton decides interpreted-or-compiled when a kernel is defined.
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, loader: WeightLoader) -> nn.Parameter:
@@ -31,11 +39,23 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+def use_fused_kernels(x: torch.Tensor) -> bool:
+    """The dispatch rule: the Triton kernels take CUDA tensors when triton is installed."""
+    return HAS_TRITON and x.is_cuda
+
+
+def _dense_rows(*ts: torch.Tensor) -> bool:
+    """The fused kernels' layout: 1-3 dims, unit last stride (rows themselves may be strided)."""
+    return all(1 <= t.dim() <= 3 and t.stride(-1) == 1 for t in ts)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 like the reference, optionally fused with the residual add.
 
     `forward(x, residual)` returns `(norm(x + residual), x + residual)` so a decoder layer
-    carries the residual stream without a separate add.
+    carries the residual stream without a separate add. On CUDA with triton the fused kernel
+    does this IN PLACE (x receives the normed rows, residual the sum, and those two tensors are
+    returned): callers must not reuse the old x or residual. The decoder layers do not.
     """
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
@@ -51,6 +71,20 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if use_fused_kernels(x):
+            from phaseflip.kernels.norm import fused_add_rms_norm, rms_norm
+
+            if residual is None and _dense_rows(x):
+                return rms_norm(x, self.weight, self.eps)
+            if (residual is not None and _dense_rows(x, residual) and residual.shape == x.shape
+                    and x.dtype == residual.dtype == self.weight.dtype):
+                return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return self.forward_native(x, residual)
+
+    def forward_native(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The torch path (CPU, and the oracle the kernels are tested against)."""
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -223,6 +257,16 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 class SiluAndMul(nn.Module):
+    """silu(gate) * up for x = [gate | up] along the last dim (a fused kernel on CUDA)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_fused_kernels(x) and x.stride(-1) == 1 and x.shape[-1] % 2 == 0:
+            from phaseflip.kernels.activation import silu_and_mul
+
+            return silu_and_mul(x)
+        return self.forward_native(x)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch path (CPU, and the oracle the kernel is tested against)."""
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -27,7 +27,7 @@ from phaseflip.model.layers import (
     VocabParallelEmbedding,
     default_weight_loader,
 )
-from phaseflip.model.rope import RotaryEmbedding, apply_rotary
+from phaseflip.model.rope import RotaryBatch, RotaryEmbedding
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
 _FUSED = (
@@ -64,7 +64,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         batch: ForwardBatch,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rotary: RotaryBatch,
         pool: KVPool,
         backend: AttentionBackend,
     ) -> torch.Tensor:
@@ -74,8 +74,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotary.rotate_(q, k)  # in place on CUDA: q, k are views of the qkv output
         o = backend.forward(
             self.layer_id, q, k, v, batch, pool, self.scale, self.sliding_window
         )
@@ -104,12 +103,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, x, residual, batch, cos_sin, pool, backend):
+    def forward(self, x, residual, batch, rotary, pool, backend):
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, batch, cos_sin, pool, backend)
+        x = self.self_attn(x, batch, rotary, pool, backend)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -148,9 +147,9 @@ class LlamaForCausalLM(nn.Module):
         the final-normed state of the rows named by `batch.logits_indices`."""
         if self.layout.is_first_stage:
             hidden, residual = self.embed_tokens(batch.input_ids), None
-        cos_sin = self.rope.cos_sin(batch.positions, hidden.dtype, max_position=batch.max_position)
+        rotary = self.rope.for_batch(batch.positions, hidden.dtype, max_position=batch.max_position)
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, batch, cos_sin, pool, backend)
+            hidden, residual = layer(hidden, residual, batch, rotary, pool, backend)
         if not self.layout.is_last_stage:
             return hidden, residual
         idx = batch.logits_indices

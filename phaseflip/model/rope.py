@@ -18,12 +18,18 @@ seq_len=n)` still exposes HF's rescaled frequencies for a given length.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from phaseflip.model.config import SUPPORTED_ROPE_TYPES, RopeConfig
+
+# Whether the fused in-place kernel (`phaseflip.kernels.rope`, imported on first use) can rotate
+# CUDA tensors; elsewhere the torch code below runs.
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def rope_inv_freq(
@@ -250,6 +256,46 @@ class RotaryEmbedding(nn.Module):
         sin = torch.cat((sin, sin), dim=-1).to(dtype)
         return cos, sin
 
+    def uses_kernel(self, x: torch.Tensor) -> bool:
+        """Whether `rotate_` runs the fused Triton kernel on tensors like x (CUDA + triton)."""
+        return HAS_TRITON and x.is_cuda
+
+    def for_batch(
+        self, positions: torch.Tensor, dtype: torch.dtype, *, max_position: int | None = None
+    ) -> RotaryBatch:
+        """The rotary inputs of one forward, shared by all its layers.
+
+        Grows the cache on the host when `max_position` needs it (so never inside a kernel or a
+        graph replay); the torch path also gathers cos/sin once here, in `dtype`, while the
+        kernel path gathers them per layer inside the kernel.
+        """
+        if self.uses_kernel(positions):
+            if max_position is not None:
+                self.ensure_capacity(max_position + 1)
+            return RotaryBatch(self, positions, None)
+        cos_sin = self.cos_sin(positions, dtype, max_position=max_position)
+        return RotaryBatch(self, positions, cos_sin)
+
+    def rotate_(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated (q [T, H, D], k [T, KVH, D]) at `positions` [T], the cache covering them.
+
+        On CUDA with triton q and k are rotated IN PLACE (they may be views of the fused qkv
+        output) and returned; otherwise `apply_rotary` makes new ones from `cos_sin` (as
+        `cos_sin()` returns it; gathered here in q's dtype when None). Both are bit-identical.
+        """
+        if self.uses_kernel(q) and q.dim() == k.dim() == 3:
+            from phaseflip.kernels.rope import apply_rotary_inplace
+
+            return apply_rotary_inplace(q, k, positions, self.cos_cache, self.sin_cache)
+        cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions, q.dtype)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
     def forward(
         self,
         positions: torch.Tensor,
@@ -273,3 +319,17 @@ class RotaryEmbedding(nn.Module):
             f"type={self.rope.rope_type}, head_dim={self.head_dim}, "
             f"rotary_dim={self.rotary_dim}, cache_len={self.cache_len}"
         )
+
+
+@dataclass(frozen=True)
+class RotaryBatch:
+    """RoPE state of one forward pass, handed to every layer: the positions and, on the torch
+    path, the cos/sin rows gathered once for all layers (None on the kernel path)."""
+
+    rope: RotaryEmbedding
+    positions: torch.Tensor
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None
+
+    def rotate_(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """See `RotaryEmbedding.rotate_`: in place on CUDA, new tensors otherwise."""
+        return self.rope.rotate_(q, k, self.positions, self.cos_sin)

@@ -1,0 +1,203 @@
+"""Microbenchmark: the fused Triton elementwise kernels vs the torch path on one GPU.
+
+Shapes of Llama-3.1-8B (hidden 4096, intermediate 14336, 32 query / 8 KV heads, head_dim 128),
+bf16, T = 1, 64, 256, 4096, 8192 tokens (`--tokens`). Ops, each timed as the Triton wrapper and
+as the torch code the CPU path runs (`forward_native`, `apply_rotary`):
+
+- `rms_norm`      [T, 4096] (a layer's first input_layernorm, the final norm)
+- `add_rms_norm`  residual add + norm, in place, vs `x + residual` then norm (every other norm)
+- `silu_and_mul`  [T, 28672] -> [T, 14336]
+- `rotary`        q [T, 32, 128] and k [T, 8, 128], views of the qkv output, rotated in place
+                  with cos/sin gathered in the kernel, vs `apply_rotary` on q and k given cos/sin
+                  (the torch path gathers those once per forward: `gather us`, not in `torch us`)
+- `head_rms_norm` Qwen3's per-head q_norm on the [T, 32, 128] view (not a Llama op)
+
+Times are `triton.testing.do_bench` medians (it flushes the L2 between runs). GB/s counts the
+bytes the fused kernel must move (each input read once, each output written once) over kernel
+time, against the device copy bandwidth measured here. The correctness columns compare one
+call of each on the same inputs: max |triton - torch|, max ulps, and the share of elements that
+differ at all (rotary should be bit-identical; RMSNorm/SiLU may differ by 1-2 ulps on a few
+elements, see tests/test_fused_kernels.py). The last table sums one decoder layer's worth
+(2 add_rms_norm + silu_and_mul + rotary).
+
+    python -m benchmarks.fused_kernels --out fused_kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import print_table, write_json  # noqa: E402
+
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
+DTYPE = torch.bfloat16
+EPS = 1e-5
+TOKENS = (1, 64, 256, 4096, 8192)
+
+
+def bench(fn: Callable[[], object], quick: bool) -> float:
+    """Median microseconds."""
+    import triton.testing
+
+    ms = triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100,
+                                 return_mode="median")
+    return ms * 1e3
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in representable values of their (16- or 32-bit float) dtype."""
+    bits = {4: torch.int32, 2: torch.int16}[a.element_size()]
+    lo = -(1 << (8 * a.element_size() - 1))
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        i = t.contiguous().view(bits).long()
+        return torch.where(i < 0, lo - i, i)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+def compare(got: torch.Tensor | tuple, want: torch.Tensor | tuple) -> dict:
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    diffs = [ulps(g, w) for g, w in zip(got, want)]
+    n = sum(d.numel() for d in diffs)
+    return {
+        "max_abs_diff": max((g.float() - w.float()).abs().max().item()
+                            for g, w in zip(got, want)),
+        "max_ulps": max(int(d.max()) for d in diffs),
+        "pct_differ": 100.0 * sum(int((d > 0).sum()) for d in diffs) / n,
+    }
+
+
+def run_token_count(t: int, args, dev: torch.device) -> list[dict]:
+    from phaseflip.kernels.activation import silu_and_mul
+    from phaseflip.kernels.norm import fused_add_rms_norm, rms_norm
+    from phaseflip.kernels.rope import apply_rotary_inplace
+    from phaseflip.model.config import RopeConfig
+    from phaseflip.model.layers import RMSNorm, SiluAndMul
+    from phaseflip.model.rope import RotaryEmbedding, apply_rotary
+
+    e = DTYPE.itemsize
+    norm = RMSNorm(HIDDEN, EPS, DTYPE).to(dev)
+    norm.weight.data.normal_(1.0, 0.2)
+    head_norm = RMSNorm(HEAD_DIM, EPS, DTYPE).to(dev)
+    head_norm.weight.data.normal_(1.0, 0.2)
+    act = SiluAndMul()
+    rope = RotaryEmbedding(RopeConfig("llama3", 500000.0, factor=8.0, low_freq_factor=1.0,
+                                      high_freq_factor=4.0,
+                                      original_max_position_embeddings=8192),
+                           HEAD_DIM, 131072, device=dev)
+    x = torch.randn(t, HIDDEN, device=dev, dtype=DTYPE)
+    res = torch.randn(t, HIDDEN, device=dev, dtype=DTYPE) * 4
+    gate_up = torch.randn(t, 2 * INTER, device=dev, dtype=DTYPE) * 3
+    qkv = torch.randn(t, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=dev, dtype=DTYPE) * 2
+    positions = torch.randint(0, 131072, (t,), device=dev)
+
+    def qk(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = buf[:, : HEADS * HEAD_DIM].view(t, HEADS, HEAD_DIM)
+        k = buf[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(t, KV_HEADS, HEAD_DIM)
+        return q, k
+
+    q, k = qk(qkv)
+    cos, sin = rope.cos_sin(positions, DTYPE)
+    rows = []
+
+    def row(op: str, kernel, torch_fn, check: dict, nbytes: int, **extra) -> None:
+        k_us, t_us = bench(kernel, args.quick), bench(torch_fn, args.quick)
+        rows.append({"op": op, "tokens": t, "triton_us": k_us, "torch_us": t_us,
+                     "speedup": t_us / k_us, "GBps": nbytes / (k_us * 1e-6) / 1e9,
+                     **check, **extra})
+
+    # correctness first, on fresh copies (the timed in-place calls drift the buffers)
+    row("rms_norm", lambda: rms_norm(x, norm.weight, EPS), lambda: norm.forward_native(x),
+        compare(rms_norm(x, norm.weight, EPS), norm.forward_native(x)), 2 * t * HIDDEN * e)
+
+    got = fused_add_rms_norm(x.clone(), res.clone(), norm.weight, EPS)
+    xa, ra = x.clone(), res.clone()
+    row("add_rms_norm", lambda: fused_add_rms_norm(xa, ra, norm.weight, EPS),
+        lambda: norm.forward_native(x, res), compare(got, norm.forward_native(x, res)),
+        4 * t * HIDDEN * e)
+
+    row("silu_and_mul", lambda: silu_and_mul(gate_up), lambda: act.forward_native(gate_up),
+        compare(silu_and_mul(gate_up), act.forward_native(gate_up)), 3 * t * INTER * e)
+
+    want = (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin))
+    qc, kc = qk(qkv.clone())
+    got = apply_rotary_inplace(qc, kc, positions, rope.cos_cache, rope.sin_cache)
+    qt, kt = qk(qkv.clone())
+    gather_us = bench(lambda: rope.cos_sin(positions, DTYPE), args.quick)
+    row("rotary", lambda: apply_rotary_inplace(qt, kt, positions, rope.cos_cache,
+                                               rope.sin_cache),
+        lambda: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)), compare(got, want),
+        2 * t * (HEADS + KV_HEADS) * HEAD_DIM * e + t * (8 + 2 * 4 * rope.rotary_dim // 2),
+        gather_us=gather_us)
+
+    row("head_rms_norm", lambda: rms_norm(q, head_norm.weight, EPS),
+        lambda: head_norm.forward_native(q),
+        compare(rms_norm(q, head_norm.weight, EPS), head_norm.forward_native(q)),
+        2 * t * HEADS * HEAD_DIM * e)
+    return rows
+
+
+def measure_copy_TBps(dev: torch.device, quick: bool) -> float:
+    a = torch.empty(1024**3, dtype=DTYPE, device=dev).normal_()  # 2 GiB
+    b = torch.empty_like(a)
+    us = bench(lambda: b.copy_(a), quick)
+    return 2 * a.numel() * a.element_size() / (us * 1e-6) / 1e12
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, help="JSON results path")
+    ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS),
+                    help="token counts T (default: %(default)s)")
+    ap.add_argument("--quick", action="store_true", help="shorter do_bench windows")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA device")
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+
+    import triton
+
+    copy_tbps = measure_copy_TBps(dev, args.quick)
+    rows = [r for t in args.tokens for r in run_token_count(t, args, dev)]
+    for r in rows:
+        r["pct_of_copy_bw"] = 100 * r["GBps"] / (copy_tbps * 1e3)
+
+    print(f"\n{torch.cuda.get_device_name()}  triton {triton.__version__}  torch "
+          f"{torch.__version__}  bf16  device copy {copy_tbps:.2f} TB/s")
+    print_table(
+        ["op", "T", "triton us", "torch us", "gather us", "speedup", "GB/s", "% copy bw",
+         "max abs diff", "max ulps", "% differ"],
+        [[r["op"], r["tokens"], r["triton_us"], r["torch_us"], r.get("gather_us"), r["speedup"],
+          r["GBps"], r["pct_of_copy_bw"], r["max_abs_diff"], r["max_ulps"], r["pct_differ"]]
+         for r in rows],
+        title="Fused elementwise kernels vs torch (Llama-3.1-8B shapes)",
+    )
+    layer = []
+    for t in args.tokens:
+        by_op = {r["op"]: r for r in rows if r["tokens"] == t}
+        ops = ("add_rms_norm", "add_rms_norm", "silu_and_mul", "rotary")
+        tri = sum(by_op[o]["triton_us"] for o in ops)
+        ref = sum(by_op[o]["torch_us"] for o in ops)
+        layer.append({"tokens": t, "triton_us": tri, "torch_us": ref, "saved_us": ref - tri})
+    print_table(["T", "triton us", "torch us", "saved us / layer"],
+                [[r["tokens"], r["triton_us"], r["torch_us"], r["saved_us"]] for r in layer],
+                title="One decoder layer's elementwise work (2 add+norm, silu*mul, rotary)")
+    write_json(args.out, {
+        "benchmark": "fused_kernels", "dtype": str(DTYPE), "hidden": HIDDEN,
+        "intermediate": INTER, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+        "copy_TBps": copy_tbps, "rows": rows, "per_layer": layer,
+    })
+
+
+if __name__ == "__main__":
+    main()
