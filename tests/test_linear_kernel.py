@@ -1,0 +1,348 @@
+"""Skinny-GEMM kernel (`phaseflip.kernels.linear`) against `torch.nn.functional.linear`.
+
+Runs on CUDA when present, else on the CPU through Triton's interpreter (`TRITON_INTERPRET=1`,
+set here before the kernel is defined); skipped when triton is not installed. Interpreter
+configs are pinned to BLOCK_N 16 and BLOCK_K 64 (ew) / 32 (dot) so tiny shapes cross every
+edge: N 1 / 17 / 256 (one partial row tile, a full tile plus one row, 16 full tiles), K 64 /
+100 / 512 (one or two steps, a ragged last step, 8-16 steps), M 1 / 3 / 8 / 16 (one row, padded
+rows, ew's 8-row maximum, dot's 16-row minimum), split-K 3 (chunks that come out as 1, 2 or 3
+splits, some ragged). Outputs are NaN-filled first so an unwritten element fails.
+
+Bounds on ||y - ref|| / ||ref||, ref = F.linear in fp32 of the same (already rounded) inputs:
+fp32 1e-5 (IEEE dots, no tf32; measured ~2e-7 on CPU), fp16 / bf16 1e-2 (rounding the output
+alone costs ~2^-9 RMS; measured 1e-4 / 3e-3 on CPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from phaseflip.kernels import linear  # noqa: E402
+from phaseflip.kernels.linear import SkinnyConfig, skinny_linear  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+BOUND = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+def _fix_interpreter() -> None:
+    """The interpreter gaps of tests/test_triton_attention.py, patched the same way (and marked
+    the same way, so whichever module loads first patches once).
+
+    1. `tensor.__index__` is `int(data)` on a 1-element array in Triton <= 3.6, an error since
+       NumPy 2.4, so a program-id-derived scalar cannot bound a `range`.
+    2. `tl.dot` on bfloat16 multiplies the raw uint16 storage; widen to float32 exactly.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is not None and not getattr(patch, "_phaseflip_fixed", False):
+
+        def patched(tensor, scope) -> None:
+            patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        patched._phaseflip_fixed = True  # type: ignore[attr-defined]
+        interpreter._patch_lang_tensor = patched
+
+    builder = type(interpreter.interpreter_builder)
+    dot = builder.create_dot
+    if not getattr(dot, "_phaseflip_fixed", False):
+        import triton.language as tl
+
+        def widen(h):
+            if h.dtype == tl.bfloat16:
+                data = (h.data.astype(np.uint32) << 16).view(np.float32)
+                return interpreter.TensorHandle(data, tl.float32)
+            return h
+
+        def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+            return dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+        create_dot._phaseflip_fixed = True  # type: ignore[attr-defined]
+        builder.create_dot = create_dot
+
+
+if INTERPRETED:
+    _fix_interpreter()
+
+# Pinned interpreter configs (on CUDA the same small shapes are valid launch shapes too), one
+# per inner loop with and without split-K.
+VARIANTS = {
+    f"{loop}{suffix}": SkinnyConfig(16, block_k, 4, 1, split, loop)
+    for loop, block_k in (("ew", 64), ("dot", 32)) for suffix, split in (("", 1), ("_split", 3))
+}
+
+
+def serves(variant: str, m: int) -> bool:
+    """The M range each loop is picked for: ew M <= 8, dot any M."""
+    return m <= 8 or VARIANTS[variant].loop == "dot"
+
+
+def check(m: int, n: int, k: int, cfg: SkinnyConfig | None, *, bias: bool,
+          dtype: torch.dtype = torch.float32, seed: int = 0,
+          workspace: linear.SplitKWorkspace | None = None) -> float:
+    """Relative error of skinny_linear vs fp32 F.linear on fresh random inputs (asserted)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    w = torch.randn(n, k, generator=gen).to(DEVICE, dtype)
+    b = torch.randn(n, generator=gen).to(DEVICE, dtype) if bias else None
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
+    got = skinny_linear(x, w, b, out, config=cfg, workspace=workspace)
+    assert got.data_ptr() == out.data_ptr() and got.shape == (m, n)
+    assert torch.isfinite(got).all(), "unwritten or non-finite output"
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    err = ((got.float() - want).norm() / want.norm()).item()
+    assert err < BOUND[dtype], f"relative error {err:.3g} >= {BOUND[dtype]} ({cfg})"
+    return err
+
+
+# Every M x N x K x variant the variant serves (candidate_configs never picks the others).
+CASES = [(m, n, k, v) for m in (1, 3, 8, 16) for n in (1, 17, 256) for k in (64, 100, 512)
+         for v in VARIANTS if serves(v, m)]
+
+
+@pytest.mark.parametrize("m,n,k,variant", CASES)
+def test_matches_reference(m, n, k, variant):
+    # Bias on for half the shapes of every variant (and both states on every M, N and K).
+    check(m, n, k, VARIANTS[variant], bias=(m + n + k // 4) % 2 == 1, seed=m * n + k)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_bias_on_and_off(variant, bias):
+    check(3 if serves(variant, 3) else 1, 17, 100, VARIANTS[variant], bias=bias, seed=7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_half_precision(variant, dtype):
+    for m, n, k in [(1, 17, 100), (4, 33, 512), (16, 20, 96)]:
+        if serves(variant, m):
+            check(m, n, k, VARIANTS[variant], bias=True, dtype=dtype, seed=m + n)
+
+
+def test_default_config_path():
+    # No pinned config: the interpreter/GPU heuristic (and split planning) picks one.
+    for m, n, k in [(1, 40, 200), (5, 40, 200), (16, 40, 200)]:
+        check(m, n, k, None, bias=m == 5)
+
+
+def test_split_counters_rearm_between_launches():
+    # The last arrival of each tile resets its counter, so back-to-back launches on one
+    # workspace (as in a CUDA graph) need no memset.
+    ws = linear.SplitKWorkspace(DEVICE)
+    for seed, (m, n, k) in enumerate([(2, 40, 200), (1, 17, 100), (8, 40, 512)]):
+        for variant in ("ew_split", "dot_split"):
+            if serves(variant, m):
+                check(m, n, k, VARIANTS[variant], bias=True, seed=seed, workspace=ws)
+                assert int(ws.counters.sum()) == 0
+
+
+def test_leading_dims_strides_and_out():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(24, 80, generator=gen).to(DEVICE)
+    b = torch.randn(24, generator=gen).to(DEVICE)
+    x3 = torch.randn(2, 3, 80, generator=gen).to(DEVICE)  # [..., K] like F.linear
+    got = skinny_linear(x3, w, b, config=VARIANTS["ew_split"])
+    assert got.shape == (2, 3, 24)
+    torch.testing.assert_close(got, F.linear(x3, w, b), rtol=1e-5, atol=1e-5)
+    wide = torch.randn(4, 96, generator=gen).to(DEVICE)[:, :80]  # row stride 96
+    out = torch.empty(4, 24, device=DEVICE)
+    assert skinny_linear(wide, w, None, out, config=VARIANTS["dot_split"]) is out
+    torch.testing.assert_close(out, F.linear(wide, w), rtol=1e-5, atol=1e-5)
+    xt = torch.randn(80, 3, generator=gen).to(DEVICE).t()  # K not contiguous: copied
+    torch.testing.assert_close(skinny_linear(xt, w, config=VARIANTS["ew"]), F.linear(xt, w),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_empty_inputs():
+    w = torch.randn(5, 8, device=DEVICE)
+    assert skinny_linear(torch.randn(0, 8, device=DEVICE), w).shape == (0, 5)
+    b = torch.randn(3, device=DEVICE)
+    y = skinny_linear(torch.randn(2, 0, device=DEVICE), torch.randn(3, 0, device=DEVICE), b)
+    torch.testing.assert_close(y, b.expand(2, 3))
+
+
+def test_rejects_bad_inputs():
+    w = torch.randn(5, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="does not match"):
+        skinny_linear(torch.randn(1, 7, device=DEVICE), w)
+    with pytest.raises(ValueError, match="does not match"):
+        skinny_linear(torch.randn(1, 8, device=DEVICE, dtype=torch.float16), w)
+    with pytest.raises(ValueError, match="at most"):
+        skinny_linear(torch.randn(linear.KERNEL_MAX_M + 1, 8, device=DEVICE), w)
+    with pytest.raises(ValueError, match="out must be"):
+        skinny_linear(torch.randn(2, 8, device=DEVICE), w, out=torch.empty(2, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="contiguous along K"):
+        skinny_linear(torch.randn(2, 8, device=DEVICE), torch.randn(8, 5, device=DEVICE).t())
+
+
+@pytest.mark.parametrize("k,block_k,split", [
+    (4096, 512, 3), (4096, 128, 5), (100, 32, 3), (64, 32, 3), (512, 32, 3), (32, 32, 4),
+    (14336, 512, 1), (7, 32, 2),
+])
+def test_plan_splits_cover_k_without_empty_chunks(k, block_k, split):
+    num, chunk = linear.plan_splits(k, block_k, split)
+    assert chunk % block_k == 0 and 1 <= num <= max(split, 1)
+    assert (num - 1) * chunk < k <= num * chunk
+
+
+# Shapes the kernel serves: (name, N, K) for Llama-3.1-8B and Qwen3-8B, and their TP=2 halves
+# (column-parallel layers halve N, row-parallel halve K).
+MODEL_SHAPES = {
+    "llama.qkv": (6144, 4096), "llama.o": (4096, 4096), "llama.gate_up": (28672, 4096),
+    "llama.down": (4096, 14336), "llama.lm_head": (128256, 4096),
+    "qwen3.qkv": (8192, 4096), "qwen3.o": (4096, 4096), "qwen3.gate_up": (24576, 4096),
+    "qwen3.down": (4096, 12288), "qwen3.lm_head": (151936, 4096),
+}
+ROW_PARALLEL = ("o", "down")
+TP2_SHAPES = {
+    f"{name}.tp2": (n, k // 2) if name.split(".")[1] in ROW_PARALLEL else (n // 2, k)
+    for name, (n, k) in MODEL_SHAPES.items()
+}
+ALL_SHAPES = sorted(set(MODEL_SHAPES.values()) | set(TP2_SHAPES.values()))
+
+
+def test_gpu_heuristics_are_valid_launch_shapes():
+    # The GPU table, checked on any machine: dot tiles >= 16 per dim and within shared memory,
+    # elementwise products within ~64 fp32 registers per thread, splits that fill 132 SMs
+    # without empty chunks.
+    gpu = torch.device("cuda")
+    for n, k in ALL_SHAPES:
+        for m in (1, 2, 3, 4, 8, 16, 32, 64):
+            for dtype in (torch.bfloat16, torch.float32):
+                cands = linear.candidate_configs(m, n, k, dtype, gpu, sms=132)
+                default = linear.default_config(m, n, k, dtype, gpu, sms=132)
+                assert len(cands) == len(set(cands)) >= 4
+                for cfg in [default, *cands]:
+                    bm = cfg.block_m(m)
+                    threads = 32 * cfg.num_warps
+                    if cfg.loop == "dot":
+                        assert min(bm, cfg.block_n, cfg.block_k) >= 16
+                        smem = (cfg.num_stages * (cfg.block_n + bm) * cfg.block_k
+                                * dtype.itemsize)
+                        assert smem <= 200 * 1024, cfg
+                    else:  # the tile is held as fp32: <= 128 registers of it per thread
+                        assert m <= 8 and cfg.block_n * cfg.block_k / threads <= 128, cfg
+                    num, chunk = linear.plan_splits(k, cfg.block_k, cfg.split_k)
+                    assert (num - 1) * chunk < k <= num * chunk
+                tiles = -(-n // default.block_n) * linear.plan_splits(
+                    k, default.block_k, default.split_k)[0]
+                assert tiles >= 132 or default.split_k > 1, (n, k, m, default)
+
+
+def test_should_use_skinny_and_shape_overrides(monkeypatch):
+    assert linear.should_use_skinny(1, 4096, 4096)
+    assert linear.should_use_skinny(linear.SKINNY_MAX_M, 4096, 4096)
+    assert not linear.should_use_skinny(linear.SKINNY_MAX_M + 1, 4096, 4096)
+    assert not linear.should_use_skinny(0, 4096, 4096)
+    assert not linear.should_use_skinny(1, 4096, 4100)  # rows not 16-byte aligned
+    monkeypatch.setitem(linear.MAX_M_BY_SHAPE, (4096, 4096), 4)
+    assert linear.should_use_skinny(4, 4096, 4096) and not linear.should_use_skinny(5, 4096, 4096)
+    assert linear.should_use_skinny(8, 6144, 4096) == (8 <= linear.SKINNY_MAX_M)
+
+
+def test_config_table_roundtrip_and_override(tmp_path, monkeypatch):
+    table = linear.ConfigTable()
+    cfg = SkinnyConfig(32, 256, 8, 2, split_k=4, loop="ew")
+    table.put(3, 4096, 14336, torch.bfloat16, cfg)
+    assert table.get(4, 4096, 14336, torch.bfloat16) == cfg  # same M bucket
+    assert table.get(5, 4096, 14336, torch.bfloat16) is None
+    table.save(tmp_path / "t.json")
+    loaded = linear.ConfigTable()
+    loaded.load(tmp_path / "t.json")
+    assert loaded.entries == table.entries
+    monkeypatch.setattr(linear, "TUNED", loaded)
+    assert linear.pick_config(4, 4096, 14336, torch.bfloat16, DEVICE) == cfg
+    assert linear.pick_config(4, 4096, 14336, torch.float16, DEVICE) != cfg
+
+
+def test_config_rejects_unknown_loop():
+    with pytest.raises(ValueError, match="loop must be"):
+        SkinnyConfig(16, 32, 4, 1, 1, "mma")
+
+
+def test_workspace_refuses_to_grow_during_capture(monkeypatch):
+    ws = linear.SplitKWorkspace(DEVICE)
+    ws.reserve(64, 4)
+    first = ws.partials
+    ws.reserve(256, 4)  # grows; the outgrown buffer stays alive for graphs that captured it
+    assert ws.partials.numel() >= 256 and any(t is first for t in ws._outgrown)
+    monkeypatch.setattr(linear, "_capturing", lambda device: True)
+    ws.reserve(64, 4)  # already large enough: fine
+    with pytest.raises(RuntimeError, match="warmup"):
+        ws.reserve(1 << 20, 4)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU only: real shapes, bf16, every candidate config, CUDA-graph capture
+# ----------------------------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(DEVICE.type != "cuda", reason="real shapes are too slow interpreted")
+
+
+def real_case(m: int, n: int, k: int, cfg: SkinnyConfig | None, dtype=torch.bfloat16,
+              bias: bool = False) -> float:
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    w = (torch.randn(n, k, device=DEVICE) * k**-0.5).to(dtype)
+    b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
+    skinny_linear(x, w, b, out, config=cfg)
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    err = ((out.float() - want).norm() / want.norm()).item()
+    assert torch.isfinite(out).all() and err < BOUND[dtype], (m, n, k, cfg, err)
+    return err
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_gpu_real_shapes_bf16(m):
+    for n, k in ALL_SHAPES:
+        real_case(m, n, k, None, bias=n == 8192)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 16, 32])
+def test_gpu_every_candidate_config(m):
+    # tune() only times configs, so every one it may pick is checked for correctness here, on
+    # a split-prone shape (o_proj) and on ragged N and K (masked K tail, clamped rows).
+    dev = DEVICE
+    for n, k in [(4096, 4096), (1000, 1000)]:
+        for cfg in linear.candidate_configs(m, n, k, torch.bfloat16, dev):
+            real_case(m, n, k, cfg)
+        for cfg in linear.candidate_configs(m, n, k, torch.float32, dev)[:4]:
+            real_case(m, n, k, cfg, dtype=torch.float32)
+
+
+@gpu
+def test_gpu_warmup_then_graph_capture():
+    shapes = [(4096, 4096), (6144, 4096), (1000, 1000)]
+    linear.warmup(shapes, torch.bfloat16, DEVICE, m_values=(1, 4, 16))
+    ws = linear.workspace_for(DEVICE)
+    ptrs = (ws.partials.data_ptr(), ws.counters.data_ptr())
+    for n, k in shapes:
+        for m in (1, 3, 16):
+            w = (torch.randn(n, k, device=DEVICE) * k**-0.5).to(torch.bfloat16)
+            x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
+            out = torch.empty(m, n, dtype=torch.bfloat16, device=DEVICE)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                skinny_linear(x, w, None, out)
+            for _ in range(3):
+                x.copy_(torch.randn(m, k, device=DEVICE))
+                graph.replay()
+                want = F.linear(x.float(), w.float())
+                err = ((out.float() - want).norm() / want.norm()).item()
+                assert err < BOUND[torch.bfloat16], (m, n, k, err)
+    assert (ws.partials.data_ptr(), ws.counters.data_ptr()) == ptrs, "workspace grew in capture"
+    assert int(ws.counters.sum()) == 0
