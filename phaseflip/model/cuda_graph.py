@@ -104,11 +104,27 @@ class DecodeGraphs:
         hidden, _ = self.model(batch, self.pool, self.backend)
         return hidden
 
+    def _warm_linears(self) -> None:
+        """Compiles the skinny-GEMM variants the captured sizes use and sizes its split-K
+        workspace, which must not grow during a capture."""
+        if self.device.type != "cuda":
+            return
+        from phaseflip.kernels import linear as skinny
+
+        weights = [p for n, p in self.model.named_parameters()
+                   if p.dim() == 2 and "embed_tokens" not in n]
+        shapes = {(w.shape[0], w.shape[1]) for w in weights}
+        m_values = [b for b in self.sizes if b <= skinny.KERNEL_MAX_M
+                    and any(skinny.should_use_skinny(b, n, k) for n, k in shapes)]
+        if m_values:
+            skinny.warmup(shapes, weights[0].dtype, self.device, m_values=m_values)
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Captures every size (largest first). The static buffers hold a valid padding batch
         (every sequence one token over slot 0) for the warm-up runs that compile kernels."""
         self.model.rope.ensure_capacity(self.max_context)
+        self._warm_linears()
         if not self.record:
             for bs in self.sizes:
                 batch = self._static_batch(bs)

@@ -44,6 +44,19 @@ def use_fused_kernels(x: torch.Tensor) -> bool:
     return HAS_TRITON and x.is_cuda
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """`F.linear`, or on CUDA for the few rows of a small decode batch the skinny-GEMM kernel,
+    which streams the weight at close to HBM bandwidth where cuBLAS' GEMM tiles do not
+    (`kernels/linear.py`; the row cut-over is measured per shape)."""
+    if use_fused_kernels(x) and x.dim() == 2:
+        from phaseflip.kernels import linear as skinny
+
+        if skinny.should_use_skinny(x.shape[0], weight.shape[0], weight.shape[1]):
+            return skinny.skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def _dense_rows(*ts: torch.Tensor) -> bool:
     """The fused kernels' layout: 1-3 dims, unit last stride (rows themselves may be strided)."""
     return all(1 <= t.dim() <= 3 and t.stride(-1) == 1 for t in ts)
@@ -108,7 +121,7 @@ class ColumnParallelLinear(nn.Module):
         default_weight_loader(param, loaded.narrow(0, self.out_start, self.out_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(nn.Module):
@@ -138,7 +151,7 @@ class MergedColumnParallelLinear(nn.Module):
         dst.copy_(src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(nn.Module):
@@ -188,7 +201,7 @@ class QKVParallelLinear(nn.Module):
         dst.copy_(src)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = F.linear(x, self.weight, self.bias)
+        qkv = linear(x, self.weight, self.bias)
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
@@ -210,7 +223,7 @@ class RowParallelLinear(nn.Module):
         default_weight_loader(param, loaded.narrow(1, self.in_start, self.in_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.layout.tp_comm.all_reduce(F.linear(x, self.weight))
+        y = self.layout.tp_comm.all_reduce(linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
 
@@ -251,7 +264,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     and cut back to the true vocabulary size."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight).float()
+        local = linear(hidden, self.weight).float()
         full = self.layout.tp_comm.all_gather_last_dim(local)
         return full[:, : self.vocab_size]
 
