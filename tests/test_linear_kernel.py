@@ -242,11 +242,11 @@ def test_gpu_heuristics_are_valid_launch_shapes():
 
 
 def test_should_use_skinny_and_shape_overrides(monkeypatch):
-    assert linear.should_use_skinny(1, 4096, 4096)
-    assert linear.should_use_skinny(linear.SKINNY_MAX_M, 4096, 4096)
-    assert not linear.should_use_skinny(linear.SKINNY_MAX_M + 1, 4096, 4096)
-    assert not linear.should_use_skinny(0, 4096, 4096)
-    assert not linear.should_use_skinny(1, 4096, 4100)  # rows not 16-byte aligned
+    assert linear.should_use_skinny(1, 6144, 4096)
+    assert linear.should_use_skinny(linear.SKINNY_MAX_M, 6144, 4096)
+    assert not linear.should_use_skinny(linear.SKINNY_MAX_M + 1, 6144, 4096)
+    assert not linear.should_use_skinny(0, 6144, 4096)
+    assert not linear.should_use_skinny(1, 6144, 4100)  # rows not 16-byte aligned
     monkeypatch.setitem(linear.MAX_M_BY_SHAPE, (4096, 4096), 4)
     assert linear.should_use_skinny(4, 4096, 4096) and not linear.should_use_skinny(5, 4096, 4096)
     assert linear.should_use_skinny(8, 6144, 4096) == (8 <= linear.SKINNY_MAX_M)
@@ -346,3 +346,11 @@ def test_gpu_warmup_then_graph_capture():
                 assert err < BOUND[torch.bfloat16], (m, n, k, err)
     assert (ws.partials.data_ptr(), ws.counters.data_ptr()) == ptrs, "workspace grew in capture"
     assert int(ws.counters.sum()) == 0
+
+
+def test_bundled_h200_table_loads(monkeypatch):
+    """The shipped tuned table parses into configs for every 8B decode linear at M = 1."""
+    table = linear.ConfigTable()
+    table.load(linear.BUNDLED_CONFIGS / "skinny_linear_nvidia_h200.json")
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
+        assert table.get(1, n, k, torch.bfloat16) is not None

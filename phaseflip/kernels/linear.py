@@ -50,14 +50,20 @@ import triton
 import triton.language as tl
 from triton.errors import TritonError
 
-# should_use_skinny's M cut-over (calibrate with benchmarks/linear_kernels.py; it prints the
-# largest M at which the kernel still beats cuBLAS for each shape).
-SKINNY_MAX_M = 16
+# should_use_skinny's M cut-over, from benchmarks/linear_kernels.py --tune on an H200 (the
+# largest M at which the tuned kernel still beats cuBLAS in a CUDA graph at every M below it):
+# qkv and down win at M <= 2 (1.05-1.21x), gate_up ties cuBLAS (1.03x at M = 1).
+SKINNY_MAX_M = 2
 # Largest M the kernel accepts at all (BLOCK_M = next power of two of M; beyond this the
 # register tiles stop making sense and cuBLAS wins anyway).
 KERNEL_MAX_M = 64
 # Per-(N, K) cut-overs measured on the target GPU override SKINNY_MAX_M; empty until measured.
-MAX_M_BY_SHAPE: dict[tuple[int, int], int] = {}
+MAX_M_BY_SHAPE: dict[tuple[int, int], int] = {
+    (4096, 4096): 32,  # Llama/Qwen3-8B o_proj: 1.07-1.23x up to M = 32
+    (128256, 4096): 32,  # Llama-3 lm_head: 1.02-1.04x up to M = 32
+}
+# Tuned tables shipped per GPU model (`load_bundled_configs`).
+BUNDLED_CONFIGS = Path(__file__).resolve().parent.parent / "assets" / "kernel_configs"
 
 # ----------------------------------------------------------------------------------------------
 # Kernel
@@ -388,6 +394,19 @@ class ConfigTable:
 
 
 TUNED = ConfigTable()
+
+
+def load_bundled_configs(device: torch.device) -> Path | None:
+    """Merges the tuned table shipped for this GPU model (e.g. skinny_linear_nvidia_h200.json)
+    into `TUNED`; returns its path, or None when none ships (the heuristic then decides)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower().replace(" ", "_").replace("-", "_")
+    path = BUNDLED_CONFIGS / f"skinny_linear_{name}.json"
+    if not path.exists():
+        return None
+    TUNED.load(path)
+    return path
 
 
 def pick_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device

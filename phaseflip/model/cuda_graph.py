@@ -111,6 +111,7 @@ class DecodeGraphs:
             return
         from phaseflip.kernels import linear as skinny
 
+        skinny.load_bundled_configs(self.device)
         weights = [p for n, p in self.model.named_parameters()
                    if p.dim() == 2 and "embed_tokens" not in n]
         shapes = {(w.shape[0], w.shape[1]) for w in weights}
