@@ -22,13 +22,11 @@ Contract, in ulps of the output dtype (`ulps` below: distance in representable v
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_interpreter import interpret_without_cuda
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+interpret_without_cuda()  # before triton is imported
 pytest.importorskip("triton")
 
 from phaseflip.kernels.activation import silu_and_mul  # noqa: E402
@@ -42,39 +40,6 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 EPS = 1e-6
-
-
-def _fix_interpreter() -> None:
-    """The Triton interpreter (3.6, still in 3.9) converts float32 -> bfloat16 by truncating the
-    mantissa (and its RTNE mode does not carry); the GPU rounds to nearest even, as torch does.
-    Patched for the interpreter only: exact bf16 <-> fp32 conversions on the raw bits."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = type(interpreter.interpreter_builder)
-    cast = builder.cast_impl
-    if getattr(cast, "_phaseflip_fixed", False):
-        return
-
-    def cast_impl(self, src, dst_type):
-        s, d = src.dtype.scalar, dst_type.scalar
-        if s == tl.float32 and d == tl.bfloat16:
-            u = src.data.astype(np.float32).view(np.uint32)
-            rne = ((u + np.uint32(0x7FFF) + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-            nan = ((u >> 16) | 0x40).astype(np.uint16)
-            return interpreter.TensorHandle(np.where(np.isnan(src.data), nan, rne), d)
-        if s == tl.bfloat16 and d == tl.float32:
-            data = (src.data.astype(np.uint32) << 16).view(np.float32)
-            return interpreter.TensorHandle(data, d)
-        return cast(self, src, dst_type)
-
-    cast_impl._phaseflip_fixed = True  # type: ignore[attr-defined]
-    builder.cast_impl = cast_impl
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _fix_interpreter()
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -15,65 +15,20 @@ alone costs ~2^-9 RMS; measured 1e-4 / 3e-3 on CPU).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_interpreter import interpret_without_cuda
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRETED = interpret_without_cuda()  # before triton is imported
 pytest.importorskip("triton")
 
 from phaseflip.kernels import linear  # noqa: E402
 from phaseflip.kernels.linear import SkinnyConfig, skinny_linear  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BOUND = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
-
-def _fix_interpreter() -> None:
-    """The interpreter gaps of tests/test_triton_attention.py, patched the same way (and marked
-    the same way, so whichever module loads first patches once).
-
-    1. `tensor.__index__` is `int(data)` on a 1-element array in Triton <= 3.6, an error since
-       NumPy 2.4, so a program-id-derived scalar cannot bound a `range`.
-    2. `tl.dot` on bfloat16 multiplies the raw uint16 storage; widen to float32 exactly.
-    """
-    import numpy as np
-    from triton.runtime import interpreter
-
-    patch = getattr(interpreter, "_patch_lang_tensor", None)
-    if patch is not None and not getattr(patch, "_phaseflip_fixed", False):
-
-        def patched(tensor, scope) -> None:
-            patch(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-        patched._phaseflip_fixed = True  # type: ignore[attr-defined]
-        interpreter._patch_lang_tensor = patched
-
-    builder = type(interpreter.interpreter_builder)
-    dot = builder.create_dot
-    if not getattr(dot, "_phaseflip_fixed", False):
-        import triton.language as tl
-
-        def widen(h):
-            if h.dtype == tl.bfloat16:
-                data = (h.data.astype(np.uint32) << 16).view(np.float32)
-                return interpreter.TensorHandle(data, tl.float32)
-            return h
-
-        def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-            return dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-        create_dot._phaseflip_fixed = True  # type: ignore[attr-defined]
-        builder.create_dot = create_dot
-
-
-if INTERPRETED:
-    _fix_interpreter()
 
 # Pinned interpreter configs (on CUDA the same small shapes are valid launch shapes too), one
 # per inner loop with and without split-K.

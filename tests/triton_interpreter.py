@@ -13,26 +13,39 @@ import torch
 
 
 def interpret_without_cuda() -> bool:
-    """Switches Triton to its interpreter when CUDA is absent; returns whether it did."""
-    if torch.cuda.is_available():
+    """Switches Triton to its interpreter when CUDA is absent (unless `TRITON_INTERPRET` is
+    already set) and, whenever `TRITON_INTERPRET=1`, patches its gaps; returns whether the
+    interpreter is in use."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ.get("TRITON_INTERPRET") != "1":
         return False
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    if os.environ["TRITON_INTERPRET"] == "1":
-        _fix_interpreter()
+    _fix_interpreter()
     return True
 
 
 def _fix_interpreter() -> None:
-    """Two Triton-interpreter gaps our kernels hit, patched for the interpreter only.
+    """The Triton-interpreter gaps our kernels hit, patched for the interpreter only.
+
+    Each patch marks what it installs (`_phaseflip_fixed`), so calling this again is a no-op;
+    nothing is patched when triton is not installed (the tests then skip).
 
     1. `tensor.__index__` is `int(data)` on a 1-element 1-d array in Triton <= 3.6, an error
-       since NumPy 2.4, so a loaded scalar cannot bound a `range`; later Triton squeezes first.
+       since NumPy 2.4, so a loaded or program-id-derived scalar cannot bound a `range`; later
+       Triton squeezes first.
     2. `tl.dot` on bfloat16 multiplies the raw uint16 storage (still so in 3.9); widen
        bfloat16 operands to float32 exactly (bits << 16), which is what the GPU's bf16 MMA with
        fp32 accumulation computes.
+    3. float32 -> bfloat16 casts truncate the mantissa (3.6, still in 3.9; its RTNE mode does
+       not carry), where the GPU rounds to nearest even, as torch does; cast on the raw bits
+       instead (round to nearest even, NaN kept quiet), and bfloat16 -> float32 exactly.
     """
-    import numpy as np
-    from triton.runtime import interpreter
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
 
     patch = getattr(interpreter, "_patch_lang_tensor", None)
     if patch is not None and not getattr(patch, "_phaseflip_fixed", False):
@@ -45,14 +58,16 @@ def _fix_interpreter() -> None:
         interpreter._patch_lang_tensor = patched
 
     builder = type(interpreter.interpreter_builder)
+
+    def bf16_to_fp32(data):
+        return (data.astype(np.uint32) << 16).view(np.float32)
+
     dot = builder.create_dot
     if not getattr(dot, "_phaseflip_fixed", False):
-        import triton.language as tl
 
         def widen(h):
             if h.dtype == tl.bfloat16:
-                data = (h.data.astype(np.uint32) << 16).view(np.float32)
-                return interpreter.TensorHandle(data, tl.float32)
+                return interpreter.TensorHandle(bf16_to_fp32(h.data), tl.float32)
             return h
 
         def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
@@ -60,3 +75,20 @@ def _fix_interpreter() -> None:
 
         create_dot._phaseflip_fixed = True  # type: ignore[attr-defined]
         builder.create_dot = create_dot
+
+    cast = builder.cast_impl
+    if not getattr(cast, "_phaseflip_fixed", False):
+
+        def cast_impl(self, src, dst_type):
+            s, d = src.dtype.scalar, dst_type.scalar
+            if s == tl.float32 and d == tl.bfloat16:
+                u = src.data.astype(np.float32).view(np.uint32)
+                rne = ((u + np.uint32(0x7FFF) + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+                nan = ((u >> 16) | 0x40).astype(np.uint16)
+                return interpreter.TensorHandle(np.where(np.isnan(src.data), nan, rne), d)
+            if s == tl.bfloat16 and d == tl.float32:
+                return interpreter.TensorHandle(bf16_to_fp32(src.data), d)
+            return cast(self, src, dst_type)
+
+        cast_impl._phaseflip_fixed = True  # type: ignore[attr-defined]
+        builder.cast_impl = cast_impl
