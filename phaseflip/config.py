@@ -65,6 +65,9 @@ class EngineConfig:
     hicache_write_policy: str = "write_through"
     """write_through (store pages as soon as they are computed) or write_back (store them
     when the device cache evicts them)."""
+    hicache_disk_queue_pages: int = 64
+    """Most pages waiting for the disk writer thread; a page stored while the queue is full
+    skips the disk tier (counted as disk_writes_dropped) instead of stalling the engine."""
     tp_size: int = 1
     """Tensor-parallel ranks (each holds a slice of every layer)."""
     pp_size: int = 1
@@ -123,6 +126,8 @@ class EngineConfig:
             raise bad("hicache_host_gb", "must be > 0 with --enable-hicache")
         if self.enable_hicache and not self.enable_prefix_cache:
             raise bad("enable_hicache", "needs the prefix cache (drop --no-enable-prefix-cache)")
+        if self.hicache_disk_queue_pages < 1:
+            raise bad("hicache_disk_queue_pages", "must be >= 1")
         if self.enable_hicache and self.world_size > 1:
             raise bad("enable_hicache", "is single-rank for now (pages are written whole); "
                       "use --tp-size 1 --pp-size 1 or turn HiCache off")

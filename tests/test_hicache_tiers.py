@@ -13,14 +13,17 @@ import pytest
 import torch
 
 from phaseflip.cache.hicache import (
+    CorruptPageError,
     DiskPageStore,
     HostPagePool,
     PageStore,
     decode_page,
     encode_page,
     model_fingerprint,
+    page_header,
     page_keys,
     parse_header,
+    payload_tensor,
     slice_offsets,
 )
 
@@ -82,12 +85,23 @@ def test_host_pool_tensor_put_and_acquire() -> None:
     k, v = kv(7)
     assert pool.put(KEYS[0], (k, v))
     view = pool.acquire(KEYS[0])
-    assert view is not None and bytes(view) == page(7)
-    k2, v2 = decode_page(view, FP)
+    # the host tier holds the page unsealed: same header fields and payload, no checksums
+    sealed = page(7)
+    geo = parse_header(sealed, FP)
+    assert view is not None and len(view) == len(sealed)
+    assert bytes(view[geo.payload_offset :]) == sealed[geo.payload_offset :]
+    with pytest.raises(CorruptPageError, match="unsealed"):
+        parse_header(view, FP)
+    payload = payload_tensor(torch.frombuffer(bytearray(view), dtype=torch.uint8), geo)
+    assert torch.equal(payload[:, 0], k) and torch.equal(payload[:, 1], v)
+    # sealing the frame's payload gives exactly the disk encoding
+    assert page_header(geo, FP, view[geo.payload_offset :]) == sealed[: geo.payload_offset]
+    k2, v2 = decode_page(sealed, FP)
     assert torch.equal(k2, k) and torch.equal(v2, v)
+    unsealed = bytes(view)
     assert pool.put(KEYS[1], page(1)) and pool.put(KEYS[2], page(2))  # evicts KEYS[1], not 0
     assert evicted == [(KEYS[1], page(1))]  # write-back hook sees the bytes before reuse
-    assert bytes(view) == page(7)  # the acquired frame was not reused
+    assert bytes(view) == unsealed  # the acquired frame was not reused
     pool.unpin(KEYS[0])
     frame = pool.frame_tensor(KEYS[2])
     assert frame is not None and frame.numpy().tobytes() == page(2)

@@ -1,54 +1,110 @@
-"""The HiCache controller: device prefixes written through to host (and disk) pages, and read
-back into the device prefix tree on admission instead of being recomputed.
+"""The HiCache controller: the one decider of every KV page transfer between device, host, disk.
 
 Pages are `hicache_page_size` consecutive tokens of a sequence, keyed by a hash chain of their
-token ids salted with the model fingerprint, stored in the canonical layout-free format
-(`cache/hicache/page.py`). Write-through happens when the scheduler publishes computed KV to
-the radix tree; read-through happens just before admission: every page of the request's
-prompt that follows its device-cached prefix and exists in a tier is loaded into fresh device
-slots and inserted into the tree, so admission matches it like any cached prefix and the
-request is priced by its uncached tokens only.
+token ids salted with the model fingerprint, in the canonical layout-free format
+(`cache/hicache/page.py`). The controller runs on the driver only; it decides which page is
+stored into which host frame and which slots a page is loaded into, and sends those decisions
+as `TransferOrders` through a channel: executed at once on the local `KVTransferEngine` (one
+process), or riding the next plan broadcast to every rank (TP/PP), each rank copying its slice.
+Nothing here waits for a copy except `quiesce` (called only when there is nothing else to do).
 
-Transfers are synchronous in this version (the loop waits for them); see docs/architecture.md.
+Stores. Write-through: prefixes published to the radix tree become store orders in the same
+step. Write-back: pages are stored when the device would lose them: a cleaner stores the least
+recently used unlocked leaves while free slots run low; a dirty page the cleaner missed is
+copied synchronously at eviction (`sync_writebacks` counts that fallback). Either way the
+source slots are read by an asynchronous copy, so the tree node holding them stays LOCKED (a
+lock reference) until the copy is done on every rank, which the controller polls each step; the
+target frames stay reserved in the host pool (invisible, not evictable) until then. A done page
+is committed to the host tier and queued for the disk thread (a full queue drops the disk copy).
+
+Loads (read-through as prefetch). When a waiting request is considered for admission, the
+pages that follow its device-cached prefix and exist in a tier start their way: disk pages are
+promoted into host frames on the disk thread, then every page is copied host->device into fresh
+slots. The request is skipped (others are admitted) until its pages are *visible*; they are then
+inserted into the radix tree, so admission matches them like any cached prefix and the request
+is priced by its uncached tokens only. Slots of a load in flight are held by its `_LoadJob`
+(`in_flight_slots`): allocated, neither free nor in the tree nor any request's; they join the
+tree when visible. The scheduler quiesces the controller before it reports idle, so the pool
+accounting checked at idle (`total = free + evictable + locked`) never sees such slots.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
-from dataclasses import dataclass
+import math
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from phaseflip.cache.hicache import (
-    CorruptPageError,
     DiskPageStore,
+    HostFrames,
     HostPagePool,
-    PageGeometry,
-    decode_page,
-    gather_page,
+    KVTransferEngine,
+    RankSlice,
+    TransferOrders,
     model_fingerprint,
+    page_header,
     page_keys,
-    scatter_page,
 )
-from phaseflip.cache.kv_pool import KVPool
+from phaseflip.cache.hicache.disk_io import DiskIO
+from phaseflip.cache.hicache.frames import host_capacity_pages, page_geometry
+from phaseflip.cache.hicache.transfer import LocalChannel, TransferChannel
 from phaseflip.config import EngineConfig
 from phaseflip.model.config import ModelConfig
 from phaseflip.scheduler.kv_cache import KVCacheManager
+from phaseflip.scheduler.request import Req
 
 log = logging.getLogger("phaseflip.hicache")
+
+PROMOTING, COPYING, LOADED = "promoting", "copying", "loaded"
 
 
 @dataclass
 class HiCacheStats:
-    pages_written: int = 0
-    bytes_written: int = 0
-    host_hit_tokens: int = 0
-    disk_hit_tokens: int = 0
-    miss_pages: int = 0
-    corrupt_pages: int = 0
-    bytes_loaded: int = 0
+    pages_written: int = 0  # pages stored device -> host tier (copy done)
+    bytes_written: int = 0  # bytes written to the disk tier
+    host_hit_tokens: int = 0  # prompt tokens loaded from pages found in the host tier
+    disk_hit_tokens: int = 0  # prompt tokens loaded from pages promoted from the disk tier
+    miss_pages: int = 0  # admitted requests whose cached prefix stopped at a page no tier has
+    corrupt_pages: int = 0  # disk pages found corrupt (deleted, served as misses)
+    bytes_loaded: int = 0  # host -> device
+    bytes_stored: int = 0  # device -> host
+    host_evictions: int = 0
+    disk_evictions: int = 0
+    disk_writes_dropped: int = 0  # disk copies skipped because the write queue was full
+    sync_writebacks: int = 0  # write-back pages copied synchronously at eviction
+    stores_in_flight: int = 0  # pages being copied device -> host now
+    loads_in_flight: int = 0  # pages being promoted or copied host -> device now
+
+
+@dataclass(eq=False)
+class _StoreJob:
+    keys: list[bytes]
+    frames: list[int]
+    node: Any  # the locked tree node whose path holds the source slots (None: no lock)
+    ticket: object
+
+
+@dataclass(eq=False)
+class _LoadJob:
+    tokens: list[int]  # the prompt prefix, up to the last page to load
+    start: int  # first token of the first loaded page (page aligned)
+    keys: list[bytes]  # pages to load, consecutive from `start`
+    base: Any  # locked node ending at `start`: the prefix the pages extend
+    spare_tokens: int  # slots the scheduler keeps for running requests
+    from_disk: set[bytes] = field(default_factory=set)
+    state: str = PROMOTING
+    frames: list[int] = field(default_factory=list)  # pinned host frames while copying
+    slots: torch.Tensor | None = None  # the in-flight slots (held by this job until inserted)
+    ticket: object = None
+    hold: Any = None  # locked node after insertion, until the request's admission step ends
 
 
 def weights_id(model_dir: str, load_format: str, seed: int) -> bytes:
@@ -70,116 +126,399 @@ def weights_id(model_dir: str, load_format: str, seed: int) -> bytes:
 
 class HiCache:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, kv: KVCacheManager,
-                 pool: KVPool) -> None:
-        self.kv, self.pool = kv, pool
+                 runner: Any) -> None:
+        """`runner`: a ModelRunner (one process: a local transfer engine over its pool) or a
+        DistributedRunner (its `hicache_channel` carries orders to the ranks and its shared
+        `hicache_frames` are the host tier's memory)."""
+        self.kv, self.tree = kv, kv.tree
         self.page_size = cfg.hicache_page_size
         raw = {k: v for k, v in vars(model_cfg).items() if k not in ("model_dir",
                                                                      "generation_defaults")}
         self.fingerprint = model_fingerprint(
-            {k: str(v) for k, v in raw.items()}, pool.dtype,
+            {k: str(v) for k, v in raw.items()}, runner.dtype,
             weights_id=weights_id(model_cfg.model_dir, cfg.load_format, cfg.seed))
-        geo = PageGeometry(pool.dtype, self.page_size, model_cfg.num_layers,
-                           model_cfg.num_kv_heads, model_cfg.head_dim)
-        pages = max(1, int(cfg.hicache_host_gb * 2**30 // geo.total_size))
-        self.host = HostPagePool(pages, geo.total_size, fingerprint=self.fingerprint)
+        self.geometry = geo = page_geometry(model_cfg.num_layers, model_cfg.num_kv_heads,
+                                            model_cfg.head_dim, runner.dtype, self.page_size)
+        channel: TransferChannel | None = getattr(runner, "hicache_channel", None)
+        if channel is None:
+            frames = HostFrames.private(host_capacity_pages(cfg.hicache_host_gb * 2**30, geo),
+                                        geo.total_size)
+            part = RankSlice(range(model_cfg.num_layers), range(model_cfg.num_kv_heads))
+            channel = LocalChannel(KVTransferEngine(runner.pool, frames, geo, part,
+                                                    runner.device))
+        else:
+            frames = runner.hicache_frames
+            channel.before_shutdown.append(self.close)  # type: ignore[attr-defined]
+        self.channel = channel
+        self.host = HostPagePool(frames.capacity, geo.total_size, fingerprint=self.fingerprint,
+                                 frames=frames)
         self.disk = (DiskPageStore(cfg.hicache_dir, self.fingerprint,
                                    int(cfg.hicache_disk_gb * 2**30))
                      if cfg.hicache_dir else None)
-        self.stats = HiCacheStats()
+        self.io = (DiskIO(self.disk, self.host, geo, cfg.hicache_disk_queue_pages)
+                   if self.disk is not None else None)
+        self._header = torch.frombuffer(bytearray(page_header(geo, self.fingerprint)),
+                                        dtype=torch.uint8)
+        self._stats = HiCacheStats()
+        self._stats_lock = threading.Lock()
+        self._published: list[list[int]] = []
+        self._stores: list[_StoreJob] = []
+        self._storing: set[bytes] = set()
+        self._loads: list[_LoadJob] = []
+        self._load_of: dict[str, _LoadJob] = {}  # request id -> its load in progress
+        self._loading: dict[bytes, _LoadJob] = {}  # first page key -> load (one load per page)
+        self._promoting: dict[bytes, Future[bool]] = {}
+        self._missed: set[str] = set()  # waiting requests whose prefix stopped at a miss
+        self._clean_ids: set[int] = set()  # tree nodes whose pages are all in the host tier
+        self.write_back = cfg.hicache_write_policy == "write_back"
+        if self.write_back:
+            self.tree.on_evict = self._evicting
+            total = kv.allocator.total_slots
+            self.clean_below_slots = max(2 * self.page_size, total // 8)
+        else:
+            kv.on_publish = self._publish
+        self.closed = False
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def stats(self) -> HiCacheStats:
+        """A snapshot: the controller's counters with the tiers' own."""
+        with self._stats_lock:
+            s = dataclasses.replace(self._stats)
+        s.host_evictions = self.host.stats.evictions
+        if self.disk is not None and self.io is not None:
+            d = self.disk.stats
+            s.bytes_written, s.corrupt_pages, s.disk_evictions = (d.bytes_written, d.corrupt,
+                                                                  d.evictions)
+            s.disk_writes_dropped = self.io.writes_dropped
+        s.stores_in_flight = sum(len(j.keys) for j in self._stores)
+        s.loads_in_flight = sum(len(j.keys) for j in self._loads if j.state != LOADED)
+        return s
+
+    @property
+    def in_flight_slots(self) -> int:
+        """Device slots held by loads not yet in the tree (outside the pool's four classes)."""
+        return sum(int(j.slots.numel()) for j in self._loads
+                   if j.state == COPYING and j.slots is not None)
+
+    @property
+    def busy(self) -> bool:
+        """Anything dispatched or queued that is not done (disk writes excepted: they need no
+        device slot and no scheduler step)."""
+        return bool(self._published or self._stores or self._promoting
+                    or any(j.state != LOADED or j.frames for j in self._loads))
 
     def _keys(self, token_ids: list[int]) -> list[bytes]:
         return page_keys(token_ids, self.page_size, self.fingerprint)
 
-    # ------------------------------------------------------------------ write-through
-    def store(self, token_ids: list[int], slots: torch.Tensor) -> None:
-        """Writes every full page of `token_ids` (whose KV sits at `slots`) that no tier has."""
-        for i, key in enumerate(self._keys(token_ids)):
-            if self.host.contains(key):
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for name, d in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + d)
+
+    # ------------------------------------------------------------------ step hooks
+    def begin_step(self) -> None:
+        """Retire finished transfers and move every job on (called first in each schedule)."""
+        self.poll()
+        if self.write_back:
+            self._clean()
+
+    def end_step(self) -> None:
+        """Loaded pages lose their hold once the step that could admit their request is over
+        (then they are ordinary cached prefixes); finished jobs are dropped."""
+        for job in list(self._loads):
+            if job.state != LOADED:
                 continue
-            page_slots = slots[i * self.page_size : (i + 1) * self.page_size].to(
-                self.pool.k[0].device)
-            k, v = gather_page(self.pool.k, self.pool.v, page_slots)
-            if not self.host.put(key, (k, v)):
-                return  # every frame pinned: skip, the tree still has the KV
-            self.stats.pages_written += 1
-            if self.disk is not None and not self.disk.contains(key):
-                view = self.host.acquire(key)
-                try:
-                    if self.disk.put(key, view):
-                        self.stats.bytes_written += len(view)
-                finally:
-                    self.host.unpin(key)
+            if job.hold is not None:
+                self.tree.dec_lock_ref(job.hold)
+                job.hold = None
+            if not job.frames:
+                self._drop_load(job)
 
-    # ------------------------------------------------------------------ read-through
-    def load_prefix(self, token_ids: list[int]) -> int:
-        """Loads the pages of `token_ids` that follow its device-cached prefix from the host or
-        disk tier into the device prefix tree. Returns the tokens loaded."""
-        tree = self.kv.tree
-        match = tree.match_prefix(token_ids)
-        first = int(match.slots.numel()) // self.page_size
-        keys = self._keys(token_ids)
-        loaded, node = 0, match.last_node
-        tree.inc_lock_ref(node)  # what is matched or loaded so far must survive _make_room
-        try:
-            for i in range(first, len(keys)):
-                if not self._load_page(token_ids, i, keys[i]):
-                    break
-                loaded += self.page_size
-                new = tree.match_prefix(token_ids[: (i + 1) * self.page_size]).last_node
-                tree.inc_lock_ref(new)
-                tree.dec_lock_ref(node)
-                node = new
-        finally:
-            tree.dec_lock_ref(node)
-        return loaded
+    def poll(self) -> None:
+        for key, fut in list(self._promoting.items()):
+            if fut.done():
+                del self._promoting[key]
+                fut.result()  # an I/O thread crash is an error, not a miss
+        for job in list(self._stores):
+            if self.channel.done(job.ticket):
+                self._finish_store(job)
+        for load in list(self._loads):
+            self._advance(load)
+        self.publish_pending()
 
-    def _load_page(self, token_ids: list[int], i: int, key: bytes) -> bool:
-        page = self._fetch(key)
-        if page is None:
-            self.stats.miss_pages += 1
+    def quiesce(self) -> None:
+        """Wait until nothing is in flight: promotions, copies on every rank, holds aside.
+        Only for when the scheduler has nothing else to run (or a fence)."""
+        for _ in range(4):  # each round moves every job at least one state on
+            if not self.busy:
+                return
+            for fut in list(self._promoting.values()):
+                fut.exception()  # waits
+            self.poll()
+            self.channel.fence()
+            self.poll()
+        if self.busy:
+            raise RuntimeError(f"HiCache could not quiesce: {self.stats}")
+
+    def flush(self) -> None:
+        """Quiesce, then wait for queued disk writes: an idle tier state that survives a restart."""
+        self.quiesce()
+        if self.io is not None:
+            self.io.flush()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.io is not None:
+            self.io.close()
+        self.channel.close()
+
+    # ------------------------------------------------------------------ stores
+    def _publish(self, token_ids: list[int], slots: torch.Tensor) -> None:
+        """KVCacheManager.on_publish: called BEFORE the tree takes the prefix, so the pages are
+        stored (from the tree's own slots, under a lock) by `publish_pending`, right after."""
+        if len(token_ids) >= self.page_size:
+            self._published.append(token_ids)
+
+    def publish_pending(self) -> None:
+        """Store orders for every prefix published since the last call (write-through)."""
+        pending, self._published = self._published, []
+        for tokens in pending:
+            n = len(tokens) - len(tokens) % self.page_size
+            keys = self._keys(tokens[:n])
+            if all(k in self._storing or self.host.contains(k) for k in keys):
+                continue
+            match = self.tree.match_prefix(tokens[:n])
+            m = int(match.slots.numel()) // self.page_size * self.page_size
+            if m == 0:
+                continue  # evicted already: nothing to read the pages from
+            node = match.last_node
+            if m < match.slots.numel():
+                node = self.tree.match_prefix(tokens[:m]).last_node
+            self._store(keys[: m // self.page_size], match.slots[:m], node)
+
+    def _store(self, keys: list[bytes], slots: torch.Tensor, node: Any) -> _StoreJob | None:
+        """Dispatch the copies of the pages among `keys` (at `slots`) that no tier holds,
+        locking `node` (whose path holds `slots`) until they are done."""
+        hp = self.page_size
+        todo = [i for i, k in enumerate(keys) if k not in self._storing
+                and not self.host.contains(k)]
+        frames: list[int] = []
+        for _ in todo:
+            frame = self.host.reserve()
+            if frame is None:
+                break  # every frame pinned or in flight: skip, the device still has the KV
+            frames.append(frame)
+        todo = todo[: len(frames)]
+        if not todo:
+            return None
+        off = self.geometry.payload_offset
+        for frame in frames:
+            self.host.frame(frame, off).copy_(self._header)  # unsealed header: driver-side
+        orders = TransferOrders(store_frames=frames,
+                                store_slots=[slots[i * hp : (i + 1) * hp] for i in todo])
+        if node is not None:
+            self.tree.inc_lock_ref(node)
+        job = _StoreJob([keys[i] for i in todo], frames, node, self.channel.dispatch(orders))
+        self._storing.update(job.keys)
+        self._stores.append(job)
+        return job
+
+    def _finish_store(self, job: _StoreJob) -> None:
+        self._stores.remove(job)
+        self._storing.difference_update(job.keys)
+        if job.node is not None:
+            self.tree.dec_lock_ref(job.node)
+        stored = 0
+        for key, frame in zip(job.keys, job.frames):
+            if self.host.commit(key, frame):
+                stored += 1
+                if self.io is not None and not self.disk.contains(key):
+                    self.io.write(key)
+        self._count(pages_written=stored,
+                    bytes_stored=len(job.keys) * self.geometry.payload_len)
+
+    def _evicting(self, token_ids: list[int], slots: torch.Tensor) -> None:
+        """RadixCache.on_evict (write-back): the node's slots are freed right after this call,
+        so a dirty page the cleaner did not reach is copied synchronously here."""
+        n = len(token_ids) - len(token_ids) % self.page_size
+        keys = self._keys(token_ids[:n])
+        job = self._store(keys, slots[:n], None)
+        if job is None:
+            return
+        self.channel.fence()
+        self._finish_store(job)
+        self._count(sync_writebacks=len(job.keys))
+
+    def _clean(self) -> None:
+        """Write-back cleaner: while free slots run low, store the least recently used unlocked
+        leaves (locked until their copies are done) so eviction finds them clean."""
+        free = self.kv.allocator.free_slots
+        if free >= self.clean_below_slots or not self.tree.evictable_size():
+            return
+        budget = math.ceil((self.clean_below_slots - free) / self.page_size)
+        for leaf in sorted(_unlocked_leaves(self.tree.root), key=lambda n: n.last_access):
+            if budget <= 0:
+                return
+            if leaf.node_id in self._clean_ids:
+                continue
+            tokens, slots = self.tree.path_of(leaf)
+            n = len(tokens) - len(tokens) % self.page_size
+            keys = self._keys(tokens[:n])
+            job = self._store(keys, slots[:n], leaf)  # whole leaves: eviction takes them whole
+            if job is None:
+                if all(self.host.contains(k) for k in keys):
+                    self._clean_ids.add(leaf.node_id)
+                continue
+            budget -= len(job.keys)
+        if len(self._clean_ids) > 1 << 16:
+            self._clean_ids.clear()
+
+    # ------------------------------------------------------------------ loads
+    def prefetch(self, req: Req, tokens: list[int], spare_tokens: int) -> bool:
+        """True when `req` may be admitted now (nothing to load, or its pages are visible in
+        the tree). False while its pages are on their way: admit other requests meanwhile.
+        `spare_tokens`: slots a load must leave to the running requests."""
+        job = self._load_of.get(req.rid)
+        if job is not None:
+            return job.state == LOADED
+        hp = self.page_size
+        first = int(self.tree.match_prefix(tokens).slots.numel()) // hp
+        if first >= len(tokens) // hp:
+            return True  # every full page is on the device already: nothing to hash or load
+        keys = self._keys(tokens)
+        if keys[first] in self._loading:
+            return False  # another request is loading these very pages: wait for them
+        job = _LoadJob(tokens=[], start=first * hp, keys=[], base=None, spare_tokens=spare_tokens)
+        for key in keys[first:]:
+            if not self._available(key, job):
+                self._missed.add(req.rid)  # counted once, when the request is admitted
+                break
+            job.keys.append(key)
+        if not job.keys:
+            return True
+        job.tokens = tokens[: job.start + len(job.keys) * hp]
+        job.base = self.tree.match_prefix(tokens[: job.start]).last_node
+        self.tree.inc_lock_ref(job.base)
+        self._loads.append(job)
+        self._load_of[req.rid] = job
+        self._loading[job.keys[0]] = job
+        self._advance(job)
+        return job.state == LOADED
+
+    def admitted(self, req: Req) -> None:
+        """`req` now locks its prefix itself: its load's hold is no longer needed."""
+        if req.rid in self._missed:
+            self._missed.discard(req.rid)
+            self._count(miss_pages=1)
+        job = self._load_of.pop(req.rid, None)
+        if job is not None and job.hold is not None:
+            self.tree.dec_lock_ref(job.hold)
+            job.hold = None
+
+    def forget(self, req: Req) -> None:
+        """`req` left the queue; its load (if any) still completes into the tree."""
+        self._load_of.pop(req.rid, None)
+        self._missed.discard(req.rid)
+
+    def _available(self, key: bytes, job: _LoadJob) -> bool:
+        if self.host.contains(key):
+            return True
+        if key in self._promoting:
+            job.from_disk.add(key)
+            return True
+        if self.io is None or not self.disk.contains(key):
             return False
-        try:
-            k, v = decode_page(page, self.fingerprint)
-        except CorruptPageError as e:
-            log.warning("HiCache page %s unusable (%s); treated as a miss", key.hex(), e)
-            self.stats.corrupt_pages += 1
-            self.host.delete(key)
+        fut = self.io.promote(key)
+        if fut is None:
             return False
-        if not self._make_room():
-            return False
-        slots = self.kv.allocator.alloc_slots(self.page_size // self.kv.page_size)
-        dev = self.pool.k[0].device
-        scatter_page(k.to(dev), v.to(dev), self.pool.k, self.pool.v, slots.to(dev))
-        start = i * self.page_size
-        tree = self.kv.tree
-        prefix = tree.match_prefix(token_ids[:start]).slots
-        if prefix.numel() != start:
-            raise RuntimeError(f"HiCache: locked prefix shrank to {prefix.numel()} < {start}")
-        dup = tree.insert(token_ids[: start + self.page_size], torch.cat([prefix, slots]))
-        if dup > start:  # part of the page was already on the device
-            self.kv.allocator.free(slots[: dup - start])
-        self.stats.bytes_loaded += len(page)
+        self._promoting[key] = fut
+        job.from_disk.add(key)
         return True
 
-    def _make_room(self) -> bool:
-        short = self.page_size - self.kv.allocator.free_slots
-        if short > 0:
-            self.kv.tree.evict(short)
-        return self.kv.allocator.free_slots >= self.page_size
-
-    def _fetch(self, key: bytes) -> bytes | None:
-        view = self.host.acquire(key)
-        if view is not None:
-            try:
-                data = bytes(view)
-            finally:
+    def _advance(self, job: _LoadJob) -> None:
+        if job.state == PROMOTING:
+            if any(k in self._promoting for k in job.keys):
+                return
+            self._start_copy(job)
+        if job.state == COPYING and self.channel.visible(job.ticket):
+            self._insert(job)
+        if job.frames and job.ticket is not None and self.channel.done(job.ticket):
+            for key in job.keys:
                 self.host.unpin(key)
-            self.stats.host_hit_tokens += self.page_size
-            return data
-        if self.disk is None:
-            return None
-        data = self.disk.get(key)
-        if data is not None:
-            self.stats.disk_hit_tokens += self.page_size
-            self.host.put(key, data)  # promote: the next reader finds it in memory
-        return data
+            job.frames = []
+
+    def _start_copy(self, job: _LoadJob) -> None:
+        """Pin the pages' frames, allocate their slots, dispatch the host->device copies."""
+        hp = self.page_size
+        for key in job.keys:
+            frame = self.host.acquire_frame(key)
+            if frame is None:  # a failed promotion, or evicted meanwhile: load up to here
+                break
+            job.frames.append(frame)
+        alloc = self.kv.allocator
+        room = alloc.free_slots + self.tree.evictable_size() - job.spare_tokens
+        n = min(len(job.frames), max(0, room) // hp)
+        for key in job.keys[n : len(job.frames)]:
+            self.host.unpin(key)
+        job.keys, job.frames = job.keys[:n], job.frames[:n]
+        if n and alloc.free_slots < n * hp:
+            self.tree.evict(n * hp - alloc.free_slots)
+        slots = alloc.alloc_slots(n * hp // self.kv.page_size) if n else None
+        if slots is None:
+            for key in job.keys:
+                self.host.unpin(key)
+            job.keys, job.frames = [], []
+            self._finish_load(job)
+            return
+        job.slots = slots
+        job.state = COPYING
+        orders = TransferOrders(load_frames=list(job.frames), load_slots=list(slots.split(hp)))
+        job.ticket = self.channel.dispatch(orders)
+
+    def _insert(self, job: _LoadJob) -> None:
+        """The loaded pages join the tree under their (locked) prefix; `job.slots` now belong
+        to the tree, except duplicates of pages another request published meanwhile."""
+        hp, start, tree = self.page_size, job.start, self.tree
+        end = start + len(job.keys) * hp
+        prefix = tree.match_prefix(job.tokens[:start]).slots
+        if prefix.numel() != start:
+            raise RuntimeError(f"HiCache: locked prefix shrank to {prefix.numel()} < {start}")
+        dup = tree.insert(job.tokens[:end], torch.cat([prefix, job.slots]))
+        if dup > start:
+            self.kv.allocator.free(job.slots[: dup - start])
+        job.hold = tree.match_prefix(job.tokens[:end]).last_node
+        tree.inc_lock_ref(job.hold)
+        disk = sum(hp for k in job.keys if k in job.from_disk)
+        self._count(host_hit_tokens=end - start - disk, disk_hit_tokens=disk,
+                    bytes_loaded=len(job.keys) * self.geometry.payload_len)
+        self._finish_load(job)
+
+    def _finish_load(self, job: _LoadJob) -> None:
+        if job.base is not None:
+            self.tree.dec_lock_ref(job.base)
+            job.base = None
+        job.state = LOADED
+        job.slots = None
+        for key in list(self._loading):
+            if self._loading[key] is job:
+                del self._loading[key]
+
+    def _drop_load(self, job: _LoadJob) -> None:
+        self._loads.remove(job)
+        for rid in [r for r, j in self._load_of.items() if j is job]:
+            del self._load_of[rid]
+
+
+def _unlocked_leaves(root: Any) -> list[Any]:
+    """Unlocked leaves of the radix tree (what its eviction would take first)."""
+    out, stack = [], list(root.children.values())
+    while stack:
+        node = stack.pop()
+        if node.children:
+            stack.extend(node.children.values())
+        elif node.lock_ref == 0:
+            out.append(node)
+    return out

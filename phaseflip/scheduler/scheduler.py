@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from phaseflip.config import EngineConfig
 from phaseflip.forward_batch import ForwardBatch
 from phaseflip.scheduler.kv_cache import KVCacheManager
 from phaseflip.scheduler.request import Req
+
+if TYPE_CHECKING:
+    from phaseflip.scheduler.hicache import HiCache
 
 
 @dataclass(eq=False)
@@ -54,14 +58,15 @@ class Scheduler:
         self.running: list[Req] = []  # admission order; the newest is retracted first
         self.stats = SchedulerStats()
         self._hold_admission_at: int | None = None
-        self.hicache = None  # set by the engine when the host/disk tiers are on
+        self.hicache: HiCache | None = None  # set by the engine when the host/disk tiers are on
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests to run, or HiCache transfers to retire (so idle means nothing in flight)."""
+        return bool(self.waiting or self.running or (self.hicache and self.hicache.busy))
 
     def remove(self, req: Req) -> None:
         """Takes a request out of the scheduler, returning its KV (finish or abort)."""
@@ -70,9 +75,25 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        hc = self.hicache
+        if hc is not None:
+            hc.forget(req)
+            hc.publish_pending()
+            if not self.running and not self.waiting:
+                hc.quiesce()  # the last request left: nothing waits on the transfers now
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> ScheduledBatch | None:
+        hc = self.hicache
+        if hc is None:
+            return self._schedule()
+        hc.begin_step()
+        try:
+            return self._schedule()
+        finally:
+            hc.end_step()
+
+    def _schedule(self) -> ScheduledBatch | None:
         self._secure_decode_slots()
         items: list[Scheduled] = []
         budget = self._prefill_budget()
@@ -89,6 +110,9 @@ class Scheduler:
                 items.append(self._extend(req, n))
                 budget -= n
         self._admit(items, budget)
+        if not items and self.hicache is not None and self.hicache.busy:
+            self.hicache.quiesce()  # nothing else can run: waiting on the transfers is free
+            self._admit(items, budget)
         if not items:
             return None
         self.stats.steps += 1
@@ -124,6 +148,8 @@ class Scheduler:
 
     def _retract(self, req: Req) -> None:
         self.kv.release(req)
+        if self.hicache is not None:
+            self.hicache.publish_pending()
         self.running.remove(req)
         req.retractions += 1
         self.stats.retractions += 1
@@ -150,10 +176,14 @@ class Scheduler:
             if self._waits_for_leader(req):
                 continue
             limit = req.prompt_lp_next if req.wants_prompt_logprobs else req.num_tokens - 1
-            if self.hicache is not None and self.kv.table.free_rows:
-                self.hicache.load_prefix(req.all_ids[:limit])
+            if self.hicache is not None and self.kv.table.free_rows and not self._prefetch(
+                req, limit
+            ):
+                continue  # its cached pages are on their way: admit others meanwhile
             if not self.kv.admit(req, limit):
                 return
+            if self.hicache is not None:
+                self.hicache.admitted(req)
             n = self._chunk(req, budget, first=not _has_prefill(items))
             reserve = sum(self.kv.pages_needed(r, 1) for r in self.running) * self.kv.page_size
             fits = n > 0 and self.kv.pages_needed(req, n) * self.kv.page_size + reserve <= (
@@ -170,6 +200,12 @@ class Scheduler:
                 req.admitted_once = True
             items.append(self._extend(req, n))
             budget -= n
+
+    def _prefetch(self, req: Req, limit: int) -> bool:
+        """Whether `req` may be admitted: its host/disk pages (if any) are in the tree. A load
+        leaves the running requests their next decode slots."""
+        reserve = sum(self.kv.pages_needed(r, 1) for r in self.running) * self.kv.page_size
+        return self.hicache.prefetch(req, req.all_ids[:limit], reserve)
 
     def _waits_for_leader(self, req: Req) -> bool:
         """Samples of an n > 1 group wait until the leader's prompt is in the prefix tree."""
@@ -229,6 +265,8 @@ class Scheduler:
             if it.extend_len > 1 or req.kv_len <= len(req.prompt_ids):
                 # a prefill chunk: share it at once (n > 1 samples wait for exactly this)
                 self.kv.cache_unfinished(req)
+        if self.hicache is not None:
+            self.hicache.publish_pending()  # write-through: store orders this very step
 
 
 def _has_prefill(items: list[Scheduled]) -> bool:

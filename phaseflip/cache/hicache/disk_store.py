@@ -38,10 +38,12 @@ from phaseflip.cache.hicache.page import (
     Buffer,
     CorruptPageError,
     ForeignPageError,
+    PageGeometry,
     PageHeader,
     StoreStats,
     decode_slice,
     header_length,
+    page_header,
     parse_header,
     slice_offsets,
     verify_chunks,
@@ -54,7 +56,29 @@ _SUFFIX = ".page"
 _TMP_SUFFIX = ".tmp"
 _T = TypeVar("_T")
 Ranges = Sequence[tuple[int, int]]
-ReadAt = Callable[[int, int], bytes]  # (offset, length) -> those bytes, fewer only at EOF
+
+
+class _FileReader:
+    """Positional reads of an open page file: `(offset, length) -> bytes` (fewer only at EOF),
+    and `readinto(offset, buf)` straight into caller memory (e.g. a host frame)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __call__(self, off: int, n: int) -> bytes:
+        return os.pread(self.fd, n, off)
+
+    def readinto(self, off: int, buf: memoryview) -> int:
+        total = 0
+        while total < len(buf):
+            got = os.preadv(self.fd, [buf[total:]], off + total)
+            if got == 0:
+                break
+            total += got
+        return total
+
+
+ReadAt = _FileReader
 
 
 class DiskPageStore:
@@ -160,8 +184,9 @@ class DiskPageStore:
     # ------------------------------------------------------------ mutation
 
     def put(self, key: bytes, page: Buffer) -> bool:
-        """Store an encoded page of this model atomically. False if it cannot be stored (larger
-        than the whole budget, or an OS error such as a full disk, logged); True if present."""
+        """Store an encoded (sealed) page of this model atomically. False if it cannot be stored
+        (larger than the whole budget, or an OS error such as a full disk, logged); True if
+        present."""
         data = memoryview(page).cast("B")
         try:
             header = parse_header(data, self.fingerprint)
@@ -169,21 +194,50 @@ class DiskPageStore:
             raise ValueError(f"refusing to store an invalid page: {exc}") from exc
         if len(data) != header.total_size:
             raise ValueError(f"page is {len(data)} bytes, its header says {header.total_size}")
+        off = header.payload_offset
+        return self._put_chunks(key, [data[:off], data[off:]])
+
+    def put_payload(self, key: bytes, geometry: PageGeometry, payload: Buffer) -> bool:
+        """Seal and store a page given its raw payload (e.g. an unsealed host frame's): the
+        checksums are computed here, on the caller's (disk) thread, and the payload is written
+        from where it lies, without an assembled copy."""
+        body = memoryview(payload).cast("B")
+        header = page_header(geometry, self.fingerprint, body)
+        return self._put_chunks(key, [memoryview(header), body])
+
+    def read_into(self, key: bytes, out: memoryview) -> int | None:
+        """Read the whole page into `out` (e.g. a host frame) and verify it; its length, or None
+        on a miss or a bad page (deleted, as for `get`). `out` may hold garbage after a miss."""
+
+        def into(read_at: ReadAt, header: PageHeader) -> tuple[int, int]:
+            n = header.total_size
+            if len(out) < n:
+                raise ValueError(f"page of {n} bytes does not fit a {len(out)}-byte buffer")
+            got = read_at.readinto(0, out[:n])
+            if got != n:
+                raise CorruptPageError(f"truncated page: {got} of {n} bytes")
+            verify_page(out[:n], self.fingerprint)
+            return n, n
+
+        return self._read(key, into)
+
+    def _put_chunks(self, key: bytes, chunks: list[memoryview]) -> bool:
+        size = sum(len(c) for c in chunks)
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
                 return True
-            if len(data) > self.capacity_bytes:
+            if size > self.capacity_bytes:
                 self._stats.write_failures += 1
                 return False
-            self._evict_to(self.capacity_bytes - len(data))
-        if not self._write_atomic(self.path(key), data):
+            self._evict_to(self.capacity_bytes - size)
+        if not self._write_atomic(self.path(key), chunks):
             with self._lock:
                 self._stats.write_failures += 1
             return False
         with self._lock:
-            self._add(key, len(data))
-            self._stats.bytes_written += len(data)
+            self._add(key, size)
+            self._stats.bytes_written += size
             self._evict_to(self.capacity_bytes, keep=key)  # concurrent puts may overshoot
         return True
 
@@ -224,9 +278,7 @@ class DiskPageStore:
                 log.warning("hicache: cannot open page %s: %s", path, exc)
             return None
         try:
-            def read_at(off: int, n: int) -> bytes:
-                return os.pread(fd, n, off)
-
+            read_at = _FileReader(fd)
             header, size = _read_header(fd, self.fingerprint)
             result, nbytes = fn(read_at, header)
         except (CorruptPageError, OSError) as exc:
@@ -267,15 +319,15 @@ class DiskPageStore:
         else:
             log.warning("hicache: cannot read page %s (served as a miss): %s", path, exc)
 
-    def _write_atomic(self, path: Path, data: memoryview) -> bool:
+    def _write_atomic(self, path: Path, chunks: list[memoryview]) -> bool:
         tmp = path.parent / f".{path.name}.{os.getpid()}-{os.urandom(6).hex()}{_TMP_SUFFIX}"
         try:
             path.parent.mkdir(exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                view = data
-                while view:
-                    view = view[os.write(fd, view) :]
+                for view in chunks:
+                    while view:
+                        view = view[os.write(fd, view) :]
                 if self.fsync:
                     os.fsync(fd)
             finally:

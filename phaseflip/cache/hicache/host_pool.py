@@ -1,9 +1,14 @@
-"""Host tier of the HiCache: fixed-size page frames in one preallocated (pinned) host buffer.
+"""Host tier of the HiCache: the index (key -> frame, LRU, pins) over fixed-size page frames.
 
-Frames hold *encoded* pages (page.py), so host->disk is a byte copy and a page read back from the
-host tier is already in the layout-free format any TP/PP geometry can slice. The buffer is
-allocated once: no allocation on the transfer path, and pinned memory (when CUDA is present)
-lets device<->host copies run asynchronously.
+Frames hold pages in the canonical layout (page.py): unsealed pages written by device->host
+copies (header fields, raw payload, no checksums) or sealed pages read back from disk, so host
+<-> disk moves the frame's bytes as they are and any TP/PP geometry can slice a frame. The frames
+(`frames.py`) are allocated once, pinned when CUDA is present (or shared between the local ranks
+of a TP/PP group); this index lives only in the driver, which alone decides which frame holds
+which page.
+
+A frame is in one of three states: free, *reserved* (an asynchronous copy is filling it: it
+belongs to no key, cannot be evicted and becomes visible only at `commit`), or mapped to a key.
 
 Two meanings of "pin" meet here: `pin_memory` is page-locked host memory (a CUDA notion);
 `pin(key)` is a reference count that protects a page from eviction while a transfer reads or
@@ -19,18 +24,16 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
+from phaseflip.cache.hicache.frames import HostFrames
 from phaseflip.cache.hicache.page import (
     Buffer,
     StoreStats,
-    checked_range,
     encode_page_into,
 )
-
-_FRAME_ALIGN = 64  # frame stride: keeps every payload aligned for any dtype view
 
 EvictCallback = Callable[[bytes, memoryview], None]
 
@@ -50,21 +53,28 @@ class HostPagePool:
         pin_memory: bool = True,
         fingerprint: bytes | None = None,
         on_evict: EvictCallback | None = None,
+        frames: HostFrames | None = None,
     ) -> None:
         """`fingerprint` is needed only to `put` (k, v) tensors. `on_evict(key, frame)` runs
         under the lock just before a page's frame is reused (e.g. to queue a write-back to
-        disk); the view is valid only during the call, so copy what you keep."""
+        disk); the view is valid only during the call, so copy what you keep. `frames` is the
+        memory (e.g. shared with other ranks); by default a private buffer is allocated."""
         if capacity_pages < 1 or page_bytes < 1:
             raise ValueError(f"need capacity_pages >= 1 and page_bytes >= 1, got "
                              f"{capacity_pages}, {page_bytes}")
+        if frames is None:
+            frames = HostFrames.private(capacity_pages, page_bytes, pin_memory=pin_memory)
+        if frames.capacity < capacity_pages or frames.stride < page_bytes:
+            raise ValueError(f"{frames.capacity} frames of {frames.stride} bytes cannot hold "
+                             f"{capacity_pages} pages of {page_bytes} bytes")
         self.capacity = capacity_pages
         self.page_bytes = page_bytes
         self.fingerprint = fingerprint
+        self.frames = frames
         self._on_evict = on_evict
-        self._stride = -(-page_bytes // _FRAME_ALIGN) * _FRAME_ALIGN
-        self.pinned_memory = pin_memory and torch.cuda.is_available()
-        self._buf = torch.empty(capacity_pages * self._stride, dtype=torch.uint8,
-                                pin_memory=self.pinned_memory)
+        self._stride = frames.stride
+        self.pinned_memory = frames.pinned
+        self._buf = frames.buf
         self._mv = memoryview(self._buf.numpy()).cast("B")
         self._free: list[int] = list(range(capacity_pages - 1, -1, -1))
         self._pages: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (frame, len)
@@ -130,6 +140,80 @@ class HostPagePool:
             frame, length = entry
             return self._buf[frame * self._stride : frame * self._stride + length]
 
+    def keys(self) -> list[bytes]:
+        """The mapped keys, least recently used first (a snapshot)."""
+        with self._lock:
+            return list(self._pages)
+
+    def frame_of(self, key: bytes) -> int | None:
+        """Frame index of a mapped page (no touch, no counters)."""
+        with self._lock:
+            entry = self._pages.get(key)
+            return None if entry is None else entry[0]
+
+    def acquire_frame(self, key: bytes) -> int | None:
+        """Pin the page and return its frame index (a hit, touched), or None (a miss). The
+        caller hands the index to a transfer and must `unpin(key)` once it completed."""
+        with self._lock:
+            view = self.get(key)
+            if view is None:
+                return None
+            self.pin(key)
+            return self._pages[key][0]
+
+    def pin_frame(self, key: bytes) -> int | None:
+        """Pin the page and return its frame index, atomically and without counting a hit
+        (a reader that is not a request, e.g. the disk writer); None if absent."""
+        with self._lock:
+            entry = self._pages.get(key)
+            if entry is None:
+                return None
+            self.pin(key)
+            return entry[0]
+
+    def frame(self, index: int, length: int | None = None) -> torch.Tensor:
+        """Frame `index` as a uint8 tensor (its first `length` bytes, default the page size)."""
+        return self.frames.frame(index, self.page_bytes if length is None else length)
+
+    # ------------------------------------------------------------ asynchronous fills
+
+    def reserve(self) -> int | None:
+        """A frame for an asynchronous write (evicting the LRU unpinned page if needed), or
+        None when every frame is pinned or reserved. Nobody else can map, evict or write it
+        until `commit` or `abandon`."""
+        with self._lock:
+            frame = self._take_frame()
+            if frame is None:
+                self._stats.write_failures += 1
+                return None
+            self._reserved.add(frame)
+            return frame
+
+    def commit(self, key: bytes, frame: int, length: int | None = None) -> bool:
+        """Map a reserved, now filled frame to `key`. If `key` got mapped meanwhile (same
+        content, another writer) the frame is freed instead; returns whether it was mapped."""
+        length = self.page_bytes if length is None else length
+        with self._lock:
+            self._unreserve(frame)
+            if key in self._pages:
+                self._free.append(frame)
+                self._pages.move_to_end(key)
+                return False
+            self._pages[key] = (frame, length)
+            self._stats.bytes_written += length
+            return True
+
+    def abandon(self, frame: int) -> None:
+        """Give back a reserved frame whose fill failed or was cancelled."""
+        with self._lock:
+            self._unreserve(frame)
+            self._free.append(frame)
+
+    def _unreserve(self, frame: int) -> None:
+        if frame not in self._reserved:
+            raise RuntimeError(f"host frame {frame} is not reserved")
+        self._reserved.discard(frame)
+
     # ------------------------------------------------------------ mutation
 
     def pin(self, key: bytes) -> None:
@@ -149,7 +233,8 @@ class HostPagePool:
                 self._pins[key] = count - 1
 
     def put(self, key: bytes, page: Buffer | tuple[torch.Tensor, torch.Tensor]) -> bool:
-        """Store an encoded page, or (k, v) `[L, H, P, D]` encoded straight into the frame.
+        """Store an encoded page, or (k, v) `[L, H, P, D]` copied straight into the frame as an
+        unsealed page (synchronously; the engine's transfers use `reserve`/`commit`).
 
         Returns False when every frame is pinned or reserved (nothing evictable). A present key
         is only touched: content addressing means its bytes cannot differ.
@@ -231,50 +316,9 @@ class HostPagePool:
                 raise ValueError("HostPagePool needs a fingerprint to put (k, v) tensors")
             k, v = page
             return encode_page_into(k, v, self.fingerprint,
-                                    self._buf[start : start + self.page_bytes])
+                                    self._buf[start : start + self.page_bytes], sealed=False)
         data = memoryview(page).cast("B")
         if len(data) > self.page_bytes:
             raise ValueError(f"page of {len(data)} bytes exceeds the frame ({self.page_bytes})")
         self._mv[start : start + len(data)] = data
         return len(data)
-
-
-# ---------------------------------------------------------------- device pool <-> page
-
-
-def gather_page(
-    k_layers: Sequence[torch.Tensor], v_layers: Sequence[torch.Tensor], slots: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K, V `[L, H, P, D]` of the tokens at `slots` from a KVPool's per-layer `[slots, H, D]`
-    buffers, on their device (`encode_page_into` / `put` then do the one device->host copy).
-    The result may be a non-contiguous view of a fresh gather; it never aliases the pool."""
-    k = torch.stack([layer[slots] for layer in k_layers]).transpose(1, 2)
-    v = torch.stack([layer[slots] for layer in v_layers]).transpose(1, 2)
-    return k, v
-
-
-def scatter_page(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_layers: Sequence[torch.Tensor],
-    v_layers: Sequence[torch.Tensor],
-    slots: torch.Tensor,
-    *,
-    layers: range | None = None,
-    heads: range | None = None,
-) -> None:
-    """Write K, V `[L, H, P, D]` into pool rows `slots` of a (possibly sliced) KVPool.
-
-    `layers`/`heads` pick which of k's layers/heads this pool holds (e.g. a full decoded page
-    into a TP rank's pool: heads=its shard); by default k must match the pool exactly.
-    """
-    layers = checked_range(layers, k.shape[0], "layers")
-    heads = checked_range(heads, k.shape[1], "heads")
-    if len(layers) != len(k_layers) or len(k_layers) != len(v_layers):
-        raise ValueError(f"{len(layers)} page layers for a pool of {len(k_layers)} layers")
-    for i, la in enumerate(layers):
-        dst_k, dst_v = k_layers[i], v_layers[i]
-        if dst_k.shape[1:] != (len(heads), k.shape[3]) or dst_v.shape != dst_k.shape:
-            raise ValueError(f"pool layer {tuple(dst_k.shape)} does not fit heads {heads}")
-        dst_k[slots] = k[la, heads.start : heads.stop].transpose(0, 1).to(dst_k)
-        dst_v[slots] = v[la, heads.start : heads.stop].transpose(0, 1).to(dst_v)

@@ -11,9 +11,9 @@ Encoded page (all header integers little-endian; see `_FIXED`):
       0     8  magic b"PFKVPAGE"
       8     2  format version (u16, = 1)
      10     1  dtype code (u8, `_DTYPE_CODES`)
-     11     1  reserved, 0
+     11     1  flags (u8): 0 = sealed; FLAG_UNSEALED = a host-tier frame without checksums
      12    16  page_size, num_layers, num_kv_heads, head_dim (u32 each)
-     28     4  header crc32 of bytes [0, payload_offset) with this field zeroed
+     28     4  header crc32 of bytes [0, payload_offset) with this field zeroed (0 if unsealed)
      32    16  model fingerprint
      48     8  payload length in bytes (u64)
      56     4  payload offset (u32): 64 + 4 * 2*L*H rounded up to 64
@@ -22,15 +22,24 @@ Encoded page (all header integers little-endian; see `_FIXED`):
        ...     zero padding up to payload_offset
     payload    [layer][k|v][kv_head][token][head_dim], elements in little-endian byte order
 
+Two states of one layout. The host tier holds pages *unsealed*: header fields written, no
+checksums (host RAM is not a corruption domain we guard, and a per-block CRC on every store cost
+more than the copy itself). A page is *sealed* (`page_header(..., payload)`: checksum table and
+header crc filled, flags 0) only on its way to the disk tier, and verified on its way back; the
+payload bytes never move, so a host frame is written to disk as header + payload as it is.
+`parse_header` refuses an unsealed page: nothing unverified is ever read from disk.
+
 Checksums are per *block* = (layer, k|v, head), the smallest unit any geometry reads (token and
 head_dim are innermost, so every TP/PP slice is a union of whole blocks). A ranged reader can thus
 verify exactly the bytes it read; a whole-payload checksum could not be checked by a slice reader.
 The header crc covers the table, so a corrupt fingerprint or geometry is "corrupt", not "foreign".
 
-Contiguity of `slice_offsets` (adjacent ranges are merged): the whole page and every PP slice
+Byte-range map (`slice_offsets`; adjacent ranges are merged): the whole page and every PP slice
 (a layer range, all heads) are ONE range covering K and V of all its layers; a TP slice (a proper
 head subrange) is 2 ranges per layer (its K heads, its V heads), so a TP x PP slice is
 2 * len(layers) ranges. With a single KV head (MQA) a TP slice is all heads, hence contiguous.
+The same map is used by the ranks of a TP/PP group writing and reading their slices of a shared
+host frame (`transfer.py`) and by ranged disk reads.
 """
 
 from __future__ import annotations
@@ -59,6 +68,7 @@ KEY_BYTES = 16
 _ALIGN = 64
 _FIXED = struct.Struct("<8sHBBIIIII16sQII")
 _CRC_OFFSET = 28
+FLAG_UNSEALED = 1
 assert _FIXED.size == HEADER_FIXED_SIZE
 
 # Codes are part of the on-disk format: never renumber, only append.
@@ -233,6 +243,8 @@ def parse_header(buf: Buffer, fingerprint: bytes | None = None) -> PageHeader:
         raise CorruptPageError(f"truncated page: {len(mv)} of {hlen} header bytes")
     (_, _, code, res1, page_size, layers, heads, head_dim, crc, fp, payload_len, payload_off,
      res2) = _FIXED.unpack_from(mv)
+    if res1 == FLAG_UNSEALED and crc == 0:
+        raise CorruptPageError("unsealed (host-tier) page: it carries no checksums")
     scratch = bytearray(mv[:hlen])
     struct.pack_into("<I", scratch, _CRC_OFFSET, 0)
     if zlib.crc32(scratch) != crc:
@@ -255,38 +267,73 @@ def parse_header(buf: Buffer, fingerprint: bytes | None = None) -> PageHeader:
 # ---------------------------------------------------------------- encode
 
 
-def encode_page_into(
-    k: torch.Tensor, v: torch.Tensor, fingerprint: bytes, out: torch.Tensor | bytearray
-) -> int:
-    """Encode K, V `[L, H, P, D]` into `out` (uint8 CPU tensor, e.g. a pinned host frame, or a
-    bytearray) and return the encoded length. The payload is copied straight into `out`, so a
-    device-resident K/V costs exactly one device->host copy.
+def page_header(geometry: PageGeometry, fingerprint: bytes, payload: Buffer | None = None
+                ) -> bytes:
+    """The `payload_offset` header bytes of a page of `geometry`.
+
+    With `payload` (its `payload_len` bytes) the header is *sealed*: block checksums and header
+    crc filled, what the disk tier stores. Without, it is *unsealed* (FLAG_UNSEALED, no
+    checksums): what a host frame carries, written once per store at no cost.
     """
-    if k.shape != v.shape or k.dim() != 4 or k.dtype != v.dtype:
-        raise ValueError(f"k/v must be equal [L, H, P, D] tensors, got {k.shape} / {v.shape}")
-    if k.dtype not in _DTYPE_CODES:
-        raise ValueError(f"unsupported KV dtype {k.dtype}")
+    if geometry.dtype not in _DTYPE_CODES:
+        raise ValueError(f"unsupported KV dtype {geometry.dtype}")
     if len(fingerprint) != KEY_BYTES:
         raise ValueError(f"fingerprint must be {KEY_BYTES} bytes")
     if sys.byteorder != "little":
         raise RuntimeError("the page format is little-endian; big-endian hosts are unsupported")
+    g, off = geometry, geometry.payload_offset
+    out = bytearray(off)
+    sealed = payload is not None
+    _FIXED.pack_into(out, 0, MAGIC, FORMAT_VERSION, _DTYPE_CODES[g.dtype],
+                     0 if sealed else FLAG_UNSEALED, g.page_size, g.num_layers, g.num_kv_heads,
+                     g.head_dim, 0, fingerprint, g.payload_len, off, 0)
+    if sealed:
+        mv = memoryview(payload).cast("B")
+        if len(mv) != g.payload_len:
+            raise ValueError(f"payload is {len(mv)} bytes, the geometry says {g.payload_len}")
+        bb = g.block_bytes
+        crcs = [zlib.crc32(mv[p : p + bb]) for p in range(0, len(mv), bb)]
+        struct.pack_into(f"<{len(crcs)}I", out, HEADER_FIXED_SIZE, *crcs)
+        struct.pack_into("<I", out, _CRC_OFFSET, zlib.crc32(out))
+    return bytes(out)
+
+
+def payload_tensor(frame: torch.Tensor, geometry: PageGeometry) -> torch.Tensor:
+    """The payload of the page in `frame` (a 1-D uint8 CPU tensor starting at the page's first
+    byte) as a `[L, 2, H, P, D]` tensor view: index [layer, k|v, head, token, dim]."""
+    g = geometry
+    if frame.dtype != torch.uint8 or frame.dim() != 1 or len(frame) < g.total_size:
+        raise ValueError(f"frame must be a 1-D uint8 buffer of >= {g.total_size} bytes")
+    raw = frame[g.payload_offset : g.total_size]
+    return raw.view(g.dtype).view(g.num_layers, 2, g.num_kv_heads, g.page_size, g.head_dim)
+
+
+def _kv_geometry(k: torch.Tensor, v: torch.Tensor) -> PageGeometry:
+    if k.shape != v.shape or k.dim() != 4 or k.dtype != v.dtype:
+        raise ValueError(f"k/v must be equal [L, H, P, D] tensors, got {k.shape} / {v.shape}")
     layers, heads, page_size, head_dim = k.shape
-    geometry = PageGeometry(k.dtype, page_size, layers, heads, head_dim)
-    off, total = geometry.payload_offset, geometry.total_size
+    return PageGeometry(k.dtype, page_size, layers, heads, head_dim)
+
+
+def encode_page_into(
+    k: torch.Tensor, v: torch.Tensor, fingerprint: bytes, out: torch.Tensor | bytearray, *,
+    sealed: bool = True,
+) -> int:
+    """Encode K, V `[L, H, P, D]` into `out` (uint8 CPU tensor, e.g. a pinned host frame, or a
+    bytearray) and return the encoded length. The payload is copied straight into `out`, so a
+    device-resident K/V costs exactly one device->host copy; `sealed=False` writes a host-tier
+    page (no checksums)."""
+    geometry = _kv_geometry(k, v)
+    total = geometry.total_size
     dst = torch.frombuffer(out, dtype=torch.uint8) if isinstance(out, bytearray) else out
     if dst.dtype != torch.uint8 or dst.dim() != 1 or dst.device.type != "cpu" or len(dst) < total:
         raise ValueError(f"out must be a 1-D uint8 CPU buffer of >= {total} bytes")
-    payload = dst[off:total].view(k.dtype).view(layers, 2, heads, page_size, head_dim)
+    payload = payload_tensor(dst, geometry)
     payload[:, 0].copy_(k)
     payload[:, 1].copy_(v)
     mv = memoryview(dst.numpy()).cast("B")
-    bb = geometry.block_bytes
-    crcs = [zlib.crc32(mv[p : p + bb]) for p in range(off, total, bb)]
-    mv[HEADER_FIXED_SIZE:off] = bytes(off - HEADER_FIXED_SIZE)
-    struct.pack_into(f"<{len(crcs)}I", mv, HEADER_FIXED_SIZE, *crcs)
-    _FIXED.pack_into(mv, 0, MAGIC, FORMAT_VERSION, _DTYPE_CODES[k.dtype], 0, page_size, layers,
-                     heads, head_dim, 0, fingerprint, total - off, off, 0)
-    struct.pack_into("<I", mv, _CRC_OFFSET, zlib.crc32(mv[:off]))
+    off = geometry.payload_offset
+    mv[:off] = page_header(geometry, fingerprint, mv[off:total] if sealed else None)
     return total
 
 

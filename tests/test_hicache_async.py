@@ -1,0 +1,107 @@
+"""Asynchronous HiCache transfers through the engine: an in-flight load never blocks other
+requests, and a pending store's source slots are never reused before its copy has read them."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from phaseflip import SamplingParams
+from phaseflip.cache.hicache import page_keys, payload_tensor
+from tests.conftest import prompts_for
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+HC = {"enable_hicache": True, "hicache_page_size": 8}
+
+
+def test_an_in_flight_load_does_not_block_other_requests(llama_dir, make_engine, tmp_path):
+    """A's prefix is on disk behind a slow disk (reads wait on a gate); B, submitted after A,
+    is admitted and finishes while A's read is still held, then A is served from disk."""
+    cfg = HC | {"hicache_dir": str(tmp_path / "kv")}
+    vocab = make_engine(llama_dir).model_config.vocab_size
+    long_a = prompts_for(vocab)[3]  # 33 tokens: 4 full pages
+    short_b = [7, 8, 9]
+    first = make_engine(llama_dir, **cfg)
+    want_a = first.generate([long_a], GREEDY, use_tqdm=False)[0].token_ids
+    want_b = first.generate([short_b], GREEDY, use_tqdm=False)[0].token_ids
+    first.core.hicache.flush()
+
+    engine = make_engine(llama_dir, **cfg)  # a restart: A's pages are only on disk
+    hc = engine.core.hicache
+    gate, reads = threading.Event(), []
+    real_read = hc.disk.read_into
+
+    def slow_read(key, out):
+        reads.append(key)
+        assert gate.wait(30), "the test never opened the gate"
+        return real_read(key, out)
+
+    hc.disk.read_into = slow_read
+    core = engine.core
+    core.add_request("a", long_a, GREEDY)
+    core.add_request("b", short_b, GREEDY)
+    req_a, req_b = core.groups["a"].reqs[0], core.groups["b"].reqs[0]
+    outputs: dict[str, list[int]] = {"a": [], "b": []}
+    b_done_while_a_loading = None
+    for _ in range(200):
+        for d in core.step():
+            outputs[d.request_id] += d.token_ids
+        if req_b.finished and b_done_while_a_loading is None:
+            b_done_while_a_loading = not gate.is_set() and not req_a.output_ids
+            gate.set()
+        if req_a.finished and req_b.finished and not core.has_work():
+            break
+    for d in core.step():  # text of the last step
+        outputs[d.request_id] += d.token_ids
+    assert reads, "A's pages were not read from disk"
+    assert b_done_while_a_loading, "B waited for A's disk read"
+    assert outputs == {"a": want_a, "b": want_b}
+    assert hc.stats.disk_hit_tokens == 32
+
+
+SHORT = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
+
+
+def _reference_pages(llama_dir, make_engine, prompts, fingerprint):
+    """key -> expected [L, 2, H, P, D] payload of every full page of every sequence (prompt and
+    generated tokens), computed by an engine without HiCache."""
+    ref = make_engine(llama_dir, max_total_tokens=4096)
+    outs = ref.generate(prompts, SHORT, use_tqdm=False)
+    tree, pool = ref.core.kv.tree, ref.core.runner.pool
+    expected = {}
+    for prompt, out in zip(prompts, outs):
+        seq = prompt + out.token_ids[:-1]  # the last token never had its KV computed
+        n = len(seq) // 8 * 8
+        slots = tree.match_prefix(seq[:n]).slots
+        assert slots.numel() == n
+        for i, key in enumerate(page_keys(seq[:n], 8, fingerprint)):
+            page = slots[i * 8 : (i + 1) * 8]
+            expected[key] = torch.stack([torch.stack((k[page], v[page])) for k, v in
+                                         zip(pool.k, pool.v)]).transpose(2, 3)
+    return [o.token_ids for o in outs], expected
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_pending_store_keeps_its_source_slots(policy, llama_dir, make_engine):
+    """A pool that fits one request at a time and copies that take 0.5 s (each request runs
+    in a few steps): the next request needs the slots a pending copy still reads. Every stored
+    page must hold exactly the KV of its tokens (reusing the slots early would store another
+    request's KV under its key)."""
+    vocab = make_engine(llama_dir).model_config.vocab_size
+    prompts = [p[:24] + [i + 1] * 9 for i, p in enumerate(
+        [prompts_for(vocab, seed=s, shared=False)[3] for s in range(4)])]
+    engine = make_engine(llama_dir, max_total_tokens=48, hicache_write_policy=policy, **HC)
+    hc = engine.core.hicache
+    hc.channel.engine.before_copy = lambda orders: time.sleep(0.5) if orders.store_frames else None
+    got = [o.token_ids for o in engine.generate(prompts, SHORT, use_tqdm=False)]
+    want, expected = _reference_pages(llama_dir, make_engine, prompts, hc.fingerprint)
+    assert got == want
+    hc.flush()
+    keys = hc.host.keys()
+    assert len(keys) >= 8 and hc.stats.sync_writebacks < hc.stats.pages_written
+    for key in keys:
+        frame = payload_tensor(hc.host.frame(hc.host.frame_of(key)), hc.geometry)
+        assert torch.allclose(frame, expected[key], atol=1e-5), "a page holds foreign KV"
