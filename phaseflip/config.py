@@ -128,9 +128,9 @@ class EngineConfig:
             raise bad("enable_hicache", "needs the prefix cache (drop --no-enable-prefix-cache)")
         if self.hicache_disk_queue_pages < 1:
             raise bad("hicache_disk_queue_pages", "must be >= 1")
-        if self.enable_hicache and self.world_size > 1:
-            raise bad("enable_hicache", "is single-rank for now (pages are written whole); "
-                      "use --tp-size 1 --pp-size 1 or turn HiCache off")
+        if self.enable_hicache and self.nnodes > 1:
+            raise bad("enable_hicache", "needs every rank on one host (the host tier is shared "
+                      "memory of the node); use --nnodes 1 or turn HiCache off")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise bad("dist_init_addr", "is required with --nnodes > 1 (host:port of node 0)")
         if self.dist_timeout_s <= 0:

@@ -2,28 +2,97 @@
 broadcast the forward plan, run stage 0 / TP rank 0 itself and collect the logits.
 
 `DistributedRunner` stands in for `ModelRunner` inside `EngineCore`, so the scheduler (the one
-decider) does not know how many ranks execute its plans.
+decider) does not know how many ranks execute its plans. With HiCache it also creates the node's
+shared host frames and carries the HiCache controller's transfer orders to every rank
+(`DistributedChannel`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import multiprocessing as mp
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from phaseflip.cache.hicache.frames import HostFrames, host_capacity_pages, page_geometry
+from phaseflip.cache.hicache.transfer import TransferChannel, TransferOrders
 from phaseflip.config import EngineConfig
-from phaseflip.distributed.group import DistSpec
+from phaseflip.distributed.group import DistSpec, rank_device
+from phaseflip.distributed.stage import StepMessage
 from phaseflip.distributed.worker import STOP, build_rank, worker_main
 from phaseflip.forward_batch import ForwardBatch
+from phaseflip.model.config import ModelConfig
+from phaseflip.model.runner import resolve_dtype
+
+
+class DistributedChannel(TransferChannel):
+    """HiCache transfer orders ride the next message rank 0 broadcasts (a plan, or a fence when
+    nothing runs); a ticket is that message's number.
+
+    Why completion is known without any extra message: every rank executes a message's orders
+    before its forward and orders that forward after the copies of all EARLIER messages
+    (`StageExecutor.run`). The logits of step m reach the driver only after every rank ran its
+    part of forward m: TP ranks all-reduce in every layer, stage s+1 needs stage s's hidden
+    states, and the logits come from the last stage. So when forward m has returned, the copies
+    of every message < m are done on every rank; a fence (all ranks synchronise their copies,
+    then meet in a barrier) completes its own message too. Loads of message t are *visible* as
+    soon as t is sent: any later forward is ordered after them on every rank.
+    """
+
+    def __init__(self, runner: DistributedRunner) -> None:
+        self.runner = runner
+        self._staged = TransferOrders()
+        self.completed = 0  # every message <= this is done on every rank
+        self.before_shutdown: list[Callable[[], None]] = []
+
+    def dispatch(self, orders: TransferOrders) -> object:
+        self._staged.extend(orders)
+        return self.runner.step_no + 1
+
+    def take(self) -> TransferOrders | None:
+        orders, self._staged = self._staged, TransferOrders()
+        return orders or None
+
+    def visible(self, ticket: object) -> bool:
+        return ticket <= self.runner.step_no  # type: ignore[operator]
+
+    def done(self, ticket: object) -> bool:
+        return ticket <= self.completed  # type: ignore[operator]
+
+    def fence(self) -> None:
+        self.runner.fence()
+
+    def shutdown(self) -> None:
+        callbacks, self.before_shutdown = self.before_shutdown, []
+        for cb in callbacks:
+            cb()
 
 
 class DistributedRunner:
     def __init__(self, cfg: EngineConfig) -> None:
+        if dist.is_initialized():  # left by an earlier group of this process that was stopped
+            with contextlib.suppress(Exception):  # without teardown (a stall): it is dead
+                dist.destroy_process_group()
         self.spec = DistSpec.from_config(cfg)
+        self.step_no = 0
+        self.hicache_frames = self._create_hicache_frames(cfg)
+        self.hicache_channel = DistributedChannel(self) if self.hicache_frames else None
+        try:
+            self._start(cfg)
+        except BaseException:
+            if self.hicache_frames is not None:
+                self.hicache_frames.close()
+            raise
+        self.closed = False
+
+    def _start(self, cfg: EngineConfig) -> None:
         self.run_dir = tempfile.mkdtemp(prefix="phaseflip-ranks-")
         spawn = mp.get_context("spawn")
         self.workers = [
@@ -33,9 +102,24 @@ class DistributedRunner:
         ]
         for w in self.workers:
             w.start()
-        self.groups, self.runner, self.stage = build_rank(0, self.spec, cfg, self.run_dir, None)
-        self.step_no = 0
-        self.closed = False
+        self.groups, self.runner, self.stage = build_rank(0, self.spec, cfg, self.run_dir, None,
+                                                          self.hicache_frames)
+
+    def _create_hicache_frames(self, cfg: EngineConfig) -> HostFrames | None:
+        """The HiCache host tier as shared memory of the node, before any rank starts: every
+        local rank maps it by name (`DistSpec.hicache_frames`)."""
+        if not cfg.enable_hicache:
+            return None
+        model_cfg = ModelConfig.from_dir(cfg.model)
+        dtype = resolve_dtype(cfg.dtype, model_cfg, rank_device(0, self.spec, cfg))
+        geo = page_geometry(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
+                            dtype, cfg.hicache_page_size)
+        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        path = shm / f"phaseflip-hicache-{os.getpid()}-{os.urandom(4).hex()}"
+        frames = HostFrames.create_shared(
+            path, host_capacity_pages(cfg.hicache_host_gb * 2**30, geo), geo.total_size)
+        self.spec = dataclasses.replace(self.spec, hicache_frames=str(path))
+        return frames
 
     # the ModelRunner surface EngineCore uses
     @property
@@ -51,13 +135,26 @@ class DistributedRunner:
         return self.runner.dtype
 
     def forward(self, plan: ForwardBatch) -> torch.Tensor:
+        logits = self._send(plan, fence=False)
+        if self.hicache_channel is not None:
+            self.hicache_channel.completed = self.step_no - 1
+        return logits.to(self.runner.device)
+
+    def fence(self) -> None:
+        """Deliver pending HiCache orders and wait until every rank has done all its copies."""
+        self._send(None, fence=True)
+        if self.hicache_channel is not None:
+            self.hicache_channel.completed = self.step_no
+
+    def _send(self, plan: ForwardBatch | None, fence: bool) -> torch.Tensor | None:
         self.step_no += 1
         tracker = self.stage.tracker
+        channel = self.hicache_channel
+        msg = StepMessage(self.step_no, plan, channel.take() if channel else None, fence)
         try:
             with tracker.at("broadcasting the plan", self.step_no):
-                dist.broadcast_object_list([(self.step_no, plan)], src=0,
-                                           group=self.groups.cpu_group)
-            logits = self.stage.execute(self.step_no, plan)
+                dist.broadcast_object_list([msg], src=0, group=self.groups.cpu_group)
+            return self.stage.run(msg)
         except Exception as e:
             dead = [w.name for w in self.workers if not w.is_alive()]
             err = tracker.stall_error(e, self.spec.world_size)
@@ -67,7 +164,6 @@ class DistributedRunner:
             raise err from e
         finally:
             tracker.set("idle")
-        return logits.to(self.runner.device)
 
     def check_alive(self) -> None:
         dead = [f"{w.name} (exit code {w.exitcode})" for w in self.workers if not w.is_alive()]
@@ -93,6 +189,12 @@ class DistributedRunner:
         if graceful and dist.is_initialized():
             dist.destroy_process_group()
         shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self.hicache_channel is not None:
+            with contextlib.suppress(Exception):  # the group is gone: flush what is local
+                self.hicache_channel.shutdown()
+            if self.stage.transfers is not None:
+                self.stage.transfers.close()
+            self.hicache_frames.close()
 
 
 def run_node_workers(cfg: EngineConfig) -> int:

@@ -42,6 +42,7 @@ class DistSpec:
     timeout_s: float
     ranks_per_node: int
     node_rank: int
+    hicache_frames: str | None = None  # path of the node's shared HiCache host frames
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> DistSpec:

@@ -6,25 +6,65 @@ micro-batch while s+1 works on this one. Every receive has a matching send in th
 by construction (each stage handles the same micro-batches in the same order), and a stage
 posts its sends before it blocks on anything else. The last stage's TP rank 0 sends the logits
 to the driver.
+
+With HiCache, every message also carries the driver's transfer orders; `run` issues them on the
+rank's `KVTransferEngine` before the forward, after ordering the forward behind the copies of
+every EARLIER message (see `run`), and a fence message waits for all copies on every rank.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
+from phaseflip.cache.hicache.transfer import KVTransferEngine, TransferOrders
 from phaseflip.distributed.group import RankGroups
 from phaseflip.distributed.watchdog import PositionTracker
 from phaseflip.forward_batch import ForwardBatch
 from phaseflip.model.runner import ModelRunner
 
 
+@dataclass
+class StepMessage:
+    """What rank 0 broadcasts for one step: the forward plan (None for a transfer-only fence),
+    the HiCache transfer orders every rank executes first, and whether to fence (every rank
+    waits for all its copies, then all ranks meet in a barrier)."""
+
+    step: int
+    plan: ForwardBatch | None
+    transfers: TransferOrders | None = None
+    fence: bool = False
+
+
 class StageExecutor:
-    def __init__(self, runner: ModelRunner, groups: RankGroups, tracker: PositionTracker):
+    def __init__(self, runner: ModelRunner, groups: RankGroups, tracker: PositionTracker,
+                 transfers: KVTransferEngine | None = None):
         self.runner, self.groups, self.tracker = runner, groups, tracker
+        self.transfers = transfers
         self.spec = groups.spec
         self.staged = self.spec.backend == "gloo"  # gloo cannot send CUDA tensors: stage on host
         self.hidden_size = runner.model_cfg.hidden_size
+
+    def run(self, msg: StepMessage) -> torch.Tensor | None:
+        """Executes one message. The forward of message m starts only after this rank's copies
+        of messages < m (a load of m-1 is read by m at the earliest; a store's slots may be
+        reused from m+1 on). The copies of m itself overlap m's forward: they touch no slot the
+        forward reads or writes, which the driver guarantees."""
+        xfer = self.transfers
+        if xfer is not None:
+            if msg.plan is not None:
+                xfer.order_before_forward()
+            if msg.transfers:
+                xfer.execute(msg.transfers)
+        out = self.execute(msg.step, msg.plan) if msg.plan is not None else None
+        if msg.fence:
+            with self.tracker.at("HiCache fence: waiting for copies and every rank", msg.step):
+                if xfer is not None:
+                    xfer.synchronize()
+                dist.barrier(group=self.groups.cpu_group)
+        return out
 
     @property
     def first(self) -> bool:

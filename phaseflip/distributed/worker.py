@@ -13,6 +13,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from phaseflip.cache.hicache.frames import HostFrames, page_geometry
+from phaseflip.cache.hicache.transfer import KVTransferEngine, rank_slice
 from phaseflip.config import EngineConfig
 from phaseflip.distributed.group import DistSpec, RankGroups, join, rank_device
 from phaseflip.distributed.stage import StageExecutor
@@ -26,8 +28,10 @@ STOP = "stop"
 
 
 def build_rank(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | None,
-               parent_pid: int | None) -> tuple[RankGroups, ModelRunner, StageExecutor]:
-    """Everything one rank needs; the driver calls it for rank 0 too."""
+               parent_pid: int | None, frames: HostFrames | None = None
+               ) -> tuple[RankGroups, ModelRunner, StageExecutor]:
+    """Everything one rank needs; the driver calls it for rank 0 too (with the HiCache host
+    frames it created; other ranks map them by name)."""
     tracker = PositionTracker(rank, run_dir, parent_pid)
     with tracker.at("joining the process group"):
         groups = join(rank, spec)
@@ -46,8 +50,15 @@ def build_rank(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | None
     if device.type == "cuda":
         torch.cuda.set_device(device)
     runner = ModelRunner(cfg, model_cfg, groups.layout(), device, agree_slots=agree)
+    transfers = None
+    if spec.hicache_frames:
+        geo = page_geometry(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
+                            runner.dtype, cfg.hicache_page_size)
+        frames = frames or HostFrames.open_shared(spec.hicache_frames, geo.total_size)
+        part = rank_slice(runner.layout, model_cfg.num_layers, model_cfg.num_kv_heads)
+        transfers = KVTransferEngine(runner.pool, frames, geo, part, device)
     tracker.set("idle")
-    return groups, runner, StageExecutor(runner, groups, tracker)
+    return groups, runner, StageExecutor(runner, groups, tracker, transfers)
 
 
 def worker_main(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | None,
@@ -63,8 +74,7 @@ def worker_main(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | Non
             msg = box[0]
             if msg == STOP:
                 break
-            step, plan = msg
-            stage.execute(step, plan)
+            stage.run(msg)
             tracker.set("idle")
     except Exception as e:  # noqa: BLE001 — report with every rank's position, then exit
         err = tracker.stall_error(e, spec.world_size)
