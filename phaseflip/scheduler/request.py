@@ -63,6 +63,16 @@ class Req:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """`all_ids[start:end]` without building `all_ids`: a plan needs one token per decoding
+        request per step, and copying the whole context for it is O(context) each time."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        if end <= p:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
@@ -70,7 +80,9 @@ class Req:
     @property
     def remaining(self) -> int:
         """Tokens still to be fed to the model before the next token can be sampled."""
-        return self.num_tokens - self.kv_len
+        # inlined num_tokens: the scheduler asks this of every running request several times
+        # a step
+        return len(self.prompt_ids) + len(self.output_ids) - self.kv_len
 
     @property
     def finished(self) -> bool:
