@@ -1,5 +1,8 @@
 """Asynchronous HiCache transfers through the engine: an in-flight load never blocks other
-requests, and a pending store's source slots are never reused before its copy has read them."""
+requests, and a pending store's source slots are never reused before its copy has read them.
+
+Tests that hold a copy back do it on the CPU engine, whose copies run on a worker thread (the
+CPU stand-in for the copy stream): a held copy is then really pending while the loop runs."""
 
 from __future__ import annotations
 
@@ -68,7 +71,7 @@ SHORT = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
 def _reference_pages(llama_dir, make_engine, prompts, fingerprint):
     """key -> expected [L, 2, H, P, D] payload of every full page of every sequence (prompt and
     generated tokens), computed by an engine without HiCache."""
-    ref = make_engine(llama_dir, max_total_tokens=4096)
+    ref = make_engine(llama_dir, device="cpu", max_total_tokens=4096)
     outs = ref.generate(prompts, SHORT, use_tqdm=False)
     tree, pool = ref.core.kv.tree, ref.core.runner.pool
     expected = {}
@@ -93,7 +96,8 @@ def test_pending_store_keeps_its_source_slots(policy, llama_dir, make_engine):
     vocab = make_engine(llama_dir).model_config.vocab_size
     prompts = [p[:24] + [i + 1] * 9 for i, p in enumerate(
         [prompts_for(vocab, seed=s, shared=False)[3] for s in range(4)])]
-    engine = make_engine(llama_dir, max_total_tokens=48, hicache_write_policy=policy, **HC)
+    engine = make_engine(llama_dir, device="cpu", max_total_tokens=48,
+                         hicache_write_policy=policy, **HC)
     hc = engine.core.hicache
     hc.channel.engine.before_copy = lambda orders: time.sleep(0.5) if orders.store_frames else None
     got = [o.token_ids for o in engine.generate(prompts, SHORT, use_tqdm=False)]
@@ -105,3 +109,60 @@ def test_pending_store_keeps_its_source_slots(policy, llama_dir, make_engine):
     for key in keys:
         frame = payload_tensor(hc.host.frame(hc.host.frame_of(key)), hc.geometry)
         assert torch.allclose(frame, expected[key], atol=1e-5), "a page holds foreign KV"
+
+
+def test_in_flight_load_slots_are_accounted(llama_dir, make_engine):
+    """While a load's host->device copy is held, its slots are neither free, nor in the tree,
+    nor a request's: `HiCache.in_flight_slots` names them and closes the pool balance. Another
+    request runs meanwhile; once the copy lands the pages join the tree and the balance is the
+    usual four-term one again."""
+    engine = make_engine(llama_dir, device="cpu", **HC)  # copies on the CPU copy thread
+    core, hc = engine.core, engine.core.hicache
+    prompt = prompts_for(engine.model_config.vocab_size)[3]  # 4 full pages
+    want = engine.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids
+    core.kv.tree.evict_all_and_reset()
+    gate = threading.Event()
+    hc.channel.engine.before_copy = lambda o: gate.wait(30) if o.load_frames else None
+    core.add_request("a", prompt, GREEDY)
+    core.add_request("b", [5, 6, 7], GREEDY)
+    core.step()
+    acc = core.kv.accounting(core.scheduler.running)
+    assert hc.in_flight_slots == 32 and [r.rid for r in core.scheduler.running] == ["b#0"]
+    assert acc.total == acc.free + acc.evictable + acc.locked + hc.in_flight_slots
+    assert not acc.balanced  # the four classes alone miss the in-flight slots
+    gate.set()
+    req_a = core.groups["a"].reqs[0]
+    while core.has_work():
+        core.step()
+    assert req_a.output_ids == want and hc.in_flight_slots == 0
+    assert hc.stats.host_hit_tokens == 32
+    assert core.kv.check(core.scheduler.running).balanced
+
+
+def test_full_disk_queue_drops_writes_instead_of_blocking(tmp_path):
+    """A disk that stalls: writes beyond the queue bound are dropped and counted at once; the
+    queued ones land when the disk resumes, their host frames pinned until then."""
+    from phaseflip.cache.hicache import DiskPageStore, HostPagePool
+    from phaseflip.cache.hicache.disk_io import DiskIO
+    from phaseflip.cache.hicache.frames import page_geometry
+
+    geo = page_geometry(2, 2, 4, torch.float32, 8)
+    host = HostPagePool(8, geo.total_size, fingerprint=b"f" * 16)
+    disk = DiskPageStore(tmp_path / "kv", b"f" * 16, 1 << 20)
+    io = DiskIO(disk, host, geo, queue_pages=2)
+    gate = threading.Event()
+    real_put = disk.put_payload
+    disk.put_payload = lambda *a: gate.wait(30) and real_put(*a)
+    keys = page_keys(list(range(5 * 8)), 8, b"f" * 16)
+    for i, key in enumerate(keys):
+        host.put(key, (torch.full((2, 2, 8, 4), float(i)), torch.zeros((2, 2, 8, 4))))
+    start = time.monotonic()
+    accepted = [io.write(key) for key in keys]
+    assert time.monotonic() - start < 1.0  # never waited for the stalled disk
+    assert accepted == [True, True, False, False, False] and io.writes_dropped == 3
+    assert [host.pin_count(k) for k in keys] == [1, 1, 0, 0, 0]
+    gate.set()
+    io.flush()
+    assert [disk.contains(k) for k in keys] == [True, True, False, False, False]
+    assert all(host.pin_count(k) == 0 for k in keys)
+    io.close()

@@ -68,11 +68,30 @@ def test_write_back_stores_pages_when_the_device_evicts_them(llama_dir, make_eng
     assert hc.stats.host_hit_tokens > 0
 
 
+def test_fence_persists_every_cached_prefix(llama_dir, make_engine):
+    """The flip's fence under write-back: dirty pages are stored at once, so the device tree can
+    then be dropped without a single synchronous write-back, and the prompts come back from
+    the host tier."""
+    engine = make_engine(llama_dir, hicache_write_policy="write_back", **HC)
+    prompts = long_prompts(engine.model_config.vocab_size)
+    want = [o.token_ids for o in engine.generate(prompts, GREEDY, use_tqdm=False)]
+    hc = engine.core.hicache
+    assert hc.stats.pages_written == 0
+    hc.fence()
+    written = hc.stats.pages_written
+    assert written > 0 and hc.stats.stores_in_flight == 0
+    flush(engine)
+    assert hc.stats.sync_writebacks == 0 and hc.stats.pages_written == written
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY, use_tqdm=False)] == want
+    assert hc.stats.host_hit_tokens > 0
+
+
 def test_restart_reads_the_disk_tier(llama_dir, make_engine, tmp_path):
     cfg = HC | {"hicache_dir": str(tmp_path / "kv")}
     first = make_engine(llama_dir, **cfg)
     prompts = long_prompts(first.model_config.vocab_size)
     want = [o.token_ids for o in first.generate(prompts, GREEDY, use_tqdm=False)]
+    first.core.hicache.flush()  # disk writes run on a thread; a shutdown waits for them too
     assert first.core.hicache.stats.bytes_written > 0
     second = make_engine(llama_dir, **cfg)  # a new process would see the same directory
     got = [o.token_ids for o in second.generate(prompts, GREEDY, use_tqdm=False)]
@@ -85,6 +104,7 @@ def test_corrupt_disk_page_is_a_miss_with_a_warning(llama_dir, make_engine, tmp_
     first = make_engine(llama_dir, **cfg)
     prompt = long_prompts(first.model_config.vocab_size)[0]
     want = first.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids
+    first.core.hicache.flush()
     pages = sorted((tmp_path / "kv").rglob("*.page"))
     assert pages
     for f in pages:  # flip a byte in the middle of every payload
@@ -108,6 +128,7 @@ def test_capacities_hold_under_a_larger_workload(llama_dir, make_engine, tmp_pat
     prompts = [list(range(1 + i, 41 + i)) for i in range(0, 60, 7)]  # ~45 distinct pages
     engine.generate(prompts, GREEDY, use_tqdm=False)
     hc = engine.core.hicache
+    hc.flush()
     hc.host.check()
     hc.disk.check()
     assert len(hc.host) <= hc.host.capacity

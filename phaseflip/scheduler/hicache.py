@@ -261,6 +261,19 @@ class HiCache:
         if self.busy:
             raise RuntimeError(f"HiCache could not quiesce: {self.stats}")
 
+    def fence(self) -> None:
+        """Every full page of every cached prefix is in the host tier when this returns, and
+        nothing is in flight (the phase flip's fence, design law 6). Under write-back this
+        stores the dirty pages now; under write-through only what a full host tier skipped."""
+        self.publish_pending()
+        for leaf in _leaves(self.tree.root, unlocked_only=False):
+            if leaf.node_id in self._clean_ids:
+                continue
+            tokens, slots = self.tree.path_of(leaf)
+            n = len(tokens) - len(tokens) % self.page_size
+            self._store(self._keys(tokens[:n]), slots[:n], leaf)
+        self.quiesce()
+
     def flush(self) -> None:
         """Quiesce, then wait for queued disk writes: an idle tier state that survives a restart."""
         self.quiesce()
@@ -359,7 +372,7 @@ class HiCache:
         if free >= self.clean_below_slots or not self.tree.evictable_size():
             return
         budget = math.ceil((self.clean_below_slots - free) / self.page_size)
-        for leaf in sorted(_unlocked_leaves(self.tree.root), key=lambda n: n.last_access):
+        for leaf in sorted(_leaves(self.tree.root), key=lambda n: n.last_access):
             if budget <= 0:
                 return
             if leaf.node_id in self._clean_ids:
@@ -512,13 +525,13 @@ class HiCache:
             del self._load_of[rid]
 
 
-def _unlocked_leaves(root: Any) -> list[Any]:
-    """Unlocked leaves of the radix tree (what its eviction would take first)."""
+def _leaves(root: Any, unlocked_only: bool = True) -> list[Any]:
+    """Leaves of the radix tree; by default the unlocked ones (what eviction takes first)."""
     out, stack = [], list(root.children.values())
     while stack:
         node = stack.pop()
         if node.children:
             stack.extend(node.children.values())
-        elif node.lock_ref == 0:
+        elif node.lock_ref == 0 or not unlocked_only:
             out.append(node)
     return out

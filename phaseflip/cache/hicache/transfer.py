@@ -239,7 +239,8 @@ class KVTransferEngine:
         self.queue = _CudaQueue(self.device) if self.device.type == "cuda" else _ThreadQueue()
         self._outstanding: list[CopyHandle] = []
         self._lock = threading.Lock()
-        # a test seam: called on the copy worker before each batch (e.g. to slow copies down)
+        # a test seam, called before each batch's copies are issued: on the copy thread on CPU
+        # (so a slow seam makes the copy pending), on the issuing thread on CUDA
         self.before_copy: Callable[[TransferOrders], None] | None = None
 
     def execute(self, orders: TransferOrders) -> CopyHandle | None:
