@@ -28,8 +28,12 @@ class KVPool:
         self.dtype = dtype
         shape = (num_slots, num_kv_heads, head_dim)
         n = self.end_layer - self.start_layer
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
+        # One buffer `[layers, k|v, slots, heads, dim]`; k[i], v[i] are contiguous views of it,
+        # exactly the per-layer tensors every reader uses. Read-only for others: it lets the
+        # HiCache gather or scatter a page of every layer with one indexed copy.
+        self.kv = torch.zeros((n, 2, *shape), dtype=dtype, device=device)
+        self.k = [self.kv[i, 0] for i in range(n)]
+        self.v = [self.kv[i, 1] for i in range(n)]
 
     @staticmethod
     def bytes_per_slot(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
