@@ -12,8 +12,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from phaseflip.config import EngineConfig
 from phaseflip.forward_batch import ForwardBatch
 from phaseflip.scheduler.kv_cache import KVCacheManager
@@ -97,11 +95,11 @@ class Scheduler:
         self._secure_decode_slots()
         items: list[Scheduled] = []
         budget = self._prefill_budget()
-        for req in self.running:
-            if req.remaining == 1:
-                if self.kv.allocate(req, 1) is None:
-                    raise RuntimeError(f"no KV slot for request {req.rid} after securing slots")
-                items.append(self._extend(req, 1))
+        decoding = [r for r in self.running if r.remaining == 1]
+        if not self.kv.allocate_decode(decoding):
+            raise RuntimeError(f"no KV slots for {len(decoding)} decoding requests after "
+                               f"securing them ({self.kv.accounting(self.running)})")
+        items += [self._extend(r, 1) for r in decoding]
         for req in self.running:
             if req.remaining > 1:
                 n = self._chunk(req, budget, first=not _has_prefill(items))
@@ -224,36 +222,23 @@ class Scheduler:
         return Scheduled(req, start, n, -1, rows, samples)
 
     def _build(self, items: list[Scheduled]) -> ScheduledBatch:
-        ids, pos, locs, indptr, indices, logit_idx = [], [], [], [0], [], []
+        ids: list[int] = []
+        logit_idx: list[int] = []
         offset = 0
-        table = self.kv.table.table
         for it in items:
             req, s, n = it.req, it.start, it.extend_len
-            ids += req.all_ids[s : s + n]
-            pos.append(torch.arange(s, s + n))
-            locs.append(table[req.row, s : s + n])
-            indices.append(table[req.row, : s + n])
-            indptr.append(indptr[-1] + s + n)
+            ids += req.tokens(s, s + n)
             if it.num_logit_rows:
                 it.logit_row = len(logit_idx)
-                first = offset + n - it.num_logit_rows
-                logit_idx += range(first, offset + n)
+                logit_idx += range(offset + n - it.num_logit_rows, offset + n)
             offset += n
             if n > 1 or req.kv_len < req.num_tokens - 1:
                 self.stats.prefill_tokens += n
             else:
                 self.stats.decode_tokens += n
-        plan = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.cat(pos),
-            out_cache_loc=torch.cat(locs),
-            extend_lens=[it.extend_len for it in items],
-            prefix_lens=[it.start for it in items],
-            kv_indptr=torch.tensor(indptr, dtype=torch.int64),
-            kv_indices=torch.cat(indices),
-            logits_indices=torch.tensor(logit_idx, dtype=torch.int64),
-            max_position=max(it.start + it.extend_len for it in items) - 1,
-        )
+        plan = ForwardBatch.from_table(
+            self.kv.table.table, [it.req.row for it in items], [it.start for it in items],
+            [it.extend_len for it in items], ids, logit_idx)
         return ScheduledBatch(plan, items)
 
     # ------------------------------------------------------------------ after the forward
