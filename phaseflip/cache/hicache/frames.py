@@ -123,10 +123,23 @@ def _cuda_host_register(buf: torch.Tensor) -> bool:
         log.warning("hicache: cudaHostRegister of the shared host tier failed: %s", exc)
         return False
     if int(err) != 0:
+        _consume_cuda_error()
         log.warning("hicache: cudaHostRegister of the shared host tier returned %s; host<->device"
                     " copies of HiCache pages will be synchronous", err)
         return False
     return True
+
+
+def _consume_cuda_error() -> None:
+    """A failed cudaHostRegister leaves CUDA's last-error set, and torch reports it at its next
+    kernel-launch check as *that* launch's failure (seen on the H200 sandbox: "invalid
+    argument" at an unrelated allocation). Torch binds no cudaGetLastError, so trip the check
+    once here, where the error is expected."""
+    try:
+        torch.zeros(1, device="cuda")
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 — the stale registration error, now consumed
+        pass
 
 
 def page_geometry(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
