@@ -92,8 +92,11 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: st
 
 
 def git_commit() -> str:
-    """HEAD of the repository (with '-dirty' if the tree has changes), else $PHASEFLIP_COMMIT
-    (set it where the tree travels without .git), else 'unknown'."""
+    """$PHASEFLIP_COMMIT when set (where the tree travels without its own .git — a copy run
+    inside another checkout would report that checkout's HEAD), else HEAD of the repository
+    (with '-dirty' if the tree has changes), else 'unknown'."""
+    if os.environ.get("PHASEFLIP_COMMIT"):
+        return os.environ["PHASEFLIP_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                               text=True, timeout=10, check=True).stdout.strip()
@@ -102,7 +105,7 @@ def git_commit() -> str:
                                ).stdout.strip()
         return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("PHASEFLIP_COMMIT", "unknown")
+        return "unknown"
 
 
 def environment() -> dict[str, Any]:
