@@ -39,7 +39,7 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 from benchmarks.common import PEAK_BANDWIDTH, print_table, write_json  # noqa: E402
-from phaseflip.kernels import linear  # noqa: E402
+from phaseflip.kernels import linear, linear_tune  # noqa: E402
 
 MODEL_SHAPES = {  # name -> (N, K) of y[M, N] = x[M, K] @ W[N, K]^T
     "llama.qkv": (6144, 4096), "llama.o": (4096, 4096), "llama.gate_up": (28672, 4096),
@@ -82,7 +82,7 @@ def run_shape(n: int, k: int, ms: list[int], args, device: torch.device) -> list
     """All M for one (N, K): graph and eager timings of cuBLAS, the picked config (tuned when
     --tune/--tuned-json filled the table) and, if different, the heuristic default."""
     dtype = args.dtype
-    copies = linear.weight_copies(n, k, dtype, device)
+    copies = linear_tune.weight_copies(n, k, dtype, device)
     ws = [(torch.randn(n, k, device=device) * k**-0.5).to(dtype) for _ in range(copies)]
     weight_bytes = n * k * dtype.itemsize
     rows = []
@@ -93,10 +93,10 @@ def run_shape(n: int, k: int, ms: list[int], args, device: torch.device) -> list
         default = linear.default_config(m, n, k, dtype, device)
 
         cycle = [ws[i % copies] for i in range(args.calls)]
-        cublas_us = linear.graph_time_us([partial(F.linear, x, w) for w in cycle])
-        skinny_us = linear.graph_time_us(
+        cublas_us = linear_tune.graph_time_us([partial(F.linear, x, w) for w in cycle])
+        skinny_us = linear_tune.graph_time_us(
             [partial(linear.skinny_linear, x, w, None, y, config=picked) for w in cycle])
-        default_us = skinny_us if default == picked else linear.graph_time_us(
+        default_us = skinny_us if default == picked else linear_tune.graph_time_us(
             [partial(linear.skinny_linear, x, w, None, y, config=default) for w in cycle])
         want = F.linear(x.float(), ws[0].float())
         row = {
@@ -144,7 +144,7 @@ def model_pass(ms: list[int], args, device: torch.device) -> list[dict]:
         for label, fn in (("cublas", F.linear), ("skinny", linear.skinny_linear),
                           ("dispatch", dispatch_linear)):
             calls = [partial(fn, xs[w.shape[1]], w) for w in weights]
-            times_ms[label] = linear.graph_time_us(calls, replays=5) * len(calls) / 1e3
+            times_ms[label] = linear_tune.graph_time_us(calls, replays=5) * len(calls) / 1e3
         cublas_ms, skinny_ms, dispatch_ms = times_ms["cublas"], times_ms["skinny"], times_ms[
             "dispatch"]
         out.append({"m": m, "linear_bytes": nbytes, "cublas_ms": cublas_ms,
@@ -278,7 +278,7 @@ def main() -> None:
     if args.tuned_json:
         linear.TUNED.load(args.tuned_json)
     if args.tune:
-        best = linear.tune(list(by_nk), args.dtype, device, m_values=ms)
+        best = linear_tune.tune(list(by_nk), args.dtype, device, m_values=ms)
         tuned = {f"{n}x{k} m={m}": {"config": c.label(), "us": us}
                  for (m, n, k), (c, us) in best.items()}
         table_path = args.out.with_suffix(".tuned.json")
