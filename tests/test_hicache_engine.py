@@ -54,6 +54,9 @@ def test_flushed_prefix_is_read_from_host_not_recomputed(llama_dir, make_engine)
     # only the uncached tail of the prompt is computed, then the decode steps
     assert computed_tokens(engine) - before == (len(prompt) - 32) + (GREEDY.max_new_tokens - 1)
     assert again.usage.cached_tokens == 32
+    # copy rates are measured once copies happened (None before: unmeasured is not zero)
+    assert stats.store_gbps is not None and stats.store_gbps > 0
+    assert stats.load_gbps is not None and stats.load_gbps > 0
 
 
 def test_write_back_stores_pages_when_the_device_evicts_them(llama_dir, make_engine):
@@ -159,5 +162,7 @@ def test_hicache_counters_reach_metrics_and_server_info(tmp_path):
         assert info["pages_written"] > 0 and info["host_hit_tokens"] > 0
         metrics = httpx.get(url + "/metrics").text
         assert 'phaseflip_hicache_hit_tokens{tier="host"}' in metrics
+        assert 'phaseflip_hicache_transfer_gbps{direction="load"}' in metrics
+        assert info["load_gbps"] > 0
     finally:
         stop_server(proc)

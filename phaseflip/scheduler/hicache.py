@@ -35,6 +35,7 @@ import hashlib
 import logging
 import math
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,6 +83,12 @@ class HiCacheStats:
     sync_writebacks: int = 0  # write-back pages copied synchronously at eviction
     stores_in_flight: int = 0  # pages being copied device -> host now
     loads_in_flight: int = 0  # pages being promoted or copied host -> device now
+    # Dispatch-to-seen-done seconds of the copies. Completion is polled once a step, so these
+    # over-count and the rates below under-state the link: an observed floor, not a ceiling.
+    store_seconds: float = 0.0
+    load_seconds: float = 0.0
+    store_gbps: float | None = None  # bytes_stored / store_seconds; None before any store
+    load_gbps: float | None = None  # bytes_loaded / load_seconds; None before any load
 
 
 @dataclass(eq=False)
@@ -90,6 +97,7 @@ class _StoreJob:
     frames: list[int]
     node: Any  # the locked tree node whose path holds the source slots (None: no lock)
     ticket: object
+    dispatched: float = field(default_factory=time.perf_counter)
 
 
 @dataclass(eq=False)
@@ -104,6 +112,7 @@ class _LoadJob:
     frames: list[int] = field(default_factory=list)  # pinned host frames while copying
     slots: torch.Tensor | None = None  # the in-flight slots (held by this job until inserted)
     ticket: object = None
+    dispatched: float = 0.0  # perf_counter when the host -> device copy was ordered
     hold: Any = None  # locked node after insertion, until the request's admission step ends
 
 
@@ -191,6 +200,10 @@ class HiCache:
             s.bytes_written, s.corrupt_pages, s.disk_evictions = (d.bytes_written, d.corrupt,
                                                                   d.evictions)
             s.disk_writes_dropped = self.io.writes_dropped
+        if s.store_seconds > 0:
+            s.store_gbps = s.bytes_stored / s.store_seconds / 1e9
+        if s.load_seconds > 0:
+            s.load_gbps = s.bytes_loaded / s.load_seconds / 1e9
         s.stores_in_flight = sum(len(j.keys) for j in self._stores)
         s.loads_in_flight = sum(len(j.keys) for j in self._loads if j.state != LOADED)
         return s
@@ -211,7 +224,7 @@ class HiCache:
     def _keys(self, token_ids: list[int]) -> list[bytes]:
         return page_keys(token_ids, self.page_size, self.fingerprint)
 
-    def _count(self, **deltas: int) -> None:
+    def _count(self, **deltas: float) -> None:
         with self._stats_lock:
             for name, d in deltas.items():
                 setattr(self._stats, name, getattr(self._stats, name) + d)
@@ -351,7 +364,8 @@ class HiCache:
                 if self.io is not None and not self.disk.contains(key):
                     self.io.write(key)
         self._count(pages_written=stored,
-                    bytes_stored=len(job.keys) * self.geometry.payload_len)
+                    bytes_stored=len(job.keys) * self.geometry.payload_len,
+                    store_seconds=time.perf_counter() - job.dispatched)
 
     def _evicting(self, token_ids: list[int], slots: torch.Tensor) -> None:
         """RadixCache.on_evict (write-back): the node's slots are freed right after this call,
@@ -490,6 +504,7 @@ class HiCache:
         job.state = COPYING
         orders = TransferOrders(load_frames=list(job.frames), load_slots=list(slots.split(hp)))
         job.ticket = self.channel.dispatch(orders)
+        job.dispatched = time.perf_counter()
 
     def _insert(self, job: _LoadJob) -> None:
         """The loaded pages join the tree under their (locked) prefix; `job.slots` now belong
@@ -506,7 +521,8 @@ class HiCache:
         tree.inc_lock_ref(job.hold)
         disk = sum(hp for k in job.keys if k in job.from_disk)
         self._count(host_hit_tokens=end - start - disk, disk_hit_tokens=disk,
-                    bytes_loaded=len(job.keys) * self.geometry.payload_len)
+                    bytes_loaded=len(job.keys) * self.geometry.payload_len,
+                    load_seconds=time.perf_counter() - job.dispatched)
         self._finish_load(job)
 
     def _finish_load(self, job: _LoadJob) -> None:

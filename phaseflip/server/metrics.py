@@ -41,6 +41,9 @@ class ServerMetrics:
                                    namespace=ns, registry=r)
         self.hicache_pages = Gauge("hicache_pages", "HiCache page events", ["event"],
                                    namespace=ns, registry=r)
+        self.hicache_rate = Gauge(
+            "hicache_transfer_gbps", "Observed HiCache copy rate (dispatch to seen done; a "
+            "floor on the link rate)", ["direction"], namespace=ns, registry=r)
 
     def observe_hicache(self, stats: dict | None) -> None:
         """Mirrors the engine's HiCache counters (absent when HiCache is off: nothing set)."""
@@ -50,7 +53,13 @@ class ServerMetrics:
         self.hicache_tokens.labels("disk").set(stats["disk_hit_tokens"])
         self.hicache_bytes.labels("written").set(stats["bytes_written"])
         self.hicache_bytes.labels("loaded").set(stats["bytes_loaded"])
-        for event in ("pages_written", "miss_pages", "corrupt_pages"):
+        self.hicache_bytes.labels("stored").set(stats["bytes_stored"])
+        for direction in ("store", "load"):  # unmeasured (None) stays unset, never 0
+            rate = stats.get(f"{direction}_gbps")
+            if rate is not None:
+                self.hicache_rate.labels(direction).set(rate)
+        for event in ("pages_written", "miss_pages", "corrupt_pages", "host_evictions",
+                      "disk_evictions", "disk_writes_dropped", "sync_writebacks"):
             self.hicache_pages.labels(event.removesuffix("_pages").removesuffix("s")).set(
                 stats[event])
 
