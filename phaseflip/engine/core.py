@@ -202,13 +202,16 @@ class EngineCore:
         items = [it for it in batch.items if it.samples]
         if not items:
             return {}
-        rows = torch.tensor([it.logit_row + it.num_logit_rows - 1 for it in items],
-                            device=logits.device)
+        rows = [it.logit_row + it.num_logit_rows - 1 for it in items]
+        if rows == list(range(len(rows))):  # every decode step: a view, not a gather copy
+            chosen = logits[: len(rows)]
+        else:
+            chosen = logits[torch.tensor(rows, device=logits.device)]
         inputs = [
             SamplingInput(it.req.params, it.req.prompt_ids, it.req.output_ids, it.req.eos_ids)
             for it in items
         ]
-        out = self.sampler.sample(logits[rows], inputs)
+        out = self.sampler.sample(chosen, inputs)
         result: dict[Scheduled, tuple] = {}
         for i, it in enumerate(items):
             lp = out.logprobs[i] if out.logprobs is not None else None
