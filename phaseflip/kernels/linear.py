@@ -577,13 +577,11 @@ def _proxy_rows(n: int) -> int:
 
 
 def warmup(shapes: Iterable[tuple[int, int]], dtype: torch.dtype, device: torch.device, *,
-           m_values: Sequence[int] = DEFAULT_M_VALUES, bias: bool = False,
-           tune_first: bool = False) -> None:
+           m_values: Sequence[int] = DEFAULT_M_VALUES, bias: bool = False) -> None:
     """Compile (and load) the kernel for every (N, K) in `shapes` x M bucket in `m_values`, and
     size the split-K workspace, so that later calls — in particular inside CUDA-graph capture —
     compile and allocate nothing. Call it after loading/tuning configs (`TUNED`): it warms the
-    configs `pick_config` returns now. With `tune_first`, runs `tune` first (times real-size
-    weights, seconds per shape).
+    configs `pick_config` returns now (`linear_tune.tune` measures new ones).
 
     Launches use proxy weights of `_proxy_rows(N)` rows (same compiled variant as the real N),
     so no full-size weight is allocated. Covers 16-byte-aligned operands (any fresh tensor);
@@ -592,10 +590,6 @@ def warmup(shapes: Iterable[tuple[int, int]], dtype: torch.dtype, device: torch.
     shapes = list(dict.fromkeys(shapes))
     if device.type != "cuda":
         return
-    if tune_first:
-        from phaseflip.kernels.linear_tune import tune
-
-        tune(shapes, dtype, device, m_values=m_values)
     ws = workspace_for(device)
     for n, k in shapes:
         rows = _proxy_rows(n)
