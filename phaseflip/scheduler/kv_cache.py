@@ -86,9 +86,7 @@ class KVCacheManager:
         tail_free = (-start) % ps  # unused slots in the request's last page
         new_pages = math.ceil(max(0, num_tokens - tail_free) / ps)
         if new_pages:
-            short = new_pages * ps - self.allocator.free_slots
-            if short > 0:
-                self.tree.evict(short)
+            self._make_room(new_pages * ps)
             fresh = self.allocator.alloc_slots(new_pages)
             if fresh is None:
                 return None
@@ -110,9 +108,7 @@ class KVCacheManager:
         if start % ps:  # the next slot of the request's last page
             slot = int(self._table_np[req.row, start - 1]) + 1
         else:
-            short = ps - self.allocator.free_slots
-            if short > 0:
-                self.tree.evict(short)
+            self._make_room(ps)
             page = self.allocator.alloc_page()
             if page is None:
                 return None
@@ -120,6 +116,12 @@ class KVCacheManager:
         self._table_np[req.row, start] = slot
         req.alloc_len = start + 1
         return self.table.table[req.row, start : start + 1]
+
+    def _make_room(self, slots: int) -> None:
+        """Evicts unlocked cached prefixes until `slots` slots are free (or nothing is left)."""
+        short = slots - self.allocator.free_slots
+        if short > 0:
+            self.tree.evict(short)
 
     def allocate_decode(self, reqs: list[Req]) -> bool:
         """One slot each for the next token of every request in `reqs` (`allocate(r, 1)` for
@@ -135,9 +137,7 @@ class KVCacheManager:
         fresh = starts % ps == 0  # the next token opens a new page
         n_fresh = int(fresh.sum())
         if n_fresh:
-            short = n_fresh * ps - self.allocator.free_slots
-            if short > 0:
-                self.tree.evict(short)
+            self._make_room(n_fresh * ps)
             pages = self.allocator.alloc_pages(n_fresh)
             if pages is None:
                 return False
