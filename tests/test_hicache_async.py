@@ -166,3 +166,29 @@ def test_full_disk_queue_drops_writes_instead_of_blocking(tmp_path):
     assert [disk.contains(k) for k in keys] == [True, True, False, False, False]
     assert all(host.pin_count(k) == 0 for k in keys)
     io.close()
+
+
+def test_load_of_an_aborted_request_leaves_no_lock_at_idle(llama_dir, make_engine):
+    """A request aborted while its pages are being copied; then the last request leaves. The
+    copy lands during the idle quiesce — its pages must become ordinary cached prefixes, not
+    stay locked with no step left to unlock them (a cache flush then failed and took the
+    server's engine process down)."""
+    engine = make_engine(llama_dir, device="cpu", **HC)
+    core, hc = engine.core, engine.core.hicache
+    prompt = prompts_for(engine.model_config.vocab_size)[3]  # 4 full pages
+    engine.generate([prompt], GREEDY, use_tqdm=False)
+    core.kv.tree.evict_all_and_reset()  # the prefix lives only in the host tier now
+    gate = threading.Event()
+    hc.channel.engine.before_copy = lambda o: gate.wait(30) if o.load_frames else None
+    long = SamplingParams(temperature=0.0, max_new_tokens=50, ignore_eos=True)
+    core.add_request("c", [3, 4, 5, 6], long)
+    core.step()
+    core.add_request("b", prompt + [7, 8, 9], GREEDY)
+    core.step()  # b's pages are being copied (held by the gate)
+    assert hc.stats.loads_in_flight > 0
+    threading.Timer(0.2, gate.set).start()
+    core.abort("b")
+    core.abort("c")  # the last request leaves: quiesce lands the copy
+    assert not core.has_work()
+    assert core.kv.tree.protected_size() == 0
+    assert core.kv.tree.evict_all_and_reset() > 0  # what /flush_cache does when idle

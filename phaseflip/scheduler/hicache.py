@@ -265,7 +265,7 @@ class HiCache:
         Only for when the scheduler has nothing else to run (or a fence)."""
         for _ in range(4):  # each round moves every job at least one state on
             if not self.busy:
-                return
+                break
             for fut in list(self._promoting.values()):
                 fut.exception()  # waits
             self.poll()
@@ -273,6 +273,10 @@ class HiCache:
             self.poll()
         if self.busy:
             raise RuntimeError(f"HiCache could not quiesce: {self.stats}")
+        # No step follows to end the holds of pages loaded here (say, for a request aborted
+        # while its copy ran): they become ordinary cached prefixes now, or they would stay
+        # locked through idle and make a cache flush fail.
+        self.end_step()
 
     def fence(self) -> None:
         """Every full page of every cached prefix is in the host tier when this returns, and

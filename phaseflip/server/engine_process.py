@@ -97,6 +97,8 @@ class EngineServer:
                 return m.ControlReply(msg.call_id, False, message=(
                     f"cannot flush the cache while {len(sched.running)} requests run and "
                     f"{len(sched.waiting)} wait"))
+            if self.core.hicache is not None:  # in-flight copies lock tree nodes until done
+                self.core.hicache.quiesce()
             freed = kv.tree.evict_all_and_reset()
             return m.ControlReply(msg.call_id, True, {"freed_tokens": freed})
         if msg.op == "info":
