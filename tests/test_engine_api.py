@@ -111,11 +111,11 @@ def test_engine_thread_failure_reaches_streams(llama_dir, make_engine, monkeypat
     real_step = engine.core.step
     calls = []
 
-    def failing_step():
+    def failing_step(sink=None):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("injected")
-        return real_step()
+        return real_step(sink=sink)
 
     monkeypatch.setattr(engine.core, "step", failing_step)
 
@@ -190,3 +190,31 @@ def test_text_of_a_step_is_made_while_the_next_forward_runs(llama_dir, make_engi
     # "stop" text is made in the step that sampled it, before the next forward
     for k, at in enumerate(stop[:-1]):
         assert forwards[k] < at < forwards[k + 1]
+
+
+def test_a_sink_gets_the_previous_steps_text_before_this_step_samples(llama_dir, make_engine):
+    """Streaming loops pass a sink: step k-1's deltas leave before step k waits for the GPU
+    to sample, so clients see each token one forward earlier than returning them would."""
+    engine = make_engine(llama_dir)
+    core = engine.core
+    events: list[str] = []
+    sample = core._sample
+
+    def spy_sample(batch, logits):
+        events.append("sample")
+        return sample(batch, logits)
+
+    core._sample = spy_sample
+    core.add_request("r", [5, 6, 7], GREEDY)
+    got: list[int] = []
+
+    def sink(deltas):
+        events.append("sink")
+        got.extend(t for d in deltas for t in d.token_ids)
+
+    while core.has_work():
+        for d in core.step(sink=sink):
+            got.extend(d.token_ids)
+    assert len(got) == GREEDY.max_new_tokens
+    samples = [i for i, e in enumerate(events) if e == "sample"]
+    assert all(events[i - 1] == "sink" for i in samples[1:]), events

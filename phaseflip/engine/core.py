@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -126,18 +127,27 @@ class EngineCore:
             close()
 
     # ------------------------------------------------------------------ step
-    def step(self) -> list[StreamDelta]:
+    def step(self, sink: Callable[[list[StreamDelta]], None] | None = None
+             ) -> list[StreamDelta]:
         """One forward step. While the GPU runs it, the host turns the previous step's tokens
         into text (detokenisation and deltas, the bulk of the per-token host work at large
-        batch), so a step's deltas come out with the next step; finishing never waits for
-        text except on stop strings, which are checked at once."""
+        batch); finishing never waits for text except on stop strings, checked at once.
+
+        Those previous-step deltas go to `sink` as soon as they are made, before this step's
+        sampling waits for the GPU (a streaming loop passes one, so clients are not a whole
+        step late); without a sink they are returned with this step's own."""
         batch = self.scheduler.schedule()
         if batch is None:
             if self.cfg.check_accounting and not self._text_pending:
                 self.kv.check(self.scheduler.running)
             return self._emit_text()
-        logits = self.runner.forward(batch.plan)  # queued on the GPU; runs during _emit_text
-        deltas = self._emit_text()
+        try:
+            logits = self.runner.forward(batch.plan)  # queued on the GPU; runs meanwhile
+        finally:  # made even if the forward fails: finished requests keep their last delta
+            deltas = self._emit_text()
+            if sink is not None and deltas:
+                sink(deltas)
+                deltas = []
         self._prompt_logprobs(batch, logits)
         sampled = self._sample(batch, logits)
         self.scheduler.advance(batch)

@@ -179,9 +179,8 @@ class Engine:
                         msg = self._inbox.get_nowait()
                     except queue.Empty:
                         msg = None
-                deltas = self.core.step() if self.core.has_work() else []
-            for d in deltas:
-                self._publish(d.request_id, d)
+                deltas = self.core.step(sink=self._publish_all) if self.core.has_work() else []
+            self._publish_all(deltas)
 
     def _handle(self, msg: tuple) -> None:
         if msg[0] == "add":
@@ -192,6 +191,10 @@ class Engine:
                 self._publish(rid, e)
         elif msg[0] == "abort":
             self.core.abort(msg[1])
+
+    def _publish_all(self, deltas: list[StreamDelta]) -> None:
+        for d in deltas:
+            self._publish(d.request_id, d)
 
     def _publish(self, rid: str, item: StreamDelta | Exception) -> None:
         sub = self._subscribers.get(rid)

@@ -60,12 +60,14 @@ class EngineServer:
             else:
                 self.core.check_alive()
             if self.core.has_work():
-                deltas = self.core.step()
-                if deltas:
-                    sched = self.core.scheduler
-                    self.send(m.Deltas(deltas, len(sched.running), len(sched.waiting)))
+                self._send_deltas(self.core.step(sink=self._send_deltas))
             elif self.cfg.check_accounting:
                 self.core.kv.check(self.core.scheduler.running)
+
+    def _send_deltas(self, deltas: list) -> None:
+        if deltas:
+            sched = self.core.scheduler
+            self.send(m.Deltas(deltas, len(sched.running), len(sched.waiting)))
 
     def _drain(self) -> bool:
         """Handles every queued message; False when told to shut down."""
