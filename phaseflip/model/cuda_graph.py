@@ -90,6 +90,7 @@ class DecodeGraphs:
                                      device=device)
         self.rows = torch.arange(n, dtype=torch.int64, device=device)
         self.graphs: dict[int, _Captured] = {}
+        self._rope_table: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ capture
     def _static_batch(self, bs: int) -> ForwardBatch:
@@ -125,6 +126,7 @@ class DecodeGraphs:
         """Captures every size (largest first). The static buffers hold a valid padding batch
         (every sequence one token over slot 0) for the warm-up runs that compile kernels."""
         self.model.rope.ensure_capacity(self.max_context)
+        self._rope_table = self.model.rope.cos_cache  # the table the graphs will read
         self._warm_linears()
         if not self.record:
             for bs in self.sizes:
@@ -154,6 +156,8 @@ class DecodeGraphs:
     def can_run(self, plan: ForwardBatch) -> bool:
         b = plan.batch_size
         if not 0 < b <= self.max_bs or plan.max_position >= self.max_context:
+            return False
+        if self.model.rope.cos_cache is not self._rope_table:  # regrown since: stale address
             return False
         pad = self.sizes[bisect.bisect_left(self.sizes, b)] - b
         return plan.is_decode and plan.kv_indices.numel() + pad <= self.kv_indices.numel()
