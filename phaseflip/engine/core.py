@@ -60,6 +60,7 @@ class EngineCore:
             # broadcast; its disk and copy threads finish their queues when the core goes away
             self.hicache = HiCache(cfg, model_cfg, self.kv, self.runner)
             self.scheduler.hicache = self.hicache
+            self.hicache.decode_reserve = self.scheduler.decode_reserve
             weakref.finalize(self, self.hicache.close)
         self.sampler = Sampler(cfg.seed)
         self.groups: dict[str, Group] = {}

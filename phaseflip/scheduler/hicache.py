@@ -36,6 +36,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,6 +176,8 @@ class HiCache:
         self._storing: set[bytes] = set()
         self._loads: list[_LoadJob] = []
         self._load_of: dict[str, _LoadJob] = {}  # request id -> its load in progress
+        # the scheduler's current decode reserve in slots (set by the engine; None: none)
+        self.decode_reserve: Callable[[], int] | None = None
         self._loading: dict[bytes, _LoadJob] = {}  # first page key -> load (one load per page)
         self._promoting: dict[bytes, Future[bool]] = {}
         self._missed: set[str] = set()  # waiting requests whose prefix stopped at a miss
@@ -490,7 +493,9 @@ class HiCache:
                 break
             job.frames.append(frame)
         alloc = self.kv.allocator
-        room = alloc.free_slots + self.tree.evictable_size() - job.spare_tokens
+        # the reserve as of now: a load promoted from disk may start many steps after prefetch
+        spare = max(job.spare_tokens, self.decode_reserve() if self.decode_reserve else 0)
+        room = alloc.free_slots + self.tree.evictable_size() - spare
         n = min(len(job.frames), max(0, room) // hp)
         for key in job.keys[n : len(job.frames)]:
             self.host.unpin(key)

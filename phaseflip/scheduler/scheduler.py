@@ -183,7 +183,7 @@ class Scheduler:
             if self.hicache is not None:
                 self.hicache.admitted(req)
             n = self._chunk(req, budget, first=not _has_prefill(items))
-            reserve = sum(self.kv.pages_needed(r, 1) for r in self.running) * self.kv.page_size
+            reserve = self.decode_reserve()
             fits = n > 0 and self.kv.pages_needed(req, n) * self.kv.page_size + reserve <= (
                 self.kv.available()
             )
@@ -202,8 +202,11 @@ class Scheduler:
     def _prefetch(self, req: Req, limit: int) -> bool:
         """Whether `req` may be admitted: its host/disk pages (if any) are in the tree. A load
         leaves the running requests their next decode slots."""
-        reserve = sum(self.kv.pages_needed(r, 1) for r in self.running) * self.kv.page_size
-        return self.hicache.prefetch(req, req.all_ids[:limit], reserve)
+        return self.hicache.prefetch(req, req.all_ids[:limit], self.decode_reserve())
+
+    def decode_reserve(self) -> int:
+        """Slots the running requests' next decode tokens may need (whole new pages)."""
+        return sum(self.kv.pages_needed(r, 1) for r in self.running) * self.kv.page_size
 
     def _waits_for_leader(self, req: Req) -> bool:
         """Samples of an n > 1 group wait until the leader's prompt is in the prefix tree."""
