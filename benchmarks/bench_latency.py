@@ -40,6 +40,7 @@ from benchmarks.common import (
     parse_engine_args,
     print_table,
     random_prompts,
+    release_engine,
     summarize,
     write_json,
 )
@@ -366,11 +367,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for bs in batch_sizes:
             rows.append(bench_phaseflip(engine, bs, args, cost, vocab))
     finally:
-        engine.shutdown()
-        del engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_engine(engine)
     result = {
         "benchmark": "latency",
         "model": args.model or m.model_dir,

@@ -30,6 +30,7 @@ from benchmarks.common import (
     make_workload,
     parse_engine_args,
     print_table,
+    release_engine,
     write_json,
 )
 from phaseflip import Engine, SamplingParams
@@ -186,11 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
     finally:
-        engine.shutdown()
-        del engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_engine(engine)
     if complete:
         produced = sum(len(o.token_ids) for o in outs)
         if produced != work.output_tokens:

@@ -7,6 +7,7 @@ command line), because `docs/benchmarks.md` may only quote figures that can be r
 from __future__ import annotations
 
 import datetime as _dt
+import gc
 import json
 import math
 import os
@@ -256,3 +257,14 @@ def add_model_args(ap) -> None:
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+
+
+def release_engine(engine) -> None:
+    """Shuts `engine` down and returns its device memory, so the next engine or the
+    transformers reference in the same process starts from an empty GPU."""
+    import torch
+
+    engine.shutdown()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
