@@ -76,7 +76,7 @@ class StepRecorder:
         self.core = engine.core
         self.records: list[StepRecord] = []
         self._plan: ForwardBatch | None = None
-        self._cuda = any(p.is_cuda for p in _runner_params(engine))
+        self._cuda = engine.core.runner.device.type == "cuda"
 
     def __enter__(self) -> StepRecorder:
         core, runner = self.core, self.core.runner
@@ -110,17 +110,9 @@ class StepRecorder:
             obj.__dict__.pop(name, None)
 
 
-def _runner_params(engine: Engine) -> list[torch.Tensor]:
-    model = getattr(engine.core.runner, "model", None)
-    return list(model.parameters())[:1] if model is not None else []
-
-
 def engine_dtype(engine: Engine) -> torch.dtype:
-    dtype = getattr(engine.core.runner, "dtype", None)
-    if dtype is None:
-        params = _runner_params(engine)
-        dtype = params[0].dtype if params else torch.bfloat16
-    return dtype
+    return engine.core.runner.dtype  # ModelRunner and DistributedRunner (rank 0) both hold it
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,8 +319,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="default: largest batch × input-len (the batch prefills in one step)")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="any other Engine option, repeatable")
-    ap.add_argument("--peak-bandwidth", type=float, default=PEAK_BANDWIDTH)
-    ap.add_argument("--peak-flops", type=float, default=PEAK_FLOPS)
+    ap.add_argument("--peak-bandwidth", type=float, default=PEAK_BANDWIDTH,
+                    help="one GPU's; a tp×pp layout is measured against tp×pp of them")
+    ap.add_argument("--peak-flops", type=float, default=PEAK_FLOPS, help="one GPU's")
     ap.add_argument("--hf", action="store_true", help="also time transformers generate")
     ap.add_argument("--hf-batch-sizes", default=None, help="default: --batch-sizes")
     ap.add_argument("--hf-cache", default="static", choices=["static", "dynamic"])
@@ -359,9 +352,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     hf_sizes = _ints(args.hf_batch_sizes) if args.hf_batch_sizes else batch_sizes
     engine = build_engine(args, max(batch_sizes))
     m, dtype = engine.model_config, engine_dtype(engine)
-    device = next(iter(_runner_params(engine)), torch.empty(0)).device
+    device = engine.core.runner.device
     cost = CostModel.of(m, dtype)
     vocab = m.vocab_size
+    tp, pp = engine.config.tp_size, engine.config.pp_size
+    # MBU and MFU of a multi-GPU layout are against the ceilings of all its GPUs together
+    args.peak_bandwidth *= tp * pp
+    args.peak_flops *= tp * pp
     rows: list[dict[str, Any]] = []
     try:
         for bs in batch_sizes:
@@ -376,6 +373,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "load_format": args.load_format,
         "dtype": str(dtype).removeprefix("torch."),
         "device": str(device),
+        "tp_size": tp,
+        "pp_size": pp,
+        "gpus": tp * pp,
         "input_len": args.input_len,
         "output_len": args.output_len,
         "num_iters": args.num_iters,
@@ -414,7 +414,8 @@ def _print(result: dict[str, Any]) -> None:
              pct(r["mfu_decode"])] for r in result["results"]]
     print_table(headers, rows, title=(
         f"phaseflip latency: {result['model']} ({result['load_format']}, {result['dtype']}, "
-        f"{result['device']}), input {result['input_len']}, output {result['output_len']}"))
+        f"{result['device']}, tp={result['tp_size']} pp={result['pp_size']}), "
+        f"input {result['input_len']}, output {result['output_len']}"))
     hf = [r for r in result["results"] if r.get("hf")]
     if hf:
         headers = ["batch", "phaseflip prefill s", "transformers prefill s", "prefill ratio",

@@ -166,9 +166,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # (seeded by --seed) keeps the run reproducible without that per-row cost.
     params = [SamplingParams(max_new_tokens=n, temperature=args.temperature, ignore_eos=True)
               for n in work.output_lens]
-    dtype = getattr(engine.core.runner, "dtype", torch.float32)
-    model_params = list(getattr(engine.core.runner, "model", torch.nn.Module()).parameters())[:1]
-    device = model_params[0].device if model_params else torch.device("cpu")
+    dtype, device = engine.core.runner.dtype, engine.core.runner.device
     try:
         if args.num_warmup:
             warm = make_workload("fixed", args.num_warmup, min(64, max_context // 2), 4,
@@ -207,6 +205,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "load_format": args.load_format,
         "dtype": str(dtype).removeprefix("torch."),
         "device": str(device),
+        "tp_size": engine.config.tp_size,
+        "pp_size": engine.config.pp_size,
         "dataset": args.dataset,
         "seed": args.seed,
         "temperature": args.temperature,
@@ -240,7 +240,8 @@ def _print(result: dict[str, Any]) -> None:
                          r["output_tokens_per_s"], r["total_tokens_per_s"]])
     print_table(headers, rows, title=(
         f"offline throughput: {result['model']} ({result['load_format']}, {result['dtype']}, "
-        f"{result['device']}), dataset {result['dataset']}"))
+        f"{result['device']}, tp={result['tp_size']} pp={result['pp_size']}), "
+        f"dataset {result['dataset']}"))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 from phaseflip.attention.triton_backend import TritonAttention  # noqa: E402
 from phaseflip.config import EngineConfig  # noqa: E402
 from phaseflip.forward_batch import ForwardBatch  # noqa: E402
+from phaseflip.layout import Layout  # noqa: E402
 from phaseflip.model.config import ModelConfig  # noqa: E402
 from phaseflip.model.cuda_graph import DecodeGraphs, capture_sizes  # noqa: E402
 from phaseflip.model.runner import ModelRunner  # noqa: E402
@@ -83,8 +84,35 @@ def test_replay_matches_the_eager_forward(runner, lengths):
     runner.forward(_plan([(t[:-1], s[:-1], 0) for t, s in ctx if len(t) > 1], decode=False))
     decode = _plan([(t[-1:], s, len(t) - 1) for t, s in ctx], decode=True)
     want = runner.forward(decode)
-    got = runner.logits(graphs.replay(decode))
+    got = runner.logits(graphs.replay(decode)[0])
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_pipeline_stages_replay_with_the_previous_stages_output(runner, llama_dir):
+    """Two pipeline stages, each with its own graphs: stage 1's graphs read the (hidden,
+    residual) stage 0 produced from their static input buffers. The batch (3 rows, padded to
+    4) follows a larger one, so stale input rows must not leak into real rows."""
+    cfg = EngineConfig(model=str(llama_dir), device=DEVICE, dtype="float32",
+                       attention_backend="torch", max_total_tokens=512, disable_cuda_graph=True)
+    stages = [ModelRunner(cfg, ModelConfig.from_dir(llama_dir), Layout(pp_rank=i, pp_size=2))
+              for i in range(2)]
+    graphs = [_graphs(st, max_bs=8) for st in stages]
+
+    def through_stages(plan: ForwardBatch, replay: bool) -> torch.Tensor:
+        h = r = None
+        for st, g in zip(stages, graphs):
+            h, r = g.replay(plan, h, r) if replay else st.run_stage(plan, h, r)
+        return stages[1].logits(h)
+
+    for lengths, seed in (([7] * 6, 11), ([5, 30, 2], 12)):
+        ctx = _contexts(lengths, seed=seed, first_slot=1 if seed == 11 else 260)
+        prefill = _plan([(t[:-1], s[:-1], 0) for t, s in ctx], decode=False)
+        runner.forward(prefill)
+        through_stages(prefill, replay=False)
+        decode = _plan([(t[-1:], s, len(t) - 1) for t, s in ctx], decode=True)
+        want = runner.forward(decode)
+        torch.testing.assert_close(through_stages(decode, replay=True), want, rtol=1e-4,
+                                   atol=1e-4)
 
 
 def test_padding_rows_write_only_the_padding_slot(runner):

@@ -134,7 +134,7 @@ def _descendants(pid: int) -> list[int]:
 def test_server_with_tp2_answers_like_tp1():
     import httpx
 
-    from tests.test_server import start_server, stop_server
+    from tests.server_process import start_server, stop_server
 
     body = {"model": "tiny-llama", "prompt": ["Return the", "def main():", "The default"],
             "max_tokens": 10, "temperature": 0}
@@ -153,7 +153,7 @@ def test_killing_a_worker_stops_the_server_and_every_rank():
     import os
     import signal
 
-    from tests.test_server import start_server, stop_server
+    from tests.server_process import start_server, stop_server
 
     proc, url = start_server("--tp-size", "2", "--pp-size", "2")
     try:
@@ -194,7 +194,7 @@ def test_two_nodes_on_loopback():
 
     import httpx
 
-    from tests.test_server import free_port, start_server, stop_server
+    from tests.server_process import free_port, start_server, stop_server
 
     prompts = ["Return the", "def main():"]
     with Engine(device="cpu") as e:

@@ -322,9 +322,8 @@ def test_sharegpt_like_lengths_are_seeded_and_clipped():
 
 def test_bench_serving_against_live_server(tmp_path):
     pytest.importorskip("httpx")
-    from test_server import start_server, stop_server
-
     from benchmarks import bench_serving
+    from tests.server_process import start_server, stop_server
 
     proc, url = start_server()
     try:

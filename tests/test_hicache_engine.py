@@ -149,7 +149,7 @@ def test_hicache_needs_the_prefix_cache(llama_dir):
 def test_hicache_counters_reach_metrics_and_server_info(tmp_path):
     import httpx
 
-    from tests.test_server import start_server, stop_server
+    from tests.server_process import start_server, stop_server
 
     proc, url = start_server("--enable-hicache", "--hicache-page-size", "8")
     try:

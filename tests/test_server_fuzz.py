@@ -11,7 +11,7 @@ import pytest
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
-from tests.test_server import start_server, stop_server  # noqa: E402
+from tests.server_process import start_server, stop_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -56,12 +56,21 @@ def capture_sizes(max_bs: int) -> list[int]:
 class _Captured:
     batch: ForwardBatch  # views of the static buffers, `bs` rows
     graph: torch.cuda.CUDAGraph | None  # None: replays run eagerly (record=False)
-    hidden: torch.Tensor | None  # [bs, hidden] final-normed states, written by every replay
+    # [bs, hidden] outputs written by every replay: the final-normed states on the last stage
+    # (residual None), the (hidden, residual) pair another stage receives elsewhere
+    hidden: torch.Tensor | None
+    residual: torch.Tensor | None
     backend_state: object  # the attention backend's plans/workspaces the graph addresses
 
 
 class DecodeGraphs:
-    """Captured decode graphs of one single-stage model and their static input buffers."""
+    """Captured decode graphs of one model stage and their static input buffers.
+
+    Under tensor parallelism the graphs contain the layers' NCCL all-reduces (every TP rank
+    captures the same sizes in the same order, so the collectives pair up). A pipeline stage
+    after the first also gets static (hidden, residual) input buffers, filled from what the
+    previous stage sent; the hand-off between stages stays outside the graphs.
+    """
 
     def __init__(
         self,
@@ -89,6 +98,11 @@ class DecodeGraphs:
         self.kv_indices = torch.full((max_kv_tokens + n,), PAD_SLOT, dtype=torch.int64,
                                      device=device)
         self.rows = torch.arange(n, dtype=torch.int64, device=device)
+        self.in_hidden = self.in_residual = None
+        if model.start_layer > 0:  # a later pipeline stage: its input arrives from the previous
+            width, dtype = model.cfg.hidden_size, pool.k[0].dtype
+            self.in_hidden = torch.zeros(n, width, dtype=dtype, device=device)
+            self.in_residual = torch.zeros(n, width, dtype=dtype, device=device)
         self.graphs: dict[int, _Captured] = {}
         self._rope_table: torch.Tensor | None = None
 
@@ -101,9 +115,12 @@ class DecodeGraphs:
             logits_indices=self.rows[:bs], max_position=0,
         )
 
-    def _run(self, batch: ForwardBatch) -> torch.Tensor:
-        hidden, _ = self.model(batch, self.pool, self.backend)
-        return hidden
+    def _run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        bs = batch.batch_size
+        if self.in_hidden is None:
+            return self.model(batch, self.pool, self.backend)
+        return self.model(batch, self.pool, self.backend, self.in_hidden[:bs],
+                          self.in_residual[:bs])
 
     def _warm_linears(self) -> None:
         """Compiles the skinny-GEMM variants the captured sizes use and sizes its split-K
@@ -131,7 +148,7 @@ class DecodeGraphs:
         if not self.record:
             for bs in self.sizes:
                 batch = self._static_batch(bs)
-                self.graphs[bs] = _Captured(batch, None, None, None)
+                self.graphs[bs] = _Captured(batch, None, None, None, None)
             return
         mempool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
@@ -147,8 +164,8 @@ class DecodeGraphs:
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=mempool, stream=side):
-                hidden = self._run(batch)
-            self.graphs[bs] = _Captured(batch, graph, hidden, state)
+                hidden, residual = self._run(batch)
+            self.graphs[bs] = _Captured(batch, graph, hidden, residual, state)
         torch.cuda.synchronize(self.device)
         log.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
@@ -162,10 +179,16 @@ class DecodeGraphs:
         pad = self.sizes[bisect.bisect_left(self.sizes, b)] - b
         return plan.is_decode and plan.kv_indices.numel() + pad <= self.kv_indices.numel()
 
-    def replay(self, plan: ForwardBatch) -> torch.Tensor:
-        """Final-normed hidden states of `plan.logits_indices` (a view valid until the next
-        replay). `plan` may live on the host; its tensors are copied into the buffers."""
+    def replay(self, plan: ForwardBatch, hidden: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stage's outputs, as `LlamaForCausalLM.forward` returns them: on the last stage the
+        final-normed states of `plan.logits_indices`. Views valid until the next replay. `plan`
+        may live on the host; its tensors, and a later stage's `hidden`/`residual` input, are
+        copied into the static buffers."""
         b = plan.batch_size
+        if self.in_hidden is not None:
+            self.in_hidden[:b].copy_(hidden)
+            self.in_residual[:b].copy_(residual)
         bs = self.sizes[bisect.bisect_left(self.sizes, b)]
         n = plan.kv_indices.numel()
         self.input_ids[:b].copy_(plan.input_ids, non_blocking=True)
@@ -185,10 +208,12 @@ class DecodeGraphs:
         if captured.graph is None:
             with torch.inference_mode():
                 self.backend.bind_graph_batch(captured.batch, self.max_context)
-                hidden = self._run(captured.batch)[:b]
+                out, res = self._run(captured.batch)
         else:
             captured.graph.replay()
-            hidden = captured.hidden[:b]
+            out, res = captured.hidden, captured.residual
+        if res is not None:  # not the last stage: every row travels on
+            return out[:b], res[:b]
         if plan.logits_indices.numel() == b:  # one token per sequence: every row, in order
-            return hidden
-        return hidden.index_select(0, plan.logits_indices.to(self.device))
+            return out[:b], None
+        return out[:b].index_select(0, plan.logits_indices.to(self.device)), None

@@ -93,12 +93,13 @@ class ModelRunner:
         self.graphs = self._capture_graphs()
 
     def _capture_graphs(self):
-        """Decode CUDA graphs for a single-stage CUDA model (multi-rank layouts run eagerly:
-        their collectives and stage hand-offs are not captured yet)."""
+        """Decode CUDA graphs of this rank's stage. TP collectives are captured with the layers
+        when they run on NCCL; a TP group on gloo staging through the host (several ranks on one
+        GPU, for correctness runs) cannot be captured and runs eagerly."""
         cfg = self.cfg
         if (self.device.type != "cuda" or cfg.disable_cuda_graph
                 or not self.backend.graph_capturable
-                or self.layout.tp_size * self.layout.pp_size != 1):
+                or getattr(self.layout.tp_comm, "staged", False)):
             return None
         from phaseflip.model.cuda_graph import DecodeGraphs
 
@@ -142,9 +143,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, plan: ForwardBatch) -> torch.Tensor:
         """float32 logits [len(plan.logits_indices), vocab] (single-stage layouts)."""
-        if self.graphs is not None and self.graphs.can_run(plan):
-            return self.logits(self.graphs.replay(plan))
-        hidden, _ = self.run_stage(plan.to(self.device))
+        hidden, _ = self.run_stage(plan)
         return self.logits(hidden)
 
     @torch.inference_mode()
@@ -152,8 +151,11 @@ class ModelRunner:
         self, plan: ForwardBatch, hidden: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This stage's layers on a plan already on the device; see LlamaForCausalLM.forward."""
-        return self.model(plan, self.pool, self.backend, hidden, residual)
+        """This stage's layers (see LlamaForCausalLM.forward): a decode plan the captured graphs
+        can hold is replayed, anything else runs eagerly. `plan` may live on the host."""
+        if self.graphs is not None and self.graphs.can_run(plan):
+            return self.graphs.replay(plan, hidden, residual)
+        return self.model(plan.to(self.device), self.pool, self.backend, hidden, residual)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
