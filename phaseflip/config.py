@@ -72,6 +72,11 @@ class EngineConfig:
     """Tensor-parallel ranks (each holds a slice of every layer)."""
     pp_size: int = 1
     """Pipeline-parallel stages (each holds a contiguous range of layers)."""
+    pp_min_micro_batch_tokens: int = 1024
+    """With --pp-size > 1, a step with prompt tokens is cut into about T / this many
+    micro-batches (at least pp_size, at most 4 * pp_size; one long prompt is cut too), so the
+    pipeline bubble (p-1)/(m+p-1) shrinks while each micro-batch stays large enough for
+    efficient matmuls. Decode-only steps always use pp_size micro-batches."""
     dist_backend: str = "auto"
     """torch.distributed backend: gloo, nccl, or auto (nccl when every rank has its own GPU)."""
     dist_init_addr: str | None = None
@@ -112,6 +117,8 @@ class EngineConfig:
             raise bad("schedule_policy", "expected fcfs or lpm")
         if self.tp_size < 1 or self.pp_size < 1:
             raise bad("tp_size" if self.tp_size < 1 else "pp_size", "must be >= 1")
+        if self.pp_min_micro_batch_tokens < 1:
+            raise bad("pp_min_micro_batch_tokens", "must be >= 1")
         if self.dist_backend not in ("auto", "gloo", "nccl"):
             raise bad("dist_backend", "expected gloo, nccl or auto")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:

@@ -7,8 +7,10 @@ attends to `kv_indptr[i+1] - kv_indptr[i]` slots (its cached prefix followed by 
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -19,11 +21,11 @@ class ForwardBatch:
     input_ids: torch.Tensor  # int64 [T] new tokens of every sequence, concatenated
     positions: torch.Tensor  # int64 [T]
     out_cache_loc: torch.Tensor  # int64 [T] slot each new token's K/V is written to
-    extend_lens: list[int]  # new tokens per sequence
+    extend_lens: list[int]  # new tokens per sequence (each >= 1)
     prefix_lens: list[int]  # tokens per sequence already in the KV pool before this forward
     kv_indptr: torch.Tensor  # int64 [B+1] offsets into kv_indices
     kv_indices: torch.Tensor  # int64 [sum seq_lens] slots of each sequence's whole context
-    logits_indices: torch.Tensor  # int64 [L] rows of the hidden states whose logits are needed
+    logits_indices: torch.Tensor  # int64 [L] ascending rows of the hidden states to take logits of
     max_position: int  # largest entry of `positions` (known on the host, so no device sync)
 
     @classmethod
@@ -79,29 +81,54 @@ class ForwardBatch:
         return all(n == 1 for n in self.extend_lens)
 
     def split(self, parts: int) -> list[ForwardBatch]:
-        """Cuts the batch into up to `parts` micro-batches of whole sequences (for pipeline
-        parallelism); concatenating their logits gives this batch's logits, in order."""
-        parts = max(1, min(parts, self.batch_size))
+        """Cuts the batch into `min(parts, num_tokens)` micro-batches of about equal token
+        counts, none empty (pipeline parallelism: a long prompt alone must still pipeline).
+
+        A sequence whose new tokens straddle a cut becomes one piece per micro-batch: the piece
+        of its new tokens [a, b) has prefix `prefix_lens[i] + a`, extend `b - a` and the first
+        `prefix_lens[i] + b` slots of the sequence's context. Sound because each stage runs its
+        micro-batches in order, so its layers have written the K/V of the earlier pieces before
+        a later piece attends to them as cached prefix. As sequences lie back to back, a
+        micro-batch's slots are one contiguous range of `kv_indices` (a view).
+
+        Logits rows go with their tokens, re-based; as `logits_indices` ascend, concatenating
+        the parts' logits gives this batch's logits in order. A decode batch (one token per
+        sequence) is cut between sequences exactly as before token cuts existed."""
+        total = self.num_tokens
+        parts = max(1, min(parts, total))
         if parts == 1:
             return [self]
-        bounds = [round(i * self.batch_size / parts) for i in range(parts + 1)]
-        tok = [0]
-        for n in self.extend_lens:
-            tok.append(tok[-1] + n)
-        out = []
-        for a, b in zip(bounds, bounds[1:]):
-            t0, t1 = tok[a], tok[b]
-            k0, k1 = int(self.kv_indptr[a]), int(self.kv_indptr[b])
-            li = self.logits_indices
-            sel = li[(li >= t0) & (li < t1)] - t0
-            out.append(ForwardBatch(
-                input_ids=self.input_ids[t0:t1], positions=self.positions[t0:t1],
-                out_cache_loc=self.out_cache_loc[t0:t1], extend_lens=self.extend_lens[a:b],
-                prefix_lens=self.prefix_lens[a:b], kv_indptr=self.kv_indptr[a:b + 1] - k0,
-                kv_indices=self.kv_indices[k0:k1], logits_indices=sel,
-                max_position=int(self.positions[t0:t1].max()),
-            ))
-        return out
+        # round, not floor, keeps the decode cuts of the sequence-only split; with
+        # parts <= total consecutive cuts still differ by at least one token
+        cuts = [round(k * total / parts) for k in range(parts + 1)]
+        ends = list(accumulate(self.extend_lens))  # token end of each sequence in the batch
+        indptr = self.kv_indptr.tolist()
+        li = self.logits_indices
+        rows = torch.searchsorted(li, torch.tensor(cuts, device=li.device)).tolist()  # per cut
+        return [self._piece(t0, t1, ends, indptr, rows[k], rows[k + 1])
+                for k, (t0, t1) in enumerate(zip(cuts, cuts[1:]))]
+
+    def _piece(self, t0: int, t1: int, ends: list[int], indptr: list[int], r0: int,
+               r1: int) -> ForwardBatch:
+        """Tokens [t0, t1) as a batch (see `split`); r0:r1 are their logits rows."""
+        first, last = bisect_right(ends, t0), bisect_left(ends, t1)  # sequences [first, last]
+        a = t0 - (ends[first] - self.extend_lens[first])  # cut inside the first sequence
+        b = t1 - (ends[last] - self.extend_lens[last])  # end inside the last sequence
+        extend = self.extend_lens[first : last + 1]
+        prefix = self.prefix_lens[first : last + 1]
+        extend[-1] = b
+        extend[0] -= a
+        prefix[0] += a
+        k0, k1 = indptr[first], indptr[last] + self.prefix_lens[last] + b
+        kv_indptr = self.kv_indptr[first : last + 2] - k0
+        kv_indptr[-1] = k1 - k0
+        positions = self.positions[t0:t1]
+        return ForwardBatch(
+            input_ids=self.input_ids[t0:t1], positions=positions,
+            out_cache_loc=self.out_cache_loc[t0:t1], extend_lens=extend, prefix_lens=prefix,
+            kv_indptr=kv_indptr, kv_indices=self.kv_indices[k0:k1],
+            logits_indices=self.logits_indices[r0:r1] - t0, max_position=int(positions.max()),
+        )
 
     def to(self, device: torch.device | str) -> ForwardBatch:
         move = {

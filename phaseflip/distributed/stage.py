@@ -75,7 +75,22 @@ class StageExecutor:
         return self.groups.pp_rank == self.spec.pp_size - 1
 
     def micro_batches(self, plan: ForwardBatch) -> list[ForwardBatch]:
-        return plan.split(self.spec.pp_size) if self.spec.pp_size > 1 else [plan]
+        """The plan cut for the pipeline; every stage cuts the same plan the same way.
+
+        Decode-only steps: pp_size parts, as a decode micro-batch costs a full read of the
+        stage's weights for few FLOPs, so more parts only add time. Steps with prompt tokens
+        are compute bound: m parts over p stages leave a bubble of (p-1)/(m+p-1), so cut into
+        T // pp_min_micro_batch_tokens parts, clamped to [p, 4p] (p=2: 1/3 of the step idle at
+        m=2, 1/9 at m=8); the floor keeps each part's matmuls compute bound, the cap bounds
+        the per-part launch and hand-off overhead where the bubble has little left to give."""
+        p = self.spec.pp_size
+        if p == 1:
+            return [plan]
+        tokens = plan.num_tokens
+        if tokens == plan.batch_size:  # one token per sequence: decode only
+            return plan.split(p)
+        parts = tokens // self.runner.cfg.pp_min_micro_batch_tokens
+        return plan.split(min(max(parts, p), 4 * p))
 
     def execute(self, step: int, plan: ForwardBatch) -> torch.Tensor | None:
         """Runs the plan; returns the float32 logits on the driver, None elsewhere."""
@@ -89,7 +104,7 @@ class StageExecutor:
                     hidden = self._recv((mb.num_tokens, self.hidden_size), runner.dtype, src)
                     residual = self._recv((mb.num_tokens, self.hidden_size), runner.dtype, src)
             with tr.at(f"forward micro-batch {i}", step):
-                h, r = runner.run_stage(mb.to(runner.device), hidden, residual)
+                h, r = runner.run_stage(mb, hidden, residual)
             if self.last:
                 logits.append(runner.logits(h))
             else:
@@ -117,7 +132,9 @@ class StageExecutor:
 
     # -------------------------------------------------------------- point to point
     def _isend(self, t: torch.Tensor, dst: int):
-        t = t.contiguous().cpu() if self.staged else t.contiguous()
+        # A copy: `t` may be a view of a decode graph's static output, which the next
+        # micro-batch's replay overwrites while NCCL's stream may still be reading it.
+        t = t.cpu() if self.staged else t.clone(memory_format=torch.contiguous_format)
         return dist.isend(t, dst), t  # keep the buffer alive until the send completes
 
     def _send(self, t: torch.Tensor, dst: int) -> None:

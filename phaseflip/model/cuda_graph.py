@@ -163,7 +163,10 @@ class DecodeGraphs:
                     self._run(batch)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=mempool, stream=side):
+            # thread_local: other threads' CUDA calls (the NCCL watchdog querying its events,
+            # HiCache copies) may not invalidate this capture
+            with torch.cuda.graph(graph, pool=mempool, stream=side,
+                                  capture_error_mode="thread_local"):
                 hidden, residual = self._run(batch)
             self.graphs[bs] = _Captured(batch, graph, hidden, residual, state)
         torch.cuda.synchronize(self.device)
