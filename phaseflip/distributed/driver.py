@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,6 +32,8 @@ from phaseflip.distributed.worker import STOP, build_rank, worker_main
 from phaseflip.forward_batch import ForwardBatch
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.runner import resolve_dtype
+
+log = logging.getLogger(__name__)
 
 
 class DistributedChannel(TransferChannel):
@@ -180,14 +184,15 @@ class DistributedRunner:
                 dist.broadcast_object_list([STOP], src=0, group=self.groups.cpu_group)
             except Exception:  # noqa: BLE001 — a dead peer; terminate below
                 graceful = False
+        if graceful:  # every rank tears down at once: NCCL's teardown may wait for its peers
+            self.runner.release_graphs()
+            self._destroy_group(timeout_s=30)
         for w in self.workers:
             w.join(timeout=10 if graceful else 0.1)
             if w.is_alive():
                 w.terminate()
                 w.join(timeout=5)
         self.stage.tracker.close()
-        if graceful and dist.is_initialized():
-            dist.destroy_process_group()
         shutil.rmtree(self.run_dir, ignore_errors=True)
         if self.hicache_channel is not None:
             with contextlib.suppress(Exception):  # the group is gone: flush what is local
@@ -195,6 +200,20 @@ class DistributedRunner:
             if self.stage.transfers is not None:
                 self.stage.transfers.close()
             self.hicache_frames.close()
+
+
+    @staticmethod
+    def _destroy_group(timeout_s: float) -> None:
+        """destroy_process_group, given up on after `timeout_s` (a peer that never arrives must
+        not hang the shutdown; the workers are terminated after it)."""
+        if not dist.is_initialized():
+            return
+        done = threading.Thread(target=dist.destroy_process_group, daemon=True,
+                                name="phaseflip-destroy-group")
+        done.start()
+        done.join(timeout_s)
+        if done.is_alive():
+            log.warning("process group teardown did not finish in %.0f s; going on", timeout_s)
 
 
 def run_node_workers(cfg: EngineConfig) -> int:

@@ -82,4 +82,5 @@ def worker_main(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | Non
         os._exit(1)
     finally:
         tracker.close()
+    runner.release_graphs()  # before the communicator its captured all-reduces use
     dist.destroy_process_group()

@@ -172,6 +172,15 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         log.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
+    def release(self) -> None:
+        """Frees the graphs. Under TP this must happen before the NCCL communicator is
+        destroyed: a communicator whose collectives live on in a captured graph does not
+        finish its teardown (seen on the H200 pair: shutdown hung)."""
+        for captured in self.graphs.values():
+            if captured.graph is not None:
+                captured.graph.reset()
+        self.graphs.clear()
+
     # ------------------------------------------------------------------ replay
     def can_run(self, plan: ForwardBatch) -> bool:
         b = plan.batch_size

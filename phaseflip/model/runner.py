@@ -112,6 +112,13 @@ class ModelRunner:
         graphs.capture()
         return graphs
 
+    def release_graphs(self) -> None:
+        """Frees the decode graphs (before the rank's process group is destroyed)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+            torch.cuda.synchronize(self.device)
+
     def _kv_slots(self) -> int:
         """Usable KV tokens plus the reserved padding page, rounded to whole pages."""
         ps = self.cfg.page_size
