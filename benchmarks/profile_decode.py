@@ -38,6 +38,29 @@ def _wrap(obj: Any, name: str, label: str) -> None:
     setattr(obj, name, wrapped)
 
 
+def wrap_phases(core: Any) -> None:
+    """Profiler ranges around the engine's schedule/forward/sample calls (this core only)."""
+    for label, (owner, name) in PHASES.items():
+        _wrap(getattr(core, owner), name, f"phase:{label}")
+
+
+def per_step_times(prof: Any, steps: int) -> tuple[dict[str, float], dict[str, float]]:
+    """(GPU time per kernel name, host time per phase), in ms per step, from a profile of
+    `steps` engine steps each wrapped in a "phase:step" range."""
+    kernels: dict[str, float] = defaultdict(float)
+    phases: dict[str, float] = defaultdict(float)
+    for ev in prof.events():
+        if ev.name.startswith("phase:") and ev.device_type == torch.autograd.DeviceType.CUDA:
+            continue  # the ranges' own GPU-side spans, not kernels
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[ev.name] += ev.device_time / 1e3 / steps
+        elif ev.name.startswith("phase:"):
+            phases[ev.name[6:]] += ev.cpu_time_total / 1e3 / steps
+    if "step" in phases:  # everything the wrapped phases do not cover: outputs, detokenize
+        phases["other"] = phases["step"] - sum(v for k, v in phases.items() if k != "step")
+    return dict(kernels), dict(phases)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(ap)
@@ -79,8 +102,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         core.step()
     sync()
     bare = (time.perf_counter() - t0) / args.steps
-    for label, (owner, name) in PHASES.items():
-        _wrap(getattr(core, owner), name, f"phase:{label}")
+    wrap_phases(core)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
@@ -91,17 +113,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         wall = (time.perf_counter() - t0) / args.steps
     if args.trace:
         prof.export_chrome_trace(args.trace)
-    kernels: dict[str, float] = defaultdict(float)
-    phases: dict[str, float] = defaultdict(float)
-    for ev in prof.events():
-        if ev.name.startswith("phase:") and ev.device_type == torch.autograd.DeviceType.CUDA:
-            continue  # the ranges' own GPU-side spans, not kernels
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[ev.name] += ev.device_time / 1e3 / args.steps  # ms per step
-        elif ev.name.startswith("phase:"):
-            phases[ev.name[6:]] += ev.cpu_time_total / 1e3 / args.steps
-    if "step" in phases:  # everything the wrapped phases do not cover: outputs, detokenize
-        phases["other"] = phases["step"] - sum(v for k, v in phases.items() if k != "step")
+    kernels, phases = per_step_times(prof, args.steps)
     gpu_ms = sum(kernels.values())
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[: args.top]
     result = {

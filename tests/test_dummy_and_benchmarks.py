@@ -309,6 +309,25 @@ def test_bench_offline_partial_run_is_marked(tmp_path):
     assert data["phaseflip"]["complete"] is False and data["phaseflip"]["num_requests"] == 0
 
 
+def test_profile_offline_classifies_every_step(tmp_path):
+    from benchmarks import profile_offline
+
+    out = tmp_path / "prof.json"
+    data = profile_offline.main(["--model", str(EMBEDDED_MODEL), "--device", "cpu",
+                                 "--num-prompts", "6", "--dataset", "fixed", "--input-len", "8",
+                                 "--output-len", "5", "--max-running-requests", "4",
+                                 "--profile-at", "2", "--profile-steps", "2", "--out", str(out)])
+    _valid_json(out)
+    kinds = data["by_step_kind"]
+    assert set(kinds) <= set(profile_offline.KINDS)
+    assert sum(k["steps"] for k in kinds.values()) == len(data["steps"])
+    # 6 × 5 tokens: the first of each comes from its prompt step, the rest from one-token rows;
+    # the 2 profiled steps (at most 4 rows each) are not in the per-step records
+    decode_rows = sum(k["decode_rows"] for k in kinds.values())
+    assert 6 * 4 - 2 * 4 <= decode_rows <= 6 * 4
+    assert sum(k["prompt_tokens"] for k in kinds.values()) <= 6 * 8
+
+
 def test_sharegpt_like_lengths_are_seeded_and_clipped():
     from benchmarks.common import sample_lengths
 

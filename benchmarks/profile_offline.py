@@ -1,0 +1,233 @@
+"""Where an offline run's time goes: every step of a whole workload, classified, plus a profile.
+
+    python -m benchmarks.profile_offline --model llama-3.1-8b --load-format dummy \
+        --num-prompts 1000 --max-running-requests 512 --profile-at 300 --out offline_prof.json
+
+Runs the same seeded workload as `bench_offline` (ShareGPT-like by default) through the engine
+core step by step, and times each step from its start to the next one's (the steps sample, so
+each ends with the GPU work it queued done). Every step is classified:
+
+  decode/graph   only one-token sequences, replayed from a captured CUDA graph
+  decode/eager   only one-token sequences, run eagerly (batch above the largest graph, ...)
+  mixed          prompt tokens and decodes together (always eager)
+  prefill        prompt tokens only
+
+and the totals per class (steps, seconds, output tokens, prompt tokens) say which kind of step
+the run's time is spent in. `--profile-at K` also runs torch.profiler over `--profile-steps`
+steps from step K on and reports GPU kernel time and host phases per step for that window, as
+`profile_decode` does. `--plot` draws the step-time timeline (PNG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+from tqdm.auto import tqdm
+
+from benchmarks.common import (
+    add_model_args,
+    make_workload,
+    parse_engine_args,
+    print_table,
+    release_engine,
+    write_json,
+)
+from benchmarks.profile_decode import per_step_times, wrap_phases
+from phaseflip import Engine, SamplingParams
+
+KINDS = ("decode/graph", "decode/eager", "mixed", "prefill")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(ap)
+    ap.add_argument("--num-prompts", type=int, default=1000)
+    ap.add_argument("--dataset", default="sharegpt-like", choices=["sharegpt-like", "fixed"])
+    ap.add_argument("--input-len", type=int, default=1024, help="fixed dataset only")
+    ap.add_argument("--output-len", type=int, default=512, help="fixed dataset only")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--max-running-requests", type=int, default=512)
+    ap.add_argument("--mem-fraction", type=float, default=None)
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--profile-at", type=int, default=None, help="first profiled step")
+    ap.add_argument("--profile-steps", type=int, default=10)
+    ap.add_argument("--top", type=int, default=15, help="kernels listed")
+    ap.add_argument("--plot", default=None, help="write the step timeline PNG here")
+    ap.add_argument("--out", default=None)
+    return ap.parse_args(argv)
+
+
+class StepLog:
+    """Wraps the scheduler's `schedule` to see each step's plan (this core only)."""
+
+    def __init__(self, core: Any) -> None:
+        self.core, self.plan = core, None
+        schedule = core.scheduler.schedule
+
+        def logged() -> Any:
+            batch = schedule()
+            self.plan = batch.plan if batch is not None else None
+            return batch
+
+        core.scheduler.schedule = logged
+
+    def kind(self) -> str | None:
+        plan = self.plan
+        if plan is None:
+            return None
+        if plan.is_decode:
+            graphs = getattr(self.core.runner, "graphs", None)
+            return "decode/graph" if graphs is not None and graphs.can_run(plan) else \
+                "decode/eager"
+        return "prefill" if all(n > 1 for n in plan.extend_lens) else "mixed"
+
+    def counts(self) -> tuple[int, int, int]:
+        """(sequences, one-token rows, prompt tokens) of the last plan."""
+        ext = self.plan.extend_lens
+        ones = sum(1 for n in ext if n == 1)
+        return len(ext), ones, sum(n for n in ext if n > 1)
+
+
+def run_steps(core: Any, args: argparse.Namespace, total_out: int) -> tuple[list, dict]:
+    """Steps the core to the end; returns the per-step records and the profile window."""
+    log, records, window = StepLog(core), [], {}
+    cuda = core.runner.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    bar = tqdm(total=total_out, unit="tok", desc="offline steps")
+    sync()
+    step, t_prev = 0, time.perf_counter()
+    while core.has_work():
+        profiling = args.profile_at is not None and step == args.profile_at
+        if profiling:
+            window = _profile(core, log, args, sync, cuda)
+            step += args.profile_steps
+            t_prev = time.perf_counter()
+            continue
+        deltas = core.step()
+        now = time.perf_counter()
+        kind = log.kind()
+        if kind is not None:
+            seqs, ones, prompt = log.counts()
+            records.append({"step": step, "kind": kind, "seconds": now - t_prev,
+                            "sequences": seqs, "decode_rows": ones, "prompt_tokens": prompt})
+        bar.update(sum(len(d.token_ids) for d in deltas))
+        step, t_prev = step + 1, now
+    bar.close()
+    return records, window
+
+
+def _profile(core: Any, log: StepLog, args: argparse.Namespace, sync, cuda: bool) -> dict:
+    wrap_phases(core)
+    kinds: dict[str, int] = defaultdict(int)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(args.profile_steps):
+            with record_function("phase:step"):
+                core.step()
+            kinds[log.kind() or "idle"] += 1
+        sync()
+        wall = (time.perf_counter() - t0) / args.profile_steps
+    kernels, phases = per_step_times(prof, args.profile_steps)
+    gpu = sum(kernels.values())
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[: args.top]
+    return {"first_step": args.profile_at, "steps": args.profile_steps, "step_kinds": kinds,
+            "wall_ms_per_step_profiled": wall * 1e3, "gpu_kernel_ms_per_step": gpu,
+            "host_ms_per_step": phases, "top_kernels_ms_per_step": dict(top)}
+
+
+def summarize(records: list[dict]) -> dict[str, dict[str, float]]:
+    out = {}
+    for kind in KINDS:
+        rs = [r for r in records if r["kind"] == kind]
+        if rs:
+            secs = sum(r["seconds"] for r in rs)
+            out[kind] = {"steps": len(rs), "seconds": secs,
+                         "decode_rows": sum(r["decode_rows"] for r in rs),
+                         "prompt_tokens": sum(r["prompt_tokens"] for r in rs),
+                         "mean_sequences": sum(r["sequences"] for r in rs) / len(rs),
+                         "ms_per_step": 1e3 * secs / len(rs)}
+    return out
+
+
+def plot_timeline(records: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for kind in KINDS:
+        rs = [r for r in records if r["kind"] == kind]
+        if rs:
+            ax.scatter([r["step"] for r in rs], [1e3 * r["seconds"] for r in rs], s=4,
+                       label=kind)
+    ax.set_xlabel("step")
+    ax.set_ylabel("step time (ms)")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    opts: dict[str, Any] = {"load_format": args.load_format, "device": args.device,
+                            "dtype": args.dtype, "seed": args.seed,
+                            "max_running_requests": args.max_running_requests}
+    if args.mem_fraction is not None:
+        opts["mem_fraction"] = args.mem_fraction
+    opts.update(parse_engine_args(args.engine_arg))
+    engine = Engine(args.model, **opts)
+    core = engine.core
+    work = make_workload(args.dataset, args.num_prompts, args.input_len, args.output_len,
+                         engine.model_config.vocab_size, args.seed, core.max_context)
+    for i, (p, n) in enumerate(zip(work.prompts, work.output_lens)):
+        core.add_request(f"r{i}", p, SamplingParams(max_new_tokens=n, ignore_eos=True,
+                                                    temperature=args.temperature))
+    t0 = time.perf_counter()
+    try:
+        records, window = run_steps(core, args, work.output_tokens)
+    finally:
+        seconds = time.perf_counter() - t0
+        release_engine(engine)
+    classes = summarize(records)
+    result = {"benchmark": "profile_offline", "model": args.model, "dataset": args.dataset,
+              "num_prompts": args.num_prompts, "max_running_requests": args.max_running_requests,
+              "seconds": seconds, "output_tokens": work.output_tokens,
+              "output_tokens_per_s": work.output_tokens / seconds, "by_step_kind": classes,
+              "profile": window, "steps": records}
+    _print(result)
+    if args.plot:
+        plot_timeline(records, args.plot)
+    return write_json(args.out, result)
+
+
+def _print(result: dict[str, Any]) -> None:
+    total = sum(c["seconds"] for c in result["by_step_kind"].values()) or 1.0
+    rows = [[k, c["steps"], c["seconds"], 100 * c["seconds"] / total, c["ms_per_step"],
+             c["mean_sequences"], c["decode_rows"], c["prompt_tokens"]]
+            for k, c in result["by_step_kind"].items()]
+    print_table(["step kind", "steps", "seconds", "% of time", "ms/step", "mean seqs",
+                 "decode rows", "prompt tokens"], rows,
+                title=f"offline steps: {result['output_tokens_per_s']:.0f} output tok/s over "
+                      f"{result['seconds']:.1f} s (profiled window included)")
+    w = result["profile"]
+    if w:
+        print(f"profile of steps {w['first_step']}..+{w['steps']} {dict(w['step_kinds'])}: "
+              f"wall {w['wall_ms_per_step_profiled']:.2f} ms/step, GPU kernels "
+              f"{w['gpu_kernel_ms_per_step']:.2f} ms/step; host (ms): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in w["host_ms_per_step"].items()))
+        for name, ms in w["top_kernels_ms_per_step"].items():
+            print(f"{ms:8.3f} ms  {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
