@@ -21,6 +21,8 @@ steps from step K on and reports GPU kernel time and host phases per step for th
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 from collections import defaultdict
 from typing import Any
@@ -29,6 +31,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 from tqdm.auto import tqdm
 
+from benchmarks.bench_scheduler import install_null_forward
 from benchmarks.common import (
     add_model_args,
     make_workload,
@@ -58,6 +61,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--profile-at", type=int, default=None, help="first profiled step")
     ap.add_argument("--profile-steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=15, help="kernels listed")
+    ap.add_argument("--null-forward", action="store_true",
+                    help="precomputed logits instead of the model (host overhead only)")
+    ap.add_argument("--cprofile", default=None, help="cProfile the whole run into this file")
     ap.add_argument("--plot", default=None, help="write the step timeline PNG here")
     ap.add_argument("--out", default=None)
     return ap.parse_args(argv)
@@ -192,10 +198,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for i, (p, n) in enumerate(zip(work.prompts, work.output_lens)):
         core.add_request(f"r{i}", p, SamplingParams(max_new_tokens=n, ignore_eos=True,
                                                     temperature=args.temperature))
+    if args.null_forward:
+        install_null_forward(core, args.max_running_requests, engine.model_config.vocab_size,
+                             args.seed)
+    prof = cProfile.Profile() if args.cprofile else None
     t0 = time.perf_counter()
     try:
+        if prof is not None:
+            prof.enable()
         records, window = run_steps(core, args, work.output_tokens)
     finally:
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(args.cprofile)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         seconds = time.perf_counter() - t0
         release_engine(engine)
     classes = summarize(records)

@@ -9,9 +9,13 @@ from typing import Any
 from phaseflip.sampling.params import SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)
 class Req:
     """One generation sequence. KV holdings (`row`, `kv_len`, ...) are set only while running.
+
+    Compared by identity (`eq=False`): two requests are never "equal", and `req in running` or
+    `running.remove(req)` must not compare every field of every other request (at 512 running
+    that was a field-by-field compare per list element, per removal).
 
     Invariants while running: table row `row` holds slots for tokens [0, alloc_len); tokens
     [0, protected_len) are owned by the prefix tree and locked through `last_node`; slots from

@@ -92,25 +92,26 @@ class Scheduler:
             hc.end_step()
 
     def _schedule(self) -> ScheduledBatch | None:
-        self._secure_decode_slots()
+        decoding = self._secure_decode_slots()
         items: list[Scheduled] = []
         budget = self._prefill_budget()
-        decoding = [r for r in self.running if r.remaining == 1]
         if not self.kv.allocate_decode(decoding):
             raise RuntimeError(f"no KV slots for {len(decoding)} decoding requests after "
                                f"securing them ({self.kv.accounting(self.running)})")
         items += [self._extend(r, 1) for r in decoding]
+        prefill = False  # whether `items` holds prompt tokens yet (decode items never do)
         for req in self.running:
             if req.remaining > 1:
-                n = self._chunk(req, budget, first=not _has_prefill(items))
+                n = self._chunk(req, budget, first=not prefill)
                 if n == 0 or self.kv.allocate(req, n) is None:
                     break
                 items.append(self._extend(req, n))
+                prefill = True  # more than one token, or (n == 1) not yet sampling
                 budget -= n
-        self._admit(items, budget)
+        self._admit(items, budget, prefill)
         if not items and self.hicache is not None and self.hicache.busy:
             self.hicache.quiesce()  # nothing else can run: waiting on the transfers is free
-            self._admit(items, budget)
+            self._admit(items, budget, False)
         if not items:
             return None
         self.stats.steps += 1
@@ -130,13 +131,14 @@ class Scheduler:
             return max(0, budget)
         return req.remaining if first else 0
 
-    def _secure_decode_slots(self) -> None:
-        """Ensures every decoding request gets its next slot, retracting newest-first."""
+    def _secure_decode_slots(self) -> list[Req]:
+        """Ensures every decoding request gets its next slot, retracting newest-first; returns
+        the decoding requests."""
         while True:
             decoding = [r for r in self.running if r.remaining == 1]
             pages = sum(self.kv.pages_needed(r, 1) for r in decoding)
             if pages * self.kv.page_size <= self.kv.available() or not self.running:
-                return
+                return decoding
             if len(self.running) == 1:
                 raise RuntimeError(
                     f"request {self.running[0].rid} alone does not fit the KV pool "
@@ -161,14 +163,18 @@ class Scheduler:
             return sorted(self.waiting, key=lambda r: (cached(r), r.arrival))
         return list(self.waiting)
 
-    def _admit(self, items: list[Scheduled], budget: int) -> None:
+    def _admit(self, items: list[Scheduled], budget: int, prefill: bool) -> None:
+        """Admits waiting requests while they fit; `prefill`: `items` already holds prompt
+        tokens. The decode reserve is summed once and grown by each admission (it is read per
+        candidate, and summing it over every running request each time is O(running²))."""
         if self._hold_admission_at is not None:
             if len(self.running) >= self._hold_admission_at and self.running:
                 return
             self._hold_admission_at = None
+        reserve = None
         for req in self._admission_order():
             if len(self.running) >= self.cfg.max_running_requests or budget <= 0 and (
-                _has_prefill(items) or self.cfg.chunk_size
+                prefill or self.cfg.chunk_size
             ):
                 return
             if self._waits_for_leader(req):
@@ -182,8 +188,9 @@ class Scheduler:
                 return
             if self.hicache is not None:
                 self.hicache.admitted(req)
-            n = self._chunk(req, budget, first=not _has_prefill(items))
-            reserve = self.decode_reserve()
+            n = self._chunk(req, budget, first=not prefill)
+            if reserve is None:
+                reserve = self.decode_reserve()
             fits = n > 0 and self.kv.pages_needed(req, n) * self.kv.page_size + reserve <= (
                 self.kv.available()
             )
@@ -192,6 +199,8 @@ class Scheduler:
                 return
             self.waiting.remove(req)
             self.running.append(req)
+            reserve += self.kv.pages_needed(req, 1) * self.kv.page_size
+            prefill = prefill or n > 1 or req.kv_len + n < req.num_tokens
             if not req.admitted_once:
                 req.cached_tokens = req.kv_len
                 self.stats.cached_tokens += req.kv_len
@@ -256,7 +265,3 @@ class Scheduler:
         if self.hicache is not None:
             self.hicache.publish_pending()  # write-through: store orders this very step
 
-
-def _has_prefill(items: list[Scheduled]) -> bool:
-    return any(it.extend_len > 1 or it.req.kv_len + it.extend_len < it.req.num_tokens
-               for it in items)
