@@ -25,8 +25,10 @@ class EngineConfig:
     """torch (the reference), triton, or auto (triton on CUDA when installed, else torch)."""
     disable_cuda_graph: bool = False
     """Run decode steps eagerly instead of replaying captured CUDA graphs (CUDA only)."""
-    cuda_graph_max_bs: int = 256
-    """Largest decode batch captured in a CUDA graph; larger batches run eagerly."""
+    cuda_graph_max_bs: int = 512
+    """Largest decode batch captured in a CUDA graph (capped by max_running_requests); larger
+    batches run eagerly. An offline run at 512 running spent 27 % of its time in eager decode
+    steps above 256 before this covered them."""
     max_total_tokens: int | None = None
     """KV pool size in tokens. Default: 16384 on CPU, from --mem-fraction on GPU."""
     mem_fraction: float = 0.85

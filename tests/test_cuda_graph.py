@@ -147,3 +147,6 @@ def test_capture_sizes():
     sizes = capture_sizes(256)
     assert sizes[:8] == [1, 2, 4, 8, 12, 16, 24, 32] and sizes[-1] == 256
     assert all(b - a <= 16 for a, b in zip(sizes, sizes[1:]))
+    sizes = capture_sizes(512)
+    assert sizes[-1] == 512 and 256 in sizes and 288 in sizes
+    assert all(b - a <= 32 for a, b in zip(sizes, sizes[1:]))

@@ -46,8 +46,9 @@ PAD_SLOT = 0  # the allocator never hands out page 0: padding rows write their K
 
 def capture_sizes(max_bs: int) -> list[int]:
     """Batch sizes to capture: dense at the small end (batch 1-8 is latency-critical), every
-    16 above 32, so padding wastes at most 15 rows where rows are cheap."""
-    sizes = [1, 2, 4, 8, 12, 16, 24, 32] + list(range(48, 257, 16))
+    16 above 32 and every 32 above 256, so padding wastes at most 15 (31) rows where rows are
+    cheap."""
+    sizes = [1, 2, 4, 8, 12, 16, 24, 32] + list(range(48, 257, 16)) + list(range(288, 1025, 32))
     sizes = [s for s in sizes if s < max_bs] + [max_bs]
     return sorted(set(sizes))
 
