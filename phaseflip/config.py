@@ -56,6 +56,10 @@ class EngineConfig:
     enable_hicache: bool = False
     """Keep KV pages in a host-memory tier (and a disk tier with --hicache-dir) so prefixes
     outlive device eviction, cache flushes and restarts."""
+    enable_flip: bool = False
+    """Allow phase flips (`POST /admin/flip`, `Engine.flip`): re-lay the ranks out as another
+    tp × pp at runtime. Needs --enable-hicache: a flip carries no KV, so without a host tier
+    every flip would re-prefill every cached prefix."""
     hicache_host_gb: float = 1.0
     """Host-memory tier size in GiB."""
     hicache_dir: str | None = None
@@ -135,6 +139,10 @@ class EngineConfig:
             raise bad("hicache_host_gb", "must be > 0 with --enable-hicache")
         if self.enable_hicache and not self.enable_prefix_cache:
             raise bad("enable_hicache", "needs the prefix cache (drop --no-enable-prefix-cache)")
+        if self.enable_flip and not self.enable_hicache:
+            raise bad("enable_flip", "needs a host cache tier: without one every flip "
+                      "re-prefills every cached prefix; add --enable-hicache, or drop "
+                      "--enable-flip")
         if self.hicache_disk_queue_pages < 1:
             raise bad("hicache_disk_queue_pages", "must be >= 1")
         if self.enable_hicache and self.nnodes > 1:

@@ -38,35 +38,61 @@ class Group:
 class EngineCore:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, tokenizer) -> None:
         self.cfg, self.model_cfg, self.tokenizer = cfg, model_cfg, tokenizer
-        if cfg.world_size > 1:
-            from phaseflip.distributed.driver import DistributedRunner
-
-            self.runner = DistributedRunner(cfg)
-        else:
-            self.runner = ModelRunner(cfg, model_cfg)
         self.max_context = cfg.max_model_len or model_cfg.max_position_embeddings
-        self.kv = KVCacheManager(
-            self.runner.num_slots, cfg.page_size, cfg.max_running_requests + 1,
-            self.max_context + 1, cfg.enable_prefix_cache,
-        )
+        self.runner, self.kv = self._make_runner_and_kv(cfg)
         self.scheduler = Scheduler(cfg, self.kv, self.max_context)
-        self.hicache = None
-        if cfg.enable_hicache:
-            import weakref
-
-            from phaseflip.scheduler.hicache import HiCache
-
-            # hooks itself into the tree (write policy) and, for TP/PP, into the runner's plan
-            # broadcast; its disk and copy threads finish their queues when the core goes away
-            self.hicache = HiCache(cfg, model_cfg, self.kv, self.runner)
-            self.scheduler.hicache = self.hicache
-            self.hicache.decode_reserve = self.scheduler.decode_reserve
-            weakref.finalize(self, self.hicache.close)
+        self.hicache = self._make_hicache(cfg)
         self.sampler = Sampler(cfg.seed)
         self.groups: dict[str, Group] = {}
         self._arrivals = 0
         # (request, token to detokenise or None) sampled last step, text not yet made
         self._text_pending: list[tuple[Req, int | None]] = []
+
+    def build_layout(self, cfg: EngineConfig) -> None:
+        """Builds the layout-bound parts again for `cfg` (a phase flip, after the old ones were
+        torn down): requests and the scheduler's queues carry over."""
+        self.cfg = cfg
+        self.runner, self.kv = self._make_runner_and_kv(cfg)
+        self.scheduler.cfg, self.scheduler.kv = cfg, self.kv
+        self.hicache = self._make_hicache(cfg)
+
+    def _make_runner_and_kv(self, cfg: EngineConfig):
+        """The runner (this process's ranks) and the manager of its KV pool."""
+        if cfg.world_size > 1:
+            from phaseflip.distributed.driver import DistributedRunner
+
+            runner = DistributedRunner(cfg)
+        else:
+            runner = ModelRunner(cfg, self.model_cfg)
+        kv = KVCacheManager(
+            runner.num_slots, cfg.page_size, cfg.max_running_requests + 1,
+            self.max_context + 1, cfg.enable_prefix_cache,
+        )
+        return runner, kv
+
+    def _make_hicache(self, cfg: EngineConfig):
+        if not cfg.enable_hicache:
+            self.scheduler.hicache = None
+            return None
+        import weakref
+
+        from phaseflip.scheduler.hicache import HiCache
+
+        # hooks itself into the tree (write policy) and, for TP/PP, into the runner's plan
+        # broadcast; its disk and copy threads finish their queues when the core goes away
+        hicache = HiCache(cfg, self.model_cfg, self.kv, self.runner)
+        self.scheduler.hicache = hicache
+        hicache.decode_reserve = self.scheduler.decode_reserve
+        weakref.finalize(self, hicache.close)
+        return hicache
+
+    def flip(self, tp_size: int, pp_size: int) -> tuple[object, list[StreamDelta]]:
+        """Re-lays the engine out as tp_size × pp_size ranks between two steps (the seam of
+        `phaseflip.engine.flip`). Returns the seam census and the deltas made on the way."""
+        from phaseflip.engine.flip import run_seam
+
+        deltas = self._emit_text()
+        return run_seam(self, tp_size, pp_size), deltas
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -205,6 +205,15 @@ class Engine:
             except RuntimeError:  # the consumer's event loop is closed
                 self._subscribers.pop(rid, None)
 
+    # ------------------------------------------------------------------ phase flip
+    def flip(self, tp_size: int, pp_size: int):
+        """Re-lays the engine out as tp_size × pp_size between two steps; running requests
+        are retracted and re-admitted (see `phaseflip.engine.flip`). Returns the seam census."""
+        with self._lock:
+            census, deltas = self.core.flip(tp_size, pp_size)
+        self._publish_all(deltas)
+        return census
+
     # ------------------------------------------------------------------ lifetime
     def pool_accounting(self):
         with self._lock:

@@ -156,6 +156,15 @@ class Scheduler:
         self.waiting.appendleft(req)
         self._hold_admission_at = len(self.running)
 
+    def retract_all(self) -> int:
+        """Takes every running request off the device, newest first, so they wait at the front
+        of the queue in admission order (the phase flip's retract); returns how many."""
+        n = len(self.running)
+        while self.running:
+            self._retract(self.running[-1])
+        self._hold_admission_at = None  # nothing to protect: the next steps re-admit them all
+        return n
+
     def _admission_order(self) -> list[Req]:
         if self.cfg.schedule_policy == "lpm" and self.kv.tree.enabled and len(self.waiting) > 1:
             def cached(r: Req) -> int:

@@ -26,6 +26,8 @@ from phaseflip.server.openai_api import (
     stream_response,
 )
 
+FLIP_TIMEOUT_S = 600.0  # a flip restarts ranks and reloads weights: minutes on big models
+
 
 def _error(status: int, message: str, type_: str, param: str | None = None,
            code: str | None = None) -> JSONResponse:
@@ -151,6 +153,15 @@ def build_app(ctx: ServerContext) -> FastAPI:
         if not reply.ok:
             return _error(400, reply.message, "invalid_request_error")
         return JSONResponse({"freed_tokens": reply.data["freed_tokens"]})
+
+    @app.post("/admin/flip")
+    async def admin_flip(req: p.FlipRequest) -> Response:
+        """Re-lays the engine's ranks out between two steps; answers with the seam census."""
+        reply = await ctx.engine.control("flip", timeout_s=FLIP_TIMEOUT_S,
+                                         args={"tp_size": req.tp_size, "pp_size": req.pp_size})
+        if not reply.ok:
+            return _error(400, reply.message, "invalid_request_error")
+        return JSONResponse(reply.data)
 
     @app.post("/abort_request")
     async def abort_request(req: p.AbortRequest) -> dict:

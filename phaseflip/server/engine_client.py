@@ -124,13 +124,14 @@ class EngineClient:
         if not self.state.dead:
             await self.out.send(m.encode(m.AbortRequest(rid)))
 
-    async def control(self, op: str, timeout_s: float = 30.0) -> m.ControlReply:
+    async def control(self, op: str, timeout_s: float = 30.0, args: dict | None = None
+                      ) -> m.ControlReply:
         if self.state.dead:
             raise EngineDeadError(self.state.dead)
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        await self.out.send(m.encode(m.Control(call_id, op)))
+        await self.out.send(m.encode(m.Control(call_id, op, args)))
         return await asyncio.wait_for(fut, timeout_s)
 
     async def close(self) -> None:

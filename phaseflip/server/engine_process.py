@@ -17,7 +17,7 @@ import zmq
 
 from phaseflip.config import EngineConfig
 from phaseflip.engine.core import EngineCore
-from phaseflip.errors import PhaseflipError
+from phaseflip.errors import InvalidRequestError, PhaseflipError
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.loader import load_tokenizer
 from phaseflip.server import messages as m
@@ -103,6 +103,14 @@ class EngineServer:
                 self.core.hicache.quiesce()
             freed = kv.tree.evict_all_and_reset()
             return m.ControlReply(msg.call_id, True, {"freed_tokens": freed})
+        if msg.op == "flip":
+            try:
+                census, deltas = self.core.flip(msg.args["tp_size"], msg.args["pp_size"])
+            except InvalidRequestError as e:
+                return m.ControlReply(msg.call_id, False, message=str(e))
+            self.cfg = self.core.cfg
+            self._send_deltas(deltas)
+            return m.ControlReply(msg.call_id, True, census.as_dict())
         if msg.op == "info":
             acc = kv.accounting(sched.running)
             return m.ControlReply(msg.call_id, True, {

@@ -35,7 +35,8 @@ class Control:
     """A call that expects a `ControlReply` with the same `call_id`."""
 
     call_id: int
-    op: str  # "info", "flush_cache", "shutdown"
+    op: str  # "info", "flush_cache", "flip", "shutdown"
+    args: dict | None = None  # the op's arguments ("flip": tp_size, pp_size)
 
 
 # ---------------------------------------------------------------- engine → front end

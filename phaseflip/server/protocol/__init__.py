@@ -16,6 +16,7 @@ from phaseflip.server.protocol.requests import (
     ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
+    FlipRequest,
     Float,
     GenerateRequest,
     Int,
@@ -73,6 +74,7 @@ from phaseflip.server.protocol.sampling import (
 
 __all__ = [
     "AbortRequest",
+    "FlipRequest",
     "Bool",
     "ChatChoiceLogprobs",
     "ChatCompletionChoice",

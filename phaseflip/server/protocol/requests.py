@@ -523,3 +523,10 @@ class DetokenizeRequest(_Request):
 
 class AbortRequest(_Request):
     rid: Annotated[str, Strict(), Field(min_length=1)]
+
+
+class FlipRequest(_Request):
+    """`POST /admin/flip`: the layout to re-lay the same ranks out as."""
+
+    tp_size: Annotated[int, Strict(), Field(ge=1, le=4096)]
+    pp_size: Annotated[int, Strict(), Field(ge=1, le=4096)]

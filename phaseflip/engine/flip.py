@@ -1,0 +1,146 @@
+"""The phase flip's seam: re-lay a running engine out (TP ⇄ PP) between two steps.
+
+Design law 6, in order: fence (HiCache persists every cached prefix to its tiers) → retract
+every resident request → drop the device prefix tree, evicting first so its slots return to
+the allocator → re-layout (the old ranks are stopped, new ones start with the new layout and
+their own KV pool) → cutover → re-admit. Nothing of the KV pool is carried across
+(`rows_moved` is 0): retracted requests sit at the front of the waiting queue, in their
+admission order, and the next steps re-admit them, re-prefilling prompt and output so far
+(read through from HiCache's tiers where they hold it). Retraction comes strictly before the
+tree reset: a reset first would orphan the nodes the requests still lock. The pool accounting
+(`total = free + evictable + locked`) is checked after the drop and after the re-layout.
+
+Weights strategy of this first seam: `reload` — the new ranks load their shards as at start
+(from the checkpoint, or re-initialised for dummy weights). The dual-resident, device-to-device
+and pinned host-image strategies of MISSION C6 are not built yet. Each segment is timed (the
+seam census); the DONE line names the worst segment and its share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from phaseflip.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from phaseflip.engine.core import EngineCore
+
+log = logging.getLogger(__name__)
+
+
+def layout_name(tp_size: int, pp_size: int) -> str:
+    return f"tp{tp_size}×pp{pp_size}"
+
+
+@dataclass
+class SeamCensus:
+    """What one flip did and what each segment of its seam cost."""
+
+    source: str
+    target: str
+    segments: dict[str, float] = field(default_factory=dict)  # seconds, in seam order
+    retracted: int = 0  # requests taken off the device, re-admitted after the cutover
+    tree_slots_freed: int = 0  # cached slots the drop returned to the allocator
+    fence_s: float | None = None  # None: no host tier, no fence ran (law 5: not 0)
+    rows_moved: int = 0  # KV rows carried across the seam: none (law 6)
+    weights: str = "reload"
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.segments.values())
+
+    def worst(self) -> tuple[str, float]:
+        """The costliest segment and its share of the seam."""
+        name = max(self.segments, key=self.segments.__getitem__)
+        return name, self.segments[name] / (self.total_s or 1.0)
+
+    def done_line(self) -> str:
+        name, share = self.worst()
+        fence = "none" if self.fence_s is None else f"{self.fence_s:.3f} s"
+        return (f"flip {self.source} → {self.target} DONE in {self.total_s:.3f} s: worst "
+                f"segment {name} {self.segments[name]:.3f} s ({100 * share:.0f} %); retracted "
+                f"{self.retracted}, rows moved {self.rows_moved}, fence {fence}, weights "
+                f"{self.weights}")
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["total_s"] = self.total_s
+        d["worst_segment"], d["worst_share"] = self.worst()
+        return d
+
+
+def check_target(core: EngineCore, tp_size: int, pp_size: int) -> None:
+    """A flip re-lays the same ranks out: refuse anything else before touching the engine."""
+    cfg = core.cfg
+    if not cfg.enable_flip:
+        raise InvalidRequestError("phase flips are off: start the engine with --enable-flip "
+                                  "(and --enable-hicache)", "enable_flip")
+    if tp_size < 1 or pp_size < 1 or tp_size * pp_size != cfg.world_size:
+        raise InvalidRequestError(
+            f"cannot flip to {layout_name(tp_size, pp_size)}: a flip keeps the "
+            f"{cfg.world_size} ranks of {layout_name(cfg.tp_size, cfg.pp_size)} "
+            "(tp_size × pp_size must equal them)", "layout")
+    if (tp_size, pp_size) == (cfg.tp_size, cfg.pp_size):
+        raise InvalidRequestError(
+            f"already running {layout_name(tp_size, pp_size)}", "layout")
+    if pp_size > core.model_cfg.num_layers:
+        raise InvalidRequestError(
+            f"pp_size={pp_size} exceeds the model's {core.model_cfg.num_layers} layers", "layout")
+    heads = core.model_cfg.num_heads
+    if heads % tp_size:
+        raise InvalidRequestError(
+            f"tp_size={tp_size} does not divide the model's {heads} attention heads", "layout")
+
+
+def run_seam(core: EngineCore, tp_size: int, pp_size: int) -> SeamCensus:
+    """Flips `core` to tp_size × pp_size; see the module docstring for the order."""
+    check_target(core, tp_size, pp_size)
+    census = SeamCensus(layout_name(core.cfg.tp_size, core.cfg.pp_size),
+                        layout_name(tp_size, pp_size))
+
+    @contextmanager
+    def segment(name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        yield
+        census.segments[name] = time.perf_counter() - t0
+
+    if core.hicache is not None:
+        with segment("fence"):
+            core.hicache.fence()
+        census.fence_s = census.segments["fence"]
+    with segment("retract"):
+        census.retracted = core.scheduler.retract_all()
+        if core.hicache is not None:  # the stores the retractions published hold tree nodes
+            core.hicache.quiesce()
+    with segment("drop"):
+        census.tree_slots_freed = core.kv.tree.evict_all_and_reset()
+        core.kv.check([])
+    with segment("teardown"):
+        _teardown(core)
+    with segment("relayout"):
+        core.build_layout(dataclasses.replace(core.cfg, tp_size=tp_size, pp_size=pp_size))
+        core.kv.check([])
+    log.info(census.done_line())
+    return census
+
+
+def _teardown(core: EngineCore) -> None:
+    """Stops the old layout: HiCache's threads and queues, the ranks, the device memory."""
+    if core.hicache is not None:
+        core.hicache.close()
+    core.close()
+    device = core.runner.device
+    core.runner = core.kv = core.hicache = None  # type: ignore[assignment]
+    core.scheduler.hicache = None
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
