@@ -328,6 +328,17 @@ def test_profile_offline_classifies_every_step(tmp_path):
     assert sum(k["prompt_tokens"] for k in kinds.values()) <= 6 * 8
 
 
+@pytest.mark.timeout(120, method="thread")
+def test_bench_plan_broadcast_runs(tmp_path):
+    from benchmarks import bench_plan_broadcast
+
+    data = bench_plan_broadcast.main(["--batch-sizes", "1,4", "--context", "16", "--iters", "3",
+                                      "--warmup", "1", "--out", str(tmp_path / "b.json")])
+    small, big = data["rows"]
+    assert small["message_bytes"] < big["message_bytes"]
+    assert all(r["rank0_ms"] > 0 and r["rank1_ms"] > 0 for r in data["rows"])
+
+
 def test_sharegpt_like_lengths_are_seeded_and_clipped():
     from benchmarks.common import sample_lengths
 
