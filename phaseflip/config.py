@@ -25,9 +25,15 @@ class EngineConfig:
     """torch (the reference), triton, or auto (triton on CUDA when installed, else torch)."""
     disable_cuda_graph: bool = False
     """Run decode steps eagerly instead of replaying captured CUDA graphs (CUDA only)."""
+    overlap_schedule: bool = False
+    """Schedule and launch step k+1 before step k's sampled tokens reach the host (they are
+    fed to the GPU as device-side placeholders), so the host's scheduling and output work
+    overlaps the GPU. One process, no HiCache, and only for steps whose requests need nothing
+    of the sampled ids on the host: no logprobs, penalties, stop strings, min_new_tokens or
+    seeds (other steps run synchronously). Off until measured on a GPU."""
     cuda_graph_max_bs: int = 512
     """Largest decode batch captured in a CUDA graph (capped by max_running_requests); larger
-    batches run eagerly. An offline run at 512 running spent 27 % of its time in eager decode
+    batches run eagerly. An offline run at 512 running spent 27 percent of its time in eager decode
     steps above 256 before this covered them."""
     max_total_tokens: int | None = None
     """KV pool size in tokens. Default: 16384 on CPU, from --mem-fraction on GPU."""

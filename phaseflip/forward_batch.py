@@ -7,6 +7,7 @@ attends to `kv_indptr[i+1] - kv_indptr[i]` slots (its cached prefix followed by 
 
 from __future__ import annotations
 
+import dataclasses
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -129,6 +130,15 @@ class ForwardBatch:
             kv_indptr=kv_indptr, kv_indices=self.kv_indices[k0:k1],
             logits_indices=self.logits_indices[r0:r1] - t0, max_position=int(positions.max()),
         )
+
+    def with_future_tokens(self, future: torch.Tensor) -> ForwardBatch:
+        """Resolves placeholder ids (-1 - r: row r of the previous step's sampled tokens, still
+        on the device) in `input_ids`; the batch must already be on `future`'s device."""
+        if future.numel() == 0:
+            return self
+        ids = self.input_ids
+        rows = (-ids - 1).clamp_min(0)
+        return dataclasses.replace(self, input_ids=torch.where(ids < 0, future[rows], ids))
 
     def to(self, device: torch.device | str) -> ForwardBatch:
         move = {

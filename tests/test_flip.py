@@ -7,9 +7,14 @@ checks it and raises), three and more cycles in a row without drift.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 
 from phaseflip import Engine, SamplingParams
+from phaseflip.cache.hicache import page_keys
 from phaseflip.errors import InvalidRequestError
 from tests.conftest import prompts_for
 
@@ -18,11 +23,14 @@ PARAMS = SamplingParams(temperature=0.0, max_new_tokens=14, ignore_eos=True, log
 CFG = {"device": "cpu", "dtype": "float32", "max_total_tokens": 4096, "dist_timeout_s": 60,
        "check_accounting": True}
 FLIP = {"enable_flip": True, "enable_hicache": True, "hicache_host_gb": 0.01}
+PAGED = FLIP | {"hicache_page_size": 8}  # the prompts' prefixes fill whole host pages
 
 
-def _drive(engine: Engine, prompts, flips: dict[int, tuple[int, int]]) -> tuple[dict, list]:
-    """Runs the prompts step by step on the engine's core, flipping to flips[k] before step k;
-    returns {rid: (token ids, logprobs, finish reasons)} and the censuses."""
+def _drive(engine: Engine, prompts, flips: dict[int, tuple[int, int]],
+           seam: Callable[[str], None] | None = None) -> tuple[dict, list]:
+    """Runs the prompts step by step on the engine's core, flipping to flips[k] before step k
+    (calling seam("before") and seam("after") around each flip); returns {rid: (token ids,
+    logprobs, finish reasons)} and the censuses."""
     core = engine.core
     for i, p in enumerate(prompts):
         core.add_request(f"r{i}", p, PARAMS)
@@ -31,8 +39,12 @@ def _drive(engine: Engine, prompts, flips: dict[int, tuple[int, int]]) -> tuple[
     while core.has_work():
         deltas = []
         if step in flips:
+            if seam is not None:
+                seam("before")
             census, deltas = core.flip(*flips[step])
             censuses.append(census)
+            if seam is not None:
+                seam("after")
         for d in deltas + core.step():
             ids, lps, reasons = outs[d.request_id]
             ids += d.token_ids
@@ -66,6 +78,127 @@ def test_three_flip_cycles_match_the_unflipped_run(model_dirs):
         assert lps == pytest.approx(want[rid][1], abs=1e-4), rid
 
 
+def shm_files() -> set[str]:
+    """This process's shared host tiers in /dev/shm."""
+    shm = Path("/dev/shm")
+    return ({p.name for p in shm.glob(f"phaseflip-hicache-{os.getpid()}-*")} if shm.is_dir()
+            else set())
+
+
+@pytest.fixture(scope="module")
+def reference(model_dirs) -> dict:
+    """The unflipped single-process run of prompts_for(300)."""
+    with Engine(str(model_dirs["llama"]), **CFG) as e:
+        return _drive(e, prompts_for(300), {})[0]
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    for rid, (ids, lps, reasons) in got.items():
+        assert reasons == ["length"], rid
+        assert ids == want[rid][0], rid
+        assert lps == pytest.approx(want[rid][1], abs=1e-4), rid
+
+
+@pytest.mark.timeout(120, method="thread")
+def test_retracted_requests_are_served_from_the_host_tier_after_a_flip(model_dirs, reference):
+    """Law 6's point: what the fence persisted serves the re-admission. tp2 → pp2 mid-generation
+    without a disk tier: every full page of every retracted request (prompt and output so far)
+    comes back from host memory, loaded once, and the outputs equal the unflipped run."""
+    with Engine(str(model_dirs["llama"]), tp_size=2, **PAGED, **CFG) as e:
+        core = e.core
+        hc, frames = core.hicache, core.hicache.host.frames
+        seen: dict[str, object] = {}
+
+        def seam(when: str) -> None:
+            if when == "before":
+                assert not core.scheduler.waiting and core.scheduler.running
+                seen["hits"] = hc.stats.host_hit_tokens
+                keys = {k for r in core.scheduler.running
+                        for k in page_keys(r.all_ids[:-1], hc.page_size, hc.fingerprint)}
+                seen["want_hits"] = hc.page_size * len(keys)
+
+        got, censuses = _drive(e, prompts_for(300), {4: (1, 2)}, seam)
+        assert censuses[0].retracted == len(reference) and seen["want_hits"] > 0
+        _assert_same(got, reference)
+        gained = core.hicache.stats.host_hit_tokens - seen["hits"]
+        assert gained == seen["want_hits"], "the fenced pages were not read back from the host"
+        assert core.hicache.stats.disk_hit_tokens == 0
+        assert core.hicache is hc and core.hicache.host.frames is frames  # outlived the runner
+
+
+@pytest.mark.timeout(120, method="thread")
+def test_host_tier_has_no_drift_over_three_flip_cycles(model_dirs, reference, tmp_path):
+    """pp2 ⇄ tp2 three times over, with a disk tier: after every seam the device pool and the
+    host tier are exactly accounted (every frame free or mapped, none reserved or pinned, one
+    shared buffer), the controller and its frames are the ones of the start, each
+    re-admission is read from host memory, the disk tier goes on taking pages, and the shared
+    buffer is gone once the engine is."""
+    disk = tmp_path / "kv"
+    with Engine(str(model_dirs["llama"]), tp_size=2, hicache_dir=str(disk), **PAGED,
+                **CFG) as e:
+        core = e.core
+        hc, frames = core.hicache, core.hicache.host.frames
+        hits: list[int] = []
+
+        def seam(when: str) -> None:
+            assert core.hicache is hc and hc.host.frames is frames
+            hits.append(hc.stats.host_hit_tokens)
+            if when == "after":
+                hc.io.flush()  # the disk writer pins the frames it reads
+                hc.host.check()
+                assert hc.host.pinned_pages == 0
+                assert len(hc.host) + hc.host.free_frames == hc.host.capacity
+                assert hc.in_flight_slots == 0 and not hc.busy
+                assert shm_files() == {frames.path.name}
+
+        flips = {1: (1, 2), 3: (2, 1), 5: (1, 2), 7: (2, 1), 9: (1, 2), 11: (2, 1)}
+        got, censuses = _drive(e, prompts_for(300), flips, seam)
+        hits.append(hc.stats.host_hit_tokens)
+        assert [c.retracted > 0 for c in censuses] == [True] * 6
+        # after[k] → before[k+1] (and the end): each re-admission loaded pages from the host
+        assert all(b > a for a, b in zip(hits[1::2], hits[2::2])), hits
+        _assert_same(got, reference)
+        hc.flush()
+        hc.disk.check()
+        assert hc.stats.disk_hit_tokens == 0 and hc.stats.bytes_written > 0
+        assert list(disk.rglob("*.page"))
+    assert not shm_files()  # the controller freed the host tier at the engine's end
+
+
+def test_hicache_leaves_a_layout_only_when_nothing_refers_to_it(model_dirs):
+    """Crash before corruption: `unbind` (the flip's teardown) raises, changing nothing, while
+    a store is in flight or the device tree still holds prefixes; once both are gone the
+    controller unbinds and binds again with its host tier intact."""
+    import threading
+
+    with Engine(str(model_dirs["llama"]), enable_hicache=True, hicache_page_size=8,
+                **CFG) as e:
+        core, hc = e.core, e.core.hicache
+        gate = threading.Event()
+        hc.channel.engine.before_copy = lambda o: gate.wait(30) if o.store_frames else None
+        prompt = prompts_for(300)[3]  # 4 full pages
+        core.add_request("a", prompt, PARAMS)
+        core.step()  # the prefill publishes its prompt: write-through stores its 4 pages
+        assert hc.stats.stores_in_flight == 4
+        with pytest.raises(RuntimeError, match="in flight"):
+            hc.unbind()
+        gate.set()
+        while core.has_work():
+            core.step()
+        with pytest.raises(RuntimeError, match="device tree holds"):
+            hc.unbind()
+        assert hc.kv is core.kv and core.scheduler.hicache is hc  # still bound
+        core.kv.tree.evict_all_and_reset()
+        pages = len(hc.host)
+        hc.unbind()
+        with pytest.raises(RuntimeError, match="bound to no layout"):
+            hc.unbind()
+        hc.bind(core.kv, core.runner)
+        assert len(hc.host) == pages >= 4
+        e.generate([prompt], PARAMS, use_tqdm=False)
+        assert hc.stats.host_hit_tokens == 32  # the 4 pages, from the host tier kept
+
+
 def test_flip_needs_the_flag_and_a_host_tier(model_dirs):
     from phaseflip.config import EngineConfig
 
@@ -77,15 +210,42 @@ def test_flip_needs_the_flag_and_a_host_tier(model_dirs):
 
 
 def test_bad_targets_are_refused_before_anything_changes(model_dirs):
+    """Refused targets (wrong world size, the same layout, 3 not splitting the heads) leave
+    the engine as it was, and the refusal loses none of the output owed (a refused flip once
+    made the last step's deltas and dropped them)."""
+    prompt = prompts_for(300)[3]
+    with Engine(str(model_dirs["llama"]), **CFG) as e:
+        (want,) = e.generate([prompt], PARAMS, use_tqdm=False)
     with Engine(str(model_dirs["llama"]), tp_size=2, **FLIP, **CFG) as e:
-        e.core.add_request("a", prompts_for(300)[3], PARAMS)
-        e.core.step()
+        e.core.add_request("a", prompt, PARAMS)
+        ids = []
+        for _ in range(3):
+            ids += [t for d in e.core.step() for t in d.token_ids]
         for tp, pp in ((2, 1), (4, 1), (1, 1), (3, 1)):
             with pytest.raises(InvalidRequestError):
                 e.flip(tp, pp)
         assert e.core.scheduler.running and (e.core.cfg.tp_size, e.core.cfg.pp_size) == (2, 1)
         while e.core.has_work():
-            e.core.step()
+            ids += [t for d in e.core.step() for t in d.token_ids]
+    assert ids == want.outputs[0].token_ids
+
+
+def test_a_seam_that_fails_half_way_stops_the_engine_loudly(model_dirs, monkeypatch):
+    with Engine(str(model_dirs["llama"]), tp_size=2, **FLIP, **CFG) as e:
+        core = e.core
+        core.add_request("a", prompts_for(300)[3], PARAMS)
+        core.step()
+
+        def no_memory(cfg):
+            raise RuntimeError("out of memory (simulated) building the new layout")
+
+        monkeypatch.setattr(core, "_make_runner_and_kv", no_memory)
+        with pytest.raises(RuntimeError, match="simulated"):
+            core.flip(1, 2)
+        for call in (core.step, lambda: core.add_request("b", [1, 2], PARAMS),
+                     lambda: core.flip(2, 1)):
+            with pytest.raises(RuntimeError, match="phase flip to tp1×pp2 failed after"):
+                call()
 
 
 def test_dropping_the_tree_before_retracting_is_refused(model_dirs):

@@ -306,3 +306,13 @@ def test_many_streaming_clients_some_disconnecting(server):
     info = idle_accounting(server, deadline_s=30)
     assert info["running"] == 0 and info["waiting"] == 0
     assert info["pool"]["balanced"] and info["pool"]["private"] == 0
+
+
+def test_serve_help_renders_every_flag():
+    """Every config docstring becomes argparse help: a bare "%" in one crashed --help."""
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "phaseflip.cli", "serve", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "--overlap-schedule" in out.stdout and "--enable-flip" in out.stdout

@@ -2,9 +2,10 @@
 broadcast the forward plan, run stage 0 / TP rank 0 itself and collect the logits.
 
 `DistributedRunner` stands in for `ModelRunner` inside `EngineCore`, so the scheduler (the one
-decider) does not know how many ranks execute its plans. With HiCache it also creates the node's
-shared host frames and carries the HiCache controller's transfer orders to every rank
-(`DistributedChannel`).
+decider) does not know how many ranks execute its plans. With HiCache it is handed the node's
+shared host frames (made and freed by the HiCache controller, which outlives this runner across
+phase flips), has every local rank map them, and carries the controller's transfer orders to
+every rank (`DistributedChannel`).
 """
 
 from __future__ import annotations
@@ -18,20 +19,17 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from phaseflip.cache.hicache.frames import HostFrames, host_capacity_pages, page_geometry
+from phaseflip.cache.hicache.frames import HostFrames
 from phaseflip.cache.hicache.transfer import TransferChannel, TransferOrders
 from phaseflip.config import EngineConfig
-from phaseflip.distributed.group import DistSpec, rank_device
+from phaseflip.distributed.group import DistSpec
 from phaseflip.distributed.stage import StepMessage
 from phaseflip.distributed.worker import STOP, build_rank, worker_main
 from phaseflip.forward_batch import ForwardBatch
-from phaseflip.model.config import ModelConfig
-from phaseflip.model.runner import resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -80,20 +78,23 @@ class DistributedChannel(TransferChannel):
 
 
 class DistributedRunner:
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, hicache_frames: HostFrames | None = None) -> None:
+        """`hicache_frames`: HiCache's host tier as shared memory of the node (None: no
+        HiCache). Its owner is the controller: this runner never frees it."""
         if dist.is_initialized():  # left by an earlier group of this process that was stopped
             with contextlib.suppress(Exception):  # without teardown (a stall): it is dead
                 dist.destroy_process_group()
         self.spec = DistSpec.from_config(cfg)
         self.step_no = 0
-        self.hicache_frames = self._create_hicache_frames(cfg)
-        self.hicache_channel = DistributedChannel(self) if self.hicache_frames else None
-        try:
-            self._start(cfg)
-        except BaseException:
-            if self.hicache_frames is not None:
-                self.hicache_frames.close()
-            raise
+        self.hicache_frames = hicache_frames
+        self.hicache_channel = None
+        if hicache_frames is not None:
+            if hicache_frames.path is None:
+                raise ValueError("the ranks of a TP/PP group need shared HiCache host frames")
+            # every local rank maps the frames by name (`DistSpec.hicache_frames`)
+            self.spec = dataclasses.replace(self.spec, hicache_frames=str(hicache_frames.path))
+            self.hicache_channel = DistributedChannel(self)
+        self._start(cfg)
         self.closed = False
 
     def _start(self, cfg: EngineConfig) -> None:
@@ -108,22 +109,6 @@ class DistributedRunner:
             w.start()
         self.groups, self.runner, self.stage = build_rank(0, self.spec, cfg, self.run_dir, None,
                                                           self.hicache_frames)
-
-    def _create_hicache_frames(self, cfg: EngineConfig) -> HostFrames | None:
-        """The HiCache host tier as shared memory of the node, before any rank starts: every
-        local rank maps it by name (`DistSpec.hicache_frames`)."""
-        if not cfg.enable_hicache:
-            return None
-        model_cfg = ModelConfig.from_dir(cfg.model)
-        dtype = resolve_dtype(cfg.dtype, model_cfg, rank_device(0, self.spec, cfg))
-        geo = page_geometry(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
-                            dtype, cfg.hicache_page_size)
-        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-        path = shm / f"phaseflip-hicache-{os.getpid()}-{os.urandom(4).hex()}"
-        frames = HostFrames.create_shared(
-            path, host_capacity_pages(cfg.hicache_host_gb * 2**30, geo), geo.total_size)
-        self.spec = dataclasses.replace(self.spec, hicache_frames=str(path))
-        return frames
 
     # the ModelRunner surface EngineCore uses
     @property
@@ -195,12 +180,12 @@ class DistributedRunner:
         self.stage.tracker.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)
         if self.hicache_channel is not None:
-            with contextlib.suppress(Exception):  # the group is gone: flush what is local
-                self.hicache_channel.shutdown()
-            if self.stage.transfers is not None:
+            if self.stage.transfers is not None:  # rank 0's copies finish before the frames go
                 self.stage.transfers.close()
-            self.hicache_frames.close()
-
+            # the controller still bound (the engine's end, not a flip) flushes what is local
+            # and frees the host tier
+            with contextlib.suppress(Exception):
+                self.hicache_channel.shutdown()
 
     @staticmethod
     def _destroy_group(timeout_s: float) -> None:

@@ -19,10 +19,29 @@ from phaseflip.model.config import ModelConfig
 from phaseflip.model.runner import ModelRunner
 from phaseflip.sampling.detokenize import IncrementalDetokenizer, find_stop_match
 from phaseflip.sampling.params import SamplingParams
-from phaseflip.sampling.sampler import Sampler, SamplingInput, compute_logprobs
+from phaseflip.sampling.sampler import Sampler, SamplingInput, compute_logprobs, to_device
 from phaseflip.scheduler.kv_cache import KVCacheManager
 from phaseflip.scheduler.request import Req
 from phaseflip.scheduler.scheduler import Scheduled, ScheduledBatch, Scheduler
+
+
+@dataclass
+class InFlight:
+    """A step whose sampled tokens are still on the device (overlap scheduling)."""
+
+    items: list[Scheduled]  # the sampling items, row i sampled token i
+    tokens: torch.Tensor  # device [len(items)]: what the next step's placeholders name
+    host: torch.Tensor  # the same, being copied to host memory
+    done: torch.cuda.Event | None  # recorded after the copy (None on the CPU)
+
+
+def overlappable(params: SamplingParams) -> bool:
+    """Whether sampling with `params` needs nothing of the previous token on the host: no
+    logprobs (read at sampling), no penalties or min_new_tokens (they read the output so
+    far), no stop strings (checked on the text at once), no seed (its stream is keyed by the
+    output length)."""
+    return (params.logprobs is None and params.prompt_logprobs is None and not params.stop
+            and not params.has_penalties and params.min_new_tokens == 0 and params.seed is None)
 
 
 @dataclass
@@ -47,23 +66,42 @@ class EngineCore:
         self._arrivals = 0
         # (request, token to detokenise or None) sampled last step, text not yet made
         self._text_pending: list[tuple[Req, int | None]] = []
+        self._inflight: InFlight | None = None
+        self.dead: str | None = None  # set when a failed phase flip left no usable layout
 
     def build_layout(self, cfg: EngineConfig) -> None:
         """Builds the layout-bound parts again for `cfg` (a phase flip, after the old ones were
-        torn down): requests and the scheduler's queues carry over."""
+        torn down): requests, the scheduler's queues and the HiCache controller with its host
+        tier carry over (the controller is bound to the new layout)."""
         self.cfg = cfg
         self.runner, self.kv = self._make_runner_and_kv(cfg)
         self.scheduler.cfg, self.scheduler.kv = cfg, self.kv
         self.hicache = self._make_hicache(cfg)
 
     def _make_runner_and_kv(self, cfg: EngineConfig):
-        """The runner (this process's ranks) and the manager of its KV pool."""
-        if cfg.world_size > 1:
-            from phaseflip.distributed.driver import DistributedRunner
+        """The runner (this process's ranks) and the manager of its KV pool. With HiCache its
+        controller comes first: the ranks map its host tier, which outlives every runner (a
+        flip rebinds the controller) and which the controller frees at the engine's end."""
+        hicache = getattr(self, "hicache", None)  # kept across a flip's teardown
+        if cfg.enable_hicache and hicache is None:
+            import weakref
 
-            runner = DistributedRunner(cfg)
-        else:
-            runner = ModelRunner(cfg, self.model_cfg)
+            from phaseflip.scheduler.hicache import HiCache, kv_dtype
+
+            hicache = self.hicache = HiCache(cfg, self.model_cfg, kv_dtype(cfg, self.model_cfg),
+                                             shared=cfg.world_size > 1)
+            weakref.finalize(self, hicache.close)  # its disk thread finishes its queue
+        try:
+            if cfg.world_size > 1:
+                from phaseflip.distributed.driver import DistributedRunner
+
+                runner = DistributedRunner(cfg, hicache.host.frames if hicache else None)
+            else:
+                runner = ModelRunner(cfg, self.model_cfg)
+        except BaseException:
+            if hicache is not None:
+                hicache.close()  # no runner will: free the (maybe shared) host tier now
+            raise
         kv = KVCacheManager(
             runner.num_slots, cfg.page_size, cfg.max_running_requests + 1,
             self.max_context + 1, cfg.enable_prefix_cache,
@@ -71,27 +109,33 @@ class EngineCore:
         return runner, kv
 
     def _make_hicache(self, cfg: EngineConfig):
-        if not cfg.enable_hicache:
-            self.scheduler.hicache = None
-            return None
-        import weakref
-
-        from phaseflip.scheduler.hicache import HiCache
-
-        # hooks itself into the tree (write policy) and, for TP/PP, into the runner's plan
-        # broadcast; its disk and copy threads finish their queues when the core goes away
-        hicache = HiCache(cfg, self.model_cfg, self.kv, self.runner)
+        """Binds the HiCache controller (made before the first runner) to this layout: it hooks
+        itself into the tree (write policy) and, for TP/PP, into the runner's plan broadcast."""
+        hicache = getattr(self, "hicache", None)
         self.scheduler.hicache = hicache
+        if hicache is None:
+            return None
+        hicache.bind(self.kv, self.runner)
         hicache.decode_reserve = self.scheduler.decode_reserve
-        weakref.finalize(self, hicache.close)
         return hicache
 
-    def flip(self, tp_size: int, pp_size: int) -> tuple[object, list[StreamDelta]]:
+    def flip(self, tp_size: int, pp_size: int,
+             sink: Callable[[list[StreamDelta]], None] | None = None
+             ) -> tuple[object, list[StreamDelta]]:
         """Re-lays the engine out as tp_size × pp_size ranks between two steps (the seam of
-        `phaseflip.engine.flip`). Returns the seam census and the deltas made on the way."""
-        from phaseflip.engine.flip import run_seam
+        `phaseflip.engine.flip`). A refused target changes nothing. The outputs still owed
+        (text of the last step, an overlapped step's tokens) are made first and go to `sink`
+        before the seam starts, so a seam that fails cannot lose them; without a sink they are
+        returned with the seam census."""
+        from phaseflip.engine.flip import check_target, run_seam
 
-        deltas = self._emit_text()
+        if self.dead:
+            raise RuntimeError(self.dead)
+        check_target(self, tp_size, pp_size)
+        deltas = self._drain() + self._emit_text()
+        if sink is not None and deltas:
+            sink(deltas)
+            deltas = []
         return run_seam(self, tp_size, pp_size), deltas
 
     # ------------------------------------------------------------------ requests
@@ -103,6 +147,8 @@ class EngineCore:
             kv_capacity_tokens=self.kv.capacity_tokens, page_size=self.cfg.page_size)
 
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if self.dead:
+            raise RuntimeError(self.dead)
         if rid in self.groups:
             raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
         self.validate(prompt_ids, params)
@@ -119,6 +165,7 @@ class EngineCore:
             )
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids,
                                                p.skip_special_tokens)
+            req.overlappable = overlappable(p)
             self._arrivals += 1
             reqs.append(req)
             self.scheduler.add(req)
@@ -139,7 +186,8 @@ class EngineCore:
         return out
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._text_pending)
+        return (self.scheduler.has_work() or bool(self._text_pending)
+                or self._inflight is not None)
 
     def check_alive(self) -> None:
         """Raises if a worker rank of a multi-rank layout has died (checked when idle)."""
@@ -162,7 +210,23 @@ class EngineCore:
 
         Those previous-step deltas go to `sink` as soon as they are made, before this step's
         sampling waits for the GPU (a streaming loop passes one, so clients are not a whole
-        step late); without a sink they are returned with this step's own."""
+        step late); without a sink they are returned with this step's own.
+
+        With `overlap_schedule`, steps whose requests allow it run ahead of their tokens
+        (`_step_ahead`)."""
+        if self.dead:
+            raise RuntimeError(self.dead)
+        if self._can_step_ahead():
+            return self._step_ahead(sink)
+        drained = self._drain()
+        if drained:
+            if sink is None:
+                return drained + self._step_sync(None)
+            sink(drained)
+        return self._step_sync(sink)
+
+    def _step_sync(self, sink: Callable[[list[StreamDelta]], None] | None
+                   ) -> list[StreamDelta]:
         batch = self.scheduler.schedule()
         if batch is None:
             if self.cfg.check_accounting and not self._text_pending:
@@ -194,6 +258,90 @@ class EngineCore:
                 if it not in sampled:
                     deltas.append(self._delta(self._group(req), req))
         return deltas
+
+    # ------------------------------------------------------------------ overlapped steps
+    def _can_step_ahead(self) -> bool:
+        cfg = self.cfg
+        if not cfg.overlap_schedule or cfg.world_size > 1 or self.hicache is not None:
+            return False
+        sched = self.scheduler
+        return (all(r.overlappable for r in sched.running)
+                and all(r.overlappable for r in sched.waiting))
+
+    def _step_ahead(self, sink: Callable[[list[StreamDelta]], None] | None
+                    ) -> list[StreamDelta]:
+        """Schedules and launches this step before the previous step's tokens are on the host
+        (they reach the GPU as placeholders naming rows of its device tensor), then turns the
+        previous step into outputs while the GPU runs this one. A request finished by one of
+        those tokens (EOS, a stop id) was already given a row here: the row is wasted, its
+        result ignored. Length finishes are known ahead and never scheduled."""
+        prev, self._inflight = self._inflight, None
+        batch = self.scheduler.schedule()
+        logits = None
+        try:
+            if batch is not None:
+                logits = self.runner.forward(batch.plan, prev.tokens if prev else None)
+                self.scheduler.advance(batch)
+        finally:
+            if prev is not None:
+                self._take_tokens(prev)
+            deltas = self._emit_text()
+        if sink is not None and deltas:
+            sink(deltas)
+            deltas = []
+        if batch is None:
+            if self.cfg.check_accounting and prev is None:
+                self.kv.check(self.scheduler.running)
+            return deltas
+        self._inflight = self._sample_ahead(batch, logits)
+        for it in batch.items:  # max_new_tokens == 0: done once the prompt is in
+            req = it.req
+            if not it.samples and req.params.max_new_tokens == 0 and (
+                    req.kv_len == req.num_tokens):
+                req.finish_reason = "length"
+                self.scheduler.remove(req)
+                deltas.append(self._delta(self._group(req), req))
+        return deltas
+
+    def _sample_ahead(self, batch: ScheduledBatch, logits: torch.Tensor) -> InFlight | None:
+        """Samples on the device without waiting; the tokens start their way to the host."""
+        items = [it for it in batch.items if it.samples]
+        if not items:
+            return None
+        chosen = self._logit_rows(items, logits)
+        inputs = [SamplingInput(it.req.params, it.req.prompt_ids, it.req.output_ids,
+                                it.req.eos_ids) for it in items]
+        tokens = self.sampler.sample_on_device(chosen, inputs)
+        for i, it in enumerate(items):
+            it.req.pending, it.req.future_row = 1, i
+        if tokens.device.type != "cuda":
+            return InFlight(items, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return InFlight(items, tokens, host, done)
+
+    def _take_tokens(self, step: InFlight) -> None:
+        """The sampled tokens of an earlier step, appended (text made by `_emit_text`)."""
+        if step.done is not None:
+            step.done.synchronize()
+        for it, tok in zip(step.items, step.host.tolist()):
+            req = it.req
+            req.pending = 0
+            if req.finished:  # aborted, or finished by the token before: a wasted row
+                continue
+            self._text_pending.append((req, self._append_token(req, tok, None, None)))
+            if req.finished:
+                self.scheduler.remove(req)
+
+    def _drain(self) -> list[StreamDelta]:
+        """Takes an in-flight step's tokens (before a synchronous step or a flip)."""
+        step, self._inflight = self._inflight, None
+        if step is None:
+            return []
+        self._take_tokens(step)
+        return self._emit_text()
 
     def _group(self, req: Req) -> Group:
         return self.groups[req.rid.rsplit("#", 1)[0]]
@@ -239,11 +387,7 @@ class EngineCore:
         items = [it for it in batch.items if it.samples]
         if not items:
             return {}
-        rows = [it.logit_row + it.num_logit_rows - 1 for it in items]
-        if rows == list(range(len(rows))):  # every decode step: a view, not a gather copy
-            chosen = logits[: len(rows)]
-        else:
-            chosen = logits[torch.tensor(rows, device=logits.device)]
+        chosen = self._logit_rows(items, logits)
         inputs = [
             SamplingInput(it.req.params, it.req.prompt_ids, it.req.output_ids, it.req.eos_ids)
             for it in items
@@ -255,6 +399,14 @@ class EngineCore:
             top = out.top_logprobs[i] if out.top_logprobs is not None else None
             result[it] = (out.token_ids[i], lp, top)
         return result
+
+    @staticmethod
+    def _logit_rows(items: list[Scheduled], logits: torch.Tensor) -> torch.Tensor:
+        """The sampling rows of `logits`, in item order."""
+        rows = [it.logit_row + it.num_logit_rows - 1 for it in items]
+        if rows == list(range(len(rows))):  # every decode step: a view, not a gather copy
+            return logits[: len(rows)]
+        return logits[to_device(rows, torch.long, logits.device)]
 
     # ------------------------------------------------------------------ outputs
     def _append_token(self, req: Req, tok: int, lp: float | None, top) -> int | None:

@@ -210,8 +210,7 @@ class Engine:
         """Re-lays the engine out as tp_size × pp_size between two steps; running requests
         are retracted and re-admitted (see `phaseflip.engine.flip`). Returns the seam census."""
         with self._lock:
-            census, deltas = self.core.flip(tp_size, pp_size)
-        self._publish_all(deltas)
+            census, _ = self.core.flip(tp_size, pp_size, sink=self._publish_all)
         return census
 
     # ------------------------------------------------------------------ lifetime

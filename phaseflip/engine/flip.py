@@ -5,10 +5,16 @@ every resident request → drop the device prefix tree, evicting first so its sl
 the allocator → re-layout (the old ranks are stopped, new ones start with the new layout and
 their own KV pool) → cutover → re-admit. Nothing of the KV pool is carried across
 (`rows_moved` is 0): retracted requests sit at the front of the waiting queue, in their
-admission order, and the next steps re-admit them, re-prefilling prompt and output so far
-(read through from HiCache's tiers where they hold it). Retraction comes strictly before the
-tree reset: a reset first would orphan the nodes the requests still lock. The pool accounting
-(`total = free + evictable + locked`) is checked after the drop and after the re-layout.
+admission order, and the next steps re-admit them, their prompt and output so far read through
+from the host tier (re-prefilled only past the last full page it holds). Retraction comes
+strictly before the tree reset: a reset first would orphan the nodes the requests still lock.
+The pool accounting (`total = free + evictable + locked`) is checked after the drop and after
+the re-layout, the host tier's own (every frame free, mapped or reserved) after the re-layout.
+
+What crosses the seam: the HiCache controller with its host tier (the frames, layout-free
+canonical pages, shared by the node's ranks), its index and its disk tier. It is unbound from
+the old layout once nothing is in flight and the tree is gone (it refuses otherwise), and bound
+to the new one; only the ranks, their KV pools and the transfer channel are new.
 
 Weights strategy of this first seam: `reload` — the new ranks load their shards as at start
 (from the checkpoint, or re-initialised for dummy weights). The dual-resident, device-to-device
@@ -95,10 +101,15 @@ def check_target(core: EngineCore, tp_size: int, pp_size: int) -> None:
     if pp_size > core.model_cfg.num_layers:
         raise InvalidRequestError(
             f"pp_size={pp_size} exceeds the model's {core.model_cfg.num_layers} layers", "layout")
-    heads = core.model_cfg.num_heads
-    if heads % tp_size:
-        raise InvalidRequestError(
-            f"tp_size={tp_size} does not divide the model's {heads} attention heads", "layout")
+    m = core.model_cfg
+    kv_ok = m.num_kv_heads % tp_size == 0 or tp_size % m.num_kv_heads == 0
+    for what, ok in ((f"{m.num_heads} attention heads", m.num_heads % tp_size == 0),
+                     (f"{m.num_kv_heads} key/value heads", kv_ok),
+                     (f"intermediate size {m.intermediate_size}",
+                      m.intermediate_size % tp_size == 0)):
+        if not ok:
+            raise InvalidRequestError(
+                f"tp_size={tp_size} does not split the model's {what}", "layout")
 
 
 def run_seam(core: EngineCore, tp_size: int, pp_size: int) -> SeamCensus:
@@ -114,9 +125,27 @@ def run_seam(core: EngineCore, tp_size: int, pp_size: int) -> SeamCensus:
         census.segments[name] = time.perf_counter() - t0
 
     if core.hicache is not None:
-        with segment("fence"):
-            core.hicache.fence()
+        try:
+            with segment("fence"):
+                core.hicache.fence()
+        except Exception as e:  # nothing is changed yet: abandon the flip (law 9, C6)
+            raise InvalidRequestError(f"flip abandoned: the fence did not complete ({e})",
+                                      "layout") from e
         census.fence_s = census.segments["fence"]
+    try:
+        _mutate(core, census, segment, tp_size, pp_size)
+    except BaseException as e:
+        # half a seam is no engine: say so on every later call instead of failing obscurely
+        core.dead = (f"the engine stopped: a phase flip to {census.target} failed after "
+                     f"{', '.join(census.segments) or 'the start'} ({type(e).__name__}: {e})")
+        raise
+    log.info(census.done_line())
+    return census
+
+
+def _mutate(core: EngineCore, census: SeamCensus, segment, tp_size: int, pp_size: int
+            ) -> None:
+    """The seam from the retract on: from here a failure leaves no usable engine."""
     with segment("retract"):
         census.retracted = core.scheduler.retract_all()
         if core.hicache is not None:  # the stores the retractions published hold tree nodes
@@ -129,17 +158,18 @@ def run_seam(core: EngineCore, tp_size: int, pp_size: int) -> SeamCensus:
     with segment("relayout"):
         core.build_layout(dataclasses.replace(core.cfg, tp_size=tp_size, pp_size=pp_size))
         core.kv.check([])
-    log.info(census.done_line())
-    return census
+        if core.hicache is not None:
+            core.hicache.host.check()
 
 
 def _teardown(core: EngineCore) -> None:
-    """Stops the old layout: HiCache's threads and queues, the ranks, the device memory."""
+    """Stops the old layout: the ranks, the device memory. HiCache's controller is unbound,
+    not closed: its host tier and index serve the new layout (`build_layout` binds it)."""
     if core.hicache is not None:
-        core.hicache.close()
+        core.hicache.unbind()
     core.close()
     device = core.runner.device
-    core.runner = core.kv = core.hicache = None  # type: ignore[assignment]
+    core.runner = core.kv = None  # type: ignore[assignment]
     core.scheduler.hicache = None
     gc.collect()
     if device.type == "cuda":

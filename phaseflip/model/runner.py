@@ -148,8 +148,11 @@ class ModelRunner:
         return tokens
 
     @torch.inference_mode()
-    def forward(self, plan: ForwardBatch) -> torch.Tensor:
-        """float32 logits [len(plan.logits_indices), vocab] (single-stage layouts)."""
+    def forward(self, plan: ForwardBatch, future: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [len(plan.logits_indices), vocab] (single-stage layouts). `future`:
+        the previous step's sampled tokens on the device, which placeholder ids name."""
+        if future is not None:
+            plan = plan.to(self.device).with_future_tokens(future)
         hidden, _ = self.run_stage(plan)
         return self.logits(hidden)
 

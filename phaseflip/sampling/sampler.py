@@ -73,13 +73,27 @@ def compute_logprobs(
     return chosen, top_vals, top_ids
 
 
+def to_device(values: Sequence[float] | Sequence[int], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    """A small host list on the device without waiting for the stream: a copy from pageable
+    memory first synchronises the stream, which would stall an overlapped step until the
+    forward queued before it is done; a pinned source copies asynchronously."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
 def _row_tensor(
     value: torch.Tensor | Sequence[float] | float,
     rows: int,
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
-    t = torch.as_tensor(value, dtype=dtype, device=device)
+    if isinstance(value, torch.Tensor) or not isinstance(value, Sequence):
+        t = torch.as_tensor(value, dtype=dtype, device=device)
+    else:
+        t = to_device(value, dtype, device)
     return t.expand(rows) if t.dim() == 0 else t
 
 
@@ -234,9 +248,26 @@ class Sampler:
             raise ValueError(
                 f"logits shape {tuple(logits.shape)} does not match {len(inputs)} sampling inputs"
             )
-        rows, vocab = logits.shape
-        if rows == 0:
+        if logits.shape[0] == 0:
             return SampleOutput(token_ids=[], logprobs=None, top_logprobs=None)
+        tokens, raw, want_logprobs = self._choose(logits, inputs)
+        if not want_logprobs:
+            return SampleOutput(token_ids=tokens.tolist(), logprobs=None, top_logprobs=None)
+        return _with_logprobs(raw, tokens, inputs)
+
+    def sample_on_device(self, logits: torch.Tensor, inputs: list[SamplingInput]
+                         ) -> torch.Tensor:
+        """The chosen token ids as a device tensor, with no host sync (overlap scheduling).
+        Rows must not ask for logprobs."""
+        tokens, _, want_logprobs = self._choose(logits, inputs)
+        if want_logprobs:
+            raise ValueError("sample_on_device cannot report logprobs")
+        return tokens
+
+    def _choose(self, logits: torch.Tensor, inputs: list[SamplingInput]
+                ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(chosen ids on the device, the float32 logits, whether any row wants logprobs)."""
+        rows, vocab = logits.shape
         device = logits.device
         raw = logits.float()
 
@@ -266,17 +297,17 @@ class Sampler:
             if penalised:
                 apply_penalties_batch(work, penalised, [inputs[i] for i in penalised])
             if banned_rows:
-                work[torch.tensor(banned_rows, dtype=torch.long, device=device),
-                     torch.tensor(banned_ids, dtype=torch.long, device=device)] = float("-inf")
+                work[to_device(banned_rows, torch.long, device),
+                     to_device(banned_ids, torch.long, device)] = float("-inf")
 
         # argmax returns the first maximal index: ties resolve to the lowest id, deterministically.
         tokens = work.argmax(dim=-1)
 
         if random_rows:
-            idx = torch.tensor(random_rows, dtype=torch.long, device=device)
+            idx = to_device(random_rows, torch.long, device)
             sub = work.index_select(0, idx)
             params_list = [inputs[i].params for i in random_rows]
-            temps = torch.tensor([p.temperature for p in params_list], device=device)
+            temps = to_device([p.temperature for p in params_list], torch.float32, device)
             # Shift by the row max before dividing so tiny temperatures cannot overflow to inf.
             sub = (sub - sub.max(dim=-1, keepdim=True).values) / temps.unsqueeze(1)
             sub = filter_logits(
@@ -291,24 +322,7 @@ class Sampler:
             # argmax(p / q) == argmax(logit - log q): the exponential race samples from softmax.
             chosen = (sub - noise.clamp_min(_MIN_EXP).log()).argmax(dim=-1)
             tokens = tokens.index_copy(0, idx, chosen)
-
-        if not want_logprobs:
-            return SampleOutput(token_ids=tokens.tolist(), logprobs=None, top_logprobs=None)
-        want = [inp.params.logprobs for inp in inputs]
-        max_k = max(w or 0 for w in want)
-        chosen_lp, top_vals, top_ids = compute_logprobs(raw, tokens, max_k)
-        # One host transfer for everything: float64 holds ids (< 2**53) and float32 values exactly.
-        packed = torch.cat(
-            [tokens.unsqueeze(1), chosen_lp.unsqueeze(1), top_vals, top_ids], dim=1
-        ).to(dtype=torch.float64)
-        host = packed.cpu()
-        token_list = host[:, 0].long().tolist()
-        lp_list = host[:, 1].tolist()
-        # column blocks to lists, then per row only a zip: no per-element Python indexing
-        vals = host[:, 2 : 2 + max_k].tolist()
-        ids = host[:, 2 + max_k :].long().tolist()
-        tops = [list(zip(i[:w], v[:w])) if w else [] for i, v, w in zip(ids, vals, want)]
-        return SampleOutput(token_ids=token_list, logprobs=lp_list, top_logprobs=tops)
+        return tokens, raw, want_logprobs
 
     def _exponential_noise(
         self,
@@ -336,3 +350,23 @@ class Sampler:
             # A fresh [V] tensor (not a row view) so the stream cannot depend on the row's offset.
             noise[j] = torch.empty(vocab, device=device, dtype=dtype).exponential_(generator=gen)
         return noise
+
+
+def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, inputs: list[SamplingInput]
+                   ) -> SampleOutput:
+    """The chosen ids with their raw-distribution logprobs and top-k lists, in one host copy."""
+    want = [inp.params.logprobs for inp in inputs]
+    max_k = max(w or 0 for w in want)
+    chosen_lp, top_vals, top_ids = compute_logprobs(raw, tokens, max_k)
+    # One host transfer for everything: float64 holds ids (< 2**53) and float32 values exactly.
+    packed = torch.cat(
+        [tokens.unsqueeze(1), chosen_lp.unsqueeze(1), top_vals, top_ids], dim=1
+    ).to(dtype=torch.float64)
+    host = packed.cpu()
+    token_list = host[:, 0].long().tolist()
+    lp_list = host[:, 1].tolist()
+    # column blocks to lists, then per row only a zip: no per-element Python indexing
+    vals = host[:, 2 : 2 + max_k].tolist()
+    ids = host[:, 2 + max_k :].long().tolist()
+    tops = [list(zip(i[:w], v[:w])) if w else [] for i, v, w in zip(ids, vals, want)]
+    return SampleOutput(token_ids=token_list, logprobs=lp_list, top_logprobs=tops)

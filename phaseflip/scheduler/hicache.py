@@ -26,6 +26,12 @@ is priced by its uncached tokens only. Slots of a load in flight are held by its
 (`in_flight_slots`): allocated, neither free nor in the tree nor any request's; they join the
 tree when visible. The scheduler quiesces the controller before it reports idle, so the pool
 accounting checked at idle (`total = free + evictable + locked`) never sees such slots.
+
+Lifetime. The controller, its host tier (frames and index) and its disk tier outlive every
+layout: made before the first runner (whose ranks map the frames), bound to one layout at a
+time (`bind`: the tree hooks and the transfer channel), unbound by a phase flip once nothing is
+in flight and the device tree is dropped, so the fenced pages serve the re-admitted requests
+from host memory; `close` frees the host tier at the engine's end.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from phaseflip.cache.hicache import (
     HostFrames,
     HostPagePool,
     KVTransferEngine,
+    PageGeometry,
     RankSlice,
     TransferOrders,
     model_fingerprint,
@@ -56,10 +63,15 @@ from phaseflip.cache.hicache import (
     page_keys,
 )
 from phaseflip.cache.hicache.disk_io import DiskIO
-from phaseflip.cache.hicache.frames import host_capacity_pages, page_geometry
+from phaseflip.cache.hicache.frames import (
+    host_capacity_pages,
+    page_geometry,
+    shared_frames_path,
+)
 from phaseflip.cache.hicache.transfer import LocalChannel, TransferChannel
 from phaseflip.config import EngineConfig
 from phaseflip.model.config import ModelConfig
+from phaseflip.model.runner import resolve_dtype
 from phaseflip.scheduler.kv_cache import KVCacheManager
 from phaseflip.scheduler.request import Req
 
@@ -134,32 +146,30 @@ def weights_id(model_dir: str, load_format: str, seed: int) -> bytes:
     return h.digest()
 
 
+def kv_dtype(cfg: EngineConfig, model_cfg: ModelConfig) -> torch.dtype:
+    """The KV dtype of every layout of `cfg` (it follows the device kind, not the layout), known
+    before the first runner exists: the host tier is made first."""
+    cuda = cfg.device != "cpu" and torch.cuda.is_available()
+    return resolve_dtype(cfg.dtype, model_cfg, torch.device("cuda" if cuda else "cpu"))
+
+
 class HiCache:
-    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, kv: KVCacheManager,
-                 runner: Any) -> None:
-        """`runner`: a ModelRunner (one process: a local transfer engine over its pool) or a
-        DistributedRunner (its `hicache_channel` carries orders to the ranks and its shared
-        `hicache_frames` are the host tier's memory)."""
-        self.kv, self.tree = kv, kv.tree
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, *,
+                 shared: bool) -> None:
+        """The layout-free part, made once per engine before its first runner: keys, the host
+        tier (frames and index) and the disk tier. `shared`: the frames are node shared memory
+        that the ranks of a TP/PP group map by name. `bind` attaches it to a layout."""
+        self.model_cfg = model_cfg
         self.page_size = cfg.hicache_page_size
         raw = {k: v for k, v in vars(model_cfg).items() if k not in ("model_dir",
                                                                      "generation_defaults")}
         self.fingerprint = model_fingerprint(
-            {k: str(v) for k, v in raw.items()}, runner.dtype,
+            {k: str(v) for k, v in raw.items()}, dtype,
             weights_id=weights_id(model_cfg.model_dir, cfg.load_format, cfg.seed))
-        self.geometry = geo = page_geometry(model_cfg.num_layers, model_cfg.num_kv_heads,
-                                            model_cfg.head_dim, runner.dtype, self.page_size)
-        channel: TransferChannel | None = getattr(runner, "hicache_channel", None)
-        if channel is None:
-            frames = HostFrames.private(host_capacity_pages(cfg.hicache_host_gb * 2**30, geo),
-                                        geo.total_size)
-            part = RankSlice(range(model_cfg.num_layers), range(model_cfg.num_kv_heads))
-            channel = LocalChannel(KVTransferEngine(runner.pool, frames, geo, part,
-                                                    runner.device))
-        else:
-            frames = runner.hicache_frames
-            channel.before_shutdown.append(self.close)  # type: ignore[attr-defined]
-        self.channel = channel
+        self.geometry = geo = self._geometry(dtype)
+        capacity = host_capacity_pages(cfg.hicache_host_gb * 2**30, geo)
+        frames = (HostFrames.create_shared(shared_frames_path(), capacity, geo.total_size)
+                  if shared else HostFrames.private(capacity, geo.total_size))
         self.host = HostPagePool(frames.capacity, geo.total_size, fingerprint=self.fingerprint,
                                  frames=frames)
         self.disk = (DiskPageStore(cfg.hicache_dir, self.fingerprint,
@@ -183,13 +193,79 @@ class HiCache:
         self._missed: set[str] = set()  # waiting requests whose prefix stopped at a miss
         self._clean_ids: set[int] = set()  # tree nodes whose pages are all in the host tier
         self.write_back = cfg.hicache_write_policy == "write_back"
+        # the layout bound now (`bind`/`unbind`): its KV manager, radix tree, transfer channel
+        self.kv: KVCacheManager | None = None
+        self.tree: Any = None
+        self.channel: TransferChannel | None = None
+        self.closed = False
+
+    def _geometry(self, dtype: torch.dtype) -> PageGeometry:
+        """The canonical page: model dims, KV dtype and page size, never the layout."""
+        m = self.model_cfg
+        return page_geometry(m.num_layers, m.num_kv_heads, m.head_dim, dtype, self.page_size)
+
+    # ------------------------------------------------------------------ layouts
+    def bind(self, kv: KVCacheManager, runner: Any) -> None:
+        """Attach to one layout: the tree hooks of its KV manager and a channel to its ranks.
+        `runner`: a ModelRunner (orders run on a local transfer engine over its pool) or a
+        DistributedRunner made with this host tier's frames (orders ride its plan broadcast).
+        The host tier and its index carry over unchanged from the previous layout."""
+        if self.closed or self.kv is not None:
+            raise RuntimeError("HiCache: bind needs an open controller bound to no layout")
+        self._check_unbound_state("bind")
+        if self._geometry(runner.dtype) != self.geometry:
+            raise RuntimeError(f"HiCache: the layout's page geometry "
+                               f"{self._geometry(runner.dtype)} differs from the host tier's "
+                               f"{self.geometry}; its pages cannot be read under this layout")
+        channel: TransferChannel | None = getattr(runner, "hicache_channel", None)
+        if channel is None:
+            part = RankSlice(range(self.geometry.num_layers), range(self.geometry.num_kv_heads))
+            channel = LocalChannel(KVTransferEngine(runner.pool, self.host.frames,
+                                                    self.geometry, part, runner.device))
+        elif runner.hicache_frames is not self.host.frames:
+            raise RuntimeError("HiCache: the ranks map other host frames than the controller's")
+        else:
+            channel.before_shutdown.append(self.close)  # type: ignore[attr-defined]
+        self.kv, self.tree, self.channel = kv, kv.tree, channel
+        # node ids and misses were judged against an earlier tree: judged afresh from now on
+        self._clean_ids.clear()
+        self._missed.clear()
         if self.write_back:
             self.tree.on_evict = self._evicting
-            total = kv.allocator.total_slots
-            self.clean_below_slots = max(2 * self.page_size, total // 8)
+            self.clean_below_slots = max(2 * self.page_size, kv.allocator.total_slots // 8)
         else:
             kv.on_publish = self._publish
-        self.closed = False
+
+    def unbind(self) -> None:
+        """Detach from the layout (the phase flip, once fence, retract, quiesce and the tree's
+        drop have run): the host tier, its index and the disk tier stay for the next `bind`.
+        Raises, changing nothing, while anything still refers to the layout."""
+        if self.kv is None:
+            raise RuntimeError("HiCache: unbind of a controller bound to no layout")
+        self._check_unbound_state("unbind")
+        if self.tree.total_size():
+            raise RuntimeError(f"HiCache: unbind while the device tree holds "
+                               f"{self.tree.total_size()} tokens (drop it first)")
+        if self.write_back:
+            self.tree.on_evict = None
+        else:
+            self.kv.on_publish = None
+        shutdown = getattr(self.channel, "before_shutdown", None)
+        if shutdown is not None:  # the old runner's close must not close the host tier
+            shutdown.remove(self.close)
+        self.channel.close()
+        self.kv, self.tree, self.channel = None, None, None
+
+    def _check_unbound_state(self, what: str) -> None:
+        """Crash before corruption: no job, hold, ticket or slot of a layout may cross to
+        another (a fence and a quiesce leave none)."""
+        left = {name: len(v) for name, v in (
+            ("published", self._published), ("stores", self._stores),
+            ("storing", self._storing), ("loads", self._loads), ("load_of", self._load_of),
+            ("loading", self._loading), ("promoting", self._promoting)) if v}
+        if left:
+            raise RuntimeError(f"HiCache: {what} with work tied to a layout still in flight "
+                               f"{left}; fence and quiesce first")
 
     # ------------------------------------------------------------------ queries
     @property
@@ -301,12 +377,16 @@ class HiCache:
             self.io.flush()
 
     def close(self) -> None:
+        """The engine's end: stop the disk thread and the channel, then free the host tier
+        (a phase flip unbinds instead, keeping it)."""
         if self.closed:
             return
         self.closed = True
         if self.io is not None:
             self.io.close()
-        self.channel.close()
+        if self.channel is not None:
+            self.channel.close()
+        self.host.frames.close()
 
     # ------------------------------------------------------------------ stores
     def _publish(self, token_ids: list[int], slots: torch.Tensor) -> None:

@@ -53,6 +53,12 @@ class Req:
     prompt_lp_sent: bool = False
     finish_reason: str | None = None
     matched_stop: int | str | None = None
+    # overlap scheduling: a token sampled on the device whose id the host does not know yet
+    # (0 or 1); it is fed to the next step as a placeholder naming row `future_row` of the
+    # previous step's sampled-token tensor
+    pending: int = 0
+    future_row: int = 0
+    overlappable: bool = False  # its sampling needs nothing of the host (see EngineCore)
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:
@@ -71,6 +77,9 @@ class Req:
         """`all_ids[start:end]` without building `all_ids`: a plan needs one token per decoding
         request per step, and copying the whole context for it is O(context) each time."""
         p = len(self.prompt_ids)
+        known = p + len(self.output_ids)
+        if self.pending and end > known:  # a placeholder the runner resolves on the device
+            return self.tokens(start, known) + [-1 - self.future_row] * min(end - known, 1)
         if start >= p:
             return self.output_ids[start - p : end - p]
         if end <= p:
@@ -79,14 +88,21 @@ class Req:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Tokens of the sequence, a pending (sampled, not yet seen) one included."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending
 
     @property
     def remaining(self) -> int:
         """Tokens still to be fed to the model before the next token can be sampled."""
         # inlined num_tokens: the scheduler asks this of every running request several times
         # a step
-        return len(self.prompt_ids) + len(self.output_ids) - self.kv_len
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending - self.kv_len
+
+    def ends_with_pending(self, max_context: int) -> bool:
+        """Its pending token will finish it by length: no step should extend it further."""
+        return bool(self.pending) and (
+            len(self.output_ids) + 1 >= self.params.max_new_tokens
+            or self.num_tokens >= max_context)
 
     @property
     def finished(self) -> bool:

@@ -135,7 +135,8 @@ class Scheduler:
         """Ensures every decoding request gets its next slot, retracting newest-first; returns
         the decoding requests."""
         while True:
-            decoding = [r for r in self.running if r.remaining == 1]
+            decoding = [r for r in self.running
+                        if r.remaining == 1 and not r.ends_with_pending(self.max_context)]
             pages = sum(self.kv.pages_needed(r, 1) for r in decoding)
             if pages * self.kv.page_size <= self.kv.available() or not self.running:
                 return decoding
@@ -186,8 +187,8 @@ class Scheduler:
                 prefill or self.cfg.chunk_size
             ):
                 return
-            if self._waits_for_leader(req):
-                continue
+            if self._waits_for_leader(req) or req.pending:
+                continue  # (a retracted request whose last token is still on the device)
             limit = req.prompt_lp_next if req.wants_prompt_logprobs else req.num_tokens - 1
             if self.hicache is not None and self.kv.table.free_rows and not self._prefetch(
                 req, limit

@@ -105,11 +105,11 @@ class EngineServer:
             return m.ControlReply(msg.call_id, True, {"freed_tokens": freed})
         if msg.op == "flip":
             try:
-                census, deltas = self.core.flip(msg.args["tp_size"], msg.args["pp_size"])
+                census, _ = self.core.flip(msg.args["tp_size"], msg.args["pp_size"],
+                                           sink=self._send_deltas)
             except InvalidRequestError as e:
                 return m.ControlReply(msg.call_id, False, message=str(e))
             self.cfg = self.core.cfg
-            self._send_deltas(deltas)
             return m.ControlReply(msg.call_id, True, census.as_dict())
         if msg.op == "info":
             acc = kv.accounting(sched.running)

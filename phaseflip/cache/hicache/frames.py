@@ -17,6 +17,7 @@ import contextlib
 import logging
 import mmap
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -146,6 +147,12 @@ def page_geometry(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torc
                   page_size: int) -> PageGeometry:
     """The canonical page of a model: every layer and every KV head (not a rank's slice)."""
     return PageGeometry(dtype, page_size, num_layers, num_kv_heads, head_dim)
+
+
+def shared_frames_path() -> Path:
+    """A fresh name for a node's shared host tier: in /dev/shm (tmpfs) where there is one."""
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return shm / f"phaseflip-hicache-{os.getpid()}-{os.urandom(4).hex()}"
 
 
 def host_capacity_pages(host_bytes: float, geometry: PageGeometry) -> int:

@@ -91,6 +91,18 @@ class HostPagePool:
             return len(self._pages)
 
     @property
+    def free_frames(self) -> int:
+        """Frames neither mapped nor reserved."""
+        with self._lock:
+            return len(self._free)
+
+    @property
+    def pinned_pages(self) -> int:
+        """Pages pinned now (a transfer reads or writes their frames)."""
+        with self._lock:
+            return len(self._pins)
+
+    @property
     def stats(self) -> StoreStats:
         """A snapshot (a copy: the live counters keep moving under the lock)."""
         with self._lock:
