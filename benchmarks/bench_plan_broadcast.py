@@ -8,8 +8,10 @@ Two processes on this host (CPU; no GPU needed). For decode plans of each batch 
 broadcast, and the time until rank 1 holds the unpickled message (both from a barrier; median
 of `--iters`). Why it matters: a TP rank cannot launch its step before it has the plan, so the
 receive time sits on every step's critical path (the tp2 batch-1 profile on the H200 pair shows
-~2.2 ms of host time per step). The plan carries every sequence's whole `kv_indices`, so the
-message grows with batch × context.
+~2.2 ms of host time per step). A whole plan carries every sequence's `kv_indices`, so it
+grows with batch × context; the encoded plan (`distributed.plan_codec`, what the driver sends)
+carries each row's new slots only. Both are timed: the encoded mode includes rank 0's encode
+and rank 1's rebuild.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.common import print_table, write_json
+from phaseflip.cache.kv_pool import ReqToTokenTable
 from phaseflip.distributed.group import free_port
+from phaseflip.distributed.plan_codec import PlanDecoder, PlanEncoder
 from phaseflip.distributed.stage import StepMessage
 from phaseflip.forward_batch import ForwardBatch
 
@@ -42,6 +46,43 @@ def decode_plan(batch: int, context: int, seed: int = 0) -> ForwardBatch:
     )
 
 
+class TableSteps:
+    """Decode plans from a request table whose rows grow by one slot a step (what the
+    scheduler builds), for the encoded mode."""
+
+    def __init__(self, batch: int, context: int) -> None:
+        self.table = ReqToTokenTable(batch + 1, context + 4096)
+        self.rows = [self.table.alloc() for _ in range(batch)]
+        for r in self.rows:
+            self.table.write(r, 0, torch.randint(1, 2_000_000, (context,)))
+        self.len = context - 1
+
+    def next(self) -> ForwardBatch:
+        b = len(self.rows)
+        for r in self.rows:
+            self.table.table[r, self.len] = 1 + r
+        plan = ForwardBatch.from_table(self.table.table, self.rows, [self.len] * b, [1] * b,
+                                       [1] * b, list(range(b)), self.table.epochs)
+        self.len += 1
+        return plan
+
+
+def _time(rank: int, args: argparse.Namespace, make, send, receive) -> float:
+    times = []
+    for i in range(args.warmup + args.iters):
+        plan = make() if rank == 0 else None  # building the plan is the scheduler's cost
+        dist.barrier()
+        t0 = time.perf_counter()
+        box = [send(plan, i) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        if rank != 0:
+            receive(box[0])
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
 def _rank(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -49,16 +90,13 @@ def _rank(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
     try:
         for bs in args.batch_sizes:
             plan = decode_plan(bs, args.context)
-            times = []
-            for i in range(args.warmup + args.iters):
-                dist.barrier()
-                t0 = time.perf_counter()
-                box = [StepMessage(i, plan) if rank == 0 else None]
-                dist.broadcast_object_list(box, src=0)
-                if i >= args.warmup:
-                    times.append(time.perf_counter() - t0)
-            times.sort()
-            out.put((rank, bs, times[len(times) // 2]))
+            whole = _time(rank, args, lambda p=plan: p, lambda p, i: StepMessage(i, p),
+                          lambda m: None)
+            steps, enc, dec = TableSteps(bs, args.context), PlanEncoder(), PlanDecoder()
+            encoded = _time(rank, args, steps.next,
+                            lambda p, i, enc=enc: StepMessage(i, enc.encode(p)),
+                            lambda m, dec=dec: dec.decode(m.plan))
+            out.put((rank, bs, whole, encoded))
     finally:
         dist.destroy_process_group()
 
@@ -82,17 +120,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p.join(timeout=600)
         if p.exitcode != 0:
             raise RuntimeError(f"a broadcast rank failed (exit code {p.exitcode})")
-    got: dict[tuple[int, int], float] = {}
+    got: dict[tuple[int, int], tuple[float, float]] = {}
     while not q.empty():
-        rank, bs, t = q.get()
-        got[(rank, bs)] = t
+        rank, bs, whole, encoded = q.get()
+        got[(rank, bs)] = (whole, encoded)
     rows = []
     for bs in args.batch_sizes:
-        size = len(pickle.dumps(StepMessage(0, decode_plan(bs, args.context))))
-        rows.append({"batch_size": bs, "message_bytes": size, "rank0_ms": 1e3 * got[(0, bs)],
-                     "rank1_ms": 1e3 * got[(1, bs)]})
-    print_table(["batch", "message bytes", "rank 0 broadcast ms", "rank 1 has it ms"],
-                [[r["batch_size"], r["message_bytes"], r["rank0_ms"], r["rank1_ms"]]
+        steps, enc = TableSteps(bs, args.context), PlanEncoder()
+        enc.encode(steps.next())
+        rows.append({
+            "batch_size": bs,
+            "message_bytes": len(pickle.dumps(StepMessage(0, decode_plan(bs, args.context)))),
+            "encoded_bytes": len(pickle.dumps(StepMessage(0, enc.encode(steps.next())))),
+            "rank0_ms": 1e3 * got[(0, bs)][0], "rank1_ms": 1e3 * got[(1, bs)][0],
+            "encoded_rank0_ms": 1e3 * got[(0, bs)][1],
+            "encoded_rank1_ms": 1e3 * got[(1, bs)][1]})
+    print_table(["batch", "whole plan bytes", "rank 0 ms", "rank 1 has it ms",
+                 "new slots only bytes", "rank 0 ms", "rank 1 has it ms"],
+                [[r["batch_size"], r["message_bytes"], r["rank0_ms"], r["rank1_ms"],
+                  r["encoded_bytes"], r["encoded_rank0_ms"], r["encoded_rank1_ms"]]
                  for r in rows],
                 title=f"plan broadcast over gloo, decode plans with {args.context}-token contexts")
     return write_json(args.out, {"benchmark": "plan_broadcast", "context": args.context,

@@ -28,11 +28,17 @@ class ForwardBatch:
     kv_indices: torch.Tensor  # int64 [sum seq_lens] slots of each sequence's whole context
     logits_indices: torch.Tensor  # int64 [L] ascending rows of the hidden states to take logits of
     max_position: int  # largest entry of `positions` (known on the host, so no device sync)
+    # request-table rows of the sequences and their epochs (`ReqToTokenTable.epochs`), when
+    # the plan came from the table: what lets other ranks receive only new slots
+    rows: np.ndarray | None = None
+    row_epochs: np.ndarray | None = None
+    delta: object | None = None  # on the wire to other ranks: `plan_codec.PlanDelta`
 
     @classmethod
     def from_table(
         cls, table: torch.Tensor, rows: Sequence[int], prefix_lens: list[int],
         extend_lens: list[int], input_ids: list[int], logits_indices: list[int],
+        epochs: np.ndarray | None = None,
     ) -> ForwardBatch:
         """The plan for sequences whose slots are listed in the request→token `table` (host
         int64 [R, C]): row `rows[i]` holds the slots of sequence i's tokens [0, prefix_lens[i]
@@ -67,6 +73,7 @@ class ForwardBatch:
             kv_indices=torch.from_numpy(kv_indices),
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
             max_position=int(seq.max()) - 1 if len(row) else -1,
+            rows=row, row_epochs=epochs[row] if epochs is not None else None,
         )
 
     @property

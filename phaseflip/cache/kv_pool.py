@@ -8,6 +8,7 @@ padded token can write there harmlessly.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -54,10 +55,17 @@ class ReqToTokenTable:
 
     Owned by the scheduler (host memory): forward plans carry the slots they need explicitly,
     so no rank ever reads this table. Entries beyond a request's KV length are stale.
+
+    `epochs[row]` changes whenever entries a plan may already have carried can change: a new
+    occupant (`alloc`) or a write from position 0 (admission's prefix match, a prefix rewritten
+    to the tree's slots). Every other write appends at the request's allocation end, past any
+    slot a plan has carried. So within one epoch a row only grows, which lets the plan sent to
+    other ranks carry only each row's new slots (`distributed.plan_codec`).
     """
 
     def __init__(self, max_requests: int, max_context: int) -> None:
         self.table = torch.zeros((max_requests, max_context), dtype=torch.int64)
+        self.epochs = np.zeros(max_requests, dtype=np.int64)
         self.max_context = max_context
         self._free_rows = list(range(max_requests - 1, -1, -1))
 
@@ -66,7 +74,11 @@ class ReqToTokenTable:
         return len(self._free_rows)
 
     def alloc(self) -> int | None:
-        return self._free_rows.pop() if self._free_rows else None
+        if not self._free_rows:
+            return None
+        row = self._free_rows.pop()
+        self.epochs[row] += 1
+        return row
 
     def free(self, row: int) -> None:
         if row in self._free_rows:
@@ -74,4 +86,6 @@ class ReqToTokenTable:
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        if start == 0:
+            self.epochs[row] += 1
         self.table[row, start : start + slots.numel()] = slots

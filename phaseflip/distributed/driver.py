@@ -27,6 +27,7 @@ from phaseflip.cache.hicache.frames import HostFrames
 from phaseflip.cache.hicache.transfer import TransferChannel, TransferOrders
 from phaseflip.config import EngineConfig
 from phaseflip.distributed.group import DistSpec
+from phaseflip.distributed.plan_codec import PlanEncoder
 from phaseflip.distributed.stage import StepMessage
 from phaseflip.distributed.worker import STOP, build_rank, worker_main
 from phaseflip.forward_batch import ForwardBatch
@@ -86,6 +87,8 @@ class DistributedRunner:
                 dist.destroy_process_group()
         self.spec = DistSpec.from_config(cfg)
         self.step_no = 0
+        # each row's new slots only, to ranks that mirror the rest (checked when accounting is)
+        self.encoder = PlanEncoder(check=cfg.check_accounting)
         self.hicache_frames = hicache_frames
         self.hicache_channel = None
         if hicache_frames is not None:
@@ -140,9 +143,10 @@ class DistributedRunner:
         tracker = self.stage.tracker
         channel = self.hicache_channel
         msg = StepMessage(self.step_no, plan, channel.take() if channel else None, fence)
+        wire = dataclasses.replace(msg, plan=self.encoder.encode(plan)) if plan else msg
         try:
             with tracker.at("broadcasting the plan", self.step_no):
-                dist.broadcast_object_list([msg], src=0, group=self.groups.cpu_group)
+                dist.broadcast_object_list([wire], src=0, group=self.groups.cpu_group)
             return self.stage.run(msg)
         except Exception as e:
             dead = [w.name for w in self.workers if not w.is_alive()]

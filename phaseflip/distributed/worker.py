@@ -17,6 +17,7 @@ from phaseflip.cache.hicache.frames import HostFrames, page_geometry
 from phaseflip.cache.hicache.transfer import KVTransferEngine, rank_slice
 from phaseflip.config import EngineConfig
 from phaseflip.distributed.group import DistSpec, RankGroups, join, rank_device
+from phaseflip.distributed.plan_codec import PlanDecoder
 from phaseflip.distributed.stage import StageExecutor
 from phaseflip.distributed.watchdog import PositionTracker
 from phaseflip.model.config import ModelConfig
@@ -66,6 +67,7 @@ def worker_main(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | Non
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(message)s")
     groups, runner, stage = build_rank(rank, spec, cfg, run_dir, parent_pid)
     tracker = stage.tracker
+    plans = PlanDecoder()
     try:
         while True:
             box = [None]
@@ -74,6 +76,9 @@ def worker_main(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | Non
             msg = box[0]
             if msg == STOP:
                 break
+            if msg.plan is not None:
+                with tracker.at("rebuilding the plan from rank 0's slots", msg.step):
+                    msg.plan = plans.decode(msg.plan)
             stage.run(msg)
             tracker.set("idle")
     except Exception as e:  # noqa: BLE001 — report with every rank's position, then exit

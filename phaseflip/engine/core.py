@@ -196,10 +196,14 @@ class EngineCore:
             check()
 
     def close(self) -> None:
-        """Stops the worker ranks of a multi-rank layout (nothing to do for one process)."""
+        """Stops the worker ranks of a multi-rank layout, then the HiCache controller, which
+        owns the host tier (a bound controller is already closed by its runner; one left
+        unbound by a failed flip is not)."""
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
+        if self.hicache is not None:
+            self.hicache.close()
 
     # ------------------------------------------------------------------ step
     def step(self, sink: Callable[[list[StreamDelta]], None] | None = None

@@ -167,7 +167,9 @@ def _teardown(core: EngineCore) -> None:
     not closed: its host tier and index serve the new layout (`build_layout` binds it)."""
     if core.hicache is not None:
         core.hicache.unbind()
-    core.close()
+    close = getattr(core.runner, "close", None)  # the ranks only: the controller stays
+    if close is not None:
+        close()
     device = core.runner.device
     core.runner = core.kv = None  # type: ignore[assignment]
     core.scheduler.hicache = None

@@ -260,7 +260,7 @@ class Scheduler:
                 self.stats.decode_tokens += n
         plan = ForwardBatch.from_table(
             self.kv.table.table, [it.req.row for it in items], [it.start for it in items],
-            [it.extend_len for it in items], ids, logit_idx)
+            [it.extend_len for it in items], ids, logit_idx, self.kv.table.epochs)
         return ScheduledBatch(plan, items)
 
     # ------------------------------------------------------------------ after the forward
