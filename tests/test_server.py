@@ -249,6 +249,10 @@ def test_api_key_and_queue_bound():
             bad.models.list()
         good = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
         assert good.models.list().data[0].id == MODEL
+        flip = {"tp_size": 1, "pp_size": 1}  # the admin API is behind the key too
+        assert httpx.post(url + "/admin/flip", json=flip, timeout=30).status_code == 401
+        assert httpx.post(url + "/admin/flip", json=flip, timeout=30,
+                          headers={"authorization": "Bearer sekret"}).status_code == 400
 
         async def burst():
             c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)

@@ -84,7 +84,7 @@ class DistributedRunner:
         HiCache). Its owner is the controller: this runner never frees it."""
         if dist.is_initialized():  # left by an earlier group of this process that was stopped
             with contextlib.suppress(Exception):  # without teardown (a stall): it is dead
-                dist.destroy_process_group()
+                self._destroy_group(timeout_s=30)
         self.spec = DistSpec.from_config(cfg)
         self.step_no = 0
         # each row's new slots only, to ranks that mirror the rest (checked when accounting is)
@@ -176,6 +176,8 @@ class DistributedRunner:
         if graceful:  # every rank tears down at once: NCCL's teardown may wait for its peers
             self.runner.release_graphs()
             self._destroy_group(timeout_s=30)
+        # (after a dead peer the graphs stay: a device sync could wait on a collective that
+        # never completes; a later group's teardown of this one is bounded instead)
         for w in self.workers:
             w.join(timeout=10 if graceful else 0.1)
             if w.is_alive():

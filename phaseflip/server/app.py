@@ -74,13 +74,14 @@ def build_app(ctx: ServerContext) -> FastAPI:
     async def request_id_and_auth(request: Request, call_next):
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         key = ctx.cfg.api_key
-        if key and request.url.path.startswith("/v1") and (
+        if key and request.url.path.startswith(("/v1", "/admin/")) and (
             request.headers.get("authorization") != f"Bearer {key}"
         ):
             resp = _error(401, "invalid or missing API key", "authentication_error",
                           code="invalid_api_key")
-        elif request.url.path.startswith(("/v1/", "/generate", "/tokenize", "/detokenize",
-                                          "/flush_cache", "/abort_request")) and not ctx.ready:
+        elif not ctx.ready and request.url.path.startswith((
+                "/v1/", "/generate", "/tokenize", "/detokenize", "/flush_cache", "/abort_request",
+                "/admin/")):
             resp = _error(503, ctx.engine.state.dead or "the model is still loading",
                           "server_error")
         else:
