@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from benchmarks.common import (
     add_model_args,
+    add_workload_args,
     make_workload,
     parse_engine_args,
     print_table,
@@ -39,13 +40,7 @@ from phaseflip import Engine, SamplingParams
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(ap)
-    ap.add_argument("--num-prompts", type=int, default=1000)
-    ap.add_argument("--dataset", default="sharegpt-like", choices=["sharegpt-like", "fixed"])
-    ap.add_argument("--input-len", type=int, default=1024, help="fixed dataset only")
-    ap.add_argument("--output-len", type=int, default=512, help="fixed dataset only")
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--mem-fraction", type=float, default=None)
+    add_workload_args(ap)
     ap.add_argument("--max-running-requests", type=int, default=None)
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="any other Engine option, repeatable")

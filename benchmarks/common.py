@@ -259,6 +259,17 @@ def add_model_args(ap) -> None:
     ap.add_argument("--dtype", default="auto")
 
 
+def add_workload_args(ap) -> None:
+    """The seeded-workload flags of the offline benchmarks (`make_workload`)."""
+    ap.add_argument("--num-prompts", type=int, default=1000)
+    ap.add_argument("--dataset", default="sharegpt-like", choices=["sharegpt-like", "fixed"])
+    ap.add_argument("--input-len", type=int, default=1024, help="fixed dataset only")
+    ap.add_argument("--output-len", type=int, default=512, help="fixed dataset only")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mem-fraction", type=float, default=None)
+
+
 def release_engine(engine) -> None:
     """Shuts `engine` down and returns its device memory, so the next engine or the
     transformers reference in the same process starts from an empty GPU."""
