@@ -58,9 +58,10 @@ class EngineCore:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, tokenizer) -> None:
         self.cfg, self.model_cfg, self.tokenizer = cfg, model_cfg, tokenizer
         self.max_context = cfg.max_model_len or model_cfg.max_position_embeddings
+        self.hicache = self._new_hicache(cfg)  # before the ranks: they map its host tier
         self.runner, self.kv = self._make_runner_and_kv(cfg)
         self.scheduler = Scheduler(cfg, self.kv, self.max_context)
-        self.hicache = self._make_hicache(cfg)
+        self._bind_hicache()
         self.sampler = Sampler(cfg.seed)
         self.groups: dict[str, Group] = {}
         self._arrivals = 0
@@ -76,21 +77,27 @@ class EngineCore:
         self.cfg = cfg
         self.runner, self.kv = self._make_runner_and_kv(cfg)
         self.scheduler.cfg, self.scheduler.kv = cfg, self.kv
-        self.hicache = self._make_hicache(cfg)
+        self._bind_hicache()
+
+    def _new_hicache(self, cfg: EngineConfig):
+        """The HiCache controller, made once per engine: its host tier outlives every runner
+        (a flip rebinds the controller), and it frees that tier at the engine's end."""
+        if not cfg.enable_hicache:
+            return None
+        import weakref
+
+        from phaseflip.scheduler.hicache import HiCache
+        from phaseflip.scheduler.hicache_state import kv_dtype
+
+        hicache = HiCache(cfg, self.model_cfg, kv_dtype(cfg, self.model_cfg),
+                          shared=cfg.world_size > 1)
+        weakref.finalize(self, hicache.close)  # its disk thread finishes its queue
+        return hicache
 
     def _make_runner_and_kv(self, cfg: EngineConfig):
-        """The runner (this process's ranks) and the manager of its KV pool. With HiCache its
-        controller comes first: the ranks map its host tier, which outlives every runner (a
-        flip rebinds the controller) and which the controller frees at the engine's end."""
-        hicache = getattr(self, "hicache", None)  # kept across a flip's teardown
-        if cfg.enable_hicache and hicache is None:
-            import weakref
-
-            from phaseflip.scheduler.hicache import HiCache, kv_dtype
-
-            hicache = self.hicache = HiCache(cfg, self.model_cfg, kv_dtype(cfg, self.model_cfg),
-                                             shared=cfg.world_size > 1)
-            weakref.finalize(self, hicache.close)  # its disk thread finishes its queue
+        """The runner (this process's ranks, mapping the HiCache host tier) and the manager of
+        its KV pool."""
+        hicache = self.hicache
         try:
             if cfg.world_size > 1:
                 from phaseflip.distributed.driver import DistributedRunner
@@ -108,16 +115,13 @@ class EngineCore:
         )
         return runner, kv
 
-    def _make_hicache(self, cfg: EngineConfig):
-        """Binds the HiCache controller (made before the first runner) to this layout: it hooks
-        itself into the tree (write policy) and, for TP/PP, into the runner's plan broadcast."""
-        hicache = getattr(self, "hicache", None)
-        self.scheduler.hicache = hicache
-        if hicache is None:
-            return None
-        hicache.bind(self.kv, self.runner)
-        hicache.decode_reserve = self.scheduler.decode_reserve
-        return hicache
+    def _bind_hicache(self) -> None:
+        """Hooks the controller into this layout's tree (write policy) and, for TP/PP, into
+        the runner's plan broadcast."""
+        self.scheduler.hicache = self.hicache
+        if self.hicache is not None:
+            self.hicache.bind(self.kv, self.runner)
+            self.hicache.decode_reserve = self.scheduler.decode_reserve
 
     def flip(self, tp_size: int, pp_size: int,
              sink: Callable[[list[StreamDelta]], None] | None = None
@@ -255,7 +259,7 @@ class EngineCore:
                     deltas.append(self._delta(self._group(req), req))
                 else:
                     self._text_pending.append((req, self._append_token(req, tok, lp, top)))
-            elif req.params.max_new_tokens == 0 and req.kv_len == req.num_tokens:
+            elif req.prompt_only_done:
                 req.finish_reason = "length"
             if req.finished:
                 self.scheduler.remove(req)
@@ -298,10 +302,9 @@ class EngineCore:
                 self.kv.check(self.scheduler.running)
             return deltas
         self._inflight = self._sample_ahead(batch, logits)
-        for it in batch.items:  # max_new_tokens == 0: done once the prompt is in
+        for it in batch.items:
             req = it.req
-            if not it.samples and req.params.max_new_tokens == 0 and (
-                    req.kv_len == req.num_tokens):
+            if not it.samples and req.prompt_only_done:
                 req.finish_reason = "length"
                 self.scheduler.remove(req)
                 deltas.append(self._delta(self._group(req), req))

@@ -199,15 +199,14 @@ class DecodeGraphs:
         may live on the host; its tensors, and a later stage's `hidden`/`residual` input, are
         copied into the static buffers."""
         b = plan.batch_size
+        bs = self.sizes[bisect.bisect_left(self.sizes, b)]
         if self.in_hidden is not None:
             self.in_hidden[:b].copy_(hidden)
             self.in_residual[:b].copy_(residual)
-            bs = self.sizes[bisect.bisect_left(self.sizes, b)]
             # the fused add-norm updates the residual in place: padding rows left as they are
             # would accumulate across replays (toward inf in fp16)
             self.in_hidden[b:bs].zero_()
             self.in_residual[b:bs].zero_()
-        bs = self.sizes[bisect.bisect_left(self.sizes, b)]
         n = plan.kv_indices.numel()
         self.input_ids[:b].copy_(plan.input_ids, non_blocking=True)
         self.positions[:b].copy_(plan.positions, non_blocking=True)

@@ -22,7 +22,7 @@ pages that follow its device-cached prefix and exist in a tier start their way: 
 promoted into host frames on the disk thread, then every page is copied host->device into fresh
 slots. The request is skipped (others are admitted) until its pages are *visible*; they are then
 inserted into the radix tree, so admission matches them like any cached prefix and the request
-is priced by its uncached tokens only. Slots of a load in flight are held by its `_LoadJob`
+is priced by its uncached tokens only. Slots of a load in flight are held by its `LoadJob`
 (`in_flight_slots`): allocated, neither free nor in the tree nor any request's; they join the
 tree when visible. The scheduler quiesces the controller before it reports idle, so the pool
 accounting checked at idle (`total = free + evictable + locked`) never sees such slots.
@@ -37,15 +37,12 @@ from host memory; `close` frees the host tier at the engine's end.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -71,87 +68,19 @@ from phaseflip.cache.hicache.frames import (
 from phaseflip.cache.hicache.transfer import LocalChannel, TransferChannel
 from phaseflip.config import EngineConfig
 from phaseflip.model.config import ModelConfig
-from phaseflip.model.runner import resolve_dtype
+from phaseflip.scheduler.hicache_state import (
+    COPYING,
+    LOADED,
+    PROMOTING,
+    HiCacheStats,
+    LoadJob,
+    StoreJob,
+    weights_id,
+)
 from phaseflip.scheduler.kv_cache import KVCacheManager
 from phaseflip.scheduler.request import Req
 
 log = logging.getLogger("phaseflip.hicache")
-
-PROMOTING, COPYING, LOADED = "promoting", "copying", "loaded"
-
-
-@dataclass
-class HiCacheStats:
-    pages_written: int = 0  # pages stored device -> host tier (copy done)
-    bytes_written: int = 0  # bytes written to the disk tier
-    host_hit_tokens: int = 0  # prompt tokens loaded from pages found in the host tier
-    disk_hit_tokens: int = 0  # prompt tokens loaded from pages promoted from the disk tier
-    miss_pages: int = 0  # admitted requests whose cached prefix stopped at a page no tier has
-    corrupt_pages: int = 0  # disk pages found corrupt (deleted, served as misses)
-    bytes_loaded: int = 0  # host -> device
-    bytes_stored: int = 0  # device -> host
-    host_evictions: int = 0
-    disk_evictions: int = 0
-    disk_writes_dropped: int = 0  # disk copies skipped because the write queue was full
-    sync_writebacks: int = 0  # write-back pages copied synchronously at eviction
-    stores_in_flight: int = 0  # pages being copied device -> host now
-    loads_in_flight: int = 0  # pages being promoted or copied host -> device now
-    # Dispatch-to-seen-done seconds of the copies. Completion is polled once a step, so these
-    # over-count and the rates below under-state the link: an observed floor, not a ceiling.
-    store_seconds: float = 0.0
-    load_seconds: float = 0.0
-    store_gbps: float | None = None  # bytes_stored / store_seconds; None before any store
-    load_gbps: float | None = None  # bytes_loaded / load_seconds; None before any load
-
-
-@dataclass(eq=False)
-class _StoreJob:
-    keys: list[bytes]
-    frames: list[int]
-    node: Any  # the locked tree node whose path holds the source slots (None: no lock)
-    ticket: object
-    dispatched: float = field(default_factory=time.perf_counter)
-
-
-@dataclass(eq=False)
-class _LoadJob:
-    tokens: list[int]  # the prompt prefix, up to the last page to load
-    start: int  # first token of the first loaded page (page aligned)
-    keys: list[bytes]  # pages to load, consecutive from `start`
-    base: Any  # locked node ending at `start`: the prefix the pages extend
-    spare_tokens: int  # slots the scheduler keeps for running requests
-    from_disk: set[bytes] = field(default_factory=set)
-    state: str = PROMOTING
-    frames: list[int] = field(default_factory=list)  # pinned host frames while copying
-    slots: torch.Tensor | None = None  # the in-flight slots (held by this job until inserted)
-    ticket: object = None
-    dispatched: float = 0.0  # perf_counter when the host -> device copy was ordered
-    hold: Any = None  # locked node after insertion, until the request's admission step ends
-
-
-def weights_id(model_dir: str, load_format: str, seed: int) -> bytes:
-    """Tells checkpoints of one architecture apart without reading them whole: names, sizes
-    and the first and last 64 KiB of every weight file."""
-    h = hashlib.blake2b(digest_size=16)
-    if load_format == "dummy":
-        h.update(f"dummy-seed-{seed}".encode())
-        return h.digest()
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        size = f.stat().st_size
-        h.update(f.name.encode() + size.to_bytes(8, "little"))
-        with f.open("rb") as fh:
-            h.update(fh.read(65536))
-            fh.seek(max(0, size - 65536))
-            h.update(fh.read(65536))
-    return h.digest()
-
-
-def kv_dtype(cfg: EngineConfig, model_cfg: ModelConfig) -> torch.dtype:
-    """The KV dtype of every layout of `cfg` (it follows the device kind, not the layout), known
-    before the first runner exists: the host tier is made first."""
-    cuda = cfg.device != "cpu" and torch.cuda.is_available()
-    return resolve_dtype(cfg.dtype, model_cfg, torch.device("cuda" if cuda else "cpu"))
-
 
 class HiCache:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, *,
@@ -182,13 +111,13 @@ class HiCache:
         self._stats = HiCacheStats()
         self._stats_lock = threading.Lock()
         self._published: list[list[int]] = []
-        self._stores: list[_StoreJob] = []
+        self._stores: list[StoreJob] = []
         self._storing: set[bytes] = set()
-        self._loads: list[_LoadJob] = []
-        self._load_of: dict[str, _LoadJob] = {}  # request id -> its load in progress
+        self._loads: list[LoadJob] = []
+        self._load_of: dict[str, LoadJob] = {}  # request id -> its load in progress
         # the scheduler's current decode reserve in slots (set by the engine; None: none)
         self.decode_reserve: Callable[[], int] | None = None
-        self._loading: dict[bytes, _LoadJob] = {}  # first page key -> load (one load per page)
+        self._loading: dict[bytes, LoadJob] = {}  # first page key -> load (one load per page)
         self._promoting: dict[bytes, Future[bool]] = {}
         self._missed: set[str] = set()  # waiting requests whose prefix stopped at a miss
         self._clean_ids: set[int] = set()  # tree nodes whose pages are all in the host tier
@@ -412,7 +341,7 @@ class HiCache:
                 node = self.tree.match_prefix(tokens[:m]).last_node
             self._store(keys[: m // self.page_size], match.slots[:m], node)
 
-    def _store(self, keys: list[bytes], slots: torch.Tensor, node: Any) -> _StoreJob | None:
+    def _store(self, keys: list[bytes], slots: torch.Tensor, node: Any) -> StoreJob | None:
         """Dispatch the copies of the pages among `keys` (at `slots`) that no tier holds,
         locking `node` (whose path holds `slots`) until they are done."""
         hp = self.page_size
@@ -434,12 +363,12 @@ class HiCache:
                                 store_slots=[slots[i * hp : (i + 1) * hp] for i in todo])
         if node is not None:
             self.tree.inc_lock_ref(node)
-        job = _StoreJob([keys[i] for i in todo], frames, node, self.channel.dispatch(orders))
+        job = StoreJob([keys[i] for i in todo], frames, node, self.channel.dispatch(orders))
         self._storing.update(job.keys)
         self._stores.append(job)
         return job
 
-    def _finish_store(self, job: _StoreJob) -> None:
+    def _finish_store(self, job: StoreJob) -> None:
         self._stores.remove(job)
         self._storing.difference_update(job.keys)
         if job.node is not None:
@@ -505,7 +434,7 @@ class HiCache:
         keys = self._keys(tokens)
         if keys[first] in self._loading:
             return False  # another request is loading these very pages: wait for them
-        job = _LoadJob(tokens=[], start=first * hp, keys=[], base=None, spare_tokens=spare_tokens)
+        job = LoadJob(tokens=[], start=first * hp, keys=[], base=None, spare_tokens=spare_tokens)
         for key in keys[first:]:
             if not self._available(key, job):
                 self._missed.add(req.rid)  # counted once, when the request is admitted
@@ -537,7 +466,7 @@ class HiCache:
         self._load_of.pop(req.rid, None)
         self._missed.discard(req.rid)
 
-    def _available(self, key: bytes, job: _LoadJob) -> bool:
+    def _available(self, key: bytes, job: LoadJob) -> bool:
         if self.host.contains(key):
             return True
         if key in self._promoting:
@@ -552,7 +481,7 @@ class HiCache:
         job.from_disk.add(key)
         return True
 
-    def _advance(self, job: _LoadJob) -> None:
+    def _advance(self, job: LoadJob) -> None:
         if job.state == PROMOTING:
             if any(k in self._promoting for k in job.keys):
                 return
@@ -564,7 +493,7 @@ class HiCache:
                 self.host.unpin(key)
             job.frames = []
 
-    def _start_copy(self, job: _LoadJob) -> None:
+    def _start_copy(self, job: LoadJob) -> None:
         """Pin the pages' frames, allocate their slots, dispatch the host->device copies."""
         hp = self.page_size
         for key in job.keys:
@@ -595,7 +524,7 @@ class HiCache:
         job.ticket = self.channel.dispatch(orders)
         job.dispatched = time.perf_counter()
 
-    def _insert(self, job: _LoadJob) -> None:
+    def _insert(self, job: LoadJob) -> None:
         """The loaded pages join the tree under their (locked) prefix; `job.slots` now belong
         to the tree, except duplicates of pages another request published meanwhile."""
         hp, start, tree = self.page_size, job.start, self.tree
@@ -614,7 +543,7 @@ class HiCache:
                     load_seconds=time.perf_counter() - job.dispatched)
         self._finish_load(job)
 
-    def _finish_load(self, job: _LoadJob) -> None:
+    def _finish_load(self, job: LoadJob) -> None:
         if job.base is not None:
             self.tree.dec_lock_ref(job.base)
             job.base = None
@@ -624,7 +553,7 @@ class HiCache:
             if self._loading[key] is job:
                 del self._loading[key]
 
-    def _drop_load(self, job: _LoadJob) -> None:
+    def _drop_load(self, job: LoadJob) -> None:
         self._loads.remove(job)
         for rid in [r for r, j in self._load_of.items() if j is job]:
             del self._load_of[rid]

@@ -105,6 +105,11 @@ class Req:
             or self.num_tokens >= max_context)
 
     @property
+    def prompt_only_done(self) -> bool:
+        """A max_new_tokens=0 request (prompt logprobs only) whose prompt is all in."""
+        return self.params.max_new_tokens == 0 and self.kv_len == self.num_tokens
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
