@@ -27,13 +27,21 @@ from typing import Any
 import numpy as np
 
 
-def _plt():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")  # no display on the benchmark machines
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save(fig, path: Path) -> Path:
+    """Lays the figure out, writes it as a PNG and frees it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
+    return path
 
 
 def _subtitle(d: dict[str, Any]) -> str:
@@ -49,7 +57,7 @@ def _cdf(ax, values: list[float], label: str, scale: float = 1e3, **kw: Any) -> 
 
 
 def plot_latency(d: dict[str, Any], out: Path) -> list[Path]:
-    plt = _plt()
+    plt = pyplot()
     rows = d["results"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in rows:
@@ -66,10 +74,7 @@ def plot_latency(d: dict[str, Any], out: Path) -> list[Path]:
     ax.legend(fontsize=8)
     fig.suptitle(f"Decode step time, input {d['input_len']}, output {d['output_len']}")
     ax.set_title(_subtitle(d), fontsize=8)
-    fig.tight_layout()
-    p1 = out / "latency_steps.png"
-    fig.savefig(p1, dpi=120)
-    plt.close(fig)
+    p1 = save(fig, out / "latency_steps.png")
 
     bs = [r["batch_size"] for r in rows]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
@@ -90,15 +95,12 @@ def plot_latency(d: dict[str, Any], out: Path) -> list[Path]:
     a2.grid(True, alpha=0.3)
     a2.legend(fontsize=8)
     fig.suptitle(f"Throughput vs batch size — {_subtitle(d)}", fontsize=9)
-    fig.tight_layout()
-    p2 = out / "latency_throughput.png"
-    fig.savefig(p2, dpi=120)
-    plt.close(fig)
+    p2 = save(fig, out / "latency_throughput.png")
     return [p1, p2]
 
 
 def plot_offline(d: dict[str, Any], out: Path) -> list[Path]:
-    plt = _plt()
+    plt = pyplot()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     a1.hist(d["input_lens"], bins=40, alpha=0.6, label="input")
     a1.hist(d["output_lens"], bins=40, alpha=0.6, label="output")
@@ -119,15 +121,12 @@ def plot_offline(d: dict[str, Any], out: Path) -> list[Path]:
     a2.legend(fontsize=8)
     a2.grid(True, axis="y", alpha=0.3)
     fig.suptitle(f"Offline throughput — {_subtitle(d)}", fontsize=9)
-    fig.tight_layout()
-    p = out / "offline_throughput.png"
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
+    p = save(fig, out / "offline_throughput.png")
     return [p]
 
 
 def plot_serving(d: dict[str, Any], out: Path) -> list[Path]:
-    plt = _plt()
+    plt = pyplot()
     ok = [r for r in d["requests"] if r["ok"]]
     series = {
         "TTFT": [r["ttft"] for r in ok],
@@ -146,10 +145,7 @@ def plot_serving(d: dict[str, Any], out: Path) -> list[Path]:
         axes[1, col].grid(True, alpha=0.3)
     fig.suptitle(f"Serving at {d['request_rate']} req/s, {d['dataset']} — "
                  f"{_subtitle(d)}", fontsize=9)
-    fig.tight_layout()
-    p = out / "serving_latency.png"
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
+    p = save(fig, out / "serving_latency.png")
     return [p]
 
 
@@ -180,7 +176,7 @@ def _grouped(ax, groups: list[str], values: dict[str, list[float]],
 
 
 def plot_multi_gpu(src: Path, out: Path) -> list[Path]:
-    plt = _plt()
+    plt = pyplot()
     from matplotlib.patches import Patch
 
     tab = MULTI_GPU_TABLE
@@ -211,10 +207,7 @@ def plot_multi_gpu(src: Path, out: Path) -> list[Path]:
                  f"{env['date'][:10]} | commits {lat['pp2']['env']['commit']}, {env['commit']}\n"
                  "hatched: printed tables only (no JSON); tp1 decode: the single-H200 run",
                  fontsize=9)
-    fig.tight_layout()
-    p1 = out / "multi_gpu_layouts.png"
-    fig.savefig(p1, dpi=120)
-    plt.close(fig)
+    p1 = save(fig, out / "multi_gpu_layouts.png")
 
     comm = json.loads((src / "comm.json").read_text())
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -237,10 +230,7 @@ def plot_multi_gpu(src: Path, out: Path) -> list[Path]:
     e = comm["env"]
     ax.set_title(f"NCCL {comm['nccl_version']}, 2× {e['gpu']}, bf16 | commit {e['commit']} | "
                  f"{e['date'][:10]}", fontsize=8)
-    fig.tight_layout()
-    p2 = out / "multi_gpu_bandwidth.png"
-    fig.savefig(p2, dpi=120)
-    plt.close(fig)
+    p2 = save(fig, out / "multi_gpu_bandwidth.png")
     return [p1, p2]
 
 

@@ -25,6 +25,7 @@ import cProfile
 import pstats
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ from benchmarks.common import (
     release_engine,
     write_json,
 )
+from benchmarks.plot import pyplot, save
 from benchmarks.profile_decode import per_step_times, wrap_phases
 from phaseflip import Engine, SamplingParams
 
@@ -159,12 +161,7 @@ def summarize(records: list[dict]) -> dict[str, dict[str, float]]:
 
 
 def plot_timeline(records: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 4))
+    fig, ax = pyplot().subplots(figsize=(10, 4))
     for kind in KINDS:
         rs = [r for r in records if r["kind"] == kind]
         if rs:
@@ -174,8 +171,7 @@ def plot_timeline(records: list[dict], path: str) -> None:
     ax.set_ylabel("step time (ms)")
     ax.set_yscale("log")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save(fig, Path(path))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
