@@ -31,10 +31,10 @@ class EngineConfig:
     overlaps the GPU. One process, no HiCache, and only for steps whose requests need nothing
     of the sampled ids on the host: no logprobs, penalties, stop strings, min_new_tokens or
     seeds (other steps run synchronously). Off until measured on a GPU."""
-    cuda_graph_max_bs: int = 512
+    cuda_graph_max_bs: int = 1024
     """Largest decode batch captured in a CUDA graph (capped by max_running_requests); larger
-    batches run eagerly. An offline run at 512 running spent 27 percent of its time in eager decode
-    steps above 256 before this covered them."""
+    batches run eagerly. Eager decode at ~770 rows cost 46 ms a step on the H200, 22 ms of it
+    host launches, against 31 ms of GPU work."""
     max_total_tokens: int | None = None
     """KV pool size in tokens. Default: 16384 on CPU, from --mem-fraction on GPU."""
     mem_fraction: float = 0.85

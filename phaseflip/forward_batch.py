@@ -147,9 +147,21 @@ class ForwardBatch:
         rows = (-ids - 1).clamp_min(0)
         return dataclasses.replace(self, input_ids=torch.where(ids < 0, future[rows], ids))
 
+    def pinned(self) -> ForwardBatch:
+        """The plan with its host tensors in pinned memory (device tensors as they are). A
+        non-blocking copy to the GPU from pageable memory may wait for the stream's earlier
+        kernels (its staging buffer drains in stream order), which would tie an overlapped
+        step's launch to the end of the step before it; from pinned memory it does not."""
+        def pin(v: torch.Tensor) -> torch.Tensor:
+            return v.pin_memory() if v.device.type == "cpu" and not v.is_pinned() else v
+
+        return ForwardBatch(**{k: pin(v) if isinstance(v, torch.Tensor) else v
+                               for k, v in self.__dict__.items()})
+
     def to(self, device: torch.device | str) -> ForwardBatch:
-        move = {
-            k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
-            for k, v in self.__dict__.items()
-        }
-        return ForwardBatch(**move)
+        """The plan on `device` (through pinned memory when bound for a GPU)."""
+        device = torch.device(device)
+        src = self.pinned() if device.type == "cuda" else self
+        return ForwardBatch(**{k: v.to(device, non_blocking=True)
+                               if isinstance(v, torch.Tensor) else v
+                               for k, v in src.__dict__.items()})

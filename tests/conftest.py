@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,19 @@ def make_engine():
         e.shutdown()
 
 
+
+
+@contextmanager
+def no_host_reads():
+    """Makes every read of a tensor's values by the host raise inside the block (on a GPU each
+    is a sync that waits for the stream): `bool(t)`, `t.item()`, `t.tolist()`, `t.cpu()`,
+    `t.numpy()`. Code run under it must decide everything from host-side values."""
+    def refuse(name: str):
+        def read(self, *args, **kwargs):
+            raise AssertionError(f"the host read a tensor's values (Tensor.{name})")
+        return read
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("__bool__", "item", "tolist", "cpu", "numpy"):
+            mp.setattr(torch.Tensor, name, refuse(name))
+        yield

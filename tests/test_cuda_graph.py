@@ -23,6 +23,7 @@ from phaseflip.layout import Layout  # noqa: E402
 from phaseflip.model.config import ModelConfig  # noqa: E402
 from phaseflip.model.cuda_graph import DecodeGraphs, capture_sizes  # noqa: E402
 from phaseflip.model.runner import ModelRunner  # noqa: E402
+from tests.conftest import no_host_reads  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -150,3 +151,19 @@ def test_capture_sizes():
     sizes = capture_sizes(512)
     assert sizes[-1] == 512 and 256 in sizes and 288 in sizes
     assert all(b - a <= 32 for a, b in zip(sizes, sizes[1:]))
+
+
+def test_padded_replay_fills_its_buffers_without_host_reads(runner, monkeypatch):
+    """A run-ahead step's plan is already on the device: filling the padding rows' `kv_indptr`
+    from a host copy of it (`.cpu()`) was a sync per padded replay."""
+    graphs = _graphs(runner, max_bs=8)
+    if CUDA:
+        pytest.skip("the recorded graphs run the model; the CPU run checks the filling")
+    monkeypatch.setattr(graphs.backend, "bind_graph_batch", lambda batch, n: None)
+    monkeypatch.setattr(graphs, "_run", lambda batch: (torch.zeros(batch.batch_size, 1), None))
+    ctx = _contexts([4, 9, 2], seed=3)
+    plan = _plan([(t[-1:], s, len(t) - 1) for t, s in ctx], decode=True)
+    with no_host_reads():
+        graphs.replay(plan)  # 3 rows padded to 4
+    assert graphs.kv_indptr[:5].tolist() == [0, 4, 13, 15, 16]
+    assert graphs.kv_indices[15].item() == 0 and graphs.positions[3].item() == 0

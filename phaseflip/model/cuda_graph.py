@@ -207,20 +207,21 @@ class DecodeGraphs:
             # would accumulate across replays (toward inf in fp16)
             self.in_hidden[b:bs].zero_()
             self.in_residual[b:bs].zero_()
+        if self.device.type == "cuda":
+            plan = plan.pinned()  # host tensors copy without waiting on the stream
         n = plan.kv_indices.numel()
         self.input_ids[:b].copy_(plan.input_ids, non_blocking=True)
         self.positions[:b].copy_(plan.positions, non_blocking=True)
         self.out_cache_loc[:b].copy_(plan.out_cache_loc, non_blocking=True)
         self.kv_indices[:n].copy_(plan.kv_indices, non_blocking=True)
+        self.kv_indptr[: b + 1].copy_(plan.kv_indptr, non_blocking=True)
         if bs > b:  # padding rows: one key each, at slot 0, after the real contexts
             pad = bs - b
-            indptr = torch.cat([plan.kv_indptr.cpu(), torch.arange(n + 1, n + pad + 1)])
-            self.kv_indptr[: bs + 1].copy_(indptr, non_blocking=True)
+            # on the device (no host read of a plan that may already live there)
+            torch.add(self.rows[1 : pad + 1], n, out=self.kv_indptr[b + 1 : bs + 1])
             self.out_cache_loc[b:bs].fill_(PAD_SLOT)
             self.kv_indices[n : n + pad].fill_(PAD_SLOT)
             self.positions[b:bs].zero_()
-        else:
-            self.kv_indptr[: b + 1].copy_(plan.kv_indptr, non_blocking=True)
         captured = self.graphs[bs]
         if captured.graph is None:
             with torch.inference_mode():

@@ -97,6 +97,18 @@ def _row_tensor(
     return t.expand(rows) if t.dim() == 0 else t
 
 
+def _maybe_active(value: torch.Tensor | Sequence[float] | float, active) -> bool:
+    """Whether a filter parameter may be on for some row, decided on the host: per-row values
+    given as numbers are checked here; a tensor counts as on (its filter then runs and leaves
+    the off rows unchanged). Why: a device-side `.any()` here was a host sync in every
+    temperature > 0 step, which serialised the overlapped scheduler with the GPU."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, Sequence):
+        return any(active(v) for v in value)
+    return bool(active(value))
+
+
 def filter_logits(
     logits: torch.Tensor,
     top_k: torch.Tensor | Sequence[int] | int = -1,
@@ -118,7 +130,7 @@ def filter_logits(
     out = logits.clone()
     k_active = (k > 0) & (k < vocab)
     p_active = p < 1.0
-    if bool((k_active | p_active).any()):
+    if _maybe_active(top_k, lambda v: 0 < v < vocab) or _maybe_active(top_p, lambda v: v < 1.0):
         sorted_logits, sorted_idx = out.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=device).expand(rows, vocab)
         kk = torch.where(k_active, k, torch.full_like(k, vocab))
@@ -130,7 +142,7 @@ def filter_logits(
         sorted_logits = sorted_logits.masked_fill(drop_p, float("-inf"))
         out = torch.empty_like(out).scatter_(1, sorted_idx, sorted_logits)
     m_active = m > 0.0
-    if bool(m_active.any()):
+    if _maybe_active(min_p, lambda v: v > 0.0):
         row_max = out.max(dim=-1, keepdim=True).values
         # prob_i / prob_max = exp(l_i - l_max); compare in log space to avoid underflow.
         threshold = row_max + torch.log(m.clamp_min(1e-38)).unsqueeze(1)
