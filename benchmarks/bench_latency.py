@@ -70,13 +70,20 @@ class StepRecord:
 
 class StepRecorder:
     """Times every `engine.core.step` and notes the plan its forward ran (instance-attribute
-    wrappers, removed on exit, so the engine object is left as it was)."""
+    wrappers, removed on exit, so the engine object is left as it was).
+
+    Steps are timed to the end of their GPU work, except overlapped decode steps: syncing
+    those would serialise what overlap runs in parallel. Such a call launches step k+1 and
+    returns once step k's tokens are in, so back to back the calls time the loop's period,
+    which is what a decoding request sees (the first decode step after a prefill, whose
+    tokens were already in, is short; the median does not see it)."""
 
     def __init__(self, engine: Engine) -> None:
         self.core = engine.core
         self.records: list[StepRecord] = []
         self._plan: ForwardBatch | None = None
         self._cuda = engine.core.runner.device.type == "cuda"
+        self._overlap = engine.core.cfg.overlap_schedule
 
     def __enter__(self) -> StepRecorder:
         core, runner = self.core, self.core.runner
@@ -86,10 +93,10 @@ class StepRecorder:
             self._plan = None
             t0 = time.perf_counter()
             out = step()
-            if self._cuda:
+            plan = self._plan
+            if self._cuda and not (self._overlap and plan is not None and plan.is_decode):
                 torch.cuda.synchronize()
             rec = StepRecord(t0, time.perf_counter())
-            plan = self._plan
             if plan is not None:
                 rec.is_decode, rec.batch_size = plan.is_decode, plan.batch_size
                 rec.extend_lens, rec.prefix_lens = list(plan.extend_lens), list(plan.prefix_lens)

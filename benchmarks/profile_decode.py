@@ -24,8 +24,11 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from benchmarks.common import add_model_args, parse_engine_args, random_prompts, write_json
 from phaseflip import Engine, SamplingParams
 
-PHASES = {"schedule": ("scheduler", "schedule"), "forward": ("runner", "forward"),
-          "sample": ("sampler", "sample")}
+# (label, owner attribute of the core, method); an overlapped step samples on the device and
+# waits for the previous step's tokens in `_take_tokens` (the "tokens" range)
+PHASES = [("schedule", "scheduler", "schedule"), ("forward", "runner", "forward"),
+          ("sample", "sampler", "sample"), ("sample", "sampler", "sample_on_device"),
+          ("tokens", None, "_take_tokens")]
 
 
 def _wrap(obj: Any, name: str, label: str) -> None:
@@ -40,8 +43,8 @@ def _wrap(obj: Any, name: str, label: str) -> None:
 
 def wrap_phases(core: Any) -> None:
     """Profiler ranges around the engine's schedule/forward/sample calls (this core only)."""
-    for label, (owner, name) in PHASES.items():
-        _wrap(getattr(core, owner), name, f"phase:{label}")
+    for label, owner, name in PHASES:
+        _wrap(core if owner is None else getattr(core, owner), name, f"phase:{label}")
 
 
 def per_step_times(prof: Any, steps: int) -> tuple[dict[str, float], dict[str, float]]:

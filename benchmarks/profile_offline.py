@@ -55,8 +55,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_workload_args(ap)
     ap.add_argument("--max-running-requests", type=int, default=512)
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--profile-at", type=int, default=None, help="first profiled step")
-    ap.add_argument("--profile-steps", type=int, default=10)
+    ap.add_argument("--profile-at", type=lambda v: [int(x) for x in v.split(",")], default=[],
+                    help="first step of each profiled window, comma separated (e.g. the "
+                         "prefill-heavy start and the decode tail: 5,600)")
+    ap.add_argument("--profile-steps", type=int, default=10, help="steps per window")
     ap.add_argument("--top", type=int, default=15, help="kernels listed")
     ap.add_argument("--null-forward", action="store_true",
                     help="precomputed logits instead of the model (host overhead only)")
@@ -98,17 +100,18 @@ class StepLog:
 
 
 def run_steps(core: Any, args: argparse.Namespace, total_out: int) -> tuple[list, dict]:
-    """Steps the core to the end; returns the per-step records and the profile window."""
-    log, records, window = StepLog(core), [], {}
+    """Steps the core to the end; returns the per-step records and the profile windows."""
+    log, records, windows = StepLog(core), [], []
+    if args.profile_at:
+        wrap_phases(core)  # once: the ranges cost nothing while no profiler runs
     cuda = core.runner.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     bar = tqdm(total=total_out, unit="tok", desc="offline steps")
     sync()
     step, t_prev = 0, time.perf_counter()
     while core.has_work():
-        profiling = args.profile_at is not None and step == args.profile_at
-        if profiling:
-            window = _profile(core, log, args, sync, cuda)
+        if step in args.profile_at:
+            windows.append(_profile(core, log, args, step, sync, cuda))
             step += args.profile_steps
             t_prev = time.perf_counter()
             continue
@@ -122,11 +125,11 @@ def run_steps(core: Any, args: argparse.Namespace, total_out: int) -> tuple[list
         bar.update(sum(len(d.token_ids) for d in deltas))
         step, t_prev = step + 1, now
     bar.close()
-    return records, window
+    return records, windows
 
 
-def _profile(core: Any, log: StepLog, args: argparse.Namespace, sync, cuda: bool) -> dict:
-    wrap_phases(core)
+def _profile(core: Any, log: StepLog, args: argparse.Namespace, first: int, sync,
+             cuda: bool) -> dict:
     kinds: dict[str, int] = defaultdict(int)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sync()
@@ -141,7 +144,7 @@ def _profile(core: Any, log: StepLog, args: argparse.Namespace, sync, cuda: bool
     kernels, phases = per_step_times(prof, args.profile_steps)
     gpu = sum(kernels.values())
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[: args.top]
-    return {"first_step": args.profile_at, "steps": args.profile_steps, "step_kinds": kinds,
+    return {"first_step": first, "steps": args.profile_steps, "step_kinds": kinds,
             "wall_ms_per_step_profiled": wall * 1e3, "gpu_kernel_ms_per_step": gpu,
             "host_ms_per_step": phases, "top_kernels_ms_per_step": dict(top)}
 
@@ -197,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         if prof is not None:
             prof.enable()
-        records, window = run_steps(core, args, work.output_tokens)
+        records, windows = run_steps(core, args, work.output_tokens)
     finally:
         if prof is not None:
             prof.disable()
@@ -210,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "num_prompts": args.num_prompts, "max_running_requests": args.max_running_requests,
               "seconds": seconds, "output_tokens": work.output_tokens,
               "output_tokens_per_s": work.output_tokens / seconds, "by_step_kind": classes,
-              "profile": window, "steps": records}
+              "profiles": windows, "steps": records}
     _print(result)
     if args.plot:
         plot_timeline(records, args.plot)
@@ -226,8 +229,7 @@ def _print(result: dict[str, Any]) -> None:
                  "decode rows", "prompt tokens"], rows,
                 title=f"offline steps: {result['output_tokens_per_s']:.0f} output tok/s over "
                       f"{result['seconds']:.1f} s (profiled window included)")
-    w = result["profile"]
-    if w:
+    for w in result["profiles"]:
         print(f"profile of steps {w['first_step']}..+{w['steps']} {dict(w['step_kinds'])}: "
               f"wall {w['wall_ms_per_step_profiled']:.2f} ms/step, GPU kernels "
               f"{w['gpu_kernel_ms_per_step']:.2f} ms/step; host (ms): "

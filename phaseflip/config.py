@@ -25,12 +25,13 @@ class EngineConfig:
     """torch (the reference), triton, or auto (triton on CUDA when installed, else torch)."""
     disable_cuda_graph: bool = False
     """Run decode steps eagerly instead of replaying captured CUDA graphs (CUDA only)."""
-    overlap_schedule: bool = False
+    overlap_schedule: bool = True
     """Schedule and launch step k+1 before step k's sampled tokens reach the host (they are
     fed to the GPU as device-side placeholders), so the host's scheduling and output work
     overlaps the GPU. One process, no HiCache, and only for steps whose requests need nothing
     of the sampled ids on the host: no logprobs, penalties, stop strings, min_new_tokens or
-    seeds (other steps run synchronously). Off until measured on a GPU."""
+    seeds (other steps run synchronously). On the H200: batch-1 decode 95 percent GPU-busy
+    (88 without), offline 1000 requests +11 percent."""
     cuda_graph_max_bs: int = 1024
     """Largest decode batch captured in a CUDA graph (capped by max_running_requests); larger
     batches run eagerly. Eager decode at ~770 rows cost 46 ms a step on the H200, 22 ms of it
