@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--hf", action="store_true", help="also measure transformers generate")
     ap.add_argument("--hf-num-prompts", type=int, default=64)
     ap.add_argument("--hf-batch-size", type=int, default=16)
+    ap.add_argument("--hf-max-duration-s", type=float, default=None,
+                    help="start no transformers batch after this long; the rates then cover "
+                         "the batches done (marked partial)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     return ap.parse_args(argv)
 
@@ -118,13 +121,20 @@ class Progress:
 
 
 def run_hf(model_dir: str, dtype: torch.dtype, device: torch.device, prompts: list[list[int]],
-           output_lens: list[int], batch_size: int) -> dict[str, Any]:
+           output_lens: list[int], batch_size: int, max_duration_s: float | None = None
+           ) -> dict[str, Any]:
+    """transformers `generate` over `prompts` in batches; after `max_duration_s` no new batch
+    starts and the rates cover the batches done (the requests are in random order, so those
+    are a sample of the workload)."""
     from benchmarks.bench_latency import _hf_model
 
     model = _hf_model(model_dir, dtype, device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
+    done = 0
     for i in tqdm(range(0, len(prompts), batch_size), desc="transformers", unit="batch"):
+        if done and max_duration_s is not None and time.perf_counter() - t0 > max_duration_s:
+            break  # (one batch always runs)
         batch, outs = prompts[i:i + batch_size], output_lens[i:i + batch_size]
         width = max(len(p) for p in batch)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
@@ -136,11 +146,14 @@ def run_hf(model_dir: str, dtype: torch.dtype, device: torch.device, prompts: li
             model.generate(ids.to(device), attention_mask=mask.to(device),
                            max_new_tokens=max(outs), min_new_tokens=max(outs), do_sample=False,
                            pad_token_id=0)
+        done = i + len(batch)
     sync()
     seconds = time.perf_counter() - t0
     del model
     gc.collect()
-    return _rates(len(prompts), sum(map(len, prompts)), sum(output_lens), seconds)
+    rates = _rates(done, sum(map(len, prompts[:done])), sum(output_lens[:done]), seconds)
+    rates["complete"] = done == len(prompts)
+    return rates
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -216,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         write_json(args.out, result)
         n = min(args.hf_num_prompts, len(work.prompts))
         result["hf"] = run_hf(m.model_dir, dtype, device, work.prompts[:n], work.output_lens[:n],
-                              args.hf_batch_size)
+                              args.hf_batch_size, args.hf_max_duration_s)
         result["hf"]["batch_size"] = args.hf_batch_size
     _print(result)
     return write_json(args.out, result)
@@ -237,6 +250,10 @@ def _print(result: dict[str, Any]) -> None:
         f"offline throughput: {result['model']} ({result['load_format']}, {result['dtype']}, "
         f"{result['device']}, tp={result['tp_size']} pp={result['pp_size']}), "
         f"dataset {result['dataset']}"))
+    ours, hf = result.get("phaseflip"), result.get("hf")
+    if ours and hf and hf["output_tokens_per_s"] > 0:
+        print(f"phaseflip / transformers, output tok/s: "
+              f"{ours['output_tokens_per_s'] / hf['output_tokens_per_s']:.1f}x")
 
 
 if __name__ == "__main__":

@@ -149,7 +149,7 @@ def install_null_forward(core: EngineCore, max_rows: int, vocab: int, seed: int)
     table = torch.randn(max_rows + spare, vocab, generator=gen) * 4.0
     calls = [0]
 
-    def null_forward(plan: Any) -> torch.Tensor:
+    def null_forward(plan: Any, future: Any = None) -> torch.Tensor:
         rows = int(plan.logits_indices.numel())
         off = calls[0] % spare
         calls[0] += 1

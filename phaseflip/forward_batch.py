@@ -33,6 +33,10 @@ class ForwardBatch:
     rows: np.ndarray | None = None
     row_epochs: np.ndarray | None = None
     delta: object | None = None  # on the wire to other ranks: `plan_codec.PlanDelta`
+    # placeholders (overlap scheduling), known on the host: positions in `input_ids` holding
+    # -1 - r and their rows r of the previous step's sampled tokens; None when not worked out
+    future_pos: np.ndarray | None = None
+    future_rows: np.ndarray | None = None
 
     @classmethod
     def from_table(
@@ -63,8 +67,10 @@ class ForwardBatch:
             out_cache_loc = t[np.repeat(row, ext), positions]
         views = [t[r, :n] for r, n in zip(rows, seq.tolist())]
         kv_indices = np.concatenate(views) if views else np.empty(0, dtype=np.int64)
+        ids = np.asarray(input_ids, dtype=np.int64)
+        future_pos = np.flatnonzero(ids < 0)
         return cls(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            input_ids=torch.from_numpy(ids),
             positions=torch.from_numpy(positions),
             out_cache_loc=torch.from_numpy(out_cache_loc),
             extend_lens=list(extend_lens),
@@ -74,6 +80,7 @@ class ForwardBatch:
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
             max_position=int(seq.max()) - 1 if len(row) else -1,
             rows=row, row_epochs=epochs[row] if epochs is not None else None,
+            future_pos=future_pos, future_rows=-1 - ids[future_pos],
         )
 
     @property
@@ -143,9 +150,31 @@ class ForwardBatch:
         on the device) in `input_ids`; the batch must already be on `future`'s device."""
         if future.numel() == 0:
             return self
-        ids = self.input_ids
-        rows = (-ids - 1).clamp_min(0)
-        return dataclasses.replace(self, input_ids=torch.where(ids < 0, future[rows], ids))
+        if self.future_pos is None:  # not worked out on the host: resolve on the device
+            ids = self.input_ids
+            rows = (-ids - 1).clamp_min(0)
+            return dataclasses.replace(self, input_ids=torch.where(ids < 0, future[rows], ids))
+        ids = self.input_ids.clone()
+        self.fill_future(ids, future)
+        return dataclasses.replace(self, input_ids=ids)
+
+    def fill_future(self, ids: torch.Tensor, future: torch.Tensor) -> None:
+        """Writes the placeholders' tokens from `future` into `ids` (this plan's ids, on
+        `future`'s device), decided from the host-side `future_pos`/`future_rows`. The usual
+        decode step (every id a placeholder, rows in order) is one device copy; the indices of
+        any other pattern travel in one small pinned copy. No host sync either way."""
+        pos, rows = self.future_pos, self.future_rows
+        n = 0 if pos is None else len(pos)
+        if n == 0:
+            return
+        in_order = bool(rows[-1] == n - 1 and (np.diff(rows) == 1).all()) and rows[0] == 0
+        if in_order and n == ids.numel():
+            ids.copy_(future[:n])
+            return
+        idx = torch.from_numpy(np.concatenate([pos, rows]))
+        if ids.is_cuda:
+            idx = idx.pin_memory().to(ids.device, non_blocking=True)
+        ids[idx[:n]] = future[idx[n:]]
 
     def pinned(self) -> ForwardBatch:
         """The plan with its host tensors in pinned memory (device tensors as they are). A

@@ -9,6 +9,7 @@ reference attention, on the same KV pool.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from triton_interpreter import interpret_without_cuda
@@ -163,7 +164,11 @@ def test_padded_replay_fills_its_buffers_without_host_reads(runner, monkeypatch)
     monkeypatch.setattr(graphs, "_run", lambda batch: (torch.zeros(batch.batch_size, 1), None))
     ctx = _contexts([4, 9, 2], seed=3)
     plan = _plan([(t[-1:], s, len(t) - 1) for t, s in ctx], decode=True)
+    # rows 0 and 2 are placeholders naming rows 1 and 0 of the previous step's tokens
+    plan.input_ids[0], plan.input_ids[2] = -2, -1
+    plan.future_pos, plan.future_rows = np.array([0, 2]), np.array([1, 0])
     with no_host_reads():
-        graphs.replay(plan)  # 3 rows padded to 4
+        graphs.replay(plan, future=torch.tensor([71, 72]))  # 3 rows padded to 4
     assert graphs.kv_indptr[:5].tolist() == [0, 4, 13, 15, 16]
     assert graphs.kv_indices[15].item() == 0 and graphs.positions[3].item() == 0
+    assert graphs.input_ids[:3].tolist() == [72, ctx[1][0][-1], 71]

@@ -309,6 +309,21 @@ def test_bench_offline_partial_run_is_marked(tmp_path):
     assert data["phaseflip"]["complete"] is False and data["phaseflip"]["num_requests"] == 0
 
 
+def test_bench_offline_transformers_side_by_side_may_stop_early(tmp_path):
+    """--hf-max-duration-s: no batch starts after the deadline (one always runs); the rates
+    cover the batches done and say so."""
+    from benchmarks import bench_offline
+
+    data = bench_offline.main(["--model", str(EMBEDDED_MODEL), "--device", "cpu",
+                               "--num-prompts", "4", "--dataset", "fixed", "--input-len", "4",
+                               "--output-len", "3", "--num-warmup", "0", "--hf",
+                               "--hf-num-prompts", "4", "--hf-batch-size", "2",
+                               "--hf-max-duration-s", "0"])
+    hf = data["hf"]
+    assert hf["complete"] is False and hf["num_requests"] == 2 and hf["output_tokens"] == 6
+    assert data["phaseflip"]["complete"] is True
+
+
 def test_profile_offline_classifies_every_step(tmp_path):
     from benchmarks import profile_offline
 

@@ -120,3 +120,25 @@ def test_sampling_on_device_reads_nothing_back():
     with no_host_reads():
         tokens = Sampler(seed=0).sample_on_device(logits, inputs)
     assert tokens.shape == (4,)
+
+
+@pytest.mark.parametrize("ids, want", [
+    ([-1, -2, -3], [50, 51, 52]),  # a decode step: every id a placeholder, rows in order
+    ([-2, 7, -1, 5, 6], [51, 7, 50, 5, 6]),  # a mixed step
+    ([4, 5, 6], [4, 5, 6]),  # nothing in flight
+])
+def test_placeholders_resolve_from_host_indices(ids, want):
+    """The plan knows on the host where its placeholders are, so filling them needs no device
+    comparison; the result equals the device-side resolution."""
+    from phaseflip.forward_batch import ForwardBatch
+
+    table = torch.arange(40, dtype=torch.int64).reshape(4, 10)
+    ext = [1] * 3 if len(ids) == 3 else [1, 1, 3]
+    plan = ForwardBatch.from_table(table, list(range(len(ext))), [2] * len(ext), ext, ids,
+                                   [len(ids) - 1])
+    future = torch.tensor([50, 51, 52])
+    with no_host_reads():
+        got = plan.with_future_tokens(future).input_ids
+    assert got.tolist() == want
+    plan.future_pos = None  # the device-side fallback agrees
+    assert plan.with_future_tokens(future).input_ids.tolist() == want

@@ -193,11 +193,14 @@ class DecodeGraphs:
         return plan.is_decode and plan.kv_indices.numel() + pad <= self.kv_indices.numel()
 
     def replay(self, plan: ForwardBatch, hidden: torch.Tensor | None = None,
-               residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               residual: torch.Tensor | None = None, future: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The stage's outputs, as `LlamaForCausalLM.forward` returns them: on the last stage the
         final-normed states of `plan.logits_indices`. Views valid until the next replay. `plan`
         may live on the host; its tensors, and a later stage's `hidden`/`residual` input, are
-        copied into the static buffers."""
+        copied into the static buffers. `future`: the previous step's sampled tokens on the
+        device, written over the plan's placeholders (`ForwardBatch.fill_future`) straight
+        into the static ids, so a run-ahead step moves no other copy of its plan."""
         b = plan.batch_size
         bs = self.sizes[bisect.bisect_left(self.sizes, b)]
         if self.in_hidden is not None:
@@ -211,6 +214,8 @@ class DecodeGraphs:
             plan = plan.pinned()  # host tensors copy without waiting on the stream
         n = plan.kv_indices.numel()
         self.input_ids[:b].copy_(plan.input_ids, non_blocking=True)
+        if future is not None:
+            plan.fill_future(self.input_ids[:b], future)
         self.positions[:b].copy_(plan.positions, non_blocking=True)
         self.out_cache_loc[:b].copy_(plan.out_cache_loc, non_blocking=True)
         self.kv_indices[:n].copy_(plan.kv_indices, non_blocking=True)

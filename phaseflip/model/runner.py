@@ -151,6 +151,10 @@ class ModelRunner:
     def forward(self, plan: ForwardBatch, future: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [len(plan.logits_indices), vocab] (single-stage layouts). `future`:
         the previous step's sampled tokens on the device, which placeholder ids name."""
+        if future is not None and plan.future_pos is not None and self.graphs is not None \
+                and self.graphs.can_run(plan):
+            hidden, _ = self.graphs.replay(plan, future=future)  # host plan, ids filled there
+            return self.logits(hidden)
         if future is not None:
             plan = plan.to(self.device).with_future_tokens(future)
         hidden, _ = self.run_stage(plan)
