@@ -45,6 +45,13 @@ class KVPool:
         self.k[i][slots] = k.to(self.dtype)
         self.v[i][slots] = v.to(self.dtype)
 
+    def release(self) -> None:
+        """Frees the pool's memory in place (a flip's teardown): the storage itself shrinks to
+        nothing, so views of it held anywhere (per-layer views, HiCache's page view) hold
+        nothing big either. The device must be idle; the pool cannot be used afterwards."""
+        self.kv.untyped_storage().resize_(0)
+        self.k, self.v = [], []
+
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         i = layer_id - self.start_layer
         return self.k[i], self.v[i]

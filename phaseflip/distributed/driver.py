@@ -192,6 +192,12 @@ class DistributedRunner:
             # and frees the host tier
             with contextlib.suppress(Exception):
                 self.hicache_channel.shutdown()
+        if graceful:
+            # in place, last (the copies above read the pool): a stray reference to this
+            # runner must not keep rank 0's weights and KV pool from the next layout, whose
+            # ranks size their pools from what is free (seen on the H200 pair after tp2 → pp2:
+            # "-8.10 GiB left for the KV cache")
+            self.runner.free_device_memory()
 
     @staticmethod
     def _destroy_group(timeout_s: float) -> None:

@@ -59,6 +59,10 @@ class SeamCensus:
     fence_s: float | None = None  # None: no host tier, no fence ran (law 5: not 0)
     rows_moved: int = 0  # KV rows carried across the seam: none (law 6)
     weights: str = "reload"
+    # device memory this process still had allocated once the old layout was torn down
+    # (None off CUDA): the old rank 0's weights and pool must be gone before the new ranks
+    # size their pools from what is free
+    held_after_teardown_bytes: int | None = None
 
     @property
     def total_s(self) -> float:
@@ -72,10 +76,12 @@ class SeamCensus:
     def done_line(self) -> str:
         name, share = self.worst()
         fence = "none" if self.fence_s is None else f"{self.fence_s:.3f} s"
+        held = ("" if self.held_after_teardown_bytes is None else
+                f", {self.held_after_teardown_bytes / 2**30:.2f} GiB held after teardown")
         return (f"flip {self.source} → {self.target} DONE in {self.total_s:.3f} s: worst "
                 f"segment {name} {self.segments[name]:.3f} s ({100 * share:.0f} %); retracted "
                 f"{self.retracted}, rows moved {self.rows_moved}, fence {fence}, weights "
-                f"{self.weights}")
+                f"{self.weights}{held}")
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -154,7 +160,7 @@ def _mutate(core: EngineCore, census: SeamCensus, segment, tp_size: int, pp_size
         census.tree_slots_freed = core.kv.tree.evict_all_and_reset()
         core.kv.check([])
     with segment("teardown"):
-        _teardown(core)
+        census.held_after_teardown_bytes = _teardown(core)
     with segment("relayout"):
         core.build_layout(dataclasses.replace(core.cfg, tp_size=tp_size, pp_size=pp_size))
         core.kv.check([])
@@ -162,9 +168,10 @@ def _mutate(core: EngineCore, census: SeamCensus, segment, tp_size: int, pp_size
             core.hicache.host.check()
 
 
-def _teardown(core: EngineCore) -> None:
+def _teardown(core: EngineCore) -> int | None:
     """Stops the old layout: the ranks, the device memory. HiCache's controller is unbound,
-    not closed: its host tier and index serve the new layout (`build_layout` binds it)."""
+    not closed: its host tier and index serve the new layout (`build_layout` binds it).
+    Returns the device bytes this process still has allocated (None off CUDA)."""
     if core.hicache is not None:
         core.hicache.unbind()
     close = getattr(core.runner, "close", None)  # the ranks only: the controller stays
@@ -174,5 +181,12 @@ def _teardown(core: EngineCore) -> None:
     core.runner = core.kv = None  # type: ignore[assignment]
     core.scheduler.hicache = None
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_allocated(device)
+    if held > 2**30:
+        log.warning("flip teardown: %.2f GiB still allocated on %s (a leaked reference to the "
+                    "old layout?); the new layout sizes its KV pool from what is free",
+                    held / 2**30, device)
+    return held

@@ -119,6 +119,19 @@ class ModelRunner:
             self.graphs = None
             torch.cuda.synchronize(self.device)
 
+    def free_device_memory(self) -> None:
+        """Frees this rank's weights and KV pool in place, after its graphs were released (a
+        flip's teardown): the storage goes even if something still refers to this runner,
+        its model or its pool, so the next layout's ranks size their pools from the memory
+        really free. The runner cannot run afterwards."""
+        if self.graphs is not None:
+            raise RuntimeError("release the decode graphs first (they address this memory)")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # nothing queued may still read it
+        self.pool.release()
+        for t in [*self.model.parameters(), *self.model.buffers()]:
+            t.untyped_storage().resize_(0)  # views of it (fused weights, caches) included
+
     def _kv_slots(self) -> int:
         """Usable KV tokens plus the reserved padding page, rounded to whole pages."""
         ps = self.cfg.page_size
