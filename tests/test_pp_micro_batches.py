@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from triton_interpreter import interpret_without_cuda
@@ -139,8 +140,12 @@ def test_decode_split_is_unchanged(batch, parts):
     for g, w in zip(got, want):
         for name, value in vars(w).items():
             other = getattr(g, name)
-            assert torch.equal(other, value) if isinstance(value, torch.Tensor) else (
-                other == value), name
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(other, value), name
+            elif isinstance(value, np.ndarray):
+                assert np.array_equal(other, value), name
+            else:
+                assert other == value, name
 
 
 def micro_batch_count(plan: ForwardBatch, pp_size: int, min_tokens: int) -> int:

@@ -320,3 +320,27 @@ def test_serve_help_renders_every_flag():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "--overlap-schedule" in out.stdout and "--enable-flip" in out.stdout
+
+
+def test_a_control_call_that_times_out_leaves_no_entry(tmp_path):
+    """A control call the engine does not answer in time (a long flip) raises and forgets its
+    call id, instead of leaving it in the table for ever."""
+    import asyncio
+
+    import zmq
+
+    from phaseflip.server.engine_client import EngineClient
+
+    async def go() -> None:
+        client = EngineClient(f"ipc://{tmp_path}/req", f"ipc://{tmp_path}/out", None)
+        silent = zmq.Context().socket(zmq.PULL)  # an engine that never answers
+        silent.connect(f"ipc://{tmp_path}/req")
+        try:
+            with pytest.raises(asyncio.TimeoutError):
+                await client.control("info", timeout_s=0.05)
+            assert client._calls == {}
+        finally:
+            silent.close(linger=0)
+            await client.close()
+
+    asyncio.run(go())

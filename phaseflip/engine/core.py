@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -23,6 +24,8 @@ from phaseflip.sampling.sampler import Sampler, SamplingInput, compute_logprobs,
 from phaseflip.scheduler.kv_cache import KVCacheManager
 from phaseflip.scheduler.request import Req
 from phaseflip.scheduler.scheduler import Scheduled, ScheduledBatch, Scheduler
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -140,7 +143,30 @@ class EngineCore:
         if sink is not None and deltas:
             sink(deltas)
             deltas = []
-        return run_seam(self, tp_size, pp_size), deltas
+        census = run_seam(self, tp_size, pp_size)
+        unfit = self._end_unfit()
+        if sink is not None and unfit:
+            sink(unfit)
+        else:
+            deltas += unfit
+        return census, deltas
+
+    def _end_unfit(self) -> list[StreamDelta]:
+        """Ends (finish "abort", logged) the waiting requests the pool can no longer hold
+        whole: after a flip the new layout's pool may be smaller, and a request it can never
+        hold would stay at the head of the queue for ever, blocking everything behind it."""
+        cap, ps = self.kv.capacity_tokens, self.cfg.page_size
+        out = []
+        for req in list(self.scheduler.waiting):
+            need = -(-(len(req.prompt_ids) + req.params.max_new_tokens) // ps) * ps
+            if need <= cap:
+                continue
+            log.warning("request %s needs %d KV tokens but the pool now holds %d: ended",
+                        req.rid, need, cap)
+            req.finish_reason = "abort"
+            self.scheduler.remove(req)
+            out.append(self._delta(self._group(req), req))
+        return out
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:

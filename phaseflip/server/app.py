@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
@@ -158,8 +159,21 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.post("/admin/flip")
     async def admin_flip(req: p.FlipRequest) -> Response:
         """Re-lays the engine's ranks out between two steps; answers with the seam census."""
-        reply = await ctx.engine.control("flip", timeout_s=FLIP_TIMEOUT_S,
-                                         args={"tp_size": req.tp_size, "pp_size": req.pp_size})
+        target = f"tp{req.tp_size}×pp{req.pp_size}"
+        if ctx.flipping_to is not None:
+            return _error(409, f"a flip to {ctx.flipping_to} is in progress; retry when it "
+                               "has answered", "invalid_request_error", code="flip_in_progress")
+        ctx.flipping_to = target
+        try:
+            reply = await ctx.engine.control("flip", timeout_s=FLIP_TIMEOUT_S,
+                                             args={"tp_size": req.tp_size,
+                                                   "pp_size": req.pp_size})
+        except asyncio.TimeoutError:  # (builtin TimeoutError from 3.11 on)
+            return _error(504, f"the flip to {target} did not answer within "
+                               f"{FLIP_TIMEOUT_S:.0f} s; the engine may still be in its seam "
+                               "(see /server_info and the engine log)", "timeout_error")
+        finally:
+            ctx.flipping_to = None
         if not reply.ok:
             return _error(400, reply.message, "invalid_request_error")
         return JSONResponse(reply.data)
@@ -171,7 +185,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     @app.get("/server_info")
     async def server_info() -> dict:
-        info = (await ctx.engine.control("info")).data
+        # mid-flip the engine answers nothing until its seam ends: say so instead of waiting
+        info = ({"flip_in_progress": ctx.flipping_to} if ctx.flipping_to is not None
+                else (await ctx.engine.control("info")).data)
         ready = ctx.engine.state.ready
         return info | {
             "model": ctx.model_name, "max_model_len": ctx.max_context,
@@ -185,7 +201,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         st = ctx.engine.state
         ctx.metrics.running.set(st.running)
         ctx.metrics.waiting.set(st.waiting)
-        if st.ready is not None and not st.dead:
+        if st.ready is not None and not st.dead and ctx.flipping_to is None:
             data = (await ctx.engine.control("info")).data
             pool = data["pool"]
             ctx.metrics.token_usage.set((pool["protected"] + pool["private"]) / pool["total"])

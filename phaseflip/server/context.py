@@ -45,6 +45,9 @@ class ServerContext:
     model_name: str
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     started: int = field(default_factory=lambda: int(time.time()))
+    # the layout a flip in progress goes to: the engine answers nothing until its seam ends,
+    # so status endpoints answer from here meanwhile
+    flipping_to: str | None = None
 
     @property
     def ready(self) -> bool:

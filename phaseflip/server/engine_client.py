@@ -131,8 +131,11 @@ class EngineClient:
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        await self.out.send(m.encode(m.Control(call_id, op, args)))
-        return await asyncio.wait_for(fut, timeout_s)
+        try:
+            await self.out.send(m.encode(m.Control(call_id, op, args)))
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:  # answered (the reader popped it), timed out or cancelled: no entry is left
+            self._calls.pop(call_id, None)
 
     async def close(self) -> None:
         for t in self._tasks:

@@ -37,13 +37,18 @@ class EngineServer:
         self.parent = os.getppid()
         model_cfg = ModelConfig.from_dir(cfg.model)
         self.core = EngineCore(cfg, model_cfg, load_tokenizer(cfg.model))
-        runner = self.core.runner
-        self.send(m.Ready(
-            model=cfg.model, max_context=self.core.max_context,
-            vocab_size=model_cfg.vocab_size, kv_capacity_tokens=self.core.kv.capacity_tokens,
+        self.send(self._ready())
+
+    def _ready(self) -> m.Ready:
+        """What the front end validates requests against; sent again after a flip, whose new
+        layout may hold a different number of KV tokens."""
+        core, runner = self.core, self.core.runner
+        return m.Ready(
+            model=self.cfg.model, max_context=core.max_context,
+            vocab_size=core.model_cfg.vocab_size, kv_capacity_tokens=core.kv.capacity_tokens,
             device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
-            page_size=cfg.page_size, max_logprobs=cfg.max_logprobs,
-        ))
+            page_size=self.cfg.page_size, max_logprobs=self.cfg.max_logprobs,
+        )
 
     def send(self, msg: m.Message) -> None:
         self.outbox.send(m.encode(msg))
@@ -110,6 +115,7 @@ class EngineServer:
             except InvalidRequestError as e:
                 return m.ControlReply(msg.call_id, False, message=str(e))
             self.cfg = self.core.cfg
+            self.send(self._ready())  # before the reply: the caller sees the new limits
             return m.ControlReply(msg.call_id, True, census.as_dict())
         if msg.op == "info":
             acc = kv.accounting(sched.running)
