@@ -25,14 +25,12 @@ from tqdm.auto import tqdm
 from benchmarks.common import (
     add_model_args,
     add_workload_args,
-    make_workload,
-    parse_engine_args,
+    engine_with_workload,
     print_table,
     release_engine,
     write_json,
 )
 from benchmarks.plot import pyplot, save
-from phaseflip import Engine, SamplingParams
 
 
 def parse_layout(text: str) -> tuple[int, int]:
@@ -109,21 +107,9 @@ def plot_timeline(steps: list[dict], flips: list[dict], path: str) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     tp, pp = args.layouts[0]
-    opts: dict[str, Any] = {"load_format": args.load_format, "device": args.device,
-                            "dtype": args.dtype, "seed": args.seed, "tp_size": tp,
-                            "pp_size": pp, "enable_hicache": True, "enable_flip": True,
-                            "hicache_host_gb": args.hicache_host_gb,
-                            "max_running_requests": args.max_running_requests}
-    if args.mem_fraction is not None:
-        opts["mem_fraction"] = args.mem_fraction
-    opts.update(parse_engine_args(args.engine_arg))
-    engine = Engine(args.model, **opts)
+    engine, work = engine_with_workload(args, tp_size=tp, pp_size=pp, enable_hicache=True,
+                                        enable_flip=True, hicache_host_gb=args.hicache_host_gb)
     core = engine.core
-    work = make_workload(args.dataset, args.num_prompts, args.input_len, args.output_len,
-                         engine.model_config.vocab_size, args.seed, core.max_context)
-    for i, (p, n) in enumerate(zip(work.prompts, work.output_lens)):
-        core.add_request(f"r{i}", p, SamplingParams(max_new_tokens=n, ignore_eos=True,
-                                                    temperature=args.temperature))
     t0 = time.perf_counter()
     try:
         steps, flips, produced = run(core, args, work.output_tokens)

@@ -270,6 +270,28 @@ def add_workload_args(ap) -> None:
     ap.add_argument("--mem-fraction", type=float, default=None)
 
 
+def engine_with_workload(args, **opts: Any):
+    """(Engine, Workload) for a benchmark that steps the core itself: the engine from the model
+    and workload flags (`add_model_args`, `add_workload_args`, `--max-running-requests`,
+    `--engine-arg`) plus `opts`, and the seeded workload submitted to its core, every request
+    running to its drawn length."""
+    from phaseflip import Engine, SamplingParams
+
+    opts = {"load_format": args.load_format, "device": args.device, "dtype": args.dtype,
+            "seed": args.seed, "max_running_requests": args.max_running_requests} | opts
+    if args.mem_fraction is not None:
+        opts["mem_fraction"] = args.mem_fraction
+    opts.update(parse_engine_args(args.engine_arg))
+    engine = Engine(args.model, **opts)
+    core = engine.core
+    work = make_workload(args.dataset, args.num_prompts, args.input_len, args.output_len,
+                         engine.model_config.vocab_size, args.seed, core.max_context)
+    for i, (p, n) in enumerate(zip(work.prompts, work.output_lens)):
+        core.add_request(f"r{i}", p, SamplingParams(max_new_tokens=n, ignore_eos=True,
+                                                    temperature=args.temperature))
+    return engine, work
+
+
 def release_engine(engine) -> None:
     """Shuts `engine` down and returns its device memory, so the next engine or the
     transformers reference in the same process starts from an empty GPU."""

@@ -36,15 +36,13 @@ from benchmarks.bench_scheduler import install_null_forward
 from benchmarks.common import (
     add_model_args,
     add_workload_args,
-    make_workload,
-    parse_engine_args,
+    engine_with_workload,
     print_table,
     release_engine,
     write_json,
 )
 from benchmarks.plot import pyplot, save
 from benchmarks.profile_decode import per_step_times, wrap_phases
-from phaseflip import Engine, SamplingParams
 
 KINDS = ("decode/graph", "decode/eager", "mixed", "prefill")
 
@@ -179,19 +177,8 @@ def plot_timeline(records: list[dict], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    opts: dict[str, Any] = {"load_format": args.load_format, "device": args.device,
-                            "dtype": args.dtype, "seed": args.seed,
-                            "max_running_requests": args.max_running_requests}
-    if args.mem_fraction is not None:
-        opts["mem_fraction"] = args.mem_fraction
-    opts.update(parse_engine_args(args.engine_arg))
-    engine = Engine(args.model, **opts)
+    engine, work = engine_with_workload(args)
     core = engine.core
-    work = make_workload(args.dataset, args.num_prompts, args.input_len, args.output_len,
-                         engine.model_config.vocab_size, args.seed, core.max_context)
-    for i, (p, n) in enumerate(zip(work.prompts, work.output_lens)):
-        core.add_request(f"r{i}", p, SamplingParams(max_new_tokens=n, ignore_eos=True,
-                                                    temperature=args.temperature))
     if args.null_forward:
         install_null_forward(core, args.max_running_requests, engine.model_config.vocab_size,
                              args.seed)
