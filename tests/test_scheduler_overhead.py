@@ -160,10 +160,11 @@ def test_plan_from_table_equals_per_sequence(decode: bool, seed: int) -> None:
     got = ForwardBatch.from_table(table, rows, pre, ext, ids, logit_idx)
     want = _plan_per_sequence(table, rows, pre, ext, ids, logit_idx)
     assert got.rows.tolist() == rows and got.row_epochs is None  # no epochs were given
+    assert got.future_pos.size == 0 and got.future_rows.size == 0  # no placeholders
     for name, value in want.__dict__.items():
         mine = getattr(got, name)
-        if name in ("rows", "row_epochs", "delta"):  # the per-sequence builder knows no rows
-            continue
+        if name in ("rows", "row_epochs", "delta", "future_pos", "future_rows"):
+            continue  # the per-sequence builder knows no rows and no placeholders
         if isinstance(value, torch.Tensor):
             assert torch.equal(mine, value) and mine.dtype == value.dtype, name
         else:
