@@ -167,8 +167,7 @@ class ForwardBatch:
         n = 0 if pos is None else len(pos)
         if n == 0:
             return
-        in_order = bool(rows[-1] == n - 1 and (np.diff(rows) == 1).all()) and rows[0] == 0
-        if in_order and n == ids.numel():
+        if n == ids.numel() and bool((rows == np.arange(n)).all()):  # ids = rows 0..n-1
             ids.copy_(future[:n])
             return
         idx = torch.from_numpy(np.concatenate([pos, rows]))
