@@ -15,7 +15,6 @@ the host tier). Every step's wall time is kept, so `--plot` draws the timeline w
 from __future__ import annotations
 
 import argparse
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -31,21 +30,21 @@ from benchmarks.common import (
     write_json,
 )
 from benchmarks.plot import pyplot, save
+from phaseflip.config import parse_layout
 
 
-def parse_layout(text: str) -> tuple[int, int]:
-    """`tp2` → (2, 1), `pp4` → (1, 4), `tp2xpp2` → (2, 2)."""
-    m = re.fullmatch(r"(?:tp(\d+))?(?:x?pp(\d+))?", text.strip().lower())
-    if m is None or not (m.group(1) or m.group(2)):
-        raise argparse.ArgumentTypeError(f"layout {text!r} is not tpN, ppN or tpNxppM")
-    return int(m.group(1) or 1), int(m.group(2) or 1)
+def _layout(text: str) -> tuple[int, int]:
+    try:
+        return parse_layout(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(ap)
     add_workload_args(ap)
-    ap.add_argument("--layouts", type=lambda v: [parse_layout(x) for x in v.split(",")],
+    ap.add_argument("--layouts", type=lambda v: [_layout(x) for x in v.split(",")],
                     default=[(2, 1), (1, 2), (2, 1)],
                     help="the starting layout, then each flip's target (default tp2,pp2,tp2)")
     ap.add_argument("--flip-every", type=int, default=40, help="steps between flips")

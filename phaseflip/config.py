@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from phaseflip.errors import InvalidRequestError
 
 EMBEDDED_MODEL = Path(__file__).parent / "assets" / "tiny-llama"
+_LAYOUT = re.compile(r"(?:tp(?P<tp>\d+))?(?:[x×*]?pp(?P<pp>\d+))?")
+
+
+def parse_layout(text: str) -> tuple[int, int]:
+    """`tp2` → (2, 1), `pp4` → (1, 4), `tp2xpp2` → (2, 2); ValueError otherwise."""
+    m = _LAYOUT.fullmatch(text.strip().lower())
+    if m is None or not (m["tp"] or m["pp"]):
+        raise ValueError(f"{text!r} is not a layout: expected tpN, ppN or tpAxppB")
+    return int(m["tp"] or 1), int(m["pp"] or 1)
 
 
 @dataclass(frozen=True)
@@ -100,6 +110,38 @@ class EngineConfig:
     """This host's index among --nnodes."""
     dist_timeout_s: float = 120.0
     """A rank blocked this long on a peer stops the group with a named stall error."""
+    flip_policy: str = "manual"
+    """manual (flips only through POST /admin/flip or Engine.flip) or auto (the engine also
+    flips between the two --flip-layouts by itself when the cost model says a flip pays, and
+    back). auto needs --enable-flip. Why it did or did not flip: /server_info, flip_policy."""
+    flip_layouts: str | None = None
+    """The two layouts auto flips between, comma separated, each tpN, ppN or tpAxppB (e.g.
+    tp2,pp2). The one with more tensor-parallel ranks is the decode layout, the other the
+    prefill layout; one of them must be the launch layout. Default: tpW,ppW for W ranks."""
+    flip_min_dwell_s: float = 10.0
+    """Auto flips: least seconds in a layout before the policy may flip again (and
+    --flip-min-dwell-steps steps), so it cannot thrash."""
+    flip_min_dwell_steps: int = 4
+    """Auto flips: least steps in a layout before the policy may flip again (and
+    --flip-min-dwell-s seconds)."""
+    flip_backlog_served_fraction: float = 0.25
+    """Auto flips: the prefill backlog counts as served, and the prefill layout flips back,
+    once the uncached pending prefill tokens are at most this fraction of the break-even N
+    (the band between the two is the hysteresis)."""
+    flip_decode_slo_ms: float | None = None
+    """Auto flips: the prefill layout flips back when the mean wall time of its last 8 steps
+    that carried decode rows exceeds this (decoding requests wait that long per token).
+    Default: no SLO."""
+    flip_seed_pp_speedup: float | None = None
+    """Auto flips: prior for the prefill throughput of the prefill layout over the decode
+    layout's; scales the one measured layout ('half-measured') until both are measured.
+    Default: none; the policy waits for both measurements."""
+    flip_seed_to_pp_s: float | None = None
+    """Auto flips: prior seconds of a seam from the decode to the prefill layout, until one
+    is measured. Default: none; unmeasured, so the policy cannot price a flip."""
+    flip_seed_to_tp_s: float | None = None
+    """Auto flips: prior seconds of a seam from the prefill back to the decode layout, until
+    one is measured (law 7: each direction has its own estimate). Default: none."""
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidRequestError:
@@ -159,10 +201,62 @@ class EngineConfig:
             raise bad("dist_init_addr", "is required with --nnodes > 1 (host:port of node 0)")
         if self.dist_timeout_s <= 0:
             raise bad("dist_timeout_s", "must be > 0")
+        self._check_flip_policy(bad)
+
+    def _check_flip_policy(self, bad) -> None:
+        if self.flip_policy not in ("manual", "auto"):
+            raise bad("flip_policy", "expected manual or auto")
+        auto = self.flip_policy == "auto"
+        if auto and not self.enable_flip:
+            raise bad("flip_policy", "needs phase flips: add --enable-flip (with "
+                      "--enable-hicache), or use --flip-policy manual")
+        if auto and self.world_size < 2:
+            raise bad("flip_policy", "needs at least 2 ranks to flip between layouts "
+                      "(--tp-size 2 or --pp-size 2)")
+        if self.flip_layouts is not None or auto:
+            try:
+                pair = self.flip_layout_pair
+            except ValueError as e:
+                raise bad("flip_layouts", str(e)) from None
+            if (self.tp_size, self.pp_size) not in pair:
+                raise bad("flip_layouts", f"the launch layout tp{self.tp_size}×pp{self.pp_size} "
+                          "must be one of the two; pass --flip-layouts with it")
+        for name in ("flip_min_dwell_s", "flip_min_dwell_steps", "flip_seed_to_pp_s",
+                     "flip_seed_to_tp_s"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise bad(name, "must be >= 0")
+        for name in ("flip_decode_slo_ms", "flip_seed_pp_speedup"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise bad(name, "must be > 0")
+        if not 0.0 <= self.flip_backlog_served_fraction < 1.0:
+            raise bad("flip_backlog_served_fraction", "expected a fraction in [0, 1)")
 
     @property
     def world_size(self) -> int:
         return self.tp_size * self.pp_size
+
+    @property
+    def flip_layout_pair(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(decode layout, prefill layout) as (tp_size, pp_size) pairs: --flip-layouts, or
+        tpW and ppW for W ranks. ValueError names what is wrong with --flip-layouts."""
+        w = self.world_size
+        spec = self.flip_layouts or f"tp{w},pp{w}"
+        items = [s.strip() for s in spec.split(",")]
+        if len(items) != 2:
+            raise ValueError("expected two layouts, comma separated (e.g. tp2,pp2)")
+        pair = []
+        for item in items:
+            tp, pp = parse_layout(item)
+            if tp < 1 or pp < 1 or tp * pp != w:
+                raise ValueError(f"{item!r} has {tp * pp} ranks; the engine has {w} "
+                                 "(tp_size x pp_size)")
+            pair.append((tp, pp))
+        if pair[0] == pair[1]:
+            raise ValueError("the two layouts are the same")
+        decode, prefill = sorted(pair, reverse=True)  # more tensor-parallel ranks: decode
+        return decode, prefill
 
     @property
     def chunk_size(self) -> int | None:

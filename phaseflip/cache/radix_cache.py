@@ -136,6 +136,24 @@ class RadixCache:
         slots = torch.cat(parts) if parts else _EMPTY_SLOTS.clone()
         return MatchResult(slots, node)
 
+    def cached_prefix_len(self, key: list[int]) -> int:
+        """How many leading tokens of `key` `match_prefix` would match, read-only: no LRU
+        touch, no split (the flip policy prices pending work with it every step)."""
+        end = len(key) - len(key) % self.page_size
+        if not self.enabled:
+            return 0
+        node, off = self._root, 0
+        while off < end:
+            child = node.children.get(self._child_key(key, off))
+            if child is None:
+                break
+            n = self._match_len(child.key, key, off, end)
+            off += n
+            if n < len(child.key):
+                break
+            node = child
+        return off
+
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         """Store `key -> value`; returns how many leading slots of `value` remain the caller's.
 

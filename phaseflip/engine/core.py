@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -72,6 +73,7 @@ class EngineCore:
         self._text_pending: list[tuple[Req, int | None]] = []
         self._inflight: InFlight | None = None
         self.dead: str | None = None  # set when a failed phase flip left no usable layout
+        self.flip_policy = self._new_flip_policy(cfg)  # None unless flips are on
 
     def build_layout(self, cfg: EngineConfig) -> None:
         """Builds the layout-bound parts again for `cfg` (a phase flip, after the old ones were
@@ -126,6 +128,43 @@ class EngineCore:
             self.hicache.bind(self.kv, self.runner)
             self.hicache.decode_reserve = self.scheduler.decode_reserve
 
+    def _new_flip_policy(self, cfg: EngineConfig):
+        """The flip policy (`engine/flip_policy.py`): fed by every step and seam once flips
+        are on, asked between steps under --flip-policy auto, whose other layout must suit
+        the model (refused at construction, like a flip to it would be)."""
+        if not cfg.enable_flip:
+            return None
+        from phaseflip.cache.hicache import page_keys
+        from phaseflip.engine.flip import check_target
+        from phaseflip.engine.flip_policy import FlipPolicy, ResidencyPricer
+
+        if cfg.flip_policy == "auto":
+            for layout in cfg.flip_layout_pair:
+                if layout != (cfg.tp_size, cfg.pp_size):
+                    check_target(self, *layout)
+        hc = self.hicache
+        pricer = ResidencyPricer(hc.page_size, lambda ids: page_keys(ids, hc.page_size,
+                                                                     hc.fingerprint),
+                                 hc.host.contains)
+        return FlipPolicy(cfg, pricer)
+
+    def _auto_flip(self, sink: Callable[[list[StreamDelta]], None] | None
+                   ) -> list[StreamDelta]:
+        """Asks the policy (--flip-policy auto) and flips when it says so; returns the
+        outputs the flip made that `sink` did not take. An abandoned flip (its fence did not
+        complete, nothing changed) is logged and the engine steps on in its layout."""
+        sched = self.scheduler
+        decision = self.flip_policy.decide(sched.waiting, sched.running, self.kv.tree)
+        if not decision.flip:
+            return []
+        log.info("flip policy: %s → flipping to tp%d×pp%d", decision.reason, *decision.target)
+        try:
+            return self.flip(*decision.target, sink)[1]
+        except InvalidRequestError as e:
+            log.warning("flip policy: automatic flip abandoned: %s", e)
+            self.flip_policy.observe_abandoned(str(e))
+            return []
+
     def flip(self, tp_size: int, pp_size: int,
              sink: Callable[[list[StreamDelta]], None] | None = None
              ) -> tuple[object, list[StreamDelta]]:
@@ -143,7 +182,10 @@ class EngineCore:
         if sink is not None and deltas:
             sink(deltas)
             deltas = []
+        source = (self.cfg.tp_size, self.cfg.pp_size)
         census = run_seam(self, tp_size, pp_size)
+        if self.flip_policy is not None:
+            self.flip_policy.observe_flip(source, (tp_size, pp_size), census.total_s)
         unfit = self._end_unfit()
         if sink is not None and unfit:
             sink(unfit)
@@ -247,9 +289,24 @@ class EngineCore:
         step late); without a sink they are returned with this step's own.
 
         With `overlap_schedule`, steps whose requests allow it run ahead of their tokens
-        (`_step_ahead`)."""
+        (`_step_ahead`). With flips on, the flip policy is fed each step's prompt tokens,
+        decode rows and wall time; under --flip-policy auto it is asked first whether to flip
+        (the flip's owed outputs go to `sink`, or come back with this step's)."""
         if self.dead:
             raise RuntimeError(self.dead)
+        policy = self.flip_policy
+        if policy is None:
+            return self._step(sink)
+        owed = self._auto_flip(sink) if policy.auto else []
+        stats, t0 = self.scheduler.stats, time.perf_counter()
+        prompt0, decode0 = stats.prefill_tokens, stats.decode_tokens
+        deltas = self._step(sink)
+        policy.observe_step((self.cfg.tp_size, self.cfg.pp_size),
+                            stats.prefill_tokens - prompt0, stats.decode_tokens - decode0,
+                            time.perf_counter() - t0)
+        return owed + deltas
+
+    def _step(self, sink: Callable[[list[StreamDelta]], None] | None) -> list[StreamDelta]:
         if self._can_step_ahead():
             return self._step_ahead(sink)
         drained = self._drain()

@@ -66,6 +66,9 @@ class EngineServer:
                 self.core.check_alive()
             if self.core.has_work():
                 self._send_deltas(self.core.step(sink=self._send_deltas))
+                if self.core.cfg is not self.cfg:  # the flip policy re-laid the ranks out
+                    self.cfg = self.core.cfg
+                    self.send(self._ready())
             elif self.cfg.check_accounting:
                 self.core.kv.check(self.core.scheduler.running)
 
@@ -126,6 +129,8 @@ class EngineServer:
                 "config": dataclasses.asdict(self.cfg),
                 "hicache": (dataclasses.asdict(self.core.hicache.stats)
                             if self.core.hicache else None),
+                "flip_policy": (self.core.flip_policy.snapshot()
+                                if self.core.flip_policy else None),
             })
         return m.ControlReply(msg.call_id, False, message=f"unknown control op {msg.op!r}")
 

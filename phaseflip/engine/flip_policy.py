@@ -1,0 +1,475 @@
+"""The automatic flip policy (`--flip-policy auto`, MISSION C6): flip when the flip pays.
+
+Cost model. Serving P uncached prefill tokens takes U/X seconds in the decode layout (TP) and
+U/P in the prefill layout (PP), X and P being their prefill throughputs. A flip there and back
+costs C = C(TP→PP) + C(PP→TP) seconds (law 7: one estimator per direction, a decision priced on
+the round trip). So the flip pays once U exceeds the break-even
+
+    N = C / (1/X − 1/P)        (never when P ≤ X)
+
+and the prefill layout flips back once the backlog is served (U ≤ f·N, f =
+--flip-backlog-served-fraction: what is left would save less than f of a round trip), or when
+its decode steps exceed --flip-decode-slo-ms. Both flips wait out a dwell (seconds and steps in
+the layout), so the policy cannot thrash.
+
+Estimates (law 5): a value that nothing measured is None, never 0, and every estimate says
+where it comes from: `measured`, `seed` (a config prior), `half-measured` (a seed applied to a
+measurement, or a sum of measured and seeded parts) or `unmeasured` (None).
+- Prefill throughput of a layout: the ratio of two EMAs, prompt tokens and wall seconds, over
+  its steps that are mostly prefill (prompt tokens ≥ PREFILL_SHARE of the step's rows and ≥
+  MIN_PREFILL_TOKENS). The decode rows riding along are charged to the prompt tokens, an
+  underestimate by at most 1 − PREFILL_SHARE, alike in both layouts.
+- Flip cost of a direction: an EMA of its seams' `SeamCensus.total_s`. The refill after the
+  cutover (host→device loads and the partial pages re-prefilled by the re-admitted requests)
+  is not counted in C: it runs in the new layout's steps (its prompt tokens count there as
+  prefill work, its load waits lower that layout's measured throughput a little).
+
+Residency (law 8): pending work is priced by what it costs. A waiting request's tokens already
+in the device prefix tree, in the HiCache host tier, or computed first by an earlier pending
+request with the same prefix are not prefill work. The device tree is walked read-only (no LRU
+touch, no split); the host tier is asked `contains` (no LRU touch); page keys are hashed once
+per request and length. Pricing stops once the count crosses the threshold being decided, and
+runs only when the raw token count (an upper bound) could cross it. Disk-tier pages are priced
+as work: the disk store's `contains` may read a file on a miss, too costly per step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+MEASURED, HALF, SEED, UNMEASURED = "measured", "half-measured", "seed", "unmeasured"
+PREFILL_SHARE = 0.9  # a step measures prefill throughput when this much of it is prompt
+MIN_PREFILL_TOKENS = 32  # below this a step measures its fixed overhead, not throughput
+TPS_ALPHA = 0.3  # weight of the newest step in the throughput EMAs
+SEAM_ALPHA = 0.5  # weight of the newest seam in a direction's cost EMA (seams are few)
+DECODE_WINDOW = 8  # steps with decode rows the SLO check averages (acts on a full window)
+
+Layout = tuple[int, int]  # (tp_size, pp_size)
+
+
+def layout_name(layout: Layout) -> str:
+    return f"tp{layout[0]}×pp{layout[1]}"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A number with its provenance; `value` None exactly when nothing measured or seeded it."""
+
+    value: float | None
+    provenance: str = UNMEASURED
+    samples: int = 0
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        finite = self.value is not None and math.isfinite(self.value)
+        d: dict[str, Any] = {"value": self.value if finite else None,
+                             "provenance": self.provenance, "samples": self.samples}
+        if self.note:
+            d["note"] = self.note
+        return d
+
+
+def combine(value: float | None, *parts: Estimate, note: str = "") -> Estimate:
+    """An estimate computed from `parts`: unmeasured if any is, measured only if all are."""
+    if value is None or any(p.value is None for p in parts):
+        return Estimate(None, UNMEASURED, note=note)
+    kinds = {p.provenance for p in parts}
+    prov = MEASURED if kinds == {MEASURED} else SEED if kinds == {SEED} else HALF
+    measured = [p.samples for p in parts if p.provenance != SEED]
+    return Estimate(value, prov, min(measured, default=0), note)
+
+
+class RateEstimator:
+    """Prefill tokens per second of one layout: EMA(tokens) / EMA(seconds), so a step weighs
+    by its size and one slow tiny step does not swing the rate."""
+
+    def __init__(self) -> None:
+        self.tokens = self.seconds = 0.0
+        self.samples = 0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        a = 1.0 if self.samples == 0 else TPS_ALPHA
+        self.tokens += a * (tokens - self.tokens)
+        self.seconds += a * (seconds - self.seconds)
+        self.samples += 1
+
+    def estimate(self) -> Estimate:
+        if self.samples == 0 or self.seconds <= 0:
+            return Estimate(None)
+        return Estimate(self.tokens / self.seconds, MEASURED, self.samples)
+
+
+class CostEstimator:
+    """Seconds of one flip direction: the seed until a seam of that direction is measured."""
+
+    def __init__(self, seed_s: float | None) -> None:
+        self.seed_s = seed_s
+        self.seconds: float | None = None
+        self.samples = 0
+
+    def observe(self, seconds: float) -> None:
+        a = 1.0 if self.seconds is None else SEAM_ALPHA
+        self.seconds = (self.seconds or 0.0) + a * (seconds - (self.seconds or 0.0))
+        self.samples += 1
+
+    def estimate(self) -> Estimate:
+        if self.seconds is not None:
+            return Estimate(self.seconds, MEASURED, self.samples)
+        return Estimate(self.seed_s, SEED) if self.seed_s is not None else Estimate(None)
+
+
+# ---------------------------------------------------------------------- residency (law 8)
+class PendingReq(Protocol):
+    """What pricing reads of a request (`phaseflip.scheduler.request.Req`)."""
+
+    rid: str
+    kv_len: int
+
+    @property
+    def all_ids(self) -> list[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+def device_cached_tokens(tree: Any, tokens: list[int]) -> int:
+    """Length of the page-aligned prefix of `tokens` in the device radix tree, read-only."""
+    return tree.cached_prefix_len(tokens) if getattr(tree, "enabled", True) else 0
+
+
+@dataclass
+class Pending:
+    """Prefill work waiting: every token still to be fed (`raw_tokens`, an upper bound) and
+    what of it is really work once residency is priced."""
+
+    raw_tokens: int
+    uncached_tokens: int | None = None  # None: not priced (the raw bound decided)
+    device_tokens: int = 0  # in the device prefix tree
+    host_tokens: int = 0  # in the HiCache host tier (past the device prefix)
+    shared_tokens: int = 0  # computed first by an earlier pending request
+    complete: bool = True  # False: pricing stopped once `uncached_tokens` crossed the limit
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+class ResidencyPricer:
+    """Counts the uncached prefill tokens of the waiting and prefilling requests."""
+
+    def __init__(self, page_size: int, keys_of: Callable[[list[int]], list[bytes]],
+                 on_host: Callable[[bytes], bool]) -> None:
+        self.page_size = page_size  # HiCache page (a multiple of the device page)
+        self.keys_of, self.on_host = keys_of, on_host
+        self._keys: dict[str, tuple[int, list[bytes]]] = {}  # rid -> (tokens hashed, keys)
+
+    @staticmethod
+    def raw(waiting: Iterable[PendingReq], running: Iterable[PendingReq]) -> int:
+        """Tokens still to feed before each request samples, decode rows excluded."""
+        left = sum(r.num_tokens - r.kv_len for r in running if r.num_tokens - r.kv_len > 1)
+        return left + sum(r.num_tokens for r in waiting)
+
+    def price(self, waiting: Iterable[PendingReq], running: Iterable[PendingReq], tree: Any,
+              limit: float = math.inf) -> Pending:
+        """Prices prefilling requests (their rest is work: admission matched their prefix
+        already) then waiting ones in queue order; stops once the uncached count > `limit`."""
+        waiting, running = list(waiting), list(running)
+        out = Pending(self.raw(waiting, running), 0)
+        claimed: set[bytes] = set()  # pages an earlier pending request computes
+        for req in running:
+            if req.num_tokens - req.kv_len > 1:
+                out.uncached_tokens += req.num_tokens - req.kv_len
+                claimed.update(self._page_keys(req, req.num_tokens))
+        for req in waiting:
+            if out.uncached_tokens > limit:
+                out.complete = False
+                break
+            n = req.num_tokens - 1  # admission matches at most this much (the last is fed)
+            keys = self._page_keys(req, n)
+            dev = device_cached_tokens(tree, req.all_ids[:n])
+            hp, page = self.page_size, dev // self.page_size
+            host = shared = 0
+            while page < len(keys):
+                if self.on_host(keys[page]):
+                    host += 1
+                elif keys[page] in claimed:
+                    shared += 1
+                else:
+                    break
+                page += 1
+            past_dev = max(0, page * hp - dev)  # pages covered from the host or a sibling
+            host_t = min(past_dev, host * hp)
+            out.device_tokens += dev
+            out.host_tokens += host_t
+            out.shared_tokens += past_dev - host_t
+            out.uncached_tokens += req.num_tokens - dev - past_dev
+            claimed.update(keys)
+        if len(self._keys) > 4 * (len(waiting) + len(running)) + 64:
+            live = {r.rid for r in waiting} | {r.rid for r in running}
+            self._keys = {k: v for k, v in self._keys.items() if k in live}
+        return out
+
+    def _page_keys(self, req: PendingReq, n: int) -> list[bytes]:
+        """Keys of the full pages of `req.all_ids[:n]`, hashed once per request and length
+        (a waiting request's tokens do not change)."""
+        got = self._keys.get(req.rid)
+        if got is None or got[0] != n:
+            got = (n, self.keys_of(req.all_ids[:n]))
+            self._keys[req.rid] = got
+        return got[1]
+
+
+# ---------------------------------------------------------------------- the policy
+@dataclass
+class Decision:
+    """One answer of the policy: flip to `target` or stay, why, and the numbers behind it."""
+
+    target: Layout | None
+    reason: str
+    numbers: dict[str, Any] = field(default_factory=dict)
+    at_s: float = 0.0
+
+    @property
+    def flip(self) -> bool:
+        return self.target is not None
+
+    def as_dict(self, now_s: float) -> dict[str, Any]:
+        return {"flip": self.flip,
+                "target": None if self.target is None else layout_name(self.target),
+                "reason": self.reason, "numbers": self.numbers,
+                "seconds_ago": round(now_s - self.at_s, 3)}
+
+
+class FlipPolicy:
+    """Estimates fed by the engine after each step and each seam; `decide` between steps.
+
+    `cfg`: an EngineConfig (the flip_* knobs, the launch layout); `pricer`: the residency
+    pricer (None: pending tokens priced raw, for tests of the cost model alone)."""
+
+    def __init__(self, cfg: Any, pricer: ResidencyPricer | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.auto = cfg.flip_policy == "auto"
+        self.decode, self.prefill = cfg.flip_layout_pair
+        self.layout: Layout = (cfg.tp_size, cfg.pp_size)
+        self.min_dwell_s, self.min_dwell_steps = cfg.flip_min_dwell_s, cfg.flip_min_dwell_steps
+        self.served_fraction = cfg.flip_backlog_served_fraction
+        self.decode_slo_ms = cfg.flip_decode_slo_ms
+        self.seed_speedup = cfg.flip_seed_pp_speedup
+        self.pricer, self.clock = pricer, clock
+        self.rates: dict[Layout, RateEstimator] = {}
+        self.costs: dict[tuple[Layout, Layout], CostEstimator] = {
+            (self.decode, self.prefill): CostEstimator(cfg.flip_seed_to_pp_s),
+            (self.prefill, self.decode): CostEstimator(cfg.flip_seed_to_tp_s)}
+        self.decode_ms: deque[float] = deque(maxlen=DECODE_WINDOW)
+        self.since_s, self.steps_in_layout = clock(), 0
+        self.flips = self.auto_flips = 0  # seams seen; those of them this policy decided
+        self._asked: Layout | None = None  # the target of a flip decided, not yet seen
+        self.last: Decision | None = None
+        self.recent: deque[Decision] = deque(maxlen=8)  # the last flip decisions
+
+    # ------------------------------------------------------------------ observations
+    def observe_step(self, layout: Layout, prompt_tokens: int, decode_rows: int,
+                     seconds: float) -> None:
+        """One engine step: its prompt tokens, decode rows and wall time."""
+        if prompt_tokens + decode_rows == 0:
+            return  # an idle step measures nothing
+        self.steps_in_layout += 1
+        if (prompt_tokens >= MIN_PREFILL_TOKENS
+                and prompt_tokens >= PREFILL_SHARE * (prompt_tokens + decode_rows)):
+            self.rates.setdefault(layout, RateEstimator()).observe(prompt_tokens, seconds)
+        if decode_rows:
+            self.decode_ms.append(1e3 * seconds)
+
+    def observe_flip(self, source: Layout, target: Layout, seconds: float) -> None:
+        """A seam ran (manual or automatic): its direction's cost; the dwell starts again."""
+        self.costs.setdefault((source, target), CostEstimator(None)).observe(seconds)
+        self.flips += 1
+        self.auto_flips += self._asked == target
+        self._asked = None
+        self._entered(target)
+
+    def observe_abandoned(self, reason: str) -> None:
+        """An automatic flip was abandoned before any change (its fence did not complete):
+        wait a dwell before trying again rather than fencing every step."""
+        self.last = Decision(None, f"flip abandoned, waiting a dwell: {reason}",
+                             at_s=self.clock())
+        self._asked = None
+        self._entered(self.layout)
+
+    def _entered(self, layout: Layout) -> None:
+        self.layout = layout
+        self.since_s, self.steps_in_layout = self.clock(), 0
+        self.decode_ms.clear()
+
+    # ------------------------------------------------------------------ estimates
+    def throughputs(self) -> tuple[Estimate, Estimate]:
+        """(X, P): the decode and the prefill layout's prefill tokens/s. A seed speedup
+        scales the measured one into the other ('half-measured') until both are measured;
+        it gives no scale alone."""
+        x = self._rate(self.decode)
+        p = self._rate(self.prefill)
+        r = self.seed_speedup
+        if r is not None and x.provenance == MEASURED and p.value is None:
+            p = Estimate(x.value * r, HALF, x.samples, "measured X × --flip-seed-pp-speedup")
+        elif r is not None and p.provenance == MEASURED and x.value is None:
+            x = Estimate(p.value / r, HALF, p.samples, "measured P / --flip-seed-pp-speedup")
+        return x, p
+
+    def _rate(self, layout: Layout) -> Estimate:
+        rate = self.rates.get(layout)
+        return rate.estimate() if rate is not None else Estimate(None)
+
+    def flip_costs(self) -> tuple[Estimate, Estimate]:
+        """(C(decode → prefill), C(prefill → decode)): each direction its own (law 7)."""
+        return (self.costs[(self.decode, self.prefill)].estimate(),
+                self.costs[(self.prefill, self.decode)].estimate())
+
+    def round_trip(self) -> Estimate:
+        there, back = self.flip_costs()
+        total = None if there.value is None or back.value is None else there.value + back.value
+        return combine(total, there, back)
+
+    def break_even(self) -> Estimate:
+        """N = C / (1/X − 1/P) uncached prefill tokens; infinite when P ≤ X (never pays)."""
+        (x, p), c = self.throughputs(), self.round_trip()
+        if x.value is None or p.value is None or c.value is None:
+            return combine(None, x, p, c)
+        if p.value <= x.value:
+            return combine(math.inf, x, p, c, note="P <= X: a flip never pays")
+        return combine(c.value / (1.0 / x.value - 1.0 / p.value), x, p, c)
+
+    def decode_step_ms(self) -> Estimate:
+        if not self.decode_ms:
+            return Estimate(None)
+        return Estimate(sum(self.decode_ms) / len(self.decode_ms), MEASURED, len(self.decode_ms))
+
+    # ------------------------------------------------------------------ the decision
+    def decide(self, waiting: Iterable[PendingReq], running: Iterable[PendingReq],
+               tree: Any) -> Decision:
+        """Flip or stay, now (between two steps); the answer is kept as `last`."""
+        decision = self._decide(list(waiting), list(running), tree)
+        decision.at_s = self.clock()
+        self.last = decision
+        self._asked = decision.target
+        if decision.flip:
+            self.recent.append(decision)
+        return decision
+
+    def _decide(self, waiting: list, running: list, tree: Any) -> Decision:
+        here = layout_name(self.layout)
+        if self.layout not in (self.decode, self.prefill):
+            return Decision(None, f"running {here}, not one of --flip-layouts "
+                            f"{layout_name(self.decode)},{layout_name(self.prefill)}")
+        (x, p), n = self.throughputs(), self.break_even()
+        nums: dict[str, Any] = {"X_tps": x.as_dict(), "P_tps": p.as_dict(),
+                                "round_trip_s": self.round_trip().as_dict(),
+                                "break_even_tokens": n.as_dict()}
+        age_s = self.clock() - self.since_s
+        if age_s < self.min_dwell_s or self.steps_in_layout < self.min_dwell_steps:
+            return Decision(None, f"dwell: {age_s:.1f}/{self.min_dwell_s:g} s and "
+                            f"{self.steps_in_layout}/{self.min_dwell_steps} steps in {here}",
+                            nums)
+        if self.layout == self.decode:
+            return self._from_decode(n, nums, waiting, running, tree)
+        return self._from_prefill(n, nums, waiting, running, tree)
+
+    def _from_decode(self, n: Estimate, nums: dict, waiting: list, running: list,
+                     tree: Any) -> Decision:
+        if n.value is None:
+            return Decision(None, f"cannot price a flip: {self._missing()}", nums)
+        if math.isinf(n.value):
+            return Decision(None, f"{layout_name(self.prefill)} prefill is not faster than "
+                            f"{layout_name(self.decode)}'s (P <= X): a flip never pays", nums)
+        pending = self._pending(waiting, running, tree, n.value, nums)
+        work = pending.uncached_tokens
+        if work is None or work <= n.value:
+            what = (f"{pending.raw_tokens} pending prefill tokens, cached ones included," if
+                    work is None else f"{work} uncached pending prefill tokens")
+            return Decision(None, f"{what} <= break-even N {n.value:.0f} ({n.provenance})",
+                            nums)
+        return Decision(self.prefill, f"{work}{'+' if not pending.complete else ''} uncached "
+                        f"pending prefill tokens > break-even N = C/(1/X - 1/P) = "
+                        f"{n.value:.0f} ({n.provenance})", nums)
+
+    def _from_prefill(self, n: Estimate, nums: dict, waiting: list, running: list,
+                      tree: Any) -> Decision:
+        back = self.decode
+        slo, step_ms = self.decode_slo_ms, self.decode_step_ms()
+        nums["decode_step_ms"] = step_ms.as_dict()
+        if slo is not None and step_ms.samples >= DECODE_WINDOW and step_ms.value > slo:
+            return Decision(back, f"decode steps take {step_ms.value:.1f} ms (mean of the "
+                            f"last {DECODE_WINDOW}) > --flip-decode-slo-ms {slo:g}", nums)
+        if n.value is not None and math.isinf(n.value):
+            return Decision(back, f"{layout_name(self.prefill)} prefill is not faster than "
+                            f"{layout_name(self.decode)}'s (P <= X): nothing to win here", nums)
+        served = 0.0 if n.value is None else self.served_fraction * n.value
+        pending = self._pending(waiting, running, tree, served, nums)
+        work = pending.uncached_tokens
+        rule = (f"{self.served_fraction:g} x N ({n.provenance})" if n.value is not None else
+                "0 (N unknown)")
+        if work is None or work <= served:
+            what = (f"{pending.raw_tokens} pending prefill tokens, cached ones included," if
+                    work is None else f"{work} uncached pending prefill tokens")
+            return Decision(back, f"prefill backlog served: {what} <= {served:.0f} = {rule}",
+                            nums)
+        return Decision(None, f"prefill backlog: {work}{'+' if not pending.complete else ''} "
+                        f"uncached pending tokens > {served:.0f} = {rule}", nums)
+
+    def _pending(self, waiting: list, running: list, tree: Any, limit: float,
+                 nums: dict) -> Pending:
+        """The pending work, priced by residency only when the raw count could cross
+        `limit` (it is an upper bound of the uncached count)."""
+        raw = ResidencyPricer.raw(waiting, running)
+        if raw <= limit:
+            pending = Pending(raw)  # at most `limit` either way: no need to hash or walk
+        elif self.pricer is None:
+            pending = Pending(raw, raw)
+        else:
+            pending = self.pricer.price(waiting, running, tree, limit)
+        nums["pending"] = pending.as_dict()
+        return pending
+
+    def _missing(self) -> str:
+        (x, p), (there, back) = self.throughputs(), self.flip_costs()
+        parts = [f"prefill throughput of {layout_name(lay)} unmeasured" for lay, e in
+                 ((self.decode, x), (self.prefill, p)) if e.value is None]
+        if parts and x.value is None and p.value is None and self.seed_speedup is not None:
+            parts.append("(--flip-seed-pp-speedup scales a measured one: no prefill step yet)")
+        elif parts and self.seed_speedup is None:
+            parts.append("(no --flip-seed-pp-speedup)")
+        for name, e, flag in (("→", there, "--flip-seed-to-pp-s"),
+                              ("←", back, "--flip-seed-to-tp-s")):
+            if e.value is None:
+                parts.append(f"flip cost {layout_name(self.decode)} {name} "
+                             f"{layout_name(self.prefill)} unmeasured (no {flag})")
+        return "; ".join(parts)
+
+    # ------------------------------------------------------------------ report
+    def snapshot(self) -> dict[str, Any]:
+        """Everything an operator needs to see why the policy did or did not flip
+        (`/server_info` → `flip_policy`)."""
+        (x, p), (there, back) = self.throughputs(), self.flip_costs()
+        now = self.clock()
+        return {
+            "policy": "auto" if self.auto else "manual",
+            "layouts": {"decode": layout_name(self.decode),
+                        "prefill": layout_name(self.prefill)},
+            "layout": layout_name(self.layout),
+            "in_layout": {"seconds": round(now - self.since_s, 3),
+                          "steps": self.steps_in_layout},
+            "dwell": {"min_s": self.min_dwell_s, "min_steps": self.min_dwell_steps},
+            "estimates": {
+                "prefill_tps": {"X": x.as_dict(), "P": p.as_dict()},
+                "flip_cost_s": {"to_prefill": there.as_dict(), "to_decode": back.as_dict()},
+                "round_trip_s": self.round_trip().as_dict(),
+                "break_even_tokens": self.break_even().as_dict(),
+                "decode_step_ms": self.decode_step_ms().as_dict(),
+            },
+            "flips": self.flips, "auto_flips": self.auto_flips,
+            "last_decision": None if self.last is None else self.last.as_dict(now),
+            "recent_flips": [d.as_dict(now) for d in self.recent],
+        }

@@ -1,0 +1,366 @@
+"""The automatic flip policy (MISSION C6 "Policy (auto)"): the break-even cost model priced per
+direction (law 7), pending work priced by residency (law 8), estimates that say where they
+come from (law 5), a dwell that stops thrash, and one engine that flips by itself on gloo ranks
+with outputs equal to an unflipped run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import pytest
+import torch
+
+from phaseflip.cache.allocator import PageAllocator
+from phaseflip.cache.hicache import page_keys
+from phaseflip.cache.radix_cache import RadixCache
+from phaseflip.config import EngineConfig
+from phaseflip.engine.flip_policy import (
+    HALF,
+    MEASURED,
+    SEED,
+    UNMEASURED,
+    FlipPolicy,
+    ResidencyPricer,
+    device_cached_tokens,
+)
+from phaseflip.errors import InvalidRequestError
+from phaseflip.sampling.params import SamplingParams
+from phaseflip.scheduler.request import Req
+
+TP, PP = (2, 1), (1, 2)
+AUTO = {"tp_size": 2, "enable_flip": True, "enable_hicache": True, "flip_policy": "auto",
+        "flip_min_dwell_s": 0.0, "flip_min_dwell_steps": 1}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def policy(pricer: ResidencyPricer | None = None, clock: Clock | None = None,
+           **over) -> FlipPolicy:
+    return FlipPolicy(EngineConfig(**(AUTO | over)), pricer, clock or Clock())
+
+
+def req(rid: str, ids: list[int]) -> Req:
+    return Req(rid=rid, prompt_ids=list(ids), params=SamplingParams(max_new_tokens=4),
+               eos_ids=(0,), arrival=0)
+
+
+def backlog(tokens: int) -> list[Req]:
+    return [req("w", list(range(1, tokens + 1)))] if tokens else []
+
+
+def measure(p: FlipPolicy, x_tps: float, p_tps: float) -> None:
+    """One prefill step in each layout (1 s each)."""
+    p.observe_step(TP, int(x_tps), 0, 1.0)
+    p.observe_step(PP, int(p_tps), 0, 1.0)
+
+
+# ---------------------------------------------------------------------- cost model
+@pytest.mark.parametrize("x, p_, c_there, c_back, n", [
+    (1000, 2000, 1.0, 1.0, 4000),  # C / (1/X - 1/P) = 2 / 0.0005
+    (1000, 4000, 3.0, 0.0, 4000),  # 3 / 0.00075
+    (5000, 10000, 0.5, 0.25, 7500),
+])
+def test_break_even_is_round_trip_cost_over_the_time_saved_per_token(x, p_, c_there, c_back, n):
+    pol = policy(flip_seed_to_pp_s=c_there, flip_seed_to_tp_s=c_back)
+    measure(pol, x, p_)
+    est = pol.break_even()
+    assert est.value == pytest.approx(n) and est.provenance == HALF  # measured X, P; seed C
+    assert not pol.decide(backlog(n - 10), [], None).flip
+    d = pol.decide(backlog(n + 10), [], None)
+    assert d.target == PP and "break-even" in d.reason
+
+
+def test_a_flip_never_pays_when_pp_prefill_is_not_faster():
+    pol = policy(flip_seed_to_pp_s=0.1, flip_seed_to_tp_s=0.1)
+    measure(pol, 2000, 1500)
+    d = pol.decide(backlog(100_000), [], None)
+    assert not d.flip and "never pays" in d.reason
+    # from the prefill layout the same fact sends it back
+    pol.observe_flip(TP, PP, 0.1)
+    pol.observe_step(PP, 0, 4, 0.01)
+    d = pol.decide(backlog(100_000), [], None)
+    assert d.target == TP and "not faster" in d.reason
+    json.dumps(pol.snapshot(), allow_nan=False)  # N = inf is reported as None plus a note
+
+
+def test_each_flip_direction_is_priced_on_its_own_seams():
+    """Law 7. Seams pp → tp 1 s, tp → pp 4 s, pp → tp 1 s: per direction C = 4 + 1 = 5 s and
+    N = 10 000. One average fed both directions (an EMA: 1, 2.5, 1.75; doubled 3.5 s) would
+    put N at 7 000 and flip a backlog of 9 000 that does not pay."""
+    pol = policy(tp_size=1, pp_size=2)
+    seams = [(PP, TP, 1.0), (TP, PP, 4.0), (PP, TP, 1.0)]
+    for src, dst, s in seams:
+        pol.observe_flip(src, dst, s)
+    measure(pol, 1000, 2000)
+    there, back = pol.flip_costs()
+    assert (there.value, back.value) == (4.0, 1.0) and there.provenance == MEASURED
+    assert pol.round_trip().value == 5.0
+    assert pol.break_even().value == pytest.approx(10_000)
+    assert pol.break_even().provenance == MEASURED
+    one = 0.0
+    for i, (_, _, s) in enumerate(seams):
+        one = s if i == 0 else one + 0.5 * (s - one)
+    assert 2 * one / (1 / 1000 - 1 / 2000) < 9000  # the one-average model would flip here
+    d = pol.decide(backlog(9000), [], None)
+    assert not d.flip and "10000" in d.reason, d.reason
+    assert pol.decide(backlog(10_500), [], None).target == PP
+
+
+# ---------------------------------------------------------------------- provenance (law 5)
+def test_unmeasured_is_none_and_without_seeds_nothing_flips():
+    pol = policy(flip_min_dwell_steps=0)
+    est = pol.snapshot()["estimates"]
+    for e in (est["prefill_tps"]["X"], est["prefill_tps"]["P"], est["flip_cost_s"]["to_prefill"],
+              est["flip_cost_s"]["to_decode"], est["round_trip_s"], est["break_even_tokens"],
+              est["decode_step_ms"]):
+        assert e["value"] is None and e["provenance"] == UNMEASURED, e
+    d = pol.decide(backlog(50_000), [], None)
+    assert not d.flip and "cannot price a flip" in d.reason
+    assert "unmeasured" in d.reason and "--flip-seed-to-pp-s" in d.reason
+    pol.observe_step(TP, 1000, 0, 0.5)  # X measured: still no P, no C
+    assert pol.throughputs()[0].value == 2000 and pol.throughputs()[0].provenance == MEASURED
+    assert not pol.decide(backlog(50_000), [], None).flip
+    assert pol.last.reason.startswith("cannot price")
+    assert pol.snapshot()["last_decision"]["reason"] == pol.last.reason
+
+
+def test_seeds_give_a_first_decision_and_measurements_replace_them():
+    pol = policy(flip_seed_pp_speedup=4.0, flip_seed_to_pp_s=1.0, flip_seed_to_tp_s=0.5,
+                 flip_min_dwell_steps=0)
+    assert pol.round_trip().provenance == SEED
+    assert pol.throughputs()[1].value is None  # a seed speedup has no scale alone
+    assert "no prefill step yet" in pol.decide(backlog(50_000), [], None).reason
+    pol.observe_step(TP, 1000, 0, 1.0)
+    x, p = pol.throughputs()
+    assert (x.provenance, p.provenance, p.value) == (MEASURED, HALF, 4000)
+    assert pol.break_even().provenance == HALF
+    assert pol.decide(backlog(50_000), [], None).target == PP
+    pol.observe_flip(TP, PP, 3.0)
+    pol.observe_step(PP, 1500, 0, 1.0)  # measured: the seed is gone
+    assert pol.throughputs()[1].value == 1500 and pol.throughputs()[1].provenance == MEASURED
+    assert pol.flip_costs()[0].provenance == MEASURED
+    assert pol.round_trip().provenance == HALF  # measured there, seeded back
+
+
+# ---------------------------------------------------------------------- residency (law 8)
+def tree_with(prefix: list[int], page_size: int = 16) -> RadixCache:
+    alloc = PageAllocator(4096 // page_size, page_size)
+    tree = RadixCache(alloc, page_size)
+    tree.insert(prefix, alloc.alloc_slots(len(prefix) // page_size))
+    return tree
+
+
+def test_the_read_only_walk_matches_match_prefix_without_touching_the_tree():
+    rng = random.Random(0)
+    base = [rng.randrange(1, 300) for _ in range(256)]
+    tree = tree_with(base[:160])
+    shared = tree.match_prefix(base[:96]).slots  # a branch at 96
+    tree.insert(base[:96] + [7] * 64, torch.cat([shared, tree.allocator.alloc_slots(4)]))
+
+    def state():
+        out, stack = [], [tree.root]
+        while stack:
+            n = stack.pop()
+            out.append((n.node_id, len(n.key), n.last_access))
+            stack.extend(n.children.values())
+        return sorted(out)
+
+    keys = [base[:200], base[:130], base[:96] + [7] * 40, base[:95], [5] * 40, base[:16], []]
+    before = state()
+    got = [device_cached_tokens(tree, k) for k in keys]
+    assert state() == before  # no LRU touch, no split
+    assert got == [tree.match_prefix(k).length for k in keys] == [160, 128, 128, 80, 0, 16, 0]
+
+
+HP = 64
+SALT = b"test-model"
+
+
+def test_cached_host_and_shared_tokens_are_not_prefill_work():
+    """X 1000, P 2000, C 1 + 1 s: N = 4000. Four waiting requests of 2000 tokens (8000 raw):
+    A's first 1600 are in the device tree, B's on the host tier, C repeats D's first 1600
+    (D, queued before it, computes them). Priced by residency: 400 + 400 + 2000 + 400 = 3200
+    uncached tokens, no flip. Counted raw, they would flip."""
+    rng = random.Random(1)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(1, 300) for _ in range(n)]
+
+    a, b, d = ids(2000), ids(2000), ids(2000)
+    c = d[:1600] + ids(400)
+    tree = tree_with(a[:1600])
+    host = set(page_keys(b[:1600], HP, SALT))
+    pricer = ResidencyPricer(HP, lambda t: page_keys(t, HP, SALT), host.__contains__)
+    waiting = [req("a", a), req("b", b), req("d", d), req("c", c)]
+    for pr, flips in ((pricer, False), (None, True)):
+        pol = policy(pr, flip_seed_to_pp_s=1.0, flip_seed_to_tp_s=1.0)
+        measure(pol, 1000, 2000)
+        assert pol.break_even().value == pytest.approx(4000)
+        decision = pol.decide(waiting, [], tree)
+        assert decision.flip is flips, decision.reason
+    pending = pricer.price(waiting, [], tree)
+    assert pending.raw_tokens == 8000 and pending.uncached_tokens == 3200
+    assert (pending.device_tokens, pending.host_tokens, pending.shared_tokens) == (1600,) * 3
+    # a prefilling running request's rest is work, and it claims its pages for later ones
+    run = req("r", d)
+    run.kv_len = 1000
+    pending = pricer.price([req("c", c)], [run], tree)
+    assert pending.uncached_tokens == 1000 + 400 and pending.shared_tokens == 1600
+    # pricing stops past the limit it decides
+    part = pricer.price(waiting, [], tree, limit=100)
+    assert not part.complete and part.uncached_tokens == 400
+
+
+# ---------------------------------------------------------------------- dwell / hysteresis
+def run_sequence(pol: FlipPolicy, clock: Clock, backlogs: list[int]) -> list[str]:
+    """One decision per step over `backlogs`, flipping when told (each seam 1 s, the cost
+    the seeds say); each step is a decode step of 0.25 s. Returns the layouts flipped to."""
+    flips = []
+    for tokens in backlogs:
+        d = pol.decide(backlog(tokens), [], None)
+        if d.flip:
+            pol.observe_flip(pol.layout, d.target, 1.0)
+            flips.append(d.target)
+        clock.now += 0.25
+        pol.observe_step(pol.layout, 0, 4, 0.25)
+    return flips
+
+
+@pytest.mark.parametrize("dwell_s, dwell_steps, flips", [
+    (0.0, 0, 20),  # no dwell: the swing below thrashes, a flip at every step
+    (1.0, 0, 4),  # 4 steps of 0.25 s, the launch layout included
+    (0.0, 8, 2),
+    (3.0, 8, 1),  # the seconds dominate
+])
+def test_dwell_stops_thrash(dwell_s, dwell_steps, flips):
+    """A backlog that swings across N (4000) and the served line (1000) every step: without a
+    dwell the policy flips at every step; with one, at most once per dwell."""
+    clock = Clock()
+    pol = policy(clock=clock, flip_seed_to_pp_s=1.0, flip_seed_to_tp_s=1.0,
+                 flip_min_dwell_s=dwell_s, flip_min_dwell_steps=dwell_steps)
+    measure(pol, 1000, 2000)
+    got = run_sequence(pol, clock, [5000, 500] * 10)
+    assert got == [PP, TP] * (flips // 2) + [PP] * (flips % 2)
+
+
+def test_an_abandoned_flip_waits_a_dwell_and_manual_flips_are_not_auto_ones():
+    clock = Clock()
+    pol = policy(clock=clock, flip_seed_to_pp_s=1.0, flip_seed_to_tp_s=1.0,
+                 flip_min_dwell_s=1.0, flip_min_dwell_steps=0)
+    measure(pol, 1000, 2000)
+    clock.now += 1.0
+    assert pol.decide(backlog(5000), [], None).target == PP
+    pol.observe_abandoned("flip abandoned: the fence did not complete")
+    assert "abandoned" in pol.snapshot()["last_decision"]["reason"]
+    assert pol.decide(backlog(5000), [], None).reason.startswith("dwell")
+    clock.now += 1.0
+    assert pol.decide(backlog(5000), [], None).target == PP
+    pol.observe_flip(TP, PP, 1.0)  # the one it decided
+    pol.observe_flip(PP, TP, 1.0)  # a manual one
+    assert (pol.flips, pol.auto_flips) == (2, 1)
+
+
+def test_the_band_between_served_and_break_even_holds_either_layout():
+    """Hysteresis: backlogs between f·N (1000) and N (4000) neither flip to PP nor back."""
+    clock = Clock()
+    pol = policy(clock=clock, flip_seed_to_pp_s=1.0, flip_seed_to_tp_s=1.0,
+                 flip_min_dwell_steps=0)
+    measure(pol, 1000, 2000)
+    assert run_sequence(pol, clock, [1100, 3900] * 5) == []
+    assert run_sequence(pol, clock, [4100]) == [PP]
+    assert run_sequence(pol, clock, [1100, 3900] * 5) == []
+    assert run_sequence(pol, clock, [900]) == [TP]
+
+
+def test_decode_slo_sends_the_prefill_layout_back_on_a_full_window():
+    clock = Clock()
+    pol = policy(clock=clock, flip_seed_to_pp_s=1.0, flip_seed_to_tp_s=1.0,
+                 flip_decode_slo_ms=50.0, flip_min_dwell_steps=0)
+    measure(pol, 1000, 2000)
+    pol.observe_flip(TP, PP, 1.0)
+    for _ in range(8):
+        assert not pol.decide(backlog(20_000), [], None).flip  # a window not full yet
+        pol.observe_step(PP, 512, 4, 0.08)
+    d = pol.decide(backlog(20_000), [], None)
+    assert d.target == TP and "--flip-decode-slo-ms" in d.reason
+    assert d.numbers["decode_step_ms"]["value"] == pytest.approx(80)
+
+
+# ---------------------------------------------------------------------- config
+def test_config_refuses_what_cannot_work_and_makes_flags():
+    with pytest.raises(InvalidRequestError, match="--enable-flip"):
+        EngineConfig(tp_size=2, flip_policy="auto")
+    with pytest.raises(InvalidRequestError, match="manual or auto"):
+        EngineConfig(flip_policy="sometimes")
+    with pytest.raises(InvalidRequestError, match="has 4 ranks"):
+        EngineConfig(tp_size=2, flip_layouts="tp4,pp2")
+    with pytest.raises(InvalidRequestError, match="launch layout"):
+        EngineConfig(**(AUTO | {"pp_size": 2}))
+    assert EngineConfig(**AUTO).flip_layout_pair == (TP, PP)
+    assert EngineConfig(tp_size=2, flip_layouts="pp2,tp2").flip_layout_pair == (TP, PP)
+    cfg = EngineConfig(tp_size=2, pp_size=2, flip_layouts="tp2xpp2, tp4")
+    assert cfg.flip_layout_pair == ((4, 1), (2, 2))
+    from phaseflip.cli import add_config_flags
+
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    assert "--flip-policy" in parser.format_help()  # help text formats (no bare percent)
+    args = parser.parse_args(["--flip-policy", "auto", "--flip-seed-pp-speedup", "3"])
+    assert (args.flip_policy, args.flip_seed_pp_speedup) == ("auto", 3.0)
+
+
+# ---------------------------------------------------------------------- engine (gloo ranks)
+@pytest.mark.timeout(120, method="thread")  # signals cannot interrupt gloo
+def test_the_engine_flips_by_itself_and_outputs_match_the_unflipped_run(model_dirs):
+    """tp2, seeds saying pp2 prefills 10x faster and flips cost ~nothing, 12 prompts of 200
+    tokens queued: the engine flips to pp2 by itself, measures the real seam and throughput,
+    and flips back once the backlog is served. Every request finishes exactly once with the
+    single-process run's greedy tokens, and the flips are few."""
+    from phaseflip import Engine
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 300) for _ in range(200)] for _ in range(12)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=14, ignore_eos=True, logprobs=0)
+    cfg = {"device": "cpu", "dtype": "float32", "max_total_tokens": 4096,
+           "dist_timeout_s": 60, "check_accounting": True}
+
+    def drive(engine) -> dict:
+        core = engine.core
+        for i, p in enumerate(prompts):
+            core.add_request(f"r{i}", p, params)
+        outs: dict = {f"r{i}": ([], [], []) for i in range(len(prompts))}
+        while core.has_work():
+            for d in core.step():
+                ids, lps, reasons = outs[d.request_id]
+                ids += d.token_ids
+                lps += d.logprobs or []
+                if d.finish_reason is not None:
+                    reasons.append(d.finish_reason)
+        core.kv.check(core.scheduler.running)
+        return outs
+
+    with Engine(str(model_dirs["llama"]), **cfg) as e:
+        want = drive(e)
+    with Engine(str(model_dirs["llama"]), tp_size=2, enable_flip=True, enable_hicache=True,
+                hicache_host_gb=0.01, flip_policy="auto", flip_seed_pp_speedup=10.0,
+                flip_seed_to_pp_s=0.001, flip_seed_to_tp_s=0.001, flip_min_dwell_s=0.0,
+                flip_min_dwell_steps=2, max_running_requests=4, **cfg) as e:
+        got = drive(e)
+        snap = e.core.flip_policy.snapshot()
+    json.dumps(snap, allow_nan=False)
+    assert 1 <= snap["flips"] == snap["auto_flips"] <= 3, snap
+    first = snap["recent_flips"][0]
+    assert first["target"] == "tp1×pp2" and "break-even" in first["reason"]
+    assert snap["estimates"]["flip_cost_s"]["to_prefill"]["provenance"] == MEASURED
+    for rid, (ids, lps, reasons) in got.items():
+        assert reasons == ["length"], rid  # finished exactly once: none lost, none doubled
+        assert ids == want[rid][0], rid
+        assert lps == pytest.approx(want[rid][1], abs=1e-4), rid
