@@ -373,3 +373,43 @@ def test_requests_the_new_pool_cannot_hold_are_ended(model_dirs, monkeypatch):
             for d in core.step():
                 reasons[d.request_id] = d.finish_reason
         assert reasons.get("small") == "length" and not core.has_work()
+
+
+def test_auto_policy_flips_a_server_by_itself():
+    """`--flip-policy auto` with seeds saying pp2 prefills 10× faster and seams cost ~nothing,
+    and prompts prefilled 64 tokens a step (a backlog the policy can see): the server flips to
+    pp2 by itself and back; every completion equals the manual-policy server's, and
+    /server_info says what the policy did (its Ready re-send keeps the front end serving)."""
+    import concurrent.futures
+
+    import httpx
+
+    from tests.server_process import start_server, stop_server
+
+    prompts = [f"def f{i}(x):\n    return x + {i}\n" * 12 for i in range(4)]
+    base = ("--tp-size", "2", "--enable-flip", "--enable-hicache", "--hicache-host-gb", "0.01",
+            "--chunked-prefill-size", "64")
+    auto = ("--flip-policy", "auto", "--flip-seed-pp-speedup", "10", "--flip-seed-to-pp-s",
+            "0.001", "--flip-seed-to-tp-s", "0.001", "--flip-min-dwell-s", "0",
+            "--flip-min-dwell-steps", "1")
+    texts, infos = [], []
+    for args in (base, base + auto):
+        proc, url = start_server(*args)
+        try:
+            def complete(prompt: str, url: str = url) -> str:
+                r = httpx.post(url + "/v1/completions", timeout=180, json={
+                    "model": "tiny-llama", "prompt": prompt, "max_tokens": 24,
+                    "temperature": 0, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+            with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+                texts.append(list(pool.map(complete, prompts)))
+            infos.append(httpx.get(url + "/server_info", timeout=30).json())
+        finally:
+            stop_server(proc)
+    assert texts[0] == texts[1] and all(texts[0])
+    manual, policy = infos[0]["flip_policy"], infos[1]["flip_policy"]
+    assert manual["policy"] == "manual" and manual["flips"] == 0
+    assert policy["policy"] == "auto" and policy["auto_flips"] >= 1, policy
+    assert policy["estimates"]["prefill_tps"]["X"]["provenance"] == "measured", policy
