@@ -39,7 +39,7 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 from benchmarks.common import PEAK_BANDWIDTH, print_table, write_json  # noqa: E402
-from phaseflip.kernels import linear, linear_tune  # noqa: E402
+from phaseflip.kernels import linear, linear_configs, linear_tune  # noqa: E402
 
 MODEL_SHAPES = {  # name -> (N, K) of y[M, N] = x[M, K] @ W[N, K]^T
     "llama.qkv": (6144, 4096), "llama.o": (4096, 4096), "llama.gate_up": (28672, 4096),
@@ -89,8 +89,8 @@ def run_shape(n: int, k: int, ms: list[int], args, device: torch.device) -> list
     for m in ms:
         x = torch.randn(m, k, device=device).to(dtype)
         y = torch.empty(m, n, dtype=dtype, device=device)
-        picked = linear.pick_config(m, n, k, dtype, device)
-        default = linear.default_config(m, n, k, dtype, device)
+        picked = linear_configs.pick_config(m, n, k, dtype, device)
+        default = linear_configs.default_config(m, n, k, dtype, device)
 
         cycle = [ws[i % copies] for i in range(args.calls)]
         cublas_us = linear_tune.graph_time_us([partial(F.linear, x, w) for w in cycle])
@@ -157,7 +157,7 @@ def model_pass(ms: list[int], args, device: torch.device) -> list[dict]:
 def dispatch_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """What a layer wired to should_use_skinny would run."""
     n, k = w.shape
-    use = linear.should_use_skinny(x.shape[0], n, k)
+    use = linear_configs.should_use_skinny(x.shape[0], n, k)
     return linear.skinny_linear(x, w) if use else F.linear(x, w)
 
 
@@ -188,7 +188,7 @@ def sm90_report(ms: list[int], dtype: torch.dtype) -> list[dict]:
              if name in aligned}
     rows, seen = [], set()
     for m in ms:
-        for cfg in linear.candidate_configs(m, 4096, 4096, dtype, torch.device("cuda"),
+        for cfg in linear_configs.candidate_configs(m, 4096, 4096, dtype, torch.device("cuda"),
                                             sms=132):
             cfg = replace(cfg, split_k=1)
             key = (cfg.block_m(m), cfg)
@@ -214,7 +214,7 @@ def sm90_report(ms: list[int], dtype: torch.dtype) -> list[dict]:
             per_sm = min(65536 // (regs * 32 * cfg.num_warps), 64 // cfg.num_warps,
                          (227 << 10) // max(smem + 1024, 1))
             tiles = cfg.num_stages - 1 if cfg.loop == "dot" else 1
-            rows.append({"m_bucket": linear.m_bucket(m), "block_m": cfg.block_m(m),
+            rows.append({"m_bucket": linear_configs.m_bucket(m), "block_m": cfg.block_m(m),
                          "config": cfg.label(), "regs": regs,
                          "spill_stack": stack, "smem": smem, "programs_per_sm": per_sm,
                          "inflight_KB_per_sm": per_sm * tiles * cfg.block_n * cfg.block_k
@@ -270,21 +270,21 @@ def main() -> None:
 
     bandwidth = measure_read_bandwidth(device, args.quick)
     print(f"\n{torch.cuda.get_device_name()}  triton {triton.__version__}  torch "
-          f"{torch.__version__}  {args.dtype}  {linear.num_sms(device)} SMs")
+          f"{torch.__version__}  {args.dtype}  {linear_configs.num_sms(device)} SMs")
     print(f"measured: read {bandwidth['read_TBps']:.2f} TB/s, copy {bandwidth['copy_TBps']:.2f}"
           f" TB/s (ceiling used: {args.bw_ceiling} TB/s)")
 
     tuned = {}
     if args.tuned_json:
-        linear.TUNED.load(args.tuned_json)
+        linear_configs.TUNED.load(args.tuned_json)
     if args.tune:
         best = linear_tune.tune(list(by_nk), args.dtype, device, m_values=ms)
         tuned = {f"{n}x{k} m={m}": {"config": c.label(), "us": us}
                  for (m, n, k), (c, us) in best.items()}
         table_path = args.out.with_suffix(".tuned.json")
         table_path.parent.mkdir(parents=True, exist_ok=True)
-        linear.TUNED.save(table_path)
-        print(f"wrote {table_path} (load with linear.TUNED.load or --tuned-json)")
+        linear_configs.TUNED.save(table_path)
+        print(f"wrote {table_path} (load with linear_configs.TUNED.load or --tuned-json)")
 
     rows = []
     for (n, k), shape_names in by_nk.items():
@@ -366,7 +366,7 @@ def main() -> None:
             "SKINNY_MAX_M": overall,
             "MAX_M_BY_SHAPE": {f"{n},{k}": v for (n, k), v in overrides.items()}},
         "llama_step_sum": step, "model_pass": passes, "tuned": tuned,
-        "tuned_table": linear.TUNED.to_json(), "args": {
+        "tuned_table": linear_configs.TUNED.to_json(), "args": {
             k: str(v) for k, v in vars(args).items()},
     })
 

@@ -23,8 +23,9 @@ from triton_interpreter import interpret_without_cuda
 INTERPRETED = interpret_without_cuda()  # before triton is imported
 pytest.importorskip("triton")
 
-from phaseflip.kernels import linear  # noqa: E402
-from phaseflip.kernels.linear import SkinnyConfig, skinny_linear  # noqa: E402
+from phaseflip.kernels import linear, linear_configs  # noqa: E402
+from phaseflip.kernels.linear import skinny_linear  # noqa: E402
+from phaseflip.kernels.linear_configs import SkinnyConfig  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BOUND = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -135,7 +136,7 @@ def test_rejects_bad_inputs():
     with pytest.raises(ValueError, match="does not match"):
         skinny_linear(torch.randn(1, 8, device=DEVICE, dtype=torch.float16), w)
     with pytest.raises(ValueError, match="at most"):
-        skinny_linear(torch.randn(linear.KERNEL_MAX_M + 1, 8, device=DEVICE), w)
+        skinny_linear(torch.randn(linear_configs.KERNEL_MAX_M + 1, 8, device=DEVICE), w)
     with pytest.raises(ValueError, match="out must be"):
         skinny_linear(torch.randn(2, 8, device=DEVICE), w, out=torch.empty(2, 4, device=DEVICE))
     with pytest.raises(ValueError, match="contiguous along K"):
@@ -147,7 +148,7 @@ def test_rejects_bad_inputs():
     (14336, 512, 1), (7, 32, 2),
 ])
 def test_plan_splits_cover_k_without_empty_chunks(k, block_k, split):
-    num, chunk = linear.plan_splits(k, block_k, split)
+    num, chunk = linear_configs.plan_splits(k, block_k, split)
     assert chunk % block_k == 0 and 1 <= num <= max(split, 1)
     assert (num - 1) * chunk < k <= num * chunk
 
@@ -176,8 +177,8 @@ def test_gpu_heuristics_are_valid_launch_shapes():
     for n, k in ALL_SHAPES:
         for m in (1, 2, 3, 4, 8, 16, 32, 64):
             for dtype in (torch.bfloat16, torch.float32):
-                cands = linear.candidate_configs(m, n, k, dtype, gpu, sms=132)
-                default = linear.default_config(m, n, k, dtype, gpu, sms=132)
+                cands = linear_configs.candidate_configs(m, n, k, dtype, gpu, sms=132)
+                default = linear_configs.default_config(m, n, k, dtype, gpu, sms=132)
                 assert len(cands) == len(set(cands)) >= 4
                 for cfg in [default, *cands]:
                     bm = cfg.block_m(m)
@@ -189,37 +190,38 @@ def test_gpu_heuristics_are_valid_launch_shapes():
                         assert smem <= 200 * 1024, cfg
                     else:  # the tile is held as fp32: <= 128 registers of it per thread
                         assert m <= 8 and cfg.block_n * cfg.block_k / threads <= 128, cfg
-                    num, chunk = linear.plan_splits(k, cfg.block_k, cfg.split_k)
+                    num, chunk = linear_configs.plan_splits(k, cfg.block_k, cfg.split_k)
                     assert (num - 1) * chunk < k <= num * chunk
-                tiles = -(-n // default.block_n) * linear.plan_splits(
+                tiles = -(-n // default.block_n) * linear_configs.plan_splits(
                     k, default.block_k, default.split_k)[0]
                 assert tiles >= 132 or default.split_k > 1, (n, k, m, default)
 
 
 def test_should_use_skinny_and_shape_overrides(monkeypatch):
-    assert linear.should_use_skinny(1, 6144, 4096)
-    assert linear.should_use_skinny(linear.SKINNY_MAX_M, 6144, 4096)
-    assert not linear.should_use_skinny(linear.SKINNY_MAX_M + 1, 6144, 4096)
-    assert not linear.should_use_skinny(0, 6144, 4096)
-    assert not linear.should_use_skinny(1, 6144, 4100)  # rows not 16-byte aligned
-    monkeypatch.setitem(linear.MAX_M_BY_SHAPE, (4096, 4096), 4)
-    assert linear.should_use_skinny(4, 4096, 4096) and not linear.should_use_skinny(5, 4096, 4096)
-    assert linear.should_use_skinny(8, 6144, 4096) == (8 <= linear.SKINNY_MAX_M)
+    assert linear_configs.should_use_skinny(1, 6144, 4096)
+    assert linear_configs.should_use_skinny(linear_configs.SKINNY_MAX_M, 6144, 4096)
+    assert not linear_configs.should_use_skinny(linear_configs.SKINNY_MAX_M + 1, 6144, 4096)
+    assert not linear_configs.should_use_skinny(0, 6144, 4096)
+    assert not linear_configs.should_use_skinny(1, 6144, 4100)  # rows not 16-byte aligned
+    monkeypatch.setitem(linear_configs.MAX_M_BY_SHAPE, (4096, 4096), 4)
+    assert linear_configs.should_use_skinny(4, 4096, 4096)
+    assert not linear_configs.should_use_skinny(5, 4096, 4096)
+    assert linear_configs.should_use_skinny(8, 6144, 4096) == (8 <= linear_configs.SKINNY_MAX_M)
 
 
 def test_config_table_roundtrip_and_override(tmp_path, monkeypatch):
-    table = linear.ConfigTable()
+    table = linear_configs.ConfigTable()
     cfg = SkinnyConfig(32, 256, 8, 2, split_k=4, loop="ew")
     table.put(3, 4096, 14336, torch.bfloat16, cfg)
     assert table.get(4, 4096, 14336, torch.bfloat16) == cfg  # same M bucket
     assert table.get(5, 4096, 14336, torch.bfloat16) is None
     table.save(tmp_path / "t.json")
-    loaded = linear.ConfigTable()
+    loaded = linear_configs.ConfigTable()
     loaded.load(tmp_path / "t.json")
     assert loaded.entries == table.entries
-    monkeypatch.setattr(linear, "TUNED", loaded)
-    assert linear.pick_config(4, 4096, 14336, torch.bfloat16, DEVICE) == cfg
-    assert linear.pick_config(4, 4096, 14336, torch.float16, DEVICE) != cfg
+    monkeypatch.setattr(linear_configs, "TUNED", loaded)
+    assert linear_configs.pick_config(4, 4096, 14336, torch.bfloat16, DEVICE) == cfg
+    assert linear_configs.pick_config(4, 4096, 14336, torch.float16, DEVICE) != cfg
 
 
 def test_config_rejects_unknown_loop():
@@ -273,9 +275,9 @@ def test_gpu_every_candidate_config(m):
     # a split-prone shape (o_proj) and on ragged N and K (masked K tail, clamped rows).
     dev = DEVICE
     for n, k in [(4096, 4096), (1000, 1000)]:
-        for cfg in linear.candidate_configs(m, n, k, torch.bfloat16, dev):
+        for cfg in linear_configs.candidate_configs(m, n, k, torch.bfloat16, dev):
             real_case(m, n, k, cfg)
-        for cfg in linear.candidate_configs(m, n, k, torch.float32, dev)[:4]:
+        for cfg in linear_configs.candidate_configs(m, n, k, torch.float32, dev)[:4]:
             real_case(m, n, k, cfg, dtype=torch.float32)
 
 
@@ -305,7 +307,7 @@ def test_gpu_warmup_then_graph_capture():
 
 def test_bundled_h200_table_loads(monkeypatch):
     """The shipped tuned table parses into configs for every 8B decode linear at M = 1."""
-    table = linear.ConfigTable()
-    table.load(linear.BUNDLED_CONFIGS / "skinny_linear_nvidia_h200.json")
+    table = linear_configs.ConfigTable()
+    table.load(linear_configs.BUNDLED_CONFIGS / "skinny_linear_nvidia_h200.json")
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
         assert table.get(1, n, k, torch.bfloat16) is not None

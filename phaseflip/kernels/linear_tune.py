@@ -1,5 +1,5 @@
 """Tuning the skinny GEMM on the GPU: time candidate configs as CUDA-graph replays over weights
-larger than L2 and keep the winners in `linear.TUNED` (benchmarks/linear_kernels.py --tune;
+larger than L2 and keep the winners in `linear_configs.TUNED` (benchmarks/linear_kernels.py --tune;
 the H200 table ships in phaseflip/assets/kernel_configs)."""
 
 from __future__ import annotations
@@ -12,14 +12,8 @@ from functools import partial
 import torch
 from triton.errors import TritonError
 
-from phaseflip.kernels.linear import (
-    DEFAULT_M_VALUES,
-    TUNED,
-    ConfigTable,
-    SkinnyConfig,
-    candidate_configs,
-    skinny_linear,
-)
+from phaseflip.kernels.linear import DEFAULT_M_VALUES, skinny_linear
+from phaseflip.kernels.linear_configs import TUNED, ConfigTable, SkinnyConfig, candidate_configs
 
 
 def graph_time_us(calls: Sequence[Callable[[], object]], replays: int = 20) -> float:

@@ -129,13 +129,14 @@ class DecodeGraphs:
         if self.device.type != "cuda":
             return
         from phaseflip.kernels import linear as skinny
+        from phaseflip.kernels import linear_configs as cfgs
 
-        skinny.load_bundled_configs(self.device)
+        cfgs.load_bundled_configs(self.device)
         weights = [p for n, p in self.model.named_parameters()
                    if p.dim() == 2 and "embed_tokens" not in n]
         shapes = {(w.shape[0], w.shape[1]) for w in weights}
-        m_values = [b for b in self.sizes if b <= skinny.KERNEL_MAX_M
-                    and any(skinny.should_use_skinny(b, n, k) for n, k in shapes)]
+        m_values = [b for b in self.sizes if b <= cfgs.KERNEL_MAX_M
+                    and any(cfgs.should_use_skinny(b, n, k) for n, k in shapes)]
         if m_values:
             skinny.warmup(shapes, weights[0].dtype, self.device, m_values=m_values)
 

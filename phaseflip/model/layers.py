@@ -50,10 +50,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     which streams the weight at close to HBM bandwidth where cuBLAS' GEMM tiles do not
     (`kernels/linear.py`; the row cut-over is measured per shape)."""
     if use_fused_kernels(x) and x.dim() == 2:
-        from phaseflip.kernels import linear as skinny
+        from phaseflip.kernels.linear import skinny_linear
+        from phaseflip.kernels.linear_configs import should_use_skinny
 
-        if skinny.should_use_skinny(x.shape[0], weight.shape[0], weight.shape[1]):
-            return skinny.skinny_linear(x, weight, bias)
+        if should_use_skinny(x.shape[0], weight.shape[0], weight.shape[1]):
+            return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
