@@ -74,6 +74,7 @@ class EngineCore:
         self._inflight: InFlight | None = None
         self.dead: str | None = None  # set when a failed phase flip left no usable layout
         self.flip_policy = self._new_flip_policy(cfg)  # None unless flips are on
+        self.flip_ledger = self._new_flip_ledger(cfg)  # refill and warm-up (flips on)
 
     def build_layout(self, cfg: EngineConfig) -> None:
         """Builds the layout-bound parts again for `cfg` (a phase flip, after the old ones were
@@ -148,6 +149,12 @@ class EngineCore:
                                  hc.host.contains)
         return FlipPolicy(cfg, pricer)
 
+    def _new_flip_ledger(self, cfg: EngineConfig):
+        from phaseflip.engine.flip import layout_name
+        from phaseflip.engine.flip_ledger import FlipLedger
+
+        return FlipLedger(layout_name(cfg.tp_size, cfg.pp_size)) if cfg.enable_flip else None
+
     def _auto_flip(self, sink: Callable[[list[StreamDelta]], None] | None
                    ) -> list[StreamDelta]:
         """Asks the policy (--flip-policy auto) and flips when it says so; returns the
@@ -183,10 +190,12 @@ class EngineCore:
             sink(deltas)
             deltas = []
         source = (self.cfg.tp_size, self.cfg.pp_size)
+        self.flip_ledger.before_seam(self.scheduler.running)
         census = run_seam(self, tp_size, pp_size)
         if self.flip_policy is not None:
             self.flip_policy.observe_flip(source, (tp_size, pp_size), census.total_s)
         unfit = self._end_unfit()
+        self.flip_ledger.cutover(census, self.hicache)  # the refill window opens
         if sink is not None and unfit:
             sink(unfit)
         else:
@@ -290,8 +299,9 @@ class EngineCore:
 
         With `overlap_schedule`, steps whose requests allow it run ahead of their tokens
         (`_step_ahead`). With flips on, the flip policy is fed each step's prompt tokens,
-        decode rows and wall time; under --flip-policy auto it is asked first whether to flip
-        (the flip's owed outputs go to `sink`, or come back with this step's)."""
+        decode rows and wall time, the flip ledger its items and wall time; under
+        --flip-policy auto it is asked first whether to flip (the flip's owed outputs go to
+        `sink`, or come back with this step's)."""
         if self.dead:
             raise RuntimeError(self.dead)
         policy = self.flip_policy
@@ -301,9 +311,10 @@ class EngineCore:
         stats, t0 = self.scheduler.stats, time.perf_counter()
         prompt0, decode0 = stats.prefill_tokens, stats.decode_tokens
         deltas = self._step(sink)
-        policy.observe_step((self.cfg.tp_size, self.cfg.pp_size),
-                            stats.prefill_tokens - prompt0, stats.decode_tokens - decode0,
-                            time.perf_counter() - t0)
+        prompt, decode = stats.prefill_tokens - prompt0, stats.decode_tokens - decode0
+        seconds = time.perf_counter() - t0
+        policy.observe_step((self.cfg.tp_size, self.cfg.pp_size), prompt, decode, seconds)
+        self.flip_ledger.observe_step(prompt + decode > 0, seconds)
         return owed + deltas
 
     def _step(self, sink: Callable[[list[StreamDelta]], None] | None) -> list[StreamDelta]:
@@ -333,6 +344,8 @@ class EngineCore:
         self._prompt_logprobs(batch, logits)
         sampled = self._sample(batch, logits)
         self.scheduler.advance(batch)
+        if self.flip_ledger is not None:  # (flips need HiCache: never a step ahead)
+            self.flip_ledger.observe_items(batch.items)
         for it in batch.items:
             req = it.req
             if it in sampled:

@@ -19,7 +19,9 @@ to the new one; only the ranks, their KV pools and the transfer channel are new.
 Weights strategy of this first seam: `reload` — the new ranks load their shards as at start
 (from the checkpoint, or re-initialised for dummy weights). The dual-resident, device-to-device
 and pinned host-image strategies of MISSION C6 are not built yet. Each segment is timed (the
-seam census); the DONE line names the worst segment and its share.
+seam census); the DONE line names the worst segment and its share. What follows the cutover
+(the refill of the retracted requests, the warm-up of served latency) is measured by
+`engine/flip_ledger.py`, which completes the census's refill fields in place.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -63,6 +65,16 @@ class SeamCensus:
     # (None off CUDA): the old rank 0's weights and pool must be gone before the new ranks
     # size their pools from what is free
     held_after_teardown_bytes: int | None = None
+    # After the cutover (`engine/flip_ledger.py` completes these in place as steps run): what
+    # refilling the retracted requests cost. None until the last of them is refilled (law 5);
+    # the loads' fields also without a host tier, the rate also when nothing was loaded.
+    refill_state: str = "pending"  # "pending", "done", "cut short" (by the next flip)
+    refill_tokens_loaded: int | None = None  # read back from the host (or disk) tier
+    refill_bytes: int | None = None  # KV bytes of those loads
+    refill_tokens_prefilled: int | None = None  # tokens they held before, computed again
+    refill_s: float | None = None  # cutover → the end of the step refilling the last of them
+    refill_rate_gbps: float | None = None  # refill_bytes / the loads' own seconds
+    warmup: Any = None  # this flip's warm-up ledger (`flip_ledger.Warmup`), set at cutover
 
     @property
     def total_s(self) -> float:
@@ -83,8 +95,19 @@ class SeamCensus:
                 f"{self.retracted}, rows moved {self.rows_moved}, fence {fence}, weights "
                 f"{self.weights}{held}")
 
+    def refill_line(self) -> str:
+        loaded = ("no host tier" if self.refill_tokens_loaded is None else
+                  f"{self.refill_tokens_loaded} tokens loaded ("
+                  + ("rate unmeasured" if self.refill_rate_gbps is None else
+                     f"{self.refill_rate_gbps:.3f} GB/s") + ")")
+        return (f"flip {self.source} → {self.target} refill done in {self.refill_s:.3f} s: "
+                f"{loaded}, {self.refill_tokens_prefilled} re-prefilled")
+
     def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
+        """JSON-safe: plain numbers and strings, the warm-up ledger as its own dict."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["segments"] = dict(self.segments)
+        d["warmup"] = None if self.warmup is None else self.warmup.as_dict()
         d["total_s"] = self.total_s
         d["worst_segment"], d["worst_share"] = self.worst()
         return d

@@ -122,7 +122,10 @@ class EngineServer:
             return m.ControlReply(msg.call_id, True, census.as_dict())
         if msg.op == "info":
             acc = kv.accounting(sched.running)
-            return m.ControlReply(msg.call_id, True, {
+            ledger = self.core.flip_ledger  # the last flips' censuses, refill and warm-up
+            flips = (ledger.snapshot() if ledger is not None
+                     else {"last_flip": None, "flip_censuses": []})
+            return m.ControlReply(msg.call_id, True, flips | {
                 "pool": dataclasses.asdict(acc) | {"balanced": acc.balanced},
                 "scheduler": dataclasses.asdict(sched.stats),
                 "running": len(sched.running), "waiting": len(sched.waiting),
