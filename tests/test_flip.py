@@ -249,6 +249,27 @@ def test_a_seam_that_fails_half_way_stops_the_engine_loudly(model_dirs, monkeypa
                 call()
 
 
+def test_a_fence_that_stops_the_rank_group_is_not_reported_as_abandoned(model_dirs,
+                                                                        monkeypatch):
+    """A rank that stalls inside the fence makes the driver stop the whole group (the stall
+    watchdog): nothing is left to serve, so the flip must not answer "abandoned, nothing
+    changed" (a 400 after which every step fails obscurely) but stop the engine loudly."""
+    with Engine(str(model_dirs["llama"]), tp_size=2, **FLIP, **CFG) as e:
+        core = e.core
+        core.add_request("a", prompts_for(300)[3], PARAMS)
+        core.step()
+
+        def stalled_fence():
+            core.runner.close(graceful=False)  # what a stall error inside the fence does
+            raise RuntimeError("rank 1 stalled (simulated) while fencing")
+
+        monkeypatch.setattr(core.hicache, "fence", stalled_fence)
+        with pytest.raises(RuntimeError, match="simulated"):
+            core.flip(1, 2)
+        with pytest.raises(RuntimeError, match="fence of a phase flip to tp1×pp2 stopped"):
+            core.step()
+
+
 def test_dropping_the_tree_before_retracting_is_refused(model_dirs):
     """Law 6: retract strictly before the tree reset. A reset while requests still lock
     prefixes would orphan them; the drop refuses instead of corrupting the pool."""

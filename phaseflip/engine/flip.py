@@ -157,7 +157,14 @@ def run_seam(core: EngineCore, tp_size: int, pp_size: int) -> SeamCensus:
         try:
             with segment("fence"):
                 core.hicache.fence()
-        except Exception as e:  # nothing is changed yet: abandon the flip (law 9, C6)
+        except Exception as e:
+            if getattr(core.runner, "closed", False):
+                # a stalled or dead rank stopped the group inside the fence: no layout is left
+                core.dead = (f"the engine stopped: the fence of a phase flip to "
+                             f"{census.target} stopped its rank group ({type(e).__name__}: "
+                             f"{e})")
+                raise
+            # nothing is changed yet: abandon the flip (law 9, C6)
             raise InvalidRequestError(f"flip abandoned: the fence did not complete ({e})",
                                       "layout") from e
         census.fence_s = census.segments["fence"]
