@@ -77,6 +77,12 @@ class EngineConfig:
     """Allow phase flips (`POST /admin/flip`, `Engine.flip`): re-lay the ranks out as another
     tp × pp at runtime. Needs --enable-hicache: a flip carries no KV, so without a host tier
     every flip would re-prefill every cached prefix."""
+    flip_weights: str = "auto"
+    """How a phase flip's new ranks get their weights: host-image (copy their shards from an
+    image of the checkpoint in shared host memory, built once at launch: the whole checkpoint
+    in host RAM, one copy per node), reload (read the checkpoint from disk again), or auto
+    (host-image, falling back to reload with a warning when /dev/shm cannot hold it).
+    --load-format dummy has no checkpoint: reload (made on the device again)."""
     hicache_host_gb: float = 1.0
     """Host-memory tier size in GiB."""
     hicache_dir: str | None = None
@@ -192,6 +198,14 @@ class EngineConfig:
             raise bad("enable_flip", "needs a host cache tier: without one every flip "
                       "re-prefills every cached prefix; add --enable-hicache, or drop "
                       "--enable-flip")
+        if self.flip_weights not in ("auto", "reload", "host-image"):
+            raise bad("flip_weights", "expected auto, reload or host-image")
+        if self.flip_weights == "host-image" and self.load_format == "dummy":
+            raise bad("flip_weights", "host-image copies the checkpoint, and --load-format "
+                      "dummy has none; use --flip-weights auto or reload, or a real checkpoint")
+        if self.flip_weights == "host-image" and (not self.enable_flip or self.world_size < 2):
+            raise bad("flip_weights", "host-image serves phase flips only: add --enable-flip "
+                      "with at least 2 ranks, or use --flip-weights auto")
         if self.hicache_disk_queue_pages < 1:
             raise bad("hicache_disk_queue_pages", "must be >= 1")
         if self.enable_hicache and self.nnodes > 1:

@@ -31,6 +31,7 @@ from phaseflip.distributed.plan_codec import PlanEncoder
 from phaseflip.distributed.stage import StepMessage
 from phaseflip.distributed.worker import STOP, build_rank, worker_main
 from phaseflip.forward_batch import ForwardBatch
+from phaseflip.model.weight_image import WeightImage
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +80,12 @@ class DistributedChannel(TransferChannel):
 
 
 class DistributedRunner:
-    def __init__(self, cfg: EngineConfig, hicache_frames: HostFrames | None = None) -> None:
+    def __init__(self, cfg: EngineConfig, hicache_frames: HostFrames | None = None,
+                 weight_image: WeightImage | None = None) -> None:
         """`hicache_frames`: HiCache's host tier as shared memory of the node (None: no
-        HiCache). Its owner is the controller: this runner never frees it."""
+        HiCache). Its owner is the controller: this runner never frees it. `weight_image`:
+        the checkpoint in shared memory of the node, which every rank loads its shard from
+        instead of the checkpoint (None: from the checkpoint); its owner is the engine."""
         if dist.is_initialized():  # left by an earlier group of this process that was stopped
             with contextlib.suppress(Exception):  # without teardown (a stall): it is dead
                 self._destroy_group(timeout_s=30)
@@ -97,6 +101,9 @@ class DistributedRunner:
             # every local rank maps the frames by name (`DistSpec.hicache_frames`)
             self.spec = dataclasses.replace(self.spec, hicache_frames=str(hicache_frames.path))
             self.hicache_channel = DistributedChannel(self)
+        self.weight_image = weight_image
+        if weight_image is not None:  # every local rank maps it by name while it loads
+            self.spec = dataclasses.replace(self.spec, weight_image=str(weight_image.path))
         self._start(cfg)
         self.closed = False
 
@@ -111,7 +118,7 @@ class DistributedRunner:
         for w in self.workers:
             w.start()
         self.groups, self.runner, self.stage = build_rank(0, self.spec, cfg, self.run_dir, None,
-                                                          self.hicache_frames)
+                                                          self.hicache_frames, self.weight_image)
 
     # the ModelRunner surface EngineCore uses
     @property
@@ -125,6 +132,11 @@ class DistributedRunner:
     @property
     def dtype(self) -> torch.dtype:
         return self.runner.dtype
+
+    @property
+    def weights_load(self):
+        """Rank 0's `WeightsLoad` (how it loaded its shard, timed)."""
+        return self.runner.weights_load
 
     def forward(self, plan: ForwardBatch) -> torch.Tensor:
         logits = self._send(plan, fence=False)

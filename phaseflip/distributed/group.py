@@ -43,6 +43,7 @@ class DistSpec:
     ranks_per_node: int
     node_rank: int
     hicache_frames: str | None = None  # path of the node's shared HiCache host frames
+    weight_image: str | None = None  # path of the node's host weight image (flip weights)
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> DistSpec:

@@ -22,6 +22,7 @@ from phaseflip.distributed.stage import StageExecutor
 from phaseflip.distributed.watchdog import PositionTracker
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.runner import ModelRunner
+from phaseflip.model.weight_image import WeightImage
 
 log = logging.getLogger("phaseflip.worker")
 
@@ -29,10 +30,12 @@ STOP = "stop"
 
 
 def build_rank(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | None,
-               parent_pid: int | None, frames: HostFrames | None = None
+               parent_pid: int | None, frames: HostFrames | None = None,
+               image: WeightImage | None = None
                ) -> tuple[RankGroups, ModelRunner, StageExecutor]:
     """Everything one rank needs; the driver calls it for rank 0 too (with the HiCache host
-    frames it created; other ranks map them by name)."""
+    frames and the host weight image it created; other ranks map them by name, the image
+    only while they load their shard)."""
     tracker = PositionTracker(rank, run_dir, parent_pid)
     with tracker.at("joining the process group"):
         groups = join(rank, spec)
@@ -50,7 +53,17 @@ def build_rank(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | None
     device = rank_device(rank, spec, cfg)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    runner = ModelRunner(cfg, model_cfg, groups.layout(), device, agree_slots=agree)
+    mapped = None
+    if spec.weight_image and image is None:
+        with tracker.at("mapping the host weight image"):
+            image = mapped = WeightImage.open(spec.weight_image)
+    try:
+        with tracker.at("loading weights, sizing the KV pool"):
+            runner = ModelRunner(cfg, model_cfg, groups.layout(), device, agree_slots=agree,
+                                 weights=image)
+    finally:
+        if mapped is not None:
+            mapped.close()  # the parameters are copies: the mapping is not needed after
     transfers = None
     if spec.hicache_frames:
         geo = page_geometry(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -63,6 +64,8 @@ class EngineCore:
         self.cfg, self.model_cfg, self.tokenizer = cfg, model_cfg, tokenizer
         self.max_context = cfg.max_model_len or model_cfg.max_position_embeddings
         self.hicache = self._new_hicache(cfg)  # before the ranks: they map its host tier
+        # the checkpoint in shared memory (flips' weights), the engine's until its end
+        self.weight_image = self._new_weight_image(cfg)
         self.runner, self.kv = self._make_runner_and_kv(cfg)
         self.scheduler = Scheduler(cfg, self.kv, self.max_context)
         self._bind_hicache()
@@ -90,8 +93,6 @@ class EngineCore:
         (a flip rebinds the controller), and it frees that tier at the engine's end."""
         if not cfg.enable_hicache:
             return None
-        import weakref
-
         from phaseflip.scheduler.hicache import HiCache
         from phaseflip.scheduler.hicache_state import kv_dtype
 
@@ -99,6 +100,14 @@ class EngineCore:
                           shared=cfg.world_size > 1)
         weakref.finalize(self, hicache.close)  # its disk thread finishes its queue
         return hicache
+
+    def _new_weight_image(self, cfg: EngineConfig):
+        from phaseflip.model.weight_image import image_for_engine
+
+        image = image_for_engine(cfg)  # None: flips reload (model/weight_image.py)
+        if image is not None:
+            weakref.finalize(self, image.close)
+        return image
 
     def _make_runner_and_kv(self, cfg: EngineConfig):
         """The runner (this process's ranks, mapping the HiCache host tier) and the manager of
@@ -108,7 +117,8 @@ class EngineCore:
             if cfg.world_size > 1:
                 from phaseflip.distributed.driver import DistributedRunner
 
-                runner = DistributedRunner(cfg, hicache.host.frames if hicache else None)
+                runner = DistributedRunner(cfg, hicache.host.frames if hicache else None,
+                                           self.weight_image)
             else:
                 runner = ModelRunner(cfg, self.model_cfg)
         except BaseException:
@@ -285,6 +295,8 @@ class EngineCore:
             close()
         if self.hicache is not None:
             self.hicache.close()
+        if self.weight_image is not None:
+            self.weight_image.close()
 
     # ------------------------------------------------------------------ step
     def step(self, sink: Callable[[list[StreamDelta]], None] | None = None

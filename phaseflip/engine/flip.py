@@ -16,12 +16,18 @@ canonical pages, shared by the node's ranks), its index and its disk tier. It is
 the old layout once nothing is in flight and the tree is gone (it refuses otherwise), and bound
 to the new one; only the ranks, their KV pools and the transfer channel are new.
 
-Weights strategy of this first seam: `reload` — the new ranks load their shards as at start
-(from the checkpoint, or re-initialised for dummy weights). The dual-resident, device-to-device
-and pinned host-image strategies of MISSION C6 are not built yet. Each segment is timed (the
-seam census); the DONE line names the worst segment and its share. What follows the cutover
-(the refill of the retracted requests, the warm-up of served latency) is measured by
-`engine/flip_ledger.py`, which completes the census's refill fields in place.
+Weights strategy (`--flip-weights`, `model/weight_image.py`): `host-image` — the engine
+holds an image of the checkpoint in shared host memory (built once at launch; it crosses the
+seam like the host frames), and the new ranks copy their shards from it, checksummed, instead
+of reading the checkpoint from disk; `reload` — they load as at start (from the checkpoint, or
+re-initialised for dummy weights, which have no checkpoint). The census reports which, with
+rank 0's load timings (`weights_read_s`, `weights_h2d_wait_s`, `weights_drain_s`; the other
+ranks load alike and log theirs). The dual-resident and device-to-device strategies of
+MISSION C6, and a planner choosing among more than these two, are not built yet. Each
+segment is timed (the seam census); the DONE line names the worst segment and its share.
+What follows the cutover (the refill of the retracted requests, the warm-up of served
+latency) is measured by `engine/flip_ledger.py`, which completes the census's refill fields
+in place.
 """
 
 from __future__ import annotations
@@ -60,7 +66,14 @@ class SeamCensus:
     tree_slots_freed: int = 0  # cached slots the drop returned to the allocator
     fence_s: float | None = None  # None: no host tier, no fence ran (law 5: not 0)
     rows_moved: int = 0  # KV rows carried across the seam: none (law 6)
-    weights: str = "reload"
+    weights: str = "reload"  # how the new ranks got their weights: "host-image" or "reload"
+    # rank 0's load of its shard inside the relayout (`WeightsLoad`): the whole load; the
+    # image's checksum pass (the read), the copies into the device parameters, the final
+    # synchronize. None when unmeasured (law 5): the split on reload, h2d and drain off CUDA
+    weights_load_s: float | None = None
+    weights_read_s: float | None = None
+    weights_h2d_wait_s: float | None = None
+    weights_drain_s: float | None = None
     # device memory this process still had allocated once the old layout was torn down
     # (None off CUDA): the old rank 0's weights and pool must be gone before the new ranks
     # size their pools from what is free
@@ -93,7 +106,19 @@ class SeamCensus:
         return (f"flip {self.source} → {self.target} DONE in {self.total_s:.3f} s: worst "
                 f"segment {name} {self.segments[name]:.3f} s ({100 * share:.0f} %); retracted "
                 f"{self.retracted}, rows moved {self.rows_moved}, fence {fence}, weights "
-                f"{self.weights}{held}")
+                f"{self.weights}{self._weights_detail()}{held}")
+
+    def _weights_detail(self) -> str:
+        if self.weights_load_s is None:
+            return ""
+
+        def s(v: float | None) -> str:
+            return "unmeasured" if v is None else f"{v:.3f} s"
+
+        split = ("" if self.weights != "host-image" else
+                 f": read {s(self.weights_read_s)}, h2d {s(self.weights_h2d_wait_s)}, drain "
+                 f"{s(self.weights_drain_s)}")
+        return f" (rank 0 {self.weights_load_s:.3f} s{split})"
 
     def refill_line(self) -> str:
         loaded = ("no host tier" if self.refill_tokens_loaded is None else
@@ -193,6 +218,10 @@ def _mutate(core: EngineCore, census: SeamCensus, segment, tp_size: int, pp_size
         census.held_after_teardown_bytes = _teardown(core)
     with segment("relayout"):
         core.build_layout(dataclasses.replace(core.cfg, tp_size=tp_size, pp_size=pp_size))
+        load = core.runner.weights_load  # rank 0's
+        census.weights = "host-image" if load.source == "host-image" else "reload"
+        census.weights_load_s, census.weights_read_s = load.load_s, load.read_s
+        census.weights_h2d_wait_s, census.weights_drain_s = load.h2d_wait_s, load.drain_s
         core.kv.check([])
         if core.hicache is not None:
             core.hicache.host.check()

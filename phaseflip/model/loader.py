@@ -176,6 +176,33 @@ def checkpoint_tensor_names(model_dir: str | os.PathLike[str]) -> set[str]:
     return {name for plan in _plan(model_dir) for name in plan.names}
 
 
+def checkpoint_tensor_specs(
+    model_dir: str | os.PathLike[str],
+) -> list[tuple[str, str, list[int], int]]:
+    """(name, safetensors dtype, shape, bytes) of every tensor `iter_checkpoint_tensors` would
+    yield, in its order, from the files' headers (no tensor data read)."""
+    specs = []
+    for plan in _plan(model_dir):
+        try:
+            with safe_open(str(plan.path), framework="pt", device="cpu") as f:
+                for name in plan.names:
+                    s = f.get_slice(name)
+                    shape, dtype = list(s.get_shape()), s.get_dtype()
+                    specs.append((name, dtype, shape, _nbytes(dtype, shape)))
+        except SafetensorError as exc:
+            raise ModelLoadError(f"cannot read safetensors file ({exc}): {plan.path}") from exc
+    return specs
+
+
+def _nbytes(dtype: str, shape: list[int]) -> int:
+    bits = {"F64": 64, "I64": 64, "U64": 64, "F32": 32, "I32": 32, "U32": 32, "F16": 16,
+            "BF16": 16, "I16": 16, "U16": 16}.get(dtype, 8)
+    n = 1
+    for d in shape:
+        n *= d
+    return n * bits // 8
+
+
 def iter_checkpoint_tensors(
     model_dir: str | os.PathLike[str],
     *,

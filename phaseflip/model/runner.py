@@ -15,7 +15,7 @@ from phaseflip.forward_batch import ForwardBatch
 from phaseflip.layout import Layout
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.llama import LlamaForCausalLM
-from phaseflip.model.loader import iter_checkpoint_tensors
+from phaseflip.model.weight_image import WeightImage, load_model_weights
 
 log = logging.getLogger(__name__)
 
@@ -62,23 +62,25 @@ def make_attention_backend(name: str, device: torch.device):
 
 class ModelRunner:
     """One rank's model shard and KV pool. In a group every rank must use the same slot space:
-    `agree_slots(local_slots)` returns the size all ranks agreed on (the minimum)."""
+    `agree_slots(local_slots)` returns the size all ranks agreed on (the minimum). `weights`:
+    the host weight image to load from instead of the checkpoint (a phase flip's new ranks)."""
 
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, layout: Layout | None = None,
                  device: torch.device | None = None,
-                 agree_slots: Callable[[int], int] | None = None):
+                 agree_slots: Callable[[int], int] | None = None,
+                 weights: WeightImage | None = None):
         self.cfg, self.model_cfg = cfg, model_cfg
         self.layout = layout or Layout()
         self.device = device or resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, model_cfg, self.device)
         with torch.device(self.device):
             self.model = LlamaForCausalLM(model_cfg, self.layout, self.dtype)
-        if cfg.load_format == "dummy":
-            from phaseflip.model.dummy import init_dummy_weights
-
-            init_dummy_weights(self.model, cfg.seed)
-        else:
-            self.model.load_weights(iter_checkpoint_tensors(model_cfg.model_dir))
+        # one load path: dummy init, the checkpoint, or the host image a phase flip's ranks
+        # copy their shards from (`weights`); timed (`WeightsLoad`, the seam census reads it)
+        self.weights_load = load_model_weights(self.model, cfg, model_cfg.model_dir,
+                                               self.device, weights)
+        log.info("tp rank %d, stage %d: %s", self.layout.tp_rank, self.layout.pp_rank,
+                 self.weights_load.line())
         self.model.eval()
         self.backend = make_attention_backend(cfg.attention_backend, self.device)
         local = self._kv_slots()
