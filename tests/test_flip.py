@@ -434,3 +434,21 @@ def test_auto_policy_flips_a_server_by_itself():
     assert manual["policy"] == "manual" and manual["flips"] == 0
     assert policy["policy"] == "auto" and policy["auto_flips"] >= 1, policy
     assert policy["estimates"]["prefill_tps"]["X"]["provenance"] == "measured", policy
+
+
+def test_a_target_outside_flip_layouts_is_refused_before_the_seam(model_dirs):
+    """tp4 with --flip-layouts tp4,pp4: a manual flip to tp2×pp2 must be refused by the checks
+    that run before the fence. It used to pass them and fail in the relayout, where the new
+    config's own check refused it with the old layout already torn down (the engine gone
+    behind a "refused" 400)."""
+    from types import SimpleNamespace
+
+    from phaseflip.config import EngineConfig
+    from phaseflip.engine.flip import check_target
+    from phaseflip.model.config import ModelConfig
+
+    cfg = EngineConfig(model=str(model_dirs["llama"]), tp_size=4, enable_flip=True,
+                       enable_hicache=True, flip_layouts="tp4,pp4")
+    core = SimpleNamespace(cfg=cfg, model_cfg=ModelConfig.from_dir(model_dirs["llama"]))
+    with pytest.raises(InvalidRequestError, match="launch layout tp2×pp2"):
+        check_target(core, 2, 2)

@@ -286,9 +286,12 @@ def test_decode_slo_sends_the_prefill_layout_back_on_a_full_window():
                  flip_decode_slo_ms=50.0, flip_min_dwell_steps=0)
     measure(pol, 1000, 2000)
     pol.observe_flip(TP, PP, 1.0)
+    for _ in range(12):  # steps that also prefill a chunk are slow for their prompt: a
+        pol.observe_step(PP, 512, 4, 0.3)  # backlog being served must not trip the SLO
+    assert not pol.decide(backlog(20_000), [], None).flip
     for _ in range(8):
         assert not pol.decide(backlog(20_000), [], None).flip  # a window not full yet
-        pol.observe_step(PP, 512, 4, 0.08)
+        pol.observe_step(PP, 0, 4, 0.08)
     d = pol.decide(backlog(20_000), [], None)
     assert d.target == TP and "--flip-decode-slo-ms" in d.reason
     assert d.numbers["decode_step_ms"]["value"] == pytest.approx(80)

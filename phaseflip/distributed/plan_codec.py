@@ -72,8 +72,9 @@ class PlanEncoder:
                           kv.copy() if self.check else None)
         # numpy on the wire: a torch tensor pickles ~10x slower than an array
         arrays = {f: getattr(plan, f).numpy() for f in TENSOR_FIELDS}
+        # placeholders never reach other ranks (multi-rank layouts do not run ahead)
         return dataclasses.replace(plan, **arrays, kv_indices=np.empty(0, dtype=np.int64),
-                                   delta=delta)
+                                   delta=delta, future_pos=None, future_rows=None)
 
 
 class PlanDecoder:

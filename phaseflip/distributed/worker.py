@@ -56,7 +56,9 @@ def build_rank(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | None
     mapped = None
     if spec.weight_image and image is None:
         with tracker.at("mapping the host weight image"):
-            image = mapped = WeightImage.open(spec.weight_image)
+            # page-locked only for a GPU rank (a CPU rank would make a CUDA context for it)
+            image = mapped = WeightImage.open(spec.weight_image,
+                                              register=device.type == "cuda")
     try:
         with tracker.at("loading weights, sizing the KV pool"):
             runner = ModelRunner(cfg, model_cfg, groups.layout(), device, agree_slots=agree,

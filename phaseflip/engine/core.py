@@ -178,6 +178,8 @@ class EngineCore:
         try:
             return self.flip(*decision.target, sink)[1]
         except InvalidRequestError as e:
+            if self.dead:  # refused after the seam began: no layout is left
+                raise
             log.warning("flip policy: automatic flip abandoned: %s", e)
             self.flip_policy.observe_abandoned(str(e))
             return []

@@ -164,6 +164,9 @@ def check_target(core: EngineCore, tp_size: int, pp_size: int) -> None:
         if not ok:
             raise InvalidRequestError(
                 f"tp_size={tp_size} does not split the model's {what}", "layout")
+    # the new layout's config passes its own checks (e.g. --flip-layouts) now, not half-way
+    # through the seam, where a refusal would leave no layout
+    dataclasses.replace(cfg, tp_size=tp_size, pp_size=pp_size)
 
 
 def run_seam(core: EngineCore, tp_size: int, pp_size: int) -> SeamCensus:

@@ -281,7 +281,9 @@ class FlipPolicy:
         if (prompt_tokens >= MIN_PREFILL_TOKENS
                 and prompt_tokens >= PREFILL_SHARE * (prompt_tokens + decode_rows)):
             self.rates.setdefault(layout, RateEstimator()).observe(prompt_tokens, seconds)
-        if decode_rows:
+        if decode_rows and not prompt_tokens:
+            # pure decode steps only: a step that also prefills a chunk is slow for its
+            # prompt, and counting it made the SLO flip back with the backlog untouched
             self.decode_ms.append(1e3 * seconds)
 
     def observe_flip(self, source: Layout, target: Layout, seconds: float) -> None:

@@ -240,4 +240,5 @@ class DecodeGraphs:
             return out[:b], res[:b]
         if plan.logits_indices.numel() == b:  # one token per sequence: every row, in order
             return out[:b], None
-        return out[:b].index_select(0, plan.logits_indices.to(self.device)), None
+        rows = plan.logits_indices.to(self.device, non_blocking=True)  # (pinned above)
+        return out[:b].index_select(0, rows), None

@@ -300,7 +300,8 @@ def image_for_engine(cfg: EngineConfig) -> WeightImage | None:
     if flip_weights_strategy(cfg) != "host-image":
         return None
     try:
-        return WeightImage.build(cfg.model)
+        # page-locked only for GPU ranks (on a CPU run it would only make a CUDA context)
+        return WeightImage.build(cfg.model, register=cfg.device != "cpu")
     except (OSError, WeightImageError) as exc:
         if cfg.flip_weights == "host-image":
             if isinstance(exc, WeightImageError):

@@ -116,6 +116,8 @@ class EngineServer:
                 census, _ = self.core.flip(msg.args["tp_size"], msg.args["pp_size"],
                                            sink=self._send_deltas)
             except InvalidRequestError as e:
+                if self.core.dead:  # failed after the seam began: the engine is gone
+                    raise
                 return m.ControlReply(msg.call_id, False, message=str(e))
             self.cfg = self.core.cfg
             self.send(self._ready())  # before the reply: the caller sees the new limits
