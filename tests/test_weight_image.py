@@ -109,6 +109,37 @@ def test_auto_falls_back_to_reload_when_the_image_cannot_be_built(llama_dir, tmp
     assert list(tmp_path.iterdir()) == []  # nothing half-built left behind
 
 
+def test_images_of_gone_engines_are_removed_and_headroom_is_kept(llama_dir, tmp_path,
+                                                                   monkeypatch):
+    """A killed engine cannot unlink its image: the next build removes images whose process
+    is gone (and keeps a live one's). An image that would leave its tmpfs without
+    SHM_HEADROOM free for NCCL's shared memory is refused, naming both fixes."""
+    import os
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    stale = tmp_path / f"phaseflip-weights-{gone}-abcd"
+    live = tmp_path / f"phaseflip-weights-{os.getpid()}-beef"
+    stale.write_bytes(b"x")
+    live.write_bytes(b"x")
+    image = WeightImage.build(llama_dir, tmp_path / f"phaseflip-weights-{os.getpid()}-0001",
+                              register=False)
+    try:
+        assert not stale.exists() and live.exists()
+    finally:
+        image.close()
+
+    class Full:
+        f_bavail, f_frsize = 1, 4096  # 4 KiB free
+
+    monkeypatch.setattr(weight_image.os, "statvfs", lambda _: Full())
+    with pytest.raises(WeightImageError, match="headroom.*--shm-size.*--flip-weights reload"):
+        WeightImage.build(llama_dir, tmp_path / "img", register=False)
+    assert not (tmp_path / "img").exists()
+
+
 def _drive(engine: Engine, prompts, flips: dict, seam=None) -> tuple[dict, list]:
     core = engine.core
     for i, p in enumerate(prompts):

@@ -127,6 +127,7 @@ class WeightImage:
         """Reads the checkpoint once into a new image at `path` (default: a fresh name in
         /dev/shm). Raises WeightImageError, naming the size, when tmpfs has no room."""
         path = Path(path) if path is not None else image_path()
+        remove_stale_images(path.parent)
         specs = checkpoint_tensor_specs(model_dir)
         entries, cursor = [], 0
         for name, dtype, shape, nbytes in specs:
@@ -142,6 +143,7 @@ class WeightImage:
             data = -(-need // DATA_ALIGN) * DATA_ALIGN
         entries = placed
         size = data + cursor
+        _check_headroom(path.parent, size)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             try:
@@ -276,6 +278,42 @@ def _fill(mm: mmap.mmap, model_dir, entries: list[ImageEntry]) -> list[ImageEntr
         del buf
     return [ImageEntry(e.name, e.dtype, e.shape, e.offset, e.nbytes, crcs[e.name])
             for e in entries]
+
+
+SHM_HEADROOM = 1 << 30  # left free beside the image: NCCL's shared-memory transport needs room
+
+
+def _check_headroom(directory: Path, size: int) -> None:
+    """Refuses an image that would leave its filesystem with less than SHM_HEADROOM free
+    (NCCL sets up its shared memory there at every group start, a flip's included)."""
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    if size + SHM_HEADROOM > free:
+        raise WeightImageError(
+            f"the host weight image needs {size / 2**30:.2f} GiB plus "
+            f"{SHM_HEADROOM / 2**30:.0f} GiB of headroom in {directory}, which has "
+            f"{free / 2**30:.2f} GiB free; enlarge /dev/shm (docker: --shm-size) or use "
+            "--flip-weights reload")
+
+
+def remove_stale_images(directory: Path) -> list[Path]:
+    """Unlinks the images of engines that are gone (their pid no longer runs): a killed engine
+    cannot unlink its own, and a checkpoint-sized tmpfs file would stay until reboot."""
+    removed = []
+    for f in directory.glob("phaseflip-weights-*-*"):
+        try:
+            pid = int(f.name.split("-")[2])
+        except (IndexError, ValueError):
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            f.unlink(missing_ok=True)
+            removed.append(f)
+            log.warning("host weight image: removed %s, left by the gone process %d", f, pid)
+        except PermissionError:
+            pass  # another user's live process
+    return removed
 
 
 def image_path() -> Path:
