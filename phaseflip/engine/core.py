@@ -16,7 +16,7 @@ import torch
 
 from phaseflip.config import EngineConfig
 from phaseflip.engine.outputs import StreamDelta, Usage
-from phaseflip.engine.validation import validate_request
+from phaseflip.engine.validation import kv_tokens_needed, validate_request
 from phaseflip.errors import InvalidRequestError
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.runner import ModelRunner
@@ -221,7 +221,7 @@ class EngineCore:
         cap, ps = self.kv.capacity_tokens, self.cfg.page_size
         out = []
         for req in list(self.scheduler.waiting):
-            need = -(-(len(req.prompt_ids) + req.params.max_new_tokens) // ps) * ps
+            need = kv_tokens_needed(len(req.prompt_ids), req.params.max_new_tokens, ps)
             if need <= cap:
                 continue
             log.warning("request %s needs %d KV tokens but the pool now holds %d: ended",

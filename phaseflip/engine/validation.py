@@ -12,6 +12,11 @@ from phaseflip.errors import ContextLengthError, InvalidRequestError
 from phaseflip.sampling.params import SamplingParams
 
 
+def kv_tokens_needed(prompt_len: int, max_new_tokens: int, page_size: int) -> int:
+    """KV slots a request needs at most: prompt plus output, in whole pages."""
+    return math.ceil((prompt_len + max_new_tokens) / page_size) * page_size
+
+
 def validate_request(
     prompt_ids: list[int], params: SamplingParams, *, vocab_size: int, max_context: int,
     max_logprobs: int, kv_capacity_tokens: int, page_size: int,
@@ -33,7 +38,7 @@ def validate_request(
             f"requested ({len(prompt_ids)} in the prompt, {params.max_new_tokens} to generate): "
             f"{total - max_context} too many. Shorten the prompt or lower max_tokens.",
             param="max_tokens")
-    if math.ceil(total / page_size) * page_size > kv_capacity_tokens:
+    if kv_tokens_needed(len(prompt_ids), params.max_new_tokens, page_size) > kv_capacity_tokens:
         raise ContextLengthError(
             f"the request needs {total} tokens of KV cache but the pool holds only "
             f"{kv_capacity_tokens}; raise max_total_tokens/mem_fraction or shorten it",

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from phaseflip.cache.hicache.frames import _cuda_host_register
+from phaseflip.cache.hicache.frames import cuda_host_register
 from phaseflip.errors import PhaseflipError
 from phaseflip.model.loader import checkpoint_tensor_specs, iter_checkpoint_tensors
 
@@ -115,7 +115,7 @@ class WeightImage:
         self.path, self.entries = path, {e.name: e for e in entries}
         self._mm, self._owner = mm, owner
         self.buf = torch.frombuffer(mm, dtype=torch.uint8)
-        self.registered = register and _cuda_host_register(self.buf)
+        self.registered = register and cuda_host_register(self.buf, "the host weight image")
 
     @property
     def nbytes(self) -> int:

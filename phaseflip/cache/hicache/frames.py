@@ -88,7 +88,7 @@ class HostFrames:
         finally:
             os.close(fd)
         buf = torch.frombuffer(mm, dtype=torch.uint8)
-        registered = register and _cuda_host_register(buf)
+        registered = register and cuda_host_register(buf)
         return cls(buf, stride, path=path, owner=owner, keepalive=mm, registered=registered)
 
     def frame(self, index: int, length: int | None = None) -> torch.Tensor:
@@ -114,19 +114,20 @@ class HostFrames:
         self._keepalive = None
 
 
-def _cuda_host_register(buf: torch.Tensor) -> bool:
-    """Page-lock a mapped buffer for async DMA; False (logged) when CUDA or the call fails."""
+def cuda_host_register(buf: torch.Tensor, what: str = "the shared host tier") -> bool:
+    """Page-lock a mapped buffer for async DMA; False (logged, naming `what`) when CUDA or the
+    call fails: copies stay correct, only synchronous."""
     if not torch.cuda.is_available() or len(buf) == 0:
         return False
     try:
         err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), len(buf), 0)
     except Exception as exc:  # noqa: BLE001 — best effort: copies stay correct, only slower
-        log.warning("hicache: cudaHostRegister of the shared host tier failed: %s", exc)
+        log.warning("cudaHostRegister of %s failed: %s", what, exc)
         return False
     if int(err) != 0:
         _consume_cuda_error()
-        log.warning("hicache: cudaHostRegister of the shared host tier returned %s; host<->device"
-                    " copies of HiCache pages will be synchronous", err)
+        log.warning("cudaHostRegister of %s returned %s; host<->device copies from it will be "
+                    "synchronous", what, err)
         return False
     return True
 
