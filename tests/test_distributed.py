@@ -217,3 +217,24 @@ def test_two_nodes_on_loopback():
     finally:
         if node1.poll() is None:
             node1.kill()
+
+
+@pytest.mark.timeout(90, method="thread")
+def test_idle_ranks_outlive_the_group_timeout(deep_dir):
+    """An idle server sends its ranks nothing: they must wait for the next plan past
+    --dist-timeout-s (with the deadline on that wait, every tp/pp server died after two idle
+    minutes), and the group still serves afterwards."""
+    prompts = prompts_for(300)[:2]
+    want = run(deep_dir, prompts)
+    with Engine(str(deep_dir), device="cpu", dtype="float32", max_total_tokens=4096,
+                tp_size=2, dist_timeout_s=2) as e:
+        first = e.generate(prompts, GREEDY, use_tqdm=False)
+        time.sleep(5)  # idle for 2.5 group timeouts
+        e.core.check_alive()  # a worker that timed out has exited by now
+        again = e.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first] == want_flat(want)
+    assert [o.outputs[0].token_ids for o in again] == want_flat(want)
+
+
+def want_flat(outs: list[list[list[int]]]) -> list[list[int]]:
+    return [o[0] for o in outs]

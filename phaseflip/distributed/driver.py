@@ -158,7 +158,7 @@ class DistributedRunner:
         wire = dataclasses.replace(msg, plan=self.encoder.encode(plan)) if plan else msg
         try:
             with tracker.at("broadcasting the plan", self.step_no):
-                dist.broadcast_object_list([wire], src=0, group=self.groups.cpu_group)
+                dist.broadcast_object_list([wire], src=0, group=self.groups.plan_group)
             return self.stage.run(msg)
         except Exception as e:
             dead = [w.name for w in self.workers if not w.is_alive()]
@@ -182,7 +182,7 @@ class DistributedRunner:
         self.closed = True
         if graceful:
             try:
-                dist.broadcast_object_list([STOP], src=0, group=self.groups.cpu_group)
+                dist.broadcast_object_list([STOP], src=0, group=self.groups.plan_group)
             except Exception:  # noqa: BLE001 — a dead peer; terminate below
                 graceful = False
         if graceful:  # every rank tears down at once: NCCL's teardown may wait for its peers

@@ -3,6 +3,14 @@
 Global rank r = pp_rank * tp_size + tp_rank. Rank 0 (stage 0, TP rank 0) is the driver. Every
 rank creates every group in the same order (a torch.distributed requirement); the groups are
 held by a `RankGroups` object, never in module globals, so a later layout can replace them.
+
+Two deadlines, on purpose. Collectives inside a step (TP all-reduces, PP sends, the HiCache
+fence) carry `--dist-timeout-s`: a peer that does not answer while there is work is a stall.
+The wait for the *next* message from the driver carries none (`plan_group`): an idle server
+sends nothing, and a rank must be able to wait for it forever (with the group timeout on that
+wait, every multi-rank server died after two idle minutes). A driver that wedges while it has
+work is caught on the driver's side, by the engine's step watchdog; a driver that dies closes
+its sockets (the wait then fails at once) or is noticed by the rank's parent check.
 """
 
 from __future__ import annotations
@@ -66,7 +74,8 @@ class RankGroups:
     rank: int
     spec: DistSpec
     tp_group: dist.ProcessGroup | None
-    cpu_group: dist.ProcessGroup  # gloo group of all ranks: plans travel here
+    cpu_group: dist.ProcessGroup  # gloo group of all ranks, with the deadline (fences, slots)
+    plan_group: dist.ProcessGroup  # gloo group of all ranks without a deadline: the plans
 
     @property
     def tp_rank(self) -> int:
@@ -88,8 +97,14 @@ class RankGroups:
         return Layout(self.tp_rank, self.spec.tp_size, self.pp_rank, self.spec.pp_size, **kwargs)
 
 
+# How long a rank waits for the driver's next message: no deadline in practice (gloo takes a
+# finite timeout; a year is far beyond any server's idle spell and far below its int64 range).
+IDLE_WAIT = datetime.timedelta(days=365)
+
+
 def join(rank: int, spec: DistSpec) -> RankGroups:
-    """init_process_group for this rank and create the TP groups and the CPU plan group."""
+    """init_process_group for this rank and create the TP groups, the CPU group and the plan
+    group (the same gloo ranks, without a deadline: see the module docstring)."""
     host, port = spec.init_addr.rsplit(":", 1)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
     timeout = datetime.timedelta(seconds=spec.timeout_s)
@@ -103,7 +118,9 @@ def join(rank: int, spec: DistSpec) -> RankGroups:
             tp_group = group
     cpu_group = (dist.group.WORLD if spec.backend == "gloo"
                  else dist.new_group(backend="gloo", timeout=timeout))
-    return RankGroups(rank, spec, tp_group if spec.tp_size > 1 else None, cpu_group)
+    plan_group = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
+    return RankGroups(rank, spec, tp_group if spec.tp_size > 1 else None, cpu_group,
+                      plan_group)
 
 
 def rank_device(rank: int, spec: DistSpec, cfg: EngineConfig) -> torch.device:

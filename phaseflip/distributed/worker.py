@@ -87,7 +87,7 @@ def worker_main(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | Non
         while True:
             box = [None]
             with tracker.at("waiting for the next plan from rank 0"):
-                dist.broadcast_object_list(box, src=0, group=groups.cpu_group)
+                dist.broadcast_object_list(box, src=0, group=groups.plan_group)
             msg = box[0]
             if msg == STOP:
                 break
