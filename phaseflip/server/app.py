@@ -83,7 +83,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         elif not ctx.ready and request.url.path.startswith((
                 "/v1/", "/generate", "/tokenize", "/detokenize", "/flush_cache", "/abort_request",
                 "/admin/")):
-            resp = _error(503, ctx.engine.state.dead or "the model is still loading",
+            resp = _error(503, ctx.engine.state.problem or "the model is still loading",
                           "server_error")
         else:
             resp = await call_next(request)
@@ -94,12 +94,12 @@ def build_app(ctx: ServerContext) -> FastAPI:
     async def health() -> Response:
         if ctx.ready:
             return Response(status_code=200)
-        return _error(503, ctx.engine.state.dead or "loading", "server_error")
+        return _error(503, ctx.engine.state.problem or "loading", "server_error")
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
         if not ctx.ready:
-            return _error(503, ctx.engine.state.dead or "loading", "server_error")
+            return _error(503, ctx.engine.state.problem or "loading", "server_error")
         from phaseflip.sampling.params import SamplingParams
 
         async for _ in ctx.run(ctx.new_id("health"), [0], SamplingParams(max_new_tokens=1)):

@@ -51,7 +51,7 @@ class ServerContext:
 
     @property
     def ready(self) -> bool:
-        return self.engine.state.ready is not None and not self.engine.state.dead
+        return self.engine.state.ready is not None and not self.engine.state.problem
 
     @property
     def max_context(self) -> int:

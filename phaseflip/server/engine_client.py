@@ -31,7 +31,17 @@ class EngineState:
     running: int = 0
     waiting: int = 0
     dead: str | None = None  # why the engine is gone, once it is
+    unhealthy: str | None = None  # why the engine says it cannot serve (EngineHealth), if so
     in_flight: dict[str, asyncio.Queue] = field(default_factory=dict)
+
+    @property
+    def problem(self) -> str | None:
+        """Why new requests are refused (503): the engine is gone or says it is unhealthy."""
+        if self.dead:
+            return self.dead
+        if self.unhealthy:
+            return f"the engine is unhealthy: {self.unhealthy}"
+        return None
 
 
 class EngineClient:
@@ -77,6 +87,8 @@ class EngineClient:
             elif isinstance(msg, m.Ready):
                 self.state.ready = msg
                 self._ready.set()
+            elif isinstance(msg, m.EngineHealth):
+                self.state.unhealthy = None if msg.healthy else (msg.reason or "no reason given")
 
     async def _watch(self) -> None:
         """Turns an engine exit into a named failure for everyone waiting on it."""
@@ -97,8 +109,8 @@ class EngineClient:
         self, rid: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[StreamDelta]:
         """Streams the request's deltas; leaving early (client gone) aborts it in the engine."""
-        if self.state.dead:
-            raise EngineDeadError(self.state.dead)
+        if self.state.problem:
+            raise EngineDeadError(self.state.problem)
         if rid in self.state.in_flight:
             raise InvalidRequestError(f"request id {rid!r} is already in flight", "request_id")
         q: asyncio.Queue = asyncio.Queue()

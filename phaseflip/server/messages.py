@@ -70,6 +70,16 @@ class RequestFailed:
 
 
 @dataclass
+class EngineHealth:
+    """The engine's own view of its health, sent when it changes: unhealthy (a stall, a dead
+    rank) before it exits, so /health answers 503 with `reason` and new requests are refused
+    at once; healthy again (e.g. a stall that resolved) lifts that."""
+
+    healthy: bool
+    reason: str = ""
+
+
+@dataclass
 class ControlReply:
     call_id: int
     ok: bool
@@ -77,12 +87,13 @@ class ControlReply:
     message: str = ""
 
 
-Message = AddRequest | AbortRequest | Control | Ready | Deltas | RequestFailed | ControlReply
+Message = (AddRequest | AbortRequest | Control | Ready | Deltas | RequestFailed | ControlReply
+           | EngineHealth)
 
 _ALLOWED = {
     (c.__module__, c.__name__)
     for c in (AddRequest, AbortRequest, Control, Ready, Deltas, RequestFailed, ControlReply,
-              StreamDelta, Usage, SamplingParams)
+              EngineHealth, StreamDelta, Usage, SamplingParams)
 }
 
 
