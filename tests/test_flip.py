@@ -101,6 +101,17 @@ def _assert_same(got: dict, want: dict) -> None:
 
 
 @pytest.mark.timeout(120, method="thread")
+def test_rows_moved_is_unmeasured_until_the_seam_reads_the_new_pool():
+    """Law 5: a census whose relayout never ran reports no rows-moved figure, not 0 (the
+    flip tests' `rows_moved == 0` is then a reading of the new pool, which can fail)."""
+    from phaseflip.engine.flip import SeamCensus
+
+    census = SeamCensus("tp2×pp1", "tp1×pp2", segments={"fence": 0.1})
+    assert census.rows_moved is None
+    assert "rows moved unmeasured" in census.done_line()
+    assert census.as_dict()["rows_moved"] is None
+
+
 def test_retracted_requests_are_served_from_the_host_tier_after_a_flip(model_dirs, reference):
     """Law 6's point: what the fence persisted serves the re-admission. tp2 → pp2 mid-generation
     without a disk tier: every full page of every retracted request (prompt and output so far)

@@ -1,15 +1,16 @@
 """The phase flip's seam: re-lay a running engine out (TP ⇄ PP) between two steps.
 
 Design law 6, in order: fence (HiCache persists every cached prefix to its tiers) → retract
-every resident request → drop the device prefix tree, evicting first so its slots return to
-the allocator → re-layout (the old ranks are stopped, new ones start with the new layout and
-their own KV pool) → cutover → re-admit. Nothing of the KV pool is carried across
-(`rows_moved` is 0): retracted requests sit at the front of the waiting queue, in their
-admission order, and the next steps re-admit them, their prompt and output so far read through
-from the host tier (re-prefilled only past the last full page it holds). Retraction comes
-strictly before the tree reset: a reset first would orphan the nodes the requests still lock.
-The pool accounting (`total = free + evictable + locked`) is checked after the drop and after
-the re-layout, the host tier's own (every frame free, mapped or reserved) after the re-layout.
+every resident request → drop the device prefix tree, evicting first so its slots return to the
+allocator → re-layout (the old ranks are stopped, new ones start with the new layout and their
+own KV pool) → cutover → re-admit. Nothing of the KV pool is carried across (`rows_moved`, read
+off the new pool before anything is re-admitted, is 0): retracted requests sit at the front of
+the waiting queue, in their admission order, and the next steps re-admit them, their prompt and
+output so far read through from the host tier (re-prefilled only past the last full page it
+holds). Retraction comes strictly before the tree reset: a reset first would orphan the nodes
+the requests still lock. The pool accounting (`total = free + evictable + locked`) is checked
+after the drop and after the re-layout, the host tier's own (every frame free, mapped or
+reserved) after the re-layout.
 
 What crosses the seam: the HiCache controller with its host tier (the frames, layout-free
 canonical pages, shared by the node's ranks), its index and its disk tier. It is unbound from
@@ -65,7 +66,9 @@ class SeamCensus:
     retracted: int = 0  # requests taken off the device, re-admitted after the cutover
     tree_slots_freed: int = 0  # cached slots the drop returned to the allocator
     fence_s: float | None = None  # None: no host tier, no fence ran (law 5: not 0)
-    rows_moved: int = 0  # KV rows carried across the seam: none (law 6)
+    # KV rows carried across the seam: the new pool's occupied slots right after the relayout,
+    # before anything is re-admitted (0 by law 6); None until that reading ran (law 5)
+    rows_moved: int | None = None
     weights: str = "reload"  # how the new ranks got their weights: "host-image" or "reload"
     # rank 0's load of its shard inside the relayout (`WeightsLoad`): the whole load; the
     # image's checksum pass (the read), the copies into the device parameters, the final
@@ -105,8 +108,8 @@ class SeamCensus:
                 f", {self.held_after_teardown_bytes / 2**30:.2f} GiB held after teardown")
         return (f"flip {self.source} → {self.target} DONE in {self.total_s:.3f} s: worst "
                 f"segment {name} {self.segments[name]:.3f} s ({100 * share:.0f} %); retracted "
-                f"{self.retracted}, rows moved {self.rows_moved}, fence {fence}, weights "
-                f"{self.weights}{self._weights_detail()}{held}")
+                f"{self.retracted}, rows moved {_or_unmeasured(self.rows_moved)}, fence "
+                f"{fence}, weights {self.weights}{self._weights_detail()}{held}")
 
     def _weights_detail(self) -> str:
         if self.weights_load_s is None:
@@ -136,6 +139,10 @@ class SeamCensus:
         d["total_s"] = self.total_s
         d["worst_segment"], d["worst_share"] = self.worst()
         return d
+
+
+def _or_unmeasured(value: object) -> str:
+    return "unmeasured" if value is None else str(value)
 
 
 def check_target(core: EngineCore, tp_size: int, pp_size: int) -> None:
@@ -225,7 +232,8 @@ def _mutate(core: EngineCore, census: SeamCensus, segment, tp_size: int, pp_size
         census.weights = "host-image" if load.source == "host-image" else "reload"
         census.weights_load_s, census.weights_read_s = load.load_s, load.read_s
         census.weights_h2d_wait_s, census.weights_drain_s = load.h2d_wait_s, load.drain_s
-        core.kv.check([])
+        acc = core.kv.check([])
+        census.rows_moved = acc.total - acc.free
         if core.hicache is not None:
             core.hicache.host.check()
 

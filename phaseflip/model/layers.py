@@ -105,26 +105,6 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
 
-class ColumnParallelLinear(nn.Module):
-    """y = x W^T with W's output rows split across TP ranks (no communication)."""
-
-    def __init__(
-        self, in_features: int, out_features: int, bias: bool, layout: Layout, dtype: torch.dtype
-    ) -> None:
-        super().__init__()
-        self.layout = layout
-        start, end = layout.shard(out_features, "output features")
-        self.out_start, self.out_local = start, end - start
-        self.weight = _param((self.out_local, in_features), dtype, self._load)
-        self.bias = _param((self.out_local,), dtype, self._load) if bias else None
-
-    def _load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        default_weight_loader(param, loaded.narrow(0, self.out_start, self.out_local))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
-
-
 class MergedColumnParallelLinear(nn.Module):
     """Several column-parallel projections of one input fused into one matmul (gate/up).
 
