@@ -10,9 +10,9 @@ submits N requests with short random prompts and outputs long enough never to fi
 
   schedule  `scheduler.schedule()`: decode-slot check, KV allocation, the ForwardBatch tensors
   forward   `runner.forward(plan)` (with `--null-forward`: precomputed logits, so ~0)
-  sample    `EngineCore._sample`: per-row inputs, `Sampler.sample`, the token lists
-  text      `EngineCore._emit_text` where the engine defers detokenisation to overlap the
-            forward (0 where it has no such method: the text is then part of `output`)
+  sample    `SamplingStep.sample`: per-row inputs, `Sampler.sample`, the token lists
+  text      `OutputProcessor.emit_text`, where the engine defers detokenisation to overlap
+            the forward
   output    the rest of the step: prompt logprobs, `advance`, append/detokenize/stop, deltas
   total     the whole `step()` call
 
@@ -117,9 +117,8 @@ class StepTimer:
     def install(self) -> StepTimer:
         self._wrap(self.core.scheduler, "schedule", "schedule")
         self._wrap(self.core.runner, "forward", "forward")
-        self._wrap(self.core, "_sample", "sample")
-        if hasattr(self.core, "_emit_text"):
-            self._wrap(self.core, "_emit_text", "text")
+        self._wrap(self.core.sampling, "sample", "sample")
+        self._wrap(self.core.outputs, "emit_text", "text")
         return self
 
     def uninstall(self) -> None:

@@ -8,7 +8,6 @@ from transformers import PreTrainedTokenizerFast
 
 from phaseflip.sampling.detokenize import (
     IncrementalDetokenizer,
-    find_stop,
     find_stop_match,
     partial_stop_len,
 )
@@ -130,6 +129,11 @@ def test_skip_special_tokens_flag(tokenizers_by_kind: dict[str, PreTrainedTokeni
     assert keeping.text == "ok<eos> fox"
 
 
+def find_stop(text: str, stop: list[str], start: int) -> int | None:
+    match = find_stop_match(text, stop, start)
+    return None if match is None else match[0]
+
+
 def test_find_stop_straddling_deltas() -> None:
     stop = ["STOP", "never"]
     longest = max(len(s) for s in stop)
@@ -157,6 +161,6 @@ def test_find_stop_earliest_and_start_window() -> None:
 
 def test_partial_stop_len() -> None:
     assert partial_stop_len("hello ST", ["STOP"]) == 2
-    assert partial_stop_len("hello STOP", ["STOP"]) == 0  # a full match is find_stop's job
+    assert partial_stop_len("hello STOP", ["STOP"]) == 0  # a full match is find_stop_match's
     assert partial_stop_len("hello", ["STOP", "o w"]) == 1
     assert partial_stop_len("", ["STOP"]) == 0

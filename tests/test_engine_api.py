@@ -198,13 +198,13 @@ def test_a_sink_gets_the_previous_steps_text_before_this_step_samples(llama_dir,
     engine = make_engine(llama_dir)
     core = engine.core
     events: list[str] = []
-    sample = core._sample
+    sample = core.sampling.sample
 
     def spy_sample(batch, logits):
         events.append("sample")
         return sample(batch, logits)
 
-    core._sample = spy_sample
+    core.sampling.sample = spy_sample
     core.add_request("r", [5, 6, 7], GREEDY)
     got: list[int] = []
 
@@ -218,3 +218,19 @@ def test_a_sink_gets_the_previous_steps_text_before_this_step_samples(llama_dir,
     assert len(got) == GREEDY.max_new_tokens
     samples = [i for i, e in enumerate(events) if e == "sample"]
     assert all(events[i - 1] == "sink" for i in samples[1:]), events
+
+
+def test_streamed_text_holds_back_only_a_possible_stop_prefix(llama_dir, make_engine):
+    """With stop strings, a delta holds back only the suffix that may still become one
+    (`partial_stop_len`), not the longest stop's length on every step: here nothing."""
+    core = make_engine(llama_dir).core
+    stop = "\x01\x02\x03\x04\x05\x06\x07\x08"  # never in the tiny model's text
+    core.add_request("r", [5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=6,
+                                                    ignore_eos=True, stop=[stop]))
+    req = core.groups["r"].reqs[0]
+    streamed = ""
+    while not req.finished:
+        streamed += "".join(d.text for d in core.step())
+        if not req.finished:
+            assert streamed == req.detok.text, (streamed, req.detok.text)
+    assert len(req.detok.text) >= len(stop)  # the old rule would have held text back

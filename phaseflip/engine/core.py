@@ -10,53 +10,23 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-
-import torch
+from dataclasses import replace
 
 from phaseflip.config import EngineConfig
-from phaseflip.engine.outputs import StreamDelta, Usage
+from phaseflip.engine.output_processor import Group, OutputProcessor
+from phaseflip.engine.outputs import StreamDelta
+from phaseflip.engine.sampling_step import InFlight, SamplingStep, overlappable
 from phaseflip.engine.validation import kv_tokens_needed, validate_request
 from phaseflip.errors import InvalidRequestError
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.runner import ModelRunner
-from phaseflip.sampling.detokenize import IncrementalDetokenizer, find_stop_match
 from phaseflip.sampling.params import SamplingParams
-from phaseflip.sampling.sampler import Sampler, SamplingInput, compute_logprobs, to_device
+from phaseflip.sampling.sampler import Sampler
 from phaseflip.scheduler.kv_cache import KVCacheManager
 from phaseflip.scheduler.request import Req
-from phaseflip.scheduler.scheduler import Scheduled, ScheduledBatch, Scheduler
+from phaseflip.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class InFlight:
-    """A step whose sampled tokens are still on the device (overlap scheduling)."""
-
-    items: list[Scheduled]  # the sampling items, row i sampled token i
-    tokens: torch.Tensor  # device [len(items)]: what the next step's placeholders name
-    host: torch.Tensor  # the same, being copied to host memory
-    done: torch.cuda.Event | None  # recorded after the copy (None on the CPU)
-
-
-def overlappable(params: SamplingParams) -> bool:
-    """Whether sampling with `params` needs nothing of the previous token on the host: no
-    logprobs (read at sampling), no penalties or min_new_tokens (they read the output so
-    far), no stop strings (checked on the text at once), no seed (its stream is keyed by the
-    output length)."""
-    return (params.logprobs is None and params.prompt_logprobs is None and not params.stop
-            and not params.has_penalties and params.min_new_tokens == 0 and params.seed is None)
-
-
-@dataclass
-class Group:
-    """The n samples of one request."""
-
-    rid: str
-    prompt_ids: list[int]
-    reqs: list[Req]
-    done: set[int] = field(default_factory=set)
 
 
 class EngineCore:
@@ -69,11 +39,9 @@ class EngineCore:
         self.runner, self.kv = self._make_runner_and_kv(cfg)
         self.scheduler = Scheduler(cfg, self.kv, self.max_context)
         self._bind_hicache()
-        self.sampler = Sampler(cfg.seed)
-        self.groups: dict[str, Group] = {}
+        self.sampling = SamplingStep(Sampler(cfg.seed))
+        self.outputs = OutputProcessor(tokenizer, self.max_context, self.scheduler.remove)
         self._arrivals = 0
-        # (request, token to detokenise or None) sampled last step, text not yet made
-        self._text_pending: list[tuple[Req, int | None]] = []
         self._inflight: InFlight | None = None
         self.dead: str | None = None  # set when a failed phase flip left no usable layout
         self.flip_policy = self._new_flip_policy(cfg)  # None unless flips are on
@@ -197,7 +165,7 @@ class EngineCore:
         if self.dead:
             raise RuntimeError(self.dead)
         check_target(self, tp_size, pp_size)
-        deltas = self._drain() + self._emit_text()
+        deltas = self._drain() + self.outputs.emit_text()
         if sink is not None and deltas:
             sink(deltas)
             deltas = []
@@ -226,9 +194,7 @@ class EngineCore:
                 continue
             log.warning("request %s needs %d KV tokens but the pool now holds %d: ended",
                         req.rid, need, cap)
-            req.finish_reason = "abort"
-            self.scheduler.remove(req)
-            out.append(self._delta(self._group(req), req))
+            out.append(self.outputs.end(req, "abort"))
         return out
 
     # ------------------------------------------------------------------ requests
@@ -242,7 +208,7 @@ class EngineCore:
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if self.dead:
             raise RuntimeError(self.dead)
-        if rid in self.groups:
+        if rid in self.outputs.groups:
             raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
         self.validate(prompt_ids, params)
         reqs: list[Req] = []
@@ -256,30 +222,23 @@ class EngineCore:
                 eos_ids=self.model_cfg.eos_token_ids, arrival=self._arrivals, index=i,
                 leader=reqs[0] if reqs else None,
             )
-            req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids,
-                                               p.skip_special_tokens)
             req.overlappable = overlappable(p)
             self._arrivals += 1
             reqs.append(req)
+        self.outputs.add(rid, prompt_ids, reqs)
+        for req in reqs:
             self.scheduler.add(req)
-        self.groups[rid] = Group(rid, list(prompt_ids), reqs)
+
+    @property
+    def groups(self) -> dict[str, Group]:
+        """The requests in the engine, by id (the output processor's)."""
+        return self.outputs.groups
 
     def abort(self, rid: str) -> list[StreamDelta]:
-        group = self.groups.get(rid)
-        if group is None:
-            return []
-        out = self._emit_text(only={rid})
-        if rid not in self.groups:  # its last sample's text just finished it
-            return out
-        for req in group.reqs:
-            if not req.finished:
-                req.finish_reason = "abort"
-                self.scheduler.remove(req)
-                out.append(self._delta(group, req))
-        return out
+        return self.outputs.abort(rid)
 
     def has_work(self) -> bool:
-        return (self.scheduler.has_work() or bool(self._text_pending)
+        return (self.scheduler.has_work() or bool(self.outputs.text_pending)
                 or self._inflight is not None)
 
     def check_alive(self) -> None:
@@ -343,38 +302,30 @@ class EngineCore:
 
     def _step_sync(self, sink: Callable[[list[StreamDelta]], None] | None
                    ) -> list[StreamDelta]:
+        """schedule → execute → sample → process outputs. While the forward runs, the previous
+        step's text is made (and goes to `sink` at once)."""
         batch = self.scheduler.schedule()
         if batch is None:
-            if self.cfg.check_accounting and not self._text_pending:
+            if self.cfg.check_accounting and not self.outputs.text_pending:
                 self.kv.check(self.scheduler.running)
-            return self._emit_text()
+            return self.outputs.emit_text()
         try:
             logits = self.runner.forward(batch.plan)  # queued on the GPU; runs meanwhile
         finally:  # made even if the forward fails: finished requests keep their last delta
-            deltas = self._emit_text()
-            if sink is not None and deltas:
-                sink(deltas)
-                deltas = []
-        self._prompt_logprobs(batch, logits)
-        sampled = self._sample(batch, logits)
+            deltas = self._owed_text(sink)
+        self.sampling.prompt_logprobs(batch, logits)
+        sampled = self.sampling.sample(batch, logits)
         self.scheduler.advance(batch)
         if self.flip_ledger is not None:  # (flips need HiCache: never a step ahead)
             self.flip_ledger.observe_items(batch.items)
-        for it in batch.items:
-            req = it.req
-            if it in sampled:
-                tok, lp, top = sampled[it]
-                if req.params.stop:  # stop strings need the text now
-                    self._append(req, tok, lp, top)
-                    deltas.append(self._delta(self._group(req), req))
-                else:
-                    self._text_pending.append((req, self._append_token(req, tok, lp, top)))
-            elif req.prompt_only_done:
-                req.finish_reason = "length"
-            if req.finished:
-                self.scheduler.remove(req)
-                if it not in sampled:
-                    deltas.append(self._delta(self._group(req), req))
+        return deltas + self.outputs.process(batch.items, sampled)
+
+    def _owed_text(self, sink: Callable[[list[StreamDelta]], None] | None) -> list[StreamDelta]:
+        """The text of tokens sampled earlier: handed to `sink` now, else returned."""
+        deltas = self.outputs.emit_text()
+        if sink is not None and deltas:
+            sink(deltas)
+            return []
         return deltas
 
     # ------------------------------------------------------------------ overlapped steps
@@ -402,199 +353,22 @@ class EngineCore:
                 self.scheduler.advance(batch)
         finally:
             if prev is not None:
-                self._take_tokens(prev)
-            deltas = self._emit_text()
-        if sink is not None and deltas:
-            sink(deltas)
-            deltas = []
+                self.outputs.take_tokens(prev.items, prev.host_tokens())
+            deltas = self._owed_text(sink)
         if batch is None:
             if self.cfg.check_accounting and prev is None:
                 self.kv.check(self.scheduler.running)
             return deltas
-        self._inflight = self._sample_ahead(batch, logits)
+        self._inflight = self.sampling.sample_ahead(batch, logits)
         for it in batch.items:
-            req = it.req
-            if not it.samples and req.prompt_only_done:
-                req.finish_reason = "length"
-                self.scheduler.remove(req)
-                deltas.append(self._delta(self._group(req), req))
+            if not it.samples and it.req.prompt_only_done:
+                deltas.append(self.outputs.end(it.req, "length"))
         return deltas
-
-    def _sample_ahead(self, batch: ScheduledBatch, logits: torch.Tensor) -> InFlight | None:
-        """Samples on the device without waiting; the tokens start their way to the host."""
-        items = [it for it in batch.items if it.samples]
-        if not items:
-            return None
-        chosen = self._logit_rows(items, logits)
-        inputs = [SamplingInput(it.req.params, it.req.prompt_ids, it.req.output_ids,
-                                it.req.eos_ids) for it in items]
-        tokens = self.sampler.sample_on_device(chosen, inputs)
-        for i, it in enumerate(items):
-            it.req.pending, it.req.future_row = 1, i
-        if tokens.device.type != "cuda":
-            return InFlight(items, tokens, tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return InFlight(items, tokens, host, done)
-
-    def _take_tokens(self, step: InFlight) -> None:
-        """The sampled tokens of an earlier step, appended (text made by `_emit_text`)."""
-        if step.done is not None:
-            step.done.synchronize()
-        for it, tok in zip(step.items, step.host.tolist()):
-            req = it.req
-            req.pending = 0
-            if req.finished:  # aborted, or finished by the token before: a wasted row
-                continue
-            self._text_pending.append((req, self._append_token(req, tok, None, None)))
-            if req.finished:
-                self.scheduler.remove(req)
 
     def _drain(self) -> list[StreamDelta]:
         """Takes an in-flight step's tokens (before a synchronous step or a flip)."""
         step, self._inflight = self._inflight, None
         if step is None:
             return []
-        self._take_tokens(step)
-        return self._emit_text()
-
-    def _group(self, req: Req) -> Group:
-        return self.groups[req.rid.rsplit("#", 1)[0]]
-
-    def _emit_text(self, only: set[str] | None = None) -> list[StreamDelta]:
-        """Detokenises the pending tokens (of the groups in `only`, default all) and returns
-        their deltas."""
-        keep, deltas = [], []
-        for req, text_tok in self._text_pending:
-            group = req.rid.rsplit("#", 1)[0]
-            if only is not None and group not in only:
-                keep.append((req, text_tok))
-                continue
-            if text_tok is not None:
-                req.detok.append([text_tok])
-            if req.finish_reason == "length":
-                req.detok.flush()
-            deltas.append(self._delta(self.groups[group], req))
-        self._text_pending = keep
-        return deltas
-
-    def _prompt_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
-        for it in batch.items:
-            req = it.req
-            if not req.wants_prompt_logprobs or it.num_logit_rows == 0:
-                continue
-            last = len(req.prompt_ids) - 1
-            n = max(0, min(it.start + it.extend_len, last) - it.start)
-            if n == 0:
-                continue
-            rows = logits[it.logit_row : it.logit_row + n]
-            targets = torch.tensor(req.prompt_ids[it.start + 1 : it.start + 1 + n],
-                                   device=rows.device)
-            k = req.params.prompt_logprobs or 0
-            chosen, top_vals, top_ids = compute_logprobs(rows, targets, k)
-            chosen, top_vals, top_ids = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
-            for j in range(n):
-                req.prompt_logprobs[it.start + 1 + j] = chosen[j]
-                req.prompt_top_logprobs[it.start + 1 + j] = list(zip(top_ids[j], top_vals[j]))
-            req.prompt_lp_next = max(req.prompt_lp_next, it.start + n)
-
-    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> dict:
-        items = [it for it in batch.items if it.samples]
-        if not items:
-            return {}
-        chosen = self._logit_rows(items, logits)
-        inputs = [
-            SamplingInput(it.req.params, it.req.prompt_ids, it.req.output_ids, it.req.eos_ids)
-            for it in items
-        ]
-        out = self.sampler.sample(chosen, inputs)
-        result: dict[Scheduled, tuple] = {}
-        for i, it in enumerate(items):
-            lp = out.logprobs[i] if out.logprobs is not None else None
-            top = out.top_logprobs[i] if out.top_logprobs is not None else None
-            result[it] = (out.token_ids[i], lp, top)
-        return result
-
-    @staticmethod
-    def _logit_rows(items: list[Scheduled], logits: torch.Tensor) -> torch.Tensor:
-        """The sampling rows of `logits`, in item order."""
-        rows = [it.logit_row + it.num_logit_rows - 1 for it in items]
-        if rows == list(range(len(rows))):  # every decode step: a view, not a gather copy
-            return logits[: len(rows)]
-        return logits[to_device(rows, torch.long, logits.device)]
-
-    # ------------------------------------------------------------------ outputs
-    def _append_token(self, req: Req, tok: int, lp: float | None, top) -> int | None:
-        """Records a sampled token and every finish that the token alone decides (EOS, stop
-        ids, length). Returns the token if its text belongs in the output, else None."""
-        p = req.params
-        req.output_ids.append(tok)
-        if p.logprobs is not None:
-            req.output_logprobs.append(lp)
-            req.output_top_logprobs.append(top or [])
-        if (not p.ignore_eos and tok in req.eos_ids) or tok in p.stop_token_ids:
-            req.finish_reason, req.matched_stop = "stop", tok
-            return tok if p.include_stop_str_in_output else None
-        if len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.max_context:
-            req.finish_reason = "length"
-        return tok
-
-    def _append(self, req: Req, tok: int, lp: float | None, top) -> None:
-        """`_append_token` plus the text at once, for requests with stop strings."""
-        p = req.params
-        length_done = False
-        text_tok = self._append_token(req, tok, lp, top)
-        if req.finish_reason == "length":  # a stop string completed by this token wins
-            req.finish_reason, length_done = None, True
-        if req.finished:
-            if text_tok is not None:
-                req.detok.append([text_tok])
-            return
-        before = len(req.detok.text)
-        req.detok.append([tok])
-        if len(req.output_ids) >= p.min_new_tokens:
-            match = find_stop_match(req.detok.text, p.stop, before)
-            if match is not None:
-                pos, stop = match
-                req.finish_reason, req.matched_stop = "stop", stop
-                req.text_limit = pos + (len(stop) if p.include_stop_str_in_output else 0)
-                return
-        if length_done:
-            req.finish_reason = "length"
-            req.detok.flush()
-
-    def _delta(self, group: Group, req: Req) -> StreamDelta:
-        text = req.detok.text
-        if req.text_limit is not None:
-            text = text[: req.text_limit]
-        end = len(text)
-        if not req.finished and req.params.stop:  # hold back a possible stop-string prefix
-            end = max(req.text_sent, end - max(len(s) for s in req.params.stop) + 1)
-        new_text, req.text_sent = text[req.text_sent : end], end
-        sent = req.tokens_sent
-        req.tokens_sent = len(req.output_ids)
-        lps = req.output_logprobs[sent:] if req.params.logprobs is not None else None
-        tops = req.output_top_logprobs[sent:] if req.params.logprobs is not None else None
-        delta = StreamDelta(
-            request_id=group.rid, index=req.index, text=new_text,
-            token_ids=req.output_ids[sent:], logprobs=lps, top_logprobs=tops,
-            finish_reason=req.finish_reason, matched_stop=req.matched_stop,
-        )
-        if req.index == 0 and not req.prompt_lp_sent and req.prompt_logprobs is not None and (
-            not req.wants_prompt_logprobs or req.finished
-        ):
-            delta.prompt_logprobs = req.prompt_logprobs
-            delta.prompt_top_logprobs = req.prompt_top_logprobs
-            req.prompt_lp_sent = True
-        if req.finished:
-            group.done.add(req.index)
-            if len(group.done) == len(group.reqs):
-                delta.usage = Usage(
-                    prompt_tokens=len(group.prompt_ids),
-                    completion_tokens=sum(len(r.output_ids) for r in group.reqs),
-                    cached_tokens=group.reqs[0].cached_tokens,
-                )
-                del self.groups[group.rid]
-        return delta
+        self.outputs.take_tokens(step.items, step.host_tokens())
+        return self.outputs.emit_text()

@@ -147,17 +147,10 @@ def find_stop_match(text: str, stop: list[str], start: int) -> tuple[int, str] |
     return best
 
 
-def find_stop(text: str, stop: list[str], start: int) -> int | None:
-    """Index in `text` where the earliest stop string begins, considering only matches that end
-    at or after `start` (a check after each delta then only rescans the tail: pass the previous
-    length, or previous length - max stop length + 1, clamped at 0). None if none."""
-    match = find_stop_match(text, stop, start)
-    return None if match is None else match[0]
-
-
 def partial_stop_len(text: str, stop: list[str]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of a stop string: text a
-    streaming server must hold back, since the next delta may turn it into a stop match."""
+    stream holds back, since the next token may turn it into a stop match (the engine's
+    rule, `OutputProcessor.delta`)."""
     longest = 0
     for s in stop:
         for n in range(min(len(s) - 1, len(text)), longest, -1):

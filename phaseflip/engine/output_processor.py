@@ -1,0 +1,200 @@
+"""The engine loop's last verb: sampled tokens become outputs.
+
+`OutputProcessor` owns the request groups (the n samples of one request) and every rule that
+turns a token into output: finishes (EOS, stop ids, length, stop strings, also across token
+boundaries), incremental detokenisation, the text held back while it may still become a stop
+string, logprobs, and the `StreamDelta`s with their usage. It never touches the device; the
+scheduler learns of a finished request through `finish` (its `remove`, which returns the KV).
+
+Tokens whose text is not needed at once (no stop strings) are queued and detokenised by
+`emit_text` later, while the GPU runs the next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from phaseflip.engine.outputs import StreamDelta, Usage
+from phaseflip.sampling.detokenize import (
+    IncrementalDetokenizer,
+    find_stop_match,
+    partial_stop_len,
+)
+from phaseflip.scheduler.request import Req
+
+# (token id, logprob or None, top logprobs or None) of one sampled row
+Sampled = tuple[int, float | None, list | None]
+
+
+@dataclass
+class Group:
+    """The n samples of one request."""
+
+    rid: str
+    prompt_ids: list[int]
+    reqs: list[Req]
+    done: set[int] = field(default_factory=set)
+
+
+class OutputProcessor:
+    """Finish rules, text and deltas of every request group (see the module docstring)."""
+
+    def __init__(self, tokenizer, max_context: int, finish: Callable[[Req], None]) -> None:
+        self.tokenizer, self.max_context, self.finish = tokenizer, max_context, finish
+        self.groups: dict[str, Group] = {}
+        # (request, token to detokenise or None) sampled already, text not yet made
+        self.text_pending: list[tuple[Req, int | None]] = []
+
+    def add(self, rid: str, prompt_ids: list[int], reqs: list[Req]) -> None:
+        for req in reqs:
+            req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids,
+                                               req.params.skip_special_tokens)
+        self.groups[rid] = Group(rid, list(prompt_ids), reqs)
+
+    def group(self, req: Req) -> Group:
+        return self.groups[req.rid.rsplit("#", 1)[0]]
+
+    # ------------------------------------------------------------------ after a step
+    def process(self, items: Iterable, sampled: dict) -> list[StreamDelta]:
+        """The outputs of a synchronous step: `sampled` maps each sampling item to its
+        `Sampled` row; items that did not sample may have ended their prompt-only run."""
+        deltas = []
+        for it in items:
+            req = it.req
+            if it in sampled:
+                tok, lp, top = sampled[it]
+                if req.params.stop:  # stop strings need the text now
+                    self.append_with_text(req, tok, lp, top)
+                    deltas.append(self.delta(req))
+                else:
+                    self.text_pending.append((req, self.append_token(req, tok, lp, top)))
+            elif req.prompt_only_done:
+                req.finish_reason = "length"
+            if req.finished:
+                self.finish(req)
+                if it not in sampled:
+                    deltas.append(self.delta(req))
+        return deltas
+
+    def take_tokens(self, items: Iterable, tokens: list[int]) -> None:
+        """The sampled tokens of an overlapped step, appended (text made by `emit_text`)."""
+        for it, tok in zip(items, tokens):
+            req = it.req
+            req.pending = 0
+            if req.finished:  # aborted, or finished by the token before: a wasted row
+                continue
+            self.text_pending.append((req, self.append_token(req, tok, None, None)))
+            if req.finished:
+                self.finish(req)
+
+    def end(self, req: Req, reason: str) -> StreamDelta:
+        """Ends `req` outside the sampled path (abort; "length" of a prompt-only run)."""
+        req.finish_reason = reason
+        self.finish(req)
+        return self.delta(req)
+
+    def abort(self, rid: str) -> list[StreamDelta]:
+        """Ends every unfinished sample of request `rid`; its owed text goes first."""
+        group = self.groups.get(rid)
+        if group is None:
+            return []
+        out = self.emit_text(only={rid})
+        if rid not in self.groups:  # its last sample's text just finished it
+            return out
+        return out + [self.end(req, "abort") for req in group.reqs if not req.finished]
+
+    # ------------------------------------------------------------------ finish rules
+    def append_token(self, req: Req, tok: int, lp: float | None, top) -> int | None:
+        """Records a sampled token and every finish that the token alone decides (EOS, stop
+        ids, length). Returns the token if its text belongs in the output, else None."""
+        p = req.params
+        req.output_ids.append(tok)
+        if p.logprobs is not None:
+            req.output_logprobs.append(lp)
+            req.output_top_logprobs.append(top or [])
+        if (not p.ignore_eos and tok in req.eos_ids) or tok in p.stop_token_ids:
+            req.finish_reason, req.matched_stop = "stop", tok
+            return tok if p.include_stop_str_in_output else None
+        if len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.max_context:
+            req.finish_reason = "length"
+        return tok
+
+    def append_with_text(self, req: Req, tok: int, lp: float | None, top) -> None:
+        """`append_token` plus the text at once, for requests with stop strings."""
+        p = req.params
+        length_done = False
+        text_tok = self.append_token(req, tok, lp, top)
+        if req.finish_reason == "length":  # a stop string completed by this token wins
+            req.finish_reason, length_done = None, True
+        if req.finished:
+            if text_tok is not None:
+                req.detok.append([text_tok])
+            return
+        before = len(req.detok.text)
+        req.detok.append([tok])
+        if len(req.output_ids) >= p.min_new_tokens:
+            match = find_stop_match(req.detok.text, p.stop, before)
+            if match is not None:
+                pos, stop = match
+                req.finish_reason, req.matched_stop = "stop", stop
+                req.text_limit = pos + (len(stop) if p.include_stop_str_in_output else 0)
+                return
+        if length_done:
+            req.finish_reason = "length"
+            req.detok.flush()
+
+    # ------------------------------------------------------------------ text and deltas
+    def emit_text(self, only: set[str] | None = None) -> list[StreamDelta]:
+        """Detokenises the pending tokens (of the groups in `only`, default all) and returns
+        their deltas."""
+        keep, deltas = [], []
+        for req, text_tok in self.text_pending:
+            group = req.rid.rsplit("#", 1)[0]
+            if only is not None and group not in only:
+                keep.append((req, text_tok))
+                continue
+            if text_tok is not None:
+                req.detok.append([text_tok])
+            if req.finish_reason == "length":
+                req.detok.flush()
+            deltas.append(self.delta(req))
+        self.text_pending = keep
+        return deltas
+
+    def delta(self, req: Req) -> StreamDelta:
+        """What `req` produced since its last delta. Text that may still become a stop string
+        (a suffix that is a proper prefix of one) is held back until it cannot."""
+        group = self.group(req)
+        text = req.detok.text
+        if req.text_limit is not None:
+            text = text[: req.text_limit]
+        end = len(text)
+        if not req.finished and req.params.stop:
+            end = max(req.text_sent, end - partial_stop_len(text, req.params.stop))
+        new_text, req.text_sent = text[req.text_sent : end], end
+        sent = req.tokens_sent
+        req.tokens_sent = len(req.output_ids)
+        lps = req.output_logprobs[sent:] if req.params.logprobs is not None else None
+        tops = req.output_top_logprobs[sent:] if req.params.logprobs is not None else None
+        delta = StreamDelta(
+            request_id=group.rid, index=req.index, text=new_text,
+            token_ids=req.output_ids[sent:], logprobs=lps, top_logprobs=tops,
+            finish_reason=req.finish_reason, matched_stop=req.matched_stop,
+        )
+        if req.index == 0 and not req.prompt_lp_sent and req.prompt_logprobs is not None and (
+            not req.wants_prompt_logprobs or req.finished
+        ):
+            delta.prompt_logprobs = req.prompt_logprobs
+            delta.prompt_top_logprobs = req.prompt_top_logprobs
+            req.prompt_lp_sent = True
+        if req.finished:
+            group.done.add(req.index)
+            if len(group.done) == len(group.reqs):
+                delta.usage = Usage(
+                    prompt_tokens=len(group.prompt_ids),
+                    completion_tokens=sum(len(r.output_ids) for r in group.reqs),
+                    cached_tokens=group.reqs[0].cached_tokens,
+                )
+                del self.groups[group.rid]
+        return delta

@@ -1,0 +1,111 @@
+"""The engine loop's third verb: logits become tokens (and prompt logprobs).
+
+`SamplingStep` picks each sampling item's logits row and samples it, either waiting for the
+tokens on the host (`sample`) or leaving them on the device for an overlapped next step
+(`sample_ahead`, an `InFlight`). It also computes the prompt logprobs a step's logits hold.
+Per-request state it writes: `prompt_logprobs` (by position), and `pending`/`future_row` of
+requests whose token is still on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from phaseflip.sampling.params import SamplingParams
+from phaseflip.sampling.sampler import Sampler, SamplingInput, compute_logprobs, to_device
+from phaseflip.scheduler.scheduler import Scheduled, ScheduledBatch
+
+
+@dataclass
+class InFlight:
+    """A step whose sampled tokens are still on the device (overlap scheduling)."""
+
+    items: list[Scheduled]  # the sampling items, row i sampled token i
+    tokens: torch.Tensor  # device [len(items)]: what the next step's placeholders name
+    host: torch.Tensor  # the same, being copied to host memory
+    done: torch.cuda.Event | None  # recorded after the copy (None on the CPU)
+
+    def host_tokens(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
+def overlappable(params: SamplingParams) -> bool:
+    """Whether sampling with `params` needs nothing of the previous token on the host: no
+    logprobs (read at sampling), no penalties or min_new_tokens (they read the output so
+    far), no stop strings (checked on the text at once), no seed (its stream is keyed by the
+    output length)."""
+    return (params.logprobs is None and params.prompt_logprobs is None and not params.stop
+            and not params.has_penalties and params.min_new_tokens == 0 and params.seed is None)
+
+
+def _inputs(items: list[Scheduled]) -> list[SamplingInput]:
+    return [SamplingInput(it.req.params, it.req.prompt_ids, it.req.output_ids, it.req.eos_ids)
+            for it in items]
+
+
+def logit_rows(items: list[Scheduled], logits: torch.Tensor) -> torch.Tensor:
+    """The sampling rows of `logits`, in item order."""
+    rows = [it.logit_row + it.num_logit_rows - 1 for it in items]
+    if rows == list(range(len(rows))):  # every decode step: a view, not a gather copy
+        return logits[: len(rows)]
+    return logits[to_device(rows, torch.long, logits.device)]
+
+
+class SamplingStep:
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+
+    def sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> dict:
+        """{sampling item: (token, logprob or None, top logprobs or None)}, on the host."""
+        items = [it for it in batch.items if it.samples]
+        if not items:
+            return {}
+        out = self.sampler.sample(logit_rows(items, logits), _inputs(items))
+        result: dict[Scheduled, tuple] = {}
+        for i, it in enumerate(items):
+            lp = out.logprobs[i] if out.logprobs is not None else None
+            top = out.top_logprobs[i] if out.top_logprobs is not None else None
+            result[it] = (out.token_ids[i], lp, top)
+        return result
+
+    def sample_ahead(self, batch: ScheduledBatch, logits: torch.Tensor) -> InFlight | None:
+        """Samples on the device without waiting; the tokens start their way to the host."""
+        items = [it for it in batch.items if it.samples]
+        if not items:
+            return None
+        tokens = self.sampler.sample_on_device(logit_rows(items, logits), _inputs(items))
+        for i, it in enumerate(items):
+            it.req.pending, it.req.future_row = 1, i
+        if tokens.device.type != "cuda":
+            return InFlight(items, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return InFlight(items, tokens, host, done)
+
+    @staticmethod
+    def prompt_logprobs(batch: ScheduledBatch, logits: torch.Tensor) -> None:
+        """Records the logprobs of the prompt tokens whose logits this step computed."""
+        for it in batch.items:
+            req = it.req
+            if not req.wants_prompt_logprobs or it.num_logit_rows == 0:
+                continue
+            last = len(req.prompt_ids) - 1
+            n = max(0, min(it.start + it.extend_len, last) - it.start)
+            if n == 0:
+                continue
+            rows = logits[it.logit_row : it.logit_row + n]
+            targets = torch.tensor(req.prompt_ids[it.start + 1 : it.start + 1 + n],
+                                   device=rows.device)
+            k = req.params.prompt_logprobs or 0
+            chosen, top_vals, top_ids = compute_logprobs(rows, targets, k)
+            chosen, top_vals, top_ids = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
+            for j in range(n):
+                req.prompt_logprobs[it.start + 1 + j] = chosen[j]
+                req.prompt_top_logprobs[it.start + 1 + j] = list(zip(top_ids[j], top_vals[j]))
+            req.prompt_lp_next = max(req.prompt_lp_next, it.start + n)
