@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
+import logging
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -16,9 +16,11 @@ from phaseflip.errors import ContextLengthError, InvalidRequestError
 from phaseflip.server import protocol as p
 from phaseflip.server.context import OverloadedError, ServerContext, UnknownModelError
 from phaseflip.server.engine_client import EngineDeadError
+from phaseflip.server.gate import Gate
 from phaseflip.server.openai_api import (
     Choice,
     PromptRun,
+    chat_ids,
     create_chat_completion,
     create_completion,
     respond,
@@ -27,6 +29,7 @@ from phaseflip.server.openai_api import (
     stream_response,
 )
 
+log = logging.getLogger("phaseflip.server")
 FLIP_TIMEOUT_S = 600.0  # a flip restarts ranks and reloads weights: minutes on big models
 
 
@@ -61,6 +64,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return _error(503, str(exc), "server_error")
 
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.error("unexpected error in a request handler", exc_info=exc)
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+
     @app.exception_handler(StarletteHTTPException)
     async def http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
@@ -71,40 +79,22 @@ def build_app(ctx: ServerContext) -> FastAPI:
     app = FastAPI(title="phaseflip", version=phaseflip.__version__)
     _install_error_handlers(app)
 
-    @app.middleware("http")
-    async def request_id_and_auth(request: Request, call_next):
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        key = ctx.cfg.api_key
-        if key and request.url.path.startswith(("/v1", "/admin/")) and (
-            request.headers.get("authorization") != f"Bearer {key}"
-        ):
-            resp = _error(401, "invalid or missing API key", "authentication_error",
-                          code="invalid_api_key")
-        elif not ctx.ready and request.url.path.startswith((
-                "/v1/", "/generate", "/tokenize", "/detokenize", "/flush_cache", "/abort_request",
-                "/admin/")):
-            resp = _error(503, ctx.engine.state.problem or "the model is still loading",
-                          "server_error")
-        else:
-            resp = await call_next(request)
-        resp.headers["x-request-id"] = rid
-        return resp
+    app.add_middleware(Gate, ctx=ctx)
 
     @app.get("/health")
     async def health() -> Response:
-        if ctx.ready:
-            return Response(status_code=200)
-        return _error(503, ctx.engine.state.problem or "loading", "server_error")
+        problem = ctx.shutting_down or ctx.engine.state.problem
+        if ctx.ready and not problem:
+            return JSONResponse({"status": "ok"})
+        return _error(503, problem or "the model is still loading", "server_error")
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        if not ctx.ready:
-            return _error(503, ctx.engine.state.problem or "loading", "server_error")
         from phaseflip.sampling.params import SamplingParams
 
         async for _ in ctx.run(ctx.new_id("health"), [0], SamplingParams(max_new_tokens=1)):
             pass
-        return Response(status_code=200)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -131,13 +121,10 @@ def build_app(ctx: ServerContext) -> FastAPI:
     async def tokenize(req: p.TokenizeRequest) -> dict:
         ctx.check_model(req.model)
         if req.messages is not None:
-            text = ctx.tokenizer.apply_chat_template(
-                [m.template_dict() for m in req.messages], tokenize=False,
-                add_generation_prompt=req.add_generation_prompt)
-            ids = ctx.tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = await chat_ids(ctx, [m.template_dict() for m in req.messages],
+                                 req.add_generation_prompt, {})
         else:
-            ids = ctx.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)[
-                "input_ids"]
+            ids = await ctx.encode(req.prompt, "prompt", req.add_special_tokens)
         return p.TokenizeResponse(tokens=ids, count=len(ids),
                                   max_model_len=ctx.max_context).model_dump()
 
@@ -180,8 +167,15 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(req: p.AbortRequest) -> dict:
-        await ctx.engine.abort(req.rid)
-        return {"rid": req.rid}
+        rids = ctx.engine.matching(req.rid)
+        if not rids:
+            return _error(404, f"no request {req.rid!r} is in flight (it finished, was "
+                               "aborted already, or never existed)", "not_found_error", "rid",
+                          "request_not_found")
+        for rid in rids:
+            await ctx.engine.abort(rid)
+        ctx.metrics.aborted.labels("abort_request").inc(len(rids))
+        return {"rid": req.rid, "aborted": rids}
 
     @app.get("/server_info")
     async def server_info() -> dict:
@@ -226,7 +220,7 @@ def _versions() -> dict[str, str]:
 async def _native_generate(ctx: ServerContext, req: p.GenerateRequest, request: Request):
     if req.text is not None:
         texts = [req.text] if isinstance(req.text, str) else req.text
-        prompts = [ctx.tokenizer(t)["input_ids"] for t in texts]
+        prompts = [await ctx.encode(t, "text") for t in texts]
     else:
         ids = req.input_ids
         prompts = [list(ids)] if ids and isinstance(ids[0], int) else [list(x) for x in ids]
@@ -237,6 +231,7 @@ async def _native_generate(ctx: ServerContext, req: p.GenerateRequest, request: 
         params = p.generate_sampling_params(req, ctx.default_max_tokens(len(ids)))
         ctx.validate(ids, params)
         runs.append(PromptRun(base if single else f"{base}-{i}", ids, params, 0))
+    ctx.admit([r.params for r in runs])
 
     def meta(run: PromptRun, c: Choice, finished: bool) -> dict:
         out = {"id": run.rid, "finish_reason": c.finish_reason if finished else None,

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
 
 from phaseflip.engine.outputs import StreamDelta
 from phaseflip.engine.validation import validate_request
+from phaseflip.errors import ContextLengthError, InvalidRequestError
 from phaseflip.sampling.params import SamplingParams
-from phaseflip.server.engine_client import EngineClient
+from phaseflip.server.engine_client import EngineClient, EngineDeadError, ShutdownError
 from phaseflip.server.metrics import ServerMetrics
 
 
@@ -34,7 +39,14 @@ class ServerConfig:
     api_key: str | None = None
     """If set, requests must carry `Authorization: Bearer <key>`."""
     max_queued_requests: int = 4096
-    """Requests in flight beyond which new ones get 503."""
+    """Sequences in flight (prompts x n of every request) beyond which new requests get 503."""
+    max_request_bytes: int = 16 * 2**20
+    """Largest request body accepted, in bytes; a larger one gets 413 before it is parsed."""
+    shutdown_timeout: float = 30.0
+    """Seconds a SIGTERM waits for requests in flight to finish before ending them with an
+    error (new requests get 503 meanwhile)."""
+    metrics_without_api_key: bool = False
+    """Serve /metrics without the API key (for Prometheus scrapers); /health never needs it."""
 
 
 @dataclass
@@ -48,6 +60,11 @@ class ServerContext:
     # the layout a flip in progress goes to: the engine answers nothing until its seam ends,
     # so status endpoints answer from here meanwhile
     flipping_to: str | None = None
+    shutting_down: str | None = None  # why new work is refused, once a shutdown began
+    # tokenising a long prompt takes seconds: off the event loop, one at a time (the fast
+    # tokenizer's Rust object is not safe to share between concurrent encodes)
+    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        1, thread_name_prefix="phaseflip-tokenize"))
 
     @property
     def ready(self) -> bool:
@@ -71,32 +88,95 @@ class ServerContext:
             prompt_ids, params, vocab_size=ready.vocab_size, max_context=ready.max_context,
             max_logprobs=ready.max_logprobs, kv_capacity_tokens=ready.kv_capacity_tokens,
             page_size=ready.page_size)
-        if len(self.engine.state.in_flight) >= self.cfg.max_queued_requests:
+
+    def admit(self, params: list[SamplingParams]) -> None:
+        """Counts a request's sequences (prompts x n) against --max-queued-requests."""
+        bound, width = self.cfg.max_queued_requests, sum(pr.n for pr in params)
+        if width > bound:
+            raise InvalidRequestError(
+                f"this request runs {width} sequences (prompts x n); this server takes at most "
+                f"{bound} at a time (--max-queued-requests)", "prompt")
+        busy = sum(self.engine.state.widths.values())
+        if busy + width > bound:
             raise OverloadedError(
-                f"the server has {len(self.engine.state.in_flight)} requests in flight "
-                f"(bound {self.cfg.max_queued_requests}); retry later")
+                f"the server has {busy} sequences in flight and this request adds {width} "
+                f"(bound {bound}); retry later")
+
+    @cached_property
+    def _max_token_chars(self) -> int:
+        """The longest token's text: a prompt of c characters is at least c / this tokens.
+        (Byte-level vocabularies spell a token one character per byte, and no character of
+        text is less than a byte.)"""
+        return max(map(len, self.tokenizer.get_vocab()), default=1) or 1
+
+    async def in_pool(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def check_text_length(self, chars: int, what: str) -> None:
+        """Refuses, without tokenising, text that cannot fit the context however it splits."""
+        limit, at_least = self.max_context, -(-chars // self._max_token_chars)
+        if at_least > limit:
+            raise ContextLengthError(
+                f"{what} has {chars} characters, so at least {at_least} tokens; this server "
+                f"takes at most {limit} tokens per prompt (its context length)", what)
+
+    async def encode(self, text: str, what: str = "prompt",
+                     add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, tokenised in the pool; refused (400, stating the limit) when it
+        is longer than the context."""
+        self.check_text_length(len(text), what)
+        ids = await self.in_pool(_encode, self.tokenizer, text, add_special_tokens)
+        self.check_token_count(len(ids), what)
+        return ids
+
+    def check_token_count(self, n: int, what: str) -> None:
+        limit = self.max_context
+        if n > limit:
+            raise ContextLengthError(
+                f"{what} is {n} tokens, {n - limit} over this server's limit of {limit} tokens "
+                f"per prompt (its context length)", what)
 
     def default_max_tokens(self, prompt_len: int) -> int:
         return max(0, self.max_context - prompt_len)
 
     async def run(self, rid: str, prompt_ids: list[int],
                   params: SamplingParams) -> AsyncIterator[StreamDelta]:
-        """Streams one request's deltas, recording latency metrics on the way."""
+        """Streams one request's deltas, recording latency metrics on the way; a request left
+        before its end (the client went away) is counted as aborted."""
         start = last = time.perf_counter()
-        first = True
-        async for d in self.engine.generate(rid, prompt_ids, params):
-            now = time.perf_counter()
-            if d.token_ids:
-                if first:
-                    self.metrics.ttft.observe(now - start)
-                    first = False
-                else:
-                    self.metrics.itl.observe((now - last) / len(d.token_ids))
-                last = now
-            if d.finish_reason is not None:
-                self.metrics.requests.labels(d.finish_reason).inc()
-            if d.usage is not None:
-                self.metrics.e2e.observe(now - start)
-                self.metrics.observe_usage(d.usage.prompt_tokens, d.usage.cached_tokens,
-                                           d.usage.completion_tokens)
-            yield d
+        first, finished = True, set()
+        try:
+            async for d in self.engine.generate(rid, prompt_ids, params):
+                now = time.perf_counter()
+                if d.token_ids:
+                    if first:
+                        self.metrics.ttft.observe(now - start)
+                        first = False
+                    else:
+                        self.metrics.itl.observe((now - last) / len(d.token_ids))
+                    last = now
+                if d.finish_reason is not None:
+                    self.metrics.requests.labels(d.finish_reason).inc()
+                    finished.add(d.index)
+                if d.usage is not None:
+                    self.metrics.e2e.observe(now - start)
+                    self.metrics.observe_usage(d.usage.prompt_tokens, d.usage.cached_tokens,
+                                               d.usage.completion_tokens)
+                yield d
+        except ShutdownError:
+            self.metrics.requests.labels("abort").inc(params.n - len(finished))
+            self.metrics.aborted.labels("shutdown").inc()
+            finished.update(range(params.n))
+            raise
+        except (EngineDeadError, InvalidRequestError):
+            finished.update(range(params.n))  # failed, not aborted
+            raise
+        finally:
+            if len(finished) < params.n:  # the consumer left early: the client went away
+                self.metrics.requests.labels("abort").inc(params.n - len(finished))
+                self.metrics.aborted.labels("client_disconnect").inc()
+
+
+def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    # the tokenizer's __call__ (unlike `.encode` on the Rust object) releases the GIL
+    return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]

@@ -25,6 +25,10 @@ class EngineDeadError(PhaseflipError):
     """The engine process exited; the server is unhealthy."""
 
 
+class ShutdownError(EngineDeadError):
+    """The server ended the request: it is shutting down and the drain time ran out."""
+
+
 @dataclass
 class EngineState:
     ready: m.Ready | None = None
@@ -33,6 +37,7 @@ class EngineState:
     dead: str | None = None  # why the engine is gone, once it is
     unhealthy: str | None = None  # why the engine says it cannot serve (EngineHealth), if so
     in_flight: dict[str, asyncio.Queue] = field(default_factory=dict)
+    widths: dict[str, int] = field(default_factory=dict)  # sequences (n) of each in flight
 
     @property
     def problem(self) -> str | None:
@@ -115,6 +120,7 @@ class EngineClient:
             raise InvalidRequestError(f"request id {rid!r} is already in flight", "request_id")
         q: asyncio.Queue = asyncio.Queue()
         self.state.in_flight[rid] = q
+        self.state.widths[rid] = params.n
         await self.out.send(m.encode(m.AddRequest(rid, prompt_ids, params)))
         done = False
         try:
@@ -122,6 +128,8 @@ class EngineClient:
                 item = await q.get()
                 if isinstance(item, m.RequestFailed):
                     done = True
+                    if item.kind == "shutdown":
+                        raise ShutdownError(item.message)
                     if item.kind == "server_error":
                         raise EngineDeadError(item.message)
                     raise InvalidRequestError(item.message, item.param)
@@ -129,12 +137,27 @@ class EngineClient:
                 yield item
         finally:
             self.state.in_flight.pop(rid, None)
+            self.state.widths.pop(rid, None)
             if not done:
                 await self.abort(rid)
 
     async def abort(self, rid: str) -> None:
         if not self.state.dead:
             await self.out.send(m.encode(m.AbortRequest(rid)))
+
+    def matching(self, rid: str) -> list[str]:
+        """The engine requests in flight for `rid`: itself, or the prompts of a request that
+        had several (their ids are `<rid>-<i>`)."""
+        return [r for r in self.state.in_flight if r == rid or r.startswith(rid + "-")]
+
+    async def end_all(self, message: str) -> list[str]:
+        """Ends every request in flight with `message` (a `ShutdownError` for its consumer)
+        and aborts it in the engine; returns their ids."""
+        rids = list(self.state.in_flight)
+        for rid in rids:
+            self.state.in_flight[rid].put_nowait(m.RequestFailed(rid, "shutdown", message))
+            await self.abort(rid)
+        return rids
 
     async def control(self, op: str, timeout_s: float = 30.0, args: dict | None = None
                       ) -> m.ControlReply:

@@ -1,8 +1,9 @@
 """`phaseflip serve`: start the engine process, then the HTTP front end, and stop both together.
 
 The engine process is spawned first and the HTTP port opens at once, answering 503 on
-/health until the engine reports Ready. SIGTERM/SIGINT stop uvicorn; on the way out the
-engine is told to shut down and, failing that, terminated — no orphans.
+/health until the engine reports Ready. SIGTERM/SIGINT drain (`Drain`), then stop uvicorn; on
+the way out the engine is told to shut down and, failing that, terminated — no orphans. The
+exit code says how it ended (`EXIT_*`), and so does the log's last line.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import multiprocessing as mp
 import os
 import signal
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
@@ -27,12 +29,89 @@ from phaseflip.server.engine_process import engine_main
 log = logging.getLogger("phaseflip.server")
 
 
+EXIT_OK = 0
+"""Stopped by SIGTERM/SIGINT after every request in flight finished."""
+EXIT_ENGINE_FAILED = 1
+"""The engine failed to start, or died (or stopped itself as unhealthy) while serving."""
+EXIT_DRAIN_TIMEOUT = 3
+"""Stopped by a signal, but requests still running after --shutdown-timeout were ended."""
+
+
+@dataclass
+class Outcome:
+    code: int = EXIT_OK
+    reason: str = "stopped"
+
+
 def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    return asyncio.run(_serve(engine_cfg, server_cfg))
+    outcome = asyncio.run(_serve(engine_cfg, server_cfg))
+    # the last line of the log says how the server ended (see docs/troubleshooting.md)
+    (log.info if outcome.code == EXIT_OK else log.error)(
+        "phaseflip exits with code %d: %s", outcome.code, outcome.reason)
+    return outcome.code
 
 
-async def _serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
+class _Server(uvicorn.Server):
+    """uvicorn, except that SIGTERM/SIGINT start a drain (see `Drain`) instead of stopping
+    at once; a second signal ends the drain early."""
+
+    def __init__(self, config: uvicorn.Config, on_signal) -> None:
+        super().__init__(config)
+        self.on_signal = on_signal
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.on_signal(sig)
+
+
+class Drain:
+    """On a signal: refuse new work (503), wait up to --shutdown-timeout for the requests in
+    flight, end the rest (an error event and [DONE] on streams, a 503 otherwise), then let
+    uvicorn close the connections."""
+
+    def __init__(self, ctx: ServerContext, outcome: Outcome) -> None:
+        self.ctx, self.outcome = ctx, outcome
+        self.server: uvicorn.Server | None = None
+        self.hurry = asyncio.Event()
+        self.loop = asyncio.get_running_loop()
+        self.task: asyncio.Task | None = None
+
+    def on_signal(self, sig: int) -> None:  # a signal handler: hand over to the loop
+        self.loop.call_soon_threadsafe(self._begin, signal.Signals(sig).name)
+
+    def _begin(self, name: str) -> None:
+        if self.task is not None:
+            log.warning("%s again: ending the requests in flight now", name)
+            self.hurry.set()
+            return
+        self.outcome.reason = f"stopped by {name}"
+        self.task = asyncio.create_task(self._drain(name))
+
+    async def _drain(self, name: str) -> None:
+        ctx, timeout_s = self.ctx, self.ctx.cfg.shutdown_timeout
+        ctx.shutting_down = f"the server is shutting down ({name}); retry on another server"
+        engine = ctx.engine
+        log.info("%s: refusing new requests; draining %d in flight for up to %.0f s",
+                 name, len(engine.state.in_flight), timeout_s)
+        end = self.loop.time() + timeout_s
+        while engine.state.in_flight and self.loop.time() < end and not self.hurry.is_set():
+            await asyncio.wait([asyncio.ensure_future(self.hurry.wait())], timeout=0.1)
+        if engine.state.in_flight:
+            rids = await engine.end_all(
+                f"the server is shutting down ({name}) and this request did not finish "
+                f"within --shutdown-timeout {timeout_s:g} s")
+            self.outcome.code = EXIT_DRAIN_TIMEOUT
+            self.outcome.reason = (f"stopped by {name}; {len(rids)} requests still running "
+                                   f"after the {timeout_s:g} s drain were ended")
+            log.warning("drain: ended %d requests", len(rids))
+            for _ in range(50):  # let their last events reach the clients
+                if not engine.state.in_flight:
+                    break
+                await asyncio.sleep(0.02)
+        self.server.should_exit = True
+
+
+async def _serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> Outcome:
     ipc_dir = tempfile.mkdtemp(prefix="phaseflip-")
     req_addr, out_addr = f"ipc://{ipc_dir}/requests", f"ipc://{ipc_dir}/outputs"
     spawn = mp.get_context("spawn")
@@ -44,14 +123,19 @@ async def _serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     name = server_cfg.served_model_name or Path(engine_cfg.model).name
     ctx = ServerContext(server_cfg, client, load_tokenizer(engine_cfg.model), name)
     app = build_app(ctx)
-    server = uvicorn.Server(uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port,
-                                           log_level="warning", timeout_graceful_shutdown=5))
+    outcome = Outcome()
+    drain = Drain(ctx, outcome)
+    server = _Server(uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port,
+                                    log_level="warning", timeout_graceful_shutdown=5),
+                     drain.on_signal)
+    drain.server = server
 
     async def announce() -> None:
         try:
             ready = await client.wait_ready()
         except Exception as e:  # the engine died while loading
             log.error("engine failed to start: %s", e)
+            outcome.code, outcome.reason = EXIT_ENGINE_FAILED, f"engine failed to start: {e}"
             server.should_exit = True
             return
         log.info("phaseflip ready: http://%s:%d/v1 (model %s, %s %s, KV %d tokens)",
@@ -61,13 +145,18 @@ async def _serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     async def stop_if_engine_dies() -> None:
         while proc.is_alive():
             await asyncio.sleep(0.5)
-        log.error("engine process exited (code %s); shutting down", proc.exitcode)
+        if server.should_exit:  # it stopped because we asked it to
+            return
+        cause = _exit_cause(proc.exitcode, client.state.unhealthy)
+        log.error("engine process exited (%s); shutting down", cause)
+        if client.state.ready is not None:
+            outcome.code, outcome.reason = EXIT_ENGINE_FAILED, f"the engine died: {cause}"
         server.should_exit = True
 
-    # uvicorn handles SIGTERM/SIGINT while serving and re-raises them afterwards under the
-    # handlers it found; make those no-ops so the engine shutdown below still runs.
+    # uvicorn takes SIGTERM/SIGINT while serving and puts back the handlers it found: these,
+    # so a signal before or after (while the engine stops) is a drain request too, never death
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
+        signal.signal(sig, lambda sig, _: drain.on_signal(sig))
     tasks = [asyncio.create_task(announce()), asyncio.create_task(stop_if_engine_dies())]
     try:
         await server.serve()
@@ -77,8 +166,18 @@ async def _serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
         await _stop_engine(client, proc)
         for f in ("requests", "outputs"):
             Path(ipc_dir, f).unlink(missing_ok=True)
+        ctx.pool.shutdown(wait=False, cancel_futures=True)
         os.rmdir(ipc_dir)
-    return 0 if client.state.ready is not None else 1
+    if client.state.ready is None and outcome.code == EXIT_OK:
+        outcome.code, outcome.reason = EXIT_ENGINE_FAILED, (
+            f"stopped before the engine was ready ({outcome.reason})")
+    return outcome
+
+
+def _exit_cause(code: int | None, unhealthy: str | None) -> str:
+    what = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0
+            and -code in signal.valid_signals() else f"exit code {code}")
+    return what + (f", after reporting: {unhealthy}" if unhealthy else "")
 
 
 async def _stop_engine(client: EngineClient, proc: mp.Process) -> None:

@@ -28,6 +28,12 @@ class ServerMetrics:
                                          namespace=ns, registry=r)
         self.requests = Counter("requests", "Finished requests by finish reason",
                                 ["finish_reason"], namespace=ns, registry=r)
+        self.aborted = Counter(
+            "aborted_requests", "Engine requests (one per prompt) ended before their end, by "
+            "reason: client_disconnect, abort_request, shutdown", ["reason"], namespace=ns,
+            registry=r)
+        for reason in ("client_disconnect", "abort_request", "shutdown"):
+            self.aborted.labels(reason)  # exported as 0 from the start
         self.ttft = Histogram("time_to_first_token_seconds", "Time to first token",
                               namespace=ns, registry=r, buckets=_LATENCY_BUCKETS)
         self.itl = Histogram("inter_token_latency_seconds", "Time between output tokens",

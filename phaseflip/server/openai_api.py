@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from phaseflip.engine.outputs import StreamDelta
 from phaseflip.errors import InvalidRequestError, PhaseflipError
@@ -92,21 +92,30 @@ async def run_prompts(ctx: ServerContext, runs: list[PromptRun]) -> AsyncIterato
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def until_disconnected(request: Request, work: asyncio.Task) -> None:
+async def until_disconnected(request: Request, work: asyncio.Task) -> bool:
     """Cancels `work` (and so aborts its engine requests) when the client goes away."""
     while not work.done():
         if await request.is_disconnected():
             work.cancel()
-            return
+            return True
         await asyncio.sleep(0.1)
+    return False
 
 
-async def respond(request: Request, make_body) -> JSONResponse:
+CLIENT_CLOSED = 499
+"""The status logged for a request whose client left before the answer (nginx's code)."""
+
+
+async def respond(request: Request, make_body) -> Response:
     """Awaits a non-streaming body, aborting the work if the client disconnects first."""
     work = asyncio.create_task(make_body())
     watcher = asyncio.create_task(until_disconnected(request, work))
     try:
         return JSONResponse(await work)
+    except asyncio.CancelledError:
+        if watcher.done() and watcher.result():  # nobody is left to read an answer
+            return Response(status_code=CLIENT_CLOSED)
+        raise
     finally:
         watcher.cancel()
 
@@ -158,7 +167,7 @@ async def create_completion(req: p.CompletionRequest, request: Request,
         raise InvalidRequestError(f"{feature} is not supported", feature)
     if req.stream and req.best_of is not None and req.best_of > req.n:
         raise InvalidRequestError("best_of > n cannot be streamed", "best_of")
-    prompts = _completion_prompts(ctx, req.prompt)
+    prompts = await _completion_prompts(ctx, req.prompt)
     base = ctx.new_id("cmpl")
     runs = []
     width = req.best_of if req.best_of and req.best_of > req.n else req.n
@@ -166,18 +175,21 @@ async def create_completion(req: p.CompletionRequest, request: Request,
         params = p.completion_sampling_params(req, ctx.default_max_tokens(len(ids)))
         ctx.validate(ids, params)
         runs.append(PromptRun(f"{base}-{i}", ids, params, i * req.n))
+    ctx.admit([r.params for r in runs])
     if req.stream:
         return stream_response(_stream_completion(ctx, req, base, runs))
     return await respond(request, lambda: _complete(ctx, req, base, runs, width))
 
 
-def _completion_prompts(ctx: ServerContext, prompt) -> list[list[int]]:
+async def _completion_prompts(ctx: ServerContext, prompt) -> list[list[int]]:
     if isinstance(prompt, str):
-        return [ctx.tokenizer(prompt)["input_ids"]]
+        return [await ctx.encode(prompt)]
     if prompt and isinstance(prompt[0], int):
         return [list(prompt)]
     if prompt and isinstance(prompt[0], str):
-        return [ctx.tokenizer(s)["input_ids"] for s in prompt]
+        for i, s in enumerate(prompt):  # all refused early, before any is tokenised
+            ctx.check_text_length(len(s), f"prompt.{i}")
+        return [await ctx.encode(s, f"prompt.{i}") for i, s in enumerate(prompt)]
     return [list(x) for x in prompt]
 
 
@@ -241,14 +253,22 @@ async def _stream_completion(ctx, req: p.CompletionRequest, base: str,
 
 
 # ------------------------------------------------------------------ chat
-def chat_prompt(ctx: ServerContext, req: p.ChatCompletionRequest) -> list[int]:
+async def chat_ids(ctx: ServerContext, messages: list[dict], add_generation_prompt: bool,
+                   template_kwargs: dict) -> list[int]:
+    """The chat template rendered and tokenised, in the tokenizer pool (both take seconds on
+    a long conversation); refused early when the messages alone exceed the context."""
+    ctx.check_text_length(sum(len(m["content"]) for m in messages), "messages")
+
+    def render() -> str:
+        return ctx.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **template_kwargs)
+
     try:
-        text = ctx.tokenizer.apply_chat_template(
-            req.template_messages(), tokenize=False,
-            add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+        text = await ctx.in_pool(render)
     except Exception as e:  # noqa: BLE001 — a template error is the request's fault
         raise InvalidRequestError(f"the chat template failed: {e}", "messages") from None
-    return ctx.tokenizer(text, add_special_tokens=False)["input_ids"]
+    return await ctx.encode(text, "messages", add_special_tokens=False)
 
 
 def chat_logprobs(ctx: ServerContext, ids: list[int], lps: list[float],
@@ -269,9 +289,11 @@ async def create_chat_completion(req: p.ChatCompletionRequest, request: Request,
     feature = p.unsupported(req)
     if feature:
         raise InvalidRequestError(f"{feature} is not supported yet", feature)
-    ids = chat_prompt(ctx, req)
+    ids = await chat_ids(ctx, req.template_messages(), req.add_generation_prompt,
+                         req.chat_template_kwargs or {})
     params = p.chat_sampling_params(req, ctx.default_max_tokens(len(ids)))
     ctx.validate(ids, params)
+    ctx.admit([params])
     base = ctx.new_id("chatcmpl")
     run = PromptRun(base, ids, params, 0)
     if req.stream:

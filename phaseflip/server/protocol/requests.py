@@ -48,6 +48,7 @@ VERY_UNLIKELY_LOGPROB = -9999.0
 
 _CUSTOM_ERROR = "phaseflip_invalid_value"
 _TOKEN_ID_KEY = re.compile(r"[0-9]+")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,10 +175,36 @@ def _allows_none(annotation: Any) -> bool:
     return False
 
 
+def _find_surrogate(value: Any, path: str) -> tuple[str, str, int] | None:
+    """(field path, surrogate, index) of the first lone surrogate in any string of `value`."""
+    if isinstance(value, str):
+        found = None if value.isascii() else _SURROGATE.search(value)
+        return None if found is None else (path, found.group(), found.start())
+    items = value.items() if isinstance(value, dict) else (
+        enumerate(value) if isinstance(value, list) else ())
+    for key, item in items:
+        where = f"{path}.{key}" if path else str(key)
+        hit = _find_surrogate(key, where) or _find_surrogate(item, where)
+        if hit is not None:
+            return hit
+    return None
+
+
 class _Request(BaseModel):
-    """Base of every request body: unknown fields are errors, NaN/inf are errors."""
+    """Base of every request body: unknown fields are errors, NaN/inf are errors, text with a
+    lone surrogate (JSON allows "\\ud800"; no tokenizer can encode it) is an error."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        hit = _find_surrogate(data, "")
+        if hit is not None:
+            path, char, index = hit
+            raise _fail(f"contains a lone surrogate ({char.encode('unicode_escape').decode()}) "
+                        f"at character {index}; text must be valid Unicode", path or None)
+        return data
 
     @model_validator(mode="before")
     @classmethod

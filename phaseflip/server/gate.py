@@ -1,0 +1,135 @@
+"""The front door: request ids, the API key, readiness/shutdown refusals and the body limit.
+
+A plain ASGI middleware on purpose: Starlette's `BaseHTTPMiddleware` (what
+`@app.middleware("http")` installs) hands the endpoint a wrapped `receive` that never reports
+`http.disconnect`, so a non-streaming request whose client hung up ran to its end.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from phaseflip.server import protocol as p
+from phaseflip.server.context import ServerContext
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+OPEN_PATHS = ("/health",)
+"""Answered without the API key (load balancers probe them)."""
+NEEDS_ENGINE = ("/v1/", "/generate", "/health_generate", "/tokenize", "/detokenize",
+                "/flush_cache", "/abort_request", "/admin/")
+"""Refused with 503 until the engine is ready, and after it died or reported unhealthy."""
+NEW_WORK = ("/v1/completions", "/v1/chat/completions", "/generate", "/health_generate",
+            "/tokenize", "/detokenize", "/flush_cache", "/admin/")
+"""Refused with 503 once a shutdown began (/abort_request and status endpoints still answer)."""
+
+
+def _json(status: int, body: dict, extra: list | None = None):
+    data = json.dumps(body).encode()
+
+    async def respond(send: Send) -> None:
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(data)).encode()), *(extra or [])]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": data})
+
+    return respond
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None,
+                   code: str | None = None):
+    return _json(status, p.error_body(message, type_, param, code))
+
+
+class Gate:
+    """Wraps the FastAPI app; see the module docstring."""
+
+    def __init__(self, app, ctx: ServerContext) -> None:
+        self.app, self.ctx = app, ctx
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        rid = headers.get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = message | {"headers": [*message.get("headers", []),
+                                                 (b"x-request-id", rid)]}
+            await send(message)
+
+        refusal = self._refusal(scope["path"], headers)
+        if refusal is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            body, refusal = await self._read_body(receive, headers)
+            if refusal is None:
+                receive = _replay(body, receive)
+        if refusal is not None:
+            return await refusal(send_with_id)
+        await self.app(scope, receive, send_with_id)
+
+    def _refusal(self, path: str, headers: dict):
+        ctx, cfg = self.ctx, self.ctx.cfg
+        public = path in OPEN_PATHS or (path == "/metrics" and cfg.metrics_without_api_key)
+        if cfg.api_key and not public and (
+                headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {cfg.api_key}"):
+            return error_response(401, "invalid or missing API key (send 'Authorization: "
+                                  "Bearer <key>')", "authentication_error",
+                                  code="invalid_api_key")
+        if ctx.shutting_down and path.startswith(NEW_WORK):
+            return error_response(503, ctx.shutting_down, "server_error",
+                                  code="server_shutting_down")
+        if not ctx.ready and path.startswith(NEEDS_ENGINE):
+            return error_response(503, ctx.engine.state.problem or "the model is still loading",
+                                  "server_error")
+        return None
+
+    async def _read_body(self, receive: Receive, headers: dict) -> tuple[bytes, Any]:
+        """The whole body, or a 413 as soon as it is known to exceed the limit."""
+        limit = self.ctx.cfg.max_request_bytes
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return b"", self._too_large(int(declared))
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return b"", _nothing
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return b"", self._too_large(size, at_least=True)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), None
+
+    def _too_large(self, size: int, at_least: bool = False):
+        limit = self.ctx.cfg.max_request_bytes
+        return error_response(
+            413, f"the request body is {'over ' if at_least else ''}{size} bytes; this server "
+            f"accepts at most {limit} bytes (--max-request-bytes)", "invalid_request_error",
+            code="request_too_large")
+
+
+async def _nothing(send: Send) -> None:
+    """The client left while sending its body: nobody to answer."""
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that hands the buffered body over once, then the client's own events (so a
+    disconnect is still seen)."""
+    sent = False
+
+    async def replay() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
