@@ -29,6 +29,9 @@ class EngineConfig:
     """auto (the checkpoint's safetensors) or dummy (random weights made on the device)."""
     device: str = "auto"
     """cpu, cuda or auto (cuda when available)."""
+    cpu_threads: int | None = None
+    """torch CPU threads of each engine process and rank. Default: the cores this process may
+    use, less one for the front end, shared by this host's ranks (OMP_NUM_THREADS, if set)."""
     dtype: str = "auto"
     """float32, float16, bfloat16 or auto (the checkpoint's dtype; float32 on CPU)."""
     attention_backend: str = "auto"
@@ -215,6 +218,8 @@ class EngineConfig:
             raise bad("dist_init_addr", "is required with --nnodes > 1 (host:port of node 0)")
         if self.dist_timeout_s <= 0:
             raise bad("dist_timeout_s", "must be > 0")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise bad("cpu_threads", "must be >= 1")
         self._check_flip_policy(bad)
 
     def _check_flip_policy(self, bad) -> None:

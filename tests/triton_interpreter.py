@@ -39,6 +39,9 @@ def _fix_interpreter() -> None:
     3. float32 -> bfloat16 casts truncate the mantissa (3.6, still in 3.9; its RTNE mode does
        not carry), where the GPU rounds to nearest even, as torch does; cast on the raw bits
        instead (round to nearest even, NaN kept quiet), and bfloat16 -> float32 exactly.
+    4. A block mask `&` a scalar condition (`(offs < n) & (pos >= 0)`) holds int32 data under an
+       int1 type in 3.9, and masked loads/stores then refuse it ("mask has unsupported dtype");
+       a mask is a truth value, so it is made boolean first.
     """
     try:
         import numpy as np
@@ -92,3 +95,21 @@ def _fix_interpreter() -> None:
 
         cast_impl._phaseflip_fixed = True  # type: ignore[attr-defined]
         builder.cast_impl = cast_impl
+
+    load, store = builder.create_masked_load, builder.create_masked_store
+    if not getattr(load, "_phaseflip_fixed", False):
+
+        def as_bool(mask):
+            if mask.data.dtype == np.bool_:
+                return mask
+            return interpreter.TensorHandle(mask.data.astype(np.bool_), tl.int1)
+
+        def create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+            return load(self, ptrs, as_bool(mask), other, cache_policy, is_volatile)
+
+        def create_masked_store(self, ptrs, value, mask, cache_policy):
+            return store(self, ptrs, value, as_bool(mask), cache_policy)
+
+        create_masked_load._phaseflip_fixed = True  # type: ignore[attr-defined]
+        builder.create_masked_load = create_masked_load
+        builder.create_masked_store = create_masked_store

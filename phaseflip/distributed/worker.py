@@ -23,6 +23,7 @@ from phaseflip.distributed.watchdog import PositionTracker
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.runner import ModelRunner
 from phaseflip.model.weight_image import WeightImage
+from phaseflip.threads import apply_cpu_threads
 
 log = logging.getLogger("phaseflip.worker")
 
@@ -80,6 +81,7 @@ def build_rank(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | None
 def worker_main(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | None,
                 parent_pid: int) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(message)s")
+    apply_cpu_threads(cfg)
     groups, runner, stage = build_rank(rank, spec, cfg, run_dir, parent_pid)
     tracker = stage.tracker
     plans = PlanDecoder()

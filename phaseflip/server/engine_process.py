@@ -21,6 +21,7 @@ from phaseflip.errors import InvalidRequestError, PhaseflipError
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.loader import load_tokenizer
 from phaseflip.server import messages as m
+from phaseflip.threads import apply_cpu_threads
 
 log = logging.getLogger("phaseflip.engine")
 IDLE_POLL_MS = 1000
@@ -144,6 +145,7 @@ def engine_main(cfg: EngineConfig, requests_addr: str, outputs_addr: str) -> Non
     """Entry point of the engine process (spawned by the launcher)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher stops us with a message/SIGTERM
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    apply_cpu_threads(cfg)
     server = None
     try:
         server = EngineServer(cfg, requests_addr, outputs_addr)
