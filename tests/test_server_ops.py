@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import time
 
 import httpx
 import pytest
@@ -97,5 +99,265 @@ def test_non_streaming_request_of_a_client_that_left_is_aborted(tmp_path, path, 
             assert not ctx.engine.state.in_flight
             metrics = ctx.metrics.render().decode()
             assert 'phaseflip_aborted_requests_total{reason="client_disconnect"} 1.0' in metrics
+
+    run(go())
+
+
+# ------------------------------------------------------------------ 1: lone surrogates
+LONE = "\ud800abc"
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"model": "tiny", "prompt": LONE}),
+    ("/v1/completions", {"model": "tiny", "prompt": ["ok", LONE]}),
+    ("/v1/completions", {"model": "tiny", "prompt": "ok", "stop": [LONE]}),
+    ("/v1/completions", {"model": "tiny", "prompt": "ok", "user": LONE}),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": LONE}]}),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": LONE}]}]}),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT,
+                              "chat_template_kwargs": {LONE: 1}}),
+    ("/generate", {"text": LONE}),
+    ("/generate", {"text": "ok", "sampling_params": {"stop": LONE}}),
+    ("/tokenize", {"prompt": LONE}),
+    ("/tokenize", {"messages": [{"role": "user", "content": LONE}]}),
+])
+def test_lone_surrogate_text_is_a_shaped_400(tmp_path, path, body):
+    async def go():
+        async with fake_server(tmp_path) as (_, app, engine), asgi(app) as c:
+            raw = json.dumps(body)  # ensure_ascii writes the surrogate as \ud800, as clients do
+            r = await c.post(path, content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["type"] == "invalid_request_error" and "lone surrogate" in err["message"]
+            assert err["param"]
+            assert (await c.get("/health")).status_code == 200 and not engine.added
+
+    run(go())
+
+
+# ------------------------------------------------------------------ 2: huge prompts and bodies
+def test_a_10mb_prompt_is_refused_before_tokenising(tmp_path, monkeypatch):
+    calls = []
+
+    async def go():
+        async with fake_server(tmp_path) as (ctx, app, _), asgi(app) as c:
+            monkeypatch.setattr(ctx, "in_pool", lambda *a: calls.append(a))
+            for path, body in (("/v1/completions", {"model": "tiny", "prompt": "x " * 5_000_000}),
+                               ("/tokenize", {"prompt": "x " * 5_000_000}),
+                               ("/generate", {"text": ["ok", "x " * 5_000_000]})):
+                r = await c.post(path, json=body)
+                assert r.status_code == 400, r.text
+                err = r.json()["error"]
+                assert err["code"] == "context_length_exceeded"
+                assert "at most 1024 tokens" in err["message"], err
+
+    run(go())
+    assert calls == []
+
+
+def test_an_oversized_body_is_413_declared_or_streamed(tmp_path):
+    from phaseflip.server.context import ServerConfig
+
+    async def go():
+        cfg = ServerConfig(max_request_bytes=1000)
+        async with fake_server(tmp_path, cfg) as (_, app, _e), asgi(app) as c:
+            body = json.dumps({"model": "tiny", "prompt": "x" * 2000}).encode()
+            r = await c.post("/v1/completions", content=body)
+            assert r.status_code == 413 and "at most 1000 bytes" in r.json()["error"]["message"]
+
+            async def chunks():  # no content-length: counted as it arrives
+                for i in range(0, len(body), 100):
+                    yield body[i:i + 100]
+
+            r = await c.post("/v1/completions", content=chunks())
+            assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+            r = await c.post("/v1/completions", json={"model": "tiny", "prompt": "x",
+                                                      "max_tokens": 1})
+            assert r.status_code == 200
+            sent = []  # a declared length over the limit is refused before reading anything
+
+            async def never() -> dict:
+                await asyncio.sleep(30)
+
+            async def send(message):
+                sent.append(message)
+
+            big = scope("/v1/completions", headers=[(b"content-length", b"1000000000")])
+            await asyncio.wait_for(app(big, never, send), 2)
+            assert sent[0]["status"] == 413
+
+    run(go())
+
+
+def test_health_answers_while_a_long_prompt_tokenises(tmp_path):
+    async def go():
+        async with fake_server(tmp_path) as (ctx, app, _), asgi(app) as c:
+            real = ctx.tokenizer
+
+            class Slow:  # a tokenizer that takes 1.5 s, as a long prompt does
+                def __call__(self, text, **kw):
+                    time.sleep(1.5)
+                    return real(text, **kw)
+
+                def __getattr__(self, name):
+                    return getattr(real, name)
+
+            ctx.tokenizer = Slow()
+            slow = asyncio.create_task(c.post("/v1/completions", json={
+                "model": "tiny", "prompt": "Return the value", "max_tokens": 1}))
+            start = time.monotonic()
+            await asyncio.sleep(0.2)
+            assert (await c.get("/health")).status_code == 200
+            assert time.monotonic() - start < 0.8  # not after the 1.5 s tokenisation
+            assert not slow.done()
+            assert (await slow).status_code == 200
+
+    run(go())
+
+
+# ------------------------------------------------------------------ 3 and 7: SIGTERM drains
+class _Uvicorn:
+    should_exit = False
+
+
+def _drain(ctx):
+    from phaseflip.server.launch import Drain, Outcome
+
+    outcome = Outcome()
+    drain = Drain(ctx, outcome)
+    drain.server = _Uvicorn()
+    return drain, outcome
+
+
+def _events(body: str) -> list[str]:
+    return [line.removeprefix("data: ") for line in body.splitlines() if line.startswith("data:")]
+
+
+def test_sigterm_refuses_new_work_then_ends_open_streams_with_an_error_and_done(tmp_path):
+    from phaseflip.server.context import ServerConfig
+    from phaseflip.server.launch import EXIT_DRAIN_TIMEOUT
+
+    async def go():
+        cfg = ServerConfig(shutdown_timeout=0.5)
+        async with fake_server(tmp_path, cfg) as (ctx, app, engine), asgi(app) as c:
+            stream = asyncio.create_task(c.post("/v1/completions", json={
+                "model": "tiny", "prompt": "x", "max_tokens": 1000, "stream": True}))
+            plain = asyncio.create_task(c.post("/v1/completions", json={
+                "model": "tiny", "prompt": "x", "max_tokens": 1000}))
+            await until(lambda: len(ctx.engine.state.in_flight) == 2)
+            drain, outcome = _drain(ctx)
+            drain.on_signal(signal.SIGTERM)
+            await until(lambda: ctx.shutting_down is not None)
+            r = await c.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
+            assert (await c.get("/health")).status_code == 503
+            assert (await c.get("/metrics")).status_code == 200  # status still answers
+            events = _events((await stream).text)
+            assert events[-1] == "[DONE]" and len(events) > 3
+            err = json.loads(events[-2])["error"]
+            assert "shutting down" in err["message"] and "--shutdown-timeout" in err["message"]
+            r = await plain
+            assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+            await until(lambda: drain.server.should_exit)
+            assert outcome.code == EXIT_DRAIN_TIMEOUT and "2 requests" in outcome.reason
+            assert sorted(engine.aborted) == sorted(a.rid for a in engine.added)
+            metrics = ctx.metrics.render().decode()
+            assert 'phaseflip_aborted_requests_total{reason="shutdown"} 2.0' in metrics
+            assert 'phaseflip_requests_total{finish_reason="abort"} 2.0' in metrics
+
+    run(go())
+
+
+def test_sigterm_lets_requests_finish_within_the_drain(tmp_path):
+    from phaseflip.server.launch import EXIT_OK
+
+    async def go():
+        async with fake_server(tmp_path) as (ctx, app, engine), asgi(app) as c:
+            req = asyncio.create_task(c.post("/v1/completions", json={
+                "model": "tiny", "prompt": "x", "max_tokens": 30, "stream": True}))
+            await until(lambda: ctx.engine.state.in_flight)
+            drain, outcome = _drain(ctx)
+            drain.on_signal(signal.SIGTERM)
+            events = _events((await req).text)
+            assert events[-1] == "[DONE]" and "error" not in events[-2]
+            await until(lambda: drain.server.should_exit)
+            assert outcome.code == EXIT_OK and not engine.aborted
+
+    run(go())
+
+
+# ------------------------------------------------------------------ 5: the API key
+def test_api_key_guards_every_endpoint_but_health(tmp_path):
+    from phaseflip.server.context import ServerConfig
+
+    async def go():
+        cfg = ServerConfig(api_key="sekret")
+        async with fake_server(tmp_path, cfg) as (_, app, _e), asgi(app) as c:
+            routes = [(method, r.path) for r in app.routes for method in r.methods
+                      if method != "HEAD"]
+            assert len(routes) >= 18
+            for method, path in routes:
+                r = await c.request(method, path.replace("{model_id:path}", "tiny"))
+                if path == "/health":
+                    assert r.status_code == 200
+                else:
+                    assert r.status_code == 401, (method, path)
+                    assert r.json()["error"]["code"] == "invalid_api_key"
+            key = {"authorization": "Bearer sekret"}
+            assert (await c.get("/metrics", headers=key)).status_code == 200
+            assert (await c.get("/openapi.json", headers=key)).status_code == 200
+        cfg = ServerConfig(api_key="sekret", metrics_without_api_key=True)
+        async with fake_server(tmp_path, cfg) as (_, app, _e), asgi(app) as c:
+            assert (await c.get("/metrics")).status_code == 200
+            assert (await c.get("/server_info")).status_code == 401
+
+    run(go())
+
+
+# ------------------------------------------------------------------ 5 and 7: /abort_request
+def test_abort_request_unknown_is_404_known_aborts_and_is_counted(tmp_path):
+    async def go():
+        async with fake_server(tmp_path) as (ctx, app, engine), asgi(app) as c:
+            r = await c.post("/abort_request", json={"rid": "nope"})
+            assert r.status_code == 404 and r.json()["error"]["param"] == "rid"
+            gen = asyncio.create_task(c.post("/generate", json={
+                "text": ["a", "b"], "rid": "mine", "sampling_params": {"max_new_tokens": 1000}}))
+            await until(lambda: len(ctx.engine.state.in_flight) == 2)
+            r = await c.post("/abort_request", json={"rid": "mine"})
+            assert r.status_code == 200 and sorted(r.json()["aborted"]) == ["mine-0", "mine-1"]
+            outs = (await gen).json()
+            assert [o["meta_info"]["finish_reason"] for o in outs] == ["abort", "abort"]
+            metrics = ctx.metrics.render().decode()
+            assert 'phaseflip_aborted_requests_total{reason="abort_request"} 2.0' in metrics
+            assert 'phaseflip_aborted_requests_total{reason="client_disconnect"} 0.0' in metrics
+
+    run(go())
+
+
+# ------------------------------------------------------------------ 6: prompts x n
+def test_queue_bound_counts_prompts_times_n(tmp_path):
+    from phaseflip.server.context import ServerConfig
+
+    async def go():
+        cfg = ServerConfig(max_queued_requests=8)
+        async with fake_server(tmp_path, cfg) as (ctx, app, engine), asgi(app) as c:
+            r = await c.post("/v1/completions", json={"model": "tiny", "prompt": ["x"] * 50})
+            assert r.status_code == 400 and "50 sequences" in r.json()["error"]["message"]
+            r = await c.post("/v1/completions", json={"model": "tiny", "prompt": ["x"] * 5,
+                                                      "n": 2})
+            assert r.status_code == 400 and "10 sequences" in r.json()["error"]["message"]
+            first = asyncio.create_task(c.post("/v1/completions", json={
+                "model": "tiny", "prompt": ["x"] * 3, "n": 2, "max_tokens": 1000}))
+            await until(lambda: len(ctx.engine.state.in_flight) == 3)
+            r = await c.post("/v1/chat/completions", json={"model": "tiny", "messages": CHAT,
+                                                           "n": 3})
+            assert r.status_code == 503 and "6 sequences in flight" in r.json()["error"][
+                "message"]
+            r = await c.post("/generate", json={"text": ["a", "b", "c"]})
+            assert r.status_code == 503
+            assert len(engine.added) == 3
+            first.cancel()
 
     run(go())

@@ -220,7 +220,7 @@ def _versions() -> dict[str, str]:
 async def _native_generate(ctx: ServerContext, req: p.GenerateRequest, request: Request):
     if req.text is not None:
         texts = [req.text] if isinstance(req.text, str) else req.text
-        prompts = [await ctx.encode(t, "text") for t in texts]
+        prompts = await ctx.encode_all(texts, "text")
     else:
         ids = req.input_ids
         prompts = [list(ids)] if ids and isinstance(ids[0], int) else [list(x) for x in ids]

@@ -129,6 +129,13 @@ class ServerContext:
         self.check_token_count(len(ids), what)
         return ids
 
+    async def encode_all(self, texts: list[str], what: str) -> list[list[int]]:
+        """`encode` of each, all refused before any is tokenised if one is too long."""
+        names = [what] if len(texts) == 1 else [f"{what}.{i}" for i in range(len(texts))]
+        for text, name in zip(texts, names):
+            self.check_text_length(len(text), name)
+        return [await self.encode(text, name) for text, name in zip(texts, names)]
+
     def check_token_count(self, n: int, what: str) -> None:
         limit = self.max_context
         if n > limit:

@@ -187,9 +187,7 @@ async def _completion_prompts(ctx: ServerContext, prompt) -> list[list[int]]:
     if prompt and isinstance(prompt[0], int):
         return [list(prompt)]
     if prompt and isinstance(prompt[0], str):
-        for i, s in enumerate(prompt):  # all refused early, before any is tokenised
-            ctx.check_text_length(len(s), f"prompt.{i}")
-        return [await ctx.encode(s, f"prompt.{i}") for i, s in enumerate(prompt)]
+        return await ctx.encode_all(prompt, "prompt")
     return [list(x) for x in prompt]
 
 

@@ -200,8 +200,9 @@ class _Request(BaseModel):
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
         hit = _find_surrogate(data, "")
-        if hit is not None:
+        if hit is not None:  # (a key may hold the surrogate: the path is escaped too)
             path, char, index = hit
+            path = path.encode("utf-8", "backslashreplace").decode()
             raise _fail(f"contains a lone surrogate ({char.encode('unicode_escape').decode()}) "
                         f"at character {index}; text must be valid Unicode", path or None)
         return data
