@@ -104,7 +104,7 @@ def _assert_same(got: dict, want: dict) -> None:
 def test_rows_moved_is_unmeasured_until_the_seam_reads_the_new_pool():
     """Law 5: a census whose relayout never ran reports no rows-moved figure, not 0 (the
     flip tests' `rows_moved == 0` is then a reading of the new pool, which can fail)."""
-    from phaseflip.engine.flip import SeamCensus
+    from phaseflip.flip.census import SeamCensus
 
     census = SeamCensus("tp2×pp1", "tp1×pp2", segments={"fence": 0.1})
     assert census.rows_moved is None
@@ -205,7 +205,8 @@ def test_hicache_leaves_a_layout_only_when_nothing_refers_to_it(model_dirs):
         hc.unbind()
         with pytest.raises(RuntimeError, match="bound to no layout"):
             hc.unbind()
-        hc.bind(core.kv, core.runner)
+        hc.bind(core.kv, core.runner.transfer_channel(hc.host.frames, hc.geometry),
+                core.runner.dtype)
         assert len(hc.host) == pages >= 4
         e.generate([prompt], PARAMS, use_tqdm=False)
         assert hc.stats.host_hit_tokens == 32  # the 4 pages, from the host tier kept
@@ -248,10 +249,10 @@ def test_a_seam_that_fails_half_way_stops_the_engine_loudly(model_dirs, monkeypa
         core.add_request("a", prompts_for(300)[3], PARAMS)
         core.step()
 
-        def no_memory(cfg):
+        def no_memory(*args, **kwargs):
             raise RuntimeError("out of memory (simulated) building the new layout")
 
-        monkeypatch.setattr(core, "_make_runner_and_kv", no_memory)
+        monkeypatch.setattr("phaseflip.engine.core.build_layout_bundle", no_memory)
         with pytest.raises(RuntimeError, match="simulated"):
             core.flip(1, 2)
         for call in (core.step, lambda: core.add_request("b", [1, 2], PARAMS),
@@ -387,8 +388,8 @@ def test_requests_the_new_pool_cannot_hold_are_ended(model_dirs, monkeypatch):
 
     with Engine(str(model_dirs["llama"]), tp_size=2, **FLIP, **CFG) as e:
         core = e.core
-        build = core.build_layout
-        monkeypatch.setattr(core, "build_layout", lambda cfg: build(
+        install = core.install_layout
+        monkeypatch.setattr(core, "install_layout", lambda cfg: install(
             dataclasses.replace(cfg, max_total_tokens=64)))
         big = SamplingParams(temperature=0.0, max_new_tokens=100, ignore_eos=True)
         core.add_request("big", prompts_for(300)[0], big)  # fits 4096 tokens, not 64
@@ -452,14 +453,11 @@ def test_a_target_outside_flip_layouts_is_refused_before_the_seam(model_dirs):
     that run before the fence. It used to pass them and fail in the relayout, where the new
     config's own check refused it with the old layout already torn down (the engine gone
     behind a "refused" 400)."""
-    from types import SimpleNamespace
-
     from phaseflip.config import EngineConfig
-    from phaseflip.engine.flip import check_target
+    from phaseflip.flip.seam import check_target
     from phaseflip.model.config import ModelConfig
 
     cfg = EngineConfig(model=str(model_dirs["llama"]), tp_size=4, enable_flip=True,
                        enable_hicache=True, flip_layouts="tp4,pp4")
-    core = SimpleNamespace(cfg=cfg, model_cfg=ModelConfig.from_dir(model_dirs["llama"]))
     with pytest.raises(InvalidRequestError, match="launch layout tp2×pp2"):
-        check_target(core, 2, 2)
+        check_target(cfg, ModelConfig.from_dir(model_dirs["llama"]), 2, 2)

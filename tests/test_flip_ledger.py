@@ -12,8 +12,8 @@ import pytest
 
 from phaseflip import Engine, SamplingParams
 from phaseflip.cache.hicache import page_keys
-from phaseflip.engine.flip import SeamCensus
-from phaseflip.engine.flip_ledger import (
+from phaseflip.flip.census import SeamCensus
+from phaseflip.flip.ledger import (
     BANDS,
     RECENT_FLIPS,
     STEADY_MIN_STEPS,

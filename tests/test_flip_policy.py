@@ -16,7 +16,8 @@ from phaseflip.cache.allocator import PageAllocator
 from phaseflip.cache.hicache import page_keys
 from phaseflip.cache.radix_cache import RadixCache
 from phaseflip.config import EngineConfig
-from phaseflip.engine.flip_policy import (
+from phaseflip.errors import InvalidRequestError
+from phaseflip.flip.policy import (
     HALF,
     MEASURED,
     SEED,
@@ -25,7 +26,6 @@ from phaseflip.engine.flip_policy import (
     ResidencyPricer,
     device_cached_tokens,
 )
-from phaseflip.errors import InvalidRequestError
 from phaseflip.sampling.params import SamplingParams
 from phaseflip.scheduler.request import Req
 

@@ -120,7 +120,7 @@ class DistributedRunner:
         self.groups, self.runner, self.stage = build_rank(0, self.spec, cfg, self.run_dir, None,
                                                           self.hicache_frames, self.weight_image)
 
-    # the ModelRunner surface EngineCore uses
+    # the `Runner` protocol (model/runner.py), as rank 0 sees it
     @property
     def num_slots(self) -> int:
         return self.runner.num_slots
@@ -138,7 +138,21 @@ class DistributedRunner:
         """Rank 0's `WeightsLoad` (how it loaded its shard, timed)."""
         return self.runner.weights_load
 
-    def forward(self, plan: ForwardBatch) -> torch.Tensor:
+    @property
+    def graphs(self):
+        """Rank 0's decode graphs (each rank captures its own)."""
+        return self.runner.graphs
+
+    def transfer_channel(self, frames: HostFrames, geometry: object) -> DistributedChannel:
+        """HiCache's channel to every rank: orders ride the plan broadcast (`Runner`)."""
+        if self.hicache_channel is None or frames is not self.hicache_frames:
+            raise RuntimeError("HiCache: the ranks map other host frames than the controller's")
+        return self.hicache_channel
+
+    def forward(self, plan: ForwardBatch, future: torch.Tensor | None = None) -> torch.Tensor:
+        """The `Runner` forward; `future` (an overlapped step's tokens) is one process's only."""
+        if future is not None:
+            raise ValueError("overlapped steps (future tokens) run in one process only")
         logits = self._send(plan, fence=False)
         if self.hicache_channel is not None:
             self.hicache_channel.completed = self.step_no - 1

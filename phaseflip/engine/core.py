@@ -1,7 +1,13 @@
 """The engine loop body: validate and queue requests, run one step, turn tokens into outputs.
 
 `EngineCore` is single-threaded; the public `Engine` drives it from the caller's thread
-(offline generation) or from a background thread (streaming).
+(offline generation) or from a background thread (streaming). A step reads schedule →
+execute → sample → process outputs: the scheduler (`scheduler/`), the layout bundle's runner
+(`engine/layout_bundle.py`), `engine/sampling_step.py`, `engine/output_processor.py`.
+
+What runs the plans is one `LayoutBundle` (runner, KV pool and manager, HiCache binding,
+graphs, transfer channel), built by its factory and replaced whole by a phase flip: the engine
+is the flip's `LayoutHost` (`flip/host.py`) and, with flips on, feeds its observer.
 """
 
 from __future__ import annotations
@@ -13,16 +19,20 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from phaseflip.config import EngineConfig
+from phaseflip.engine.layout_bundle import LayoutBundle, build_layout_bundle
 from phaseflip.engine.output_processor import Group, OutputProcessor
 from phaseflip.engine.outputs import StreamDelta
 from phaseflip.engine.sampling_step import InFlight, SamplingStep, overlappable
 from phaseflip.engine.validation import kv_tokens_needed, validate_request
 from phaseflip.errors import InvalidRequestError
+from phaseflip.flip.census import SeamCensus
+from phaseflip.flip.seam import check_target, run_seam
+from phaseflip.flip.telemetry import FlipTelemetry
 from phaseflip.model.config import ModelConfig
-from phaseflip.model.runner import ModelRunner
+from phaseflip.model.runner import Runner
 from phaseflip.sampling.params import SamplingParams
 from phaseflip.sampling.sampler import Sampler
-from phaseflip.scheduler.kv_cache import KVCacheManager
+from phaseflip.scheduler.kv_cache import KVCacheManager, PoolAccounting
 from phaseflip.scheduler.request import Req
 from phaseflip.scheduler.scheduler import Scheduler
 
@@ -31,34 +41,60 @@ log = logging.getLogger(__name__)
 
 class EngineCore:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, tokenizer) -> None:
-        self.cfg, self.model_cfg, self.tokenizer = cfg, model_cfg, tokenizer
+        self.model_cfg, self.tokenizer = model_cfg, tokenizer
         self.max_context = cfg.max_model_len or model_cfg.max_position_embeddings
-        self.hicache = self._new_hicache(cfg)  # before the ranks: they map its host tier
+        self.dead: str | None = None  # set when a failed phase flip left no usable layout
+        self._hicache = self._new_hicache(cfg)  # before the ranks: they map its host tier
         # the checkpoint in shared memory (flips' weights), the engine's until its end
         self.weight_image = self._new_weight_image(cfg)
-        self.runner, self.kv = self._make_runner_and_kv(cfg)
-        self.scheduler = Scheduler(cfg, self.kv, self.max_context)
-        self._bind_hicache()
+        self.scheduler = Scheduler(cfg, None, self.max_context)
+        self._bundle: LayoutBundle | None = None
+        try:
+            self.install_layout(cfg)
+        except BaseException:
+            if self._hicache is not None:
+                self._hicache.close()  # no engine will: free the (maybe shared) host tier now
+            raise
         self.sampling = SamplingStep(Sampler(cfg.seed))
         self.outputs = OutputProcessor(tokenizer, self.max_context, self.scheduler.remove)
         self._arrivals = 0
         self._inflight: InFlight | None = None
-        self.dead: str | None = None  # set when a failed phase flip left no usable layout
-        self.flip_policy = self._new_flip_policy(cfg)  # None unless flips are on
-        self.flip_ledger = self._new_flip_ledger(cfg)  # refill and warm-up (flips on)
+        # the flip's observer (policy feeds, ledger): None unless flips are on (law 11)
+        self.flip_telemetry = (FlipTelemetry.create(cfg, model_cfg, self._hicache)
+                               if cfg.enable_flip else None)
 
-    def build_layout(self, cfg: EngineConfig) -> None:
-        """Builds the layout-bound parts again for `cfg` (a phase flip, after the old ones were
-        torn down): requests, the scheduler's queues and the HiCache controller with its host
-        tier carry over (the controller is bound to the new layout)."""
-        self.cfg = cfg
-        self.runner, self.kv = self._make_runner_and_kv(cfg)
-        self.scheduler.cfg, self.scheduler.kv = cfg, self.kv
-        self._bind_hicache()
+    # ------------------------------------------------------------------ the layout
+    @property
+    def layout(self) -> LayoutBundle:
+        """The running layout bundle (read-only: a flip replaces it whole)."""
+        if self._bundle is None:
+            raise RuntimeError(self.dead or "the engine has no layout (closed)")
+        return self._bundle
+
+    @property
+    def runner(self) -> Runner:
+        return self.layout.runner
+
+    @property
+    def kv(self) -> KVCacheManager:
+        return self.layout.kv
+
+    @property
+    def hicache(self):
+        """The HiCache controller (None without a host tier): it outlives every layout."""
+        return self._hicache
+
+    @property
+    def flip_policy(self):
+        return None if self.flip_telemetry is None else self.flip_telemetry.policy
+
+    @property
+    def flip_ledger(self):
+        return None if self.flip_telemetry is None else self.flip_telemetry.ledger
 
     def _new_hicache(self, cfg: EngineConfig):
-        """The HiCache controller, made once per engine: its host tier outlives every runner
-        (a flip rebinds the controller), and it frees that tier at the engine's end."""
+        """The HiCache controller, made once per engine: its host tier outlives every layout
+        (each bundle binds it), and it frees that tier at the engine's end."""
         if not cfg.enable_hicache:
             return None
         from phaseflip.scheduler.hicache import HiCache
@@ -77,62 +113,41 @@ class EngineCore:
             weakref.finalize(self, image.close)
         return image
 
-    def _make_runner_and_kv(self, cfg: EngineConfig):
-        """The runner (this process's ranks, mapping the HiCache host tier) and the manager of
-        its KV pool."""
-        hicache = self.hicache
-        try:
-            if cfg.world_size > 1:
-                from phaseflip.distributed.driver import DistributedRunner
+    # ------------------------------------------------------------------ LayoutHost (flip)
+    def install_layout(self, cfg: EngineConfig):
+        """Builds the bundle for `cfg` and makes it the running one (at start, and at a
+        flip's relayout once the old one is retired); returns rank 0's `WeightsLoad`."""
+        if self._bundle is not None:
+            raise RuntimeError("install_layout: retire the running layout first")
+        bundle = build_layout_bundle(cfg, self.model_cfg, self.max_context, self._hicache,
+                                     self.weight_image, self.scheduler.decode_reserve)
+        self._bundle, self.cfg = bundle, cfg
+        self.scheduler.bind(bundle.kv, bundle.hicache)
+        return bundle.runner.weights_load
 
-                runner = DistributedRunner(cfg, hicache.host.frames if hicache else None,
-                                           self.weight_image)
-            else:
-                runner = ModelRunner(cfg, self.model_cfg)
-        except BaseException:
-            if hicache is not None:
-                hicache.close()  # no runner will: free the (maybe shared) host tier now
-            raise
-        kv = KVCacheManager(
-            runner.num_slots, cfg.page_size, cfg.max_running_requests + 1,
-            self.max_context + 1, cfg.enable_prefix_cache,
-        )
-        return runner, kv
+    def retire_layout(self) -> int | None:
+        """Ends the running bundle (HiCache unbound, ranks stopped, memory freed); returns
+        the device bytes still allocated (None off CUDA)."""
+        bundle, self._bundle = self.layout, None
+        self.scheduler.bind(None, None)
+        return bundle.retire()
 
-    def _bind_hicache(self) -> None:
-        """Hooks the controller into this layout's tree (write policy) and, for TP/PP, into
-        the runner's plan broadcast."""
-        self.scheduler.hicache = self.hicache
-        if self.hicache is not None:
-            self.hicache.bind(self.kv, self.runner)
-            self.hicache.decode_reserve = self.scheduler.decode_reserve
+    def layout_stopped(self) -> bool:
+        return self.runner.closed
 
-    def _new_flip_policy(self, cfg: EngineConfig):
-        """The flip policy (`engine/flip_policy.py`): fed by every step and seam once flips
-        are on, asked between steps under --flip-policy auto, whose other layout must suit
-        the model (refused at construction, like a flip to it would be)."""
-        if not cfg.enable_flip:
-            return None
-        from phaseflip.cache.hicache import page_keys
-        from phaseflip.engine.flip import check_target
-        from phaseflip.engine.flip_policy import FlipPolicy, ResidencyPricer
+    def mark_dead(self, reason: str) -> None:
+        self.dead = reason
 
-        if cfg.flip_policy == "auto":
-            for layout in cfg.flip_layout_pair:
-                if layout != (cfg.tp_size, cfg.pp_size):
-                    check_target(self, *layout)
-        hc = self.hicache
-        pricer = ResidencyPricer(hc.page_size, lambda ids: page_keys(ids, hc.page_size,
-                                                                     hc.fingerprint),
-                                 hc.host.contains)
-        return FlipPolicy(cfg, pricer)
+    def retract_all(self) -> int:
+        return self.scheduler.retract_all()
 
-    def _new_flip_ledger(self, cfg: EngineConfig):
-        from phaseflip.engine.flip import layout_name
-        from phaseflip.engine.flip_ledger import FlipLedger
+    def drop_device_tree(self) -> int:
+        return self.kv.tree.evict_all_and_reset()
 
-        return FlipLedger(layout_name(cfg.tp_size, cfg.pp_size)) if cfg.enable_flip else None
+    def check_pool(self) -> PoolAccounting:
+        return self.kv.check(self.scheduler.running)
 
+    # ------------------------------------------------------------------ phase flip
     def _auto_flip(self, sink: Callable[[list[StreamDelta]], None] | None
                    ) -> list[StreamDelta]:
         """Asks the policy (--flip-policy auto) and flips when it says so; returns the
@@ -154,28 +169,25 @@ class EngineCore:
 
     def flip(self, tp_size: int, pp_size: int,
              sink: Callable[[list[StreamDelta]], None] | None = None
-             ) -> tuple[object, list[StreamDelta]]:
+             ) -> tuple[SeamCensus, list[StreamDelta]]:
         """Re-lays the engine out as tp_size × pp_size ranks between two steps (the seam of
-        `phaseflip.engine.flip`). A refused target changes nothing. The outputs still owed
+        `phaseflip.flip.seam`). A refused target changes nothing. The outputs still owed
         (text of the last step, an overlapped step's tokens) are made first and go to `sink`
         before the seam starts, so a seam that fails cannot lose them; without a sink they are
         returned with the seam census."""
-        from phaseflip.engine.flip import check_target, run_seam
-
         if self.dead:
             raise RuntimeError(self.dead)
-        check_target(self, tp_size, pp_size)
+        check_target(self.cfg, self.model_cfg, tp_size, pp_size)
         deltas = self._drain() + self.outputs.emit_text()
         if sink is not None and deltas:
             sink(deltas)
             deltas = []
-        source = (self.cfg.tp_size, self.cfg.pp_size)
-        self.flip_ledger.before_seam(self.scheduler.running)
+        source, observer = (self.cfg.tp_size, self.cfg.pp_size), self.flip_telemetry
+        observer.before_seam(self.scheduler.running)
         census = run_seam(self, tp_size, pp_size)
-        if self.flip_policy is not None:
-            self.flip_policy.observe_flip(source, (tp_size, pp_size), census.total_s)
+        observer.on_seam(source, (tp_size, pp_size), census)
         unfit = self._end_unfit()
-        self.flip_ledger.cutover(census, self.hicache)  # the refill window opens
+        observer.on_cutover(census, self._hicache)  # the refill window opens
         if sink is not None and unfit:
             sink(unfit)
         else:
@@ -243,19 +255,19 @@ class EngineCore:
 
     def check_alive(self) -> None:
         """Raises if a worker rank of a multi-rank layout has died (checked when idle)."""
-        check = getattr(self.runner, "check_alive", None)
-        if check is not None:
-            check()
+        self.runner.check_alive()
 
     def close(self) -> None:
-        """Stops the worker ranks of a multi-rank layout, then the HiCache controller, which
-        owns the host tier (a bound controller is already closed by its runner; one left
-        unbound by a failed flip is not)."""
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
-        if self.hicache is not None:
-            self.hicache.close()
+        """The engine's end, giving back everything it took: the layout bundle (ranks stopped,
+        graphs, weights and KV pool freed, cached device blocks released), then the HiCache
+        controller (its host tier) and the host weight image. Idempotent."""
+        bundle, self._bundle = self._bundle, None  # None already after a failed flip
+        self.scheduler.bind(None, None)
+        self._inflight = None
+        if bundle is not None:
+            bundle.close()
+        if self._hicache is not None:
+            self._hicache.close()
         if self.weight_image is not None:
             self.weight_image.close()
 
@@ -271,23 +283,21 @@ class EngineCore:
         step late); without a sink they are returned with this step's own.
 
         With `overlap_schedule`, steps whose requests allow it run ahead of their tokens
-        (`_step_ahead`). With flips on, the flip policy is fed each step's prompt tokens,
-        decode rows and wall time, the flip ledger its items and wall time; under
-        --flip-policy auto it is asked first whether to flip (the flip's owed outputs go to
-        `sink`, or come back with this step's)."""
+        (`_step_ahead`). With flips on, the flip observer is told each step's items, prompt
+        tokens, decode rows and wall time; under --flip-policy auto its policy is asked first
+        whether to flip (the flip's owed outputs go to `sink`, or come back with this
+        step's)."""
         if self.dead:
             raise RuntimeError(self.dead)
-        policy = self.flip_policy
-        if policy is None:
+        observer = self.flip_telemetry
+        if observer is None:
             return self._step(sink)
-        owed = self._auto_flip(sink) if policy.auto else []
+        owed = self._auto_flip(sink) if observer.policy.auto else []
         stats, t0 = self.scheduler.stats, time.perf_counter()
         prompt0, decode0 = stats.prefill_tokens, stats.decode_tokens
         deltas = self._step(sink)
-        prompt, decode = stats.prefill_tokens - prompt0, stats.decode_tokens - decode0
-        seconds = time.perf_counter() - t0
-        policy.observe_step((self.cfg.tp_size, self.cfg.pp_size), prompt, decode, seconds)
-        self.flip_ledger.observe_step(prompt + decode > 0, seconds)
+        observer.on_step(self.layout.layout, stats.prefill_tokens - prompt0,
+                         stats.decode_tokens - decode0, time.perf_counter() - t0)
         return owed + deltas
 
     def _step(self, sink: Callable[[list[StreamDelta]], None] | None) -> list[StreamDelta]:
@@ -316,8 +326,8 @@ class EngineCore:
         self.sampling.prompt_logprobs(batch, logits)
         sampled = self.sampling.sample(batch, logits)
         self.scheduler.advance(batch)
-        if self.flip_ledger is not None:  # (flips need HiCache: never a step ahead)
-            self.flip_ledger.observe_items(batch.items)
+        if self.flip_telemetry is not None:  # (flips need HiCache: never a step ahead)
+            self.flip_telemetry.on_items(batch.items)
         return deltas + self.outputs.process(batch.items, sampled)
 
     def _owed_text(self, sink: Callable[[list[StreamDelta]], None] | None) -> list[StreamDelta]:

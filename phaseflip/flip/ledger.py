@@ -1,9 +1,10 @@
 """What a phase flip costs after its cutover (MISSION C6): the refill of the requests retracted
 at the seam, completed in the seam census, and the warm-up ledger of served latency.
 
-`EngineCore` feeds a `FlipLedger` when flips are on: `before_seam` with the running requests
-just before a seam, `cutover` with the seam census right after it, `observe_items` with each
-step's scheduled items (after `Scheduler.advance`) and `observe_step` at each step's end.
+The engine's flip observer (`flip/telemetry.py`) feeds a `FlipLedger` when flips are on:
+`before_seam` with the running requests just before a seam, `cutover` with the seam census
+right after it, `observe_items` with each step's scheduled items (after `Scheduler.advance`)
+and `observe_step` at each step's end.
 Bookkeeping only: nothing here waits, copies or reads the device.
 
 Refill. A request retracted at the seam (running just before it, holding `kv_len` = B tokens
@@ -46,7 +47,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from phaseflip.engine.flip import SeamCensus
+    from phaseflip.flip.census import SeamCensus
     from phaseflip.scheduler.request import Req
     from phaseflip.scheduler.scheduler import Scheduled
 

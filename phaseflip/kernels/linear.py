@@ -257,6 +257,9 @@ class SplitKWorkspace:
 
 
 _WORKSPACES: dict[torch.device, SplitKWorkspace] = {}
+# runners (model runners of this process) that may have captured graphs with a device's
+# workspace: it is freed, outgrown buffers included, when the last of them lets go
+_HOLDERS: dict[torch.device, int] = {}
 
 
 def workspace_for(device: torch.device) -> SplitKWorkspace:
@@ -264,6 +267,22 @@ def workspace_for(device: torch.device) -> SplitKWorkspace:
     if device not in _WORKSPACES:
         _WORKSPACES[device] = SplitKWorkspace(device)
     return _WORKSPACES[device]
+
+
+def hold_workspace(device: torch.device) -> None:
+    """A runner on `device` starts using its workspace (its graphs may capture it)."""
+    _HOLDERS[device] = _HOLDERS.get(device, 0) + 1
+
+
+def release_workspace(device: torch.device) -> None:
+    """A runner on `device` is done (its graphs released): the last one out frees the
+    workspace and every outgrown buffer; the next launch makes a fresh one."""
+    left = _HOLDERS.get(device, 0) - 1
+    if left > 0:
+        _HOLDERS[device] = left
+        return
+    _HOLDERS.pop(device, None)
+    _WORKSPACES.pop(device, None)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,21 +1,36 @@
-"""Builds the model on its device, loads its weights, sizes the KV pool and runs forward plans."""
+"""Builds the model on its device, loads its weights, sizes the KV pool and runs forward plans.
+
+`Runner` is what the engine needs of whatever executes its plans: `ModelRunner` (this process,
+one rank) and `distributed.driver.DistributedRunner` (a TP/PP group, seen from rank 0) both
+implement it, with one `forward` signature.
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from phaseflip.attention.torch_ref import TorchRefAttention
+from phaseflip.cache.hicache.frames import HostFrames
+from phaseflip.cache.hicache.page import PageGeometry
+from phaseflip.cache.hicache.transfer import (
+    KVTransferEngine,
+    LocalChannel,
+    RankSlice,
+    TransferChannel,
+)
 from phaseflip.cache.kv_pool import KVPool
 from phaseflip.config import EngineConfig
 from phaseflip.errors import CapacityError
 from phaseflip.forward_batch import ForwardBatch
-from phaseflip.layout import Layout
+from phaseflip.layout import Layout, ProcessGroupCommunicator
 from phaseflip.model.config import ModelConfig
+from phaseflip.model.layers import HAS_TRITON
 from phaseflip.model.llama import LlamaForCausalLM
-from phaseflip.model.weight_image import WeightImage, load_model_weights
+from phaseflip.model.weight_image import WeightImage, WeightsLoad, load_model_weights
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +75,57 @@ def make_attention_backend(name: str, device: torch.device):
     return TorchRefAttention()
 
 
+def _gemm_workspace(device: torch.device, hold: bool) -> bool:
+    """Takes (or lets go of) a hold on the skinny GEMM's split-K workspace of `device`, which
+    decode graphs capture (`kernels/linear.py`). True if there is one to hold."""
+    if device.type != "cuda" or not HAS_TRITON:
+        return False
+    from phaseflip.kernels import linear  # triton picks its mode when the kernels are defined
+
+    (linear.hold_workspace if hold else linear.release_workspace)(device)
+    return True
+
+
+class Runner(Protocol):
+    """The ranks that execute the scheduler's plans, as the engine sees them (rank 0)."""
+
+    closed: bool  # after `close` (or a group stop): it cannot run again
+
+    @property
+    def num_slots(self) -> int: ...  # the KV slot space every rank shares (law 2)
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def weights_load(self) -> WeightsLoad: ...  # how rank 0 got its weights, timed
+
+    @property
+    def graphs(self) -> object | None: ...  # rank 0's decode graphs, None when eager
+
+    def forward(self, plan: ForwardBatch, future: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [len(plan.logits_indices), vocab]. `future`: the previous step's
+        sampled tokens on the device, which placeholder ids in `plan` name (overlap; one
+        process only)."""
+        ...
+
+    def transfer_channel(self, frames: HostFrames, geometry: PageGeometry) -> TransferChannel:
+        """HiCache's copy channel between `frames` (the host tier) and every rank's pool."""
+        ...
+
+    def check_alive(self) -> None:
+        """Raises if a rank has died (the group is then stopped)."""
+        ...
+
+    def close(self) -> None:
+        """Stops the ranks and frees their device memory (graphs, weights, KV pool) in place,
+        even if something still refers to them. Idempotent."""
+        ...
+
+
 class ModelRunner:
     """One rank's model shard and KV pool. In a group every rank must use the same slot space:
     `agree_slots(local_slots)` returns the size all ranks agreed on (the minimum). `weights`:
@@ -92,7 +158,9 @@ class ModelRunner:
             model_cfg.head_dim, self.dtype, self.device,
         )
         log.info("KV pool: %d slots on %s (%s)", self.num_slots, self.device, self.dtype)
+        self._workspace_held = _gemm_workspace(self.device, hold=True)
         self.graphs = self._capture_graphs()
+        self.closed = False
 
     def _capture_graphs(self):
         """Decode CUDA graphs of this rank's stage. TP collectives are captured with the layers
@@ -101,7 +169,8 @@ class ModelRunner:
         cfg = self.cfg
         if (self.device.type != "cuda" or cfg.disable_cuda_graph
                 or not self.backend.graph_capturable
-                or getattr(self.layout.tp_comm, "staged", False)):
+                or (isinstance(self.layout.tp_comm, ProcessGroupCommunicator)
+                    and self.layout.tp_comm.staged)):
             return None
         from phaseflip.model.cuda_graph import DecodeGraphs
 
@@ -133,6 +202,26 @@ class ModelRunner:
         self.pool.release()
         for t in [*self.model.parameters(), *self.model.buffers()]:
             t.untyped_storage().resize_(0)  # views of it (fused weights, caches) included
+        if self._workspace_held:  # the last holder frees it (its graphs are gone)
+            self._workspace_held = not _gemm_workspace(self.device, hold=False)
+
+    def check_alive(self) -> None:
+        """One process: no rank can die apart from this one."""
+
+    def transfer_channel(self, frames: HostFrames, geometry: PageGeometry) -> TransferChannel:
+        """Copies between `frames` and this pool on a local transfer engine (every layer and
+        KV head: one process holds them all)."""
+        part = RankSlice(range(geometry.num_layers), range(geometry.num_kv_heads))
+        return LocalChannel(KVTransferEngine(self.pool, frames, geometry, part, self.device))
+
+    def close(self) -> None:
+        """Frees the graphs, then the weights, the KV pool and this runner's hold on the GEMM
+        workspace (`free_device_memory`). The runner cannot run afterwards."""
+        if self.closed:
+            return
+        self.closed = True
+        self.release_graphs()
+        self.free_device_memory()
 
     def _kv_slots(self) -> int:
         """Usable KV tokens plus the reserved padding page, rounded to whole pages."""

@@ -51,9 +51,7 @@ from phaseflip.cache.hicache import (
     DiskPageStore,
     HostFrames,
     HostPagePool,
-    KVTransferEngine,
     PageGeometry,
-    RankSlice,
     TransferOrders,
     model_fingerprint,
     page_header,
@@ -65,7 +63,7 @@ from phaseflip.cache.hicache.frames import (
     page_geometry,
     shared_frames_path,
 )
-from phaseflip.cache.hicache.transfer import LocalChannel, TransferChannel
+from phaseflip.cache.hicache.transfer import TransferChannel
 from phaseflip.config import EngineConfig
 from phaseflip.model.config import ModelConfig
 from phaseflip.scheduler.hicache_state import (
@@ -134,27 +132,17 @@ class HiCache:
         return page_geometry(m.num_layers, m.num_kv_heads, m.head_dim, dtype, self.page_size)
 
     # ------------------------------------------------------------------ layouts
-    def bind(self, kv: KVCacheManager, runner: Any) -> None:
-        """Attach to one layout: the tree hooks of its KV manager and a channel to its ranks.
-        `runner`: a ModelRunner (orders run on a local transfer engine over its pool) or a
-        DistributedRunner made with this host tier's frames (orders ride its plan broadcast).
-        The host tier and its index carry over unchanged from the previous layout."""
+    def bind(self, kv: KVCacheManager, channel: TransferChannel, dtype: torch.dtype) -> None:
+        """Attach to one layout: the tree hooks of its KV manager and the channel its runner
+        opened to its ranks over this host tier (`Runner.transfer_channel`), `dtype` its KV
+        dtype. The host tier and its index carry over unchanged from the previous layout."""
         if self.closed or self.kv is not None:
             raise RuntimeError("HiCache: bind needs an open controller bound to no layout")
         self._check_unbound_state("bind")
-        if self._geometry(runner.dtype) != self.geometry:
-            raise RuntimeError(f"HiCache: the layout's page geometry "
-                               f"{self._geometry(runner.dtype)} differs from the host tier's "
-                               f"{self.geometry}; its pages cannot be read under this layout")
-        channel: TransferChannel | None = getattr(runner, "hicache_channel", None)
-        if channel is None:
-            part = RankSlice(range(self.geometry.num_layers), range(self.geometry.num_kv_heads))
-            channel = LocalChannel(KVTransferEngine(runner.pool, self.host.frames,
-                                                    self.geometry, part, runner.device))
-        elif runner.hicache_frames is not self.host.frames:
-            raise RuntimeError("HiCache: the ranks map other host frames than the controller's")
-        else:
-            channel.before_shutdown.append(self.close)  # type: ignore[attr-defined]
+        if self._geometry(dtype) != self.geometry:
+            raise RuntimeError(f"HiCache: the layout's page geometry {self._geometry(dtype)} "
+                               f"differs from the host tier's {self.geometry}; its pages cannot "
+                               "be read under this layout")
         self.kv, self.tree, self.channel = kv, kv.tree, channel
         # node ids and misses were judged against an earlier tree: judged afresh from now on
         self._clean_ids.clear()
@@ -179,9 +167,6 @@ class HiCache:
             self.tree.on_evict = None
         else:
             self.kv.on_publish = None
-        shutdown = getattr(self.channel, "before_shutdown", None)
-        if shutdown is not None:  # the old runner's close must not close the host tier
-            shutdown.remove(self.close)
         self.channel.close()
         self.kv, self.tree, self.channel = None, None, None
 

@@ -49,14 +49,19 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, kv: KVCacheManager, max_context: int) -> None:
+    def __init__(self, cfg: EngineConfig, kv: KVCacheManager | None, max_context: int) -> None:
         self.cfg, self.kv = cfg, kv
         self.max_context = max_context
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admission order; the newest is retracted first
         self.stats = SchedulerStats()
         self._hold_admission_at: int | None = None
-        self.hicache: HiCache | None = None  # set by the engine when the host/disk tiers are on
+        self.hicache: HiCache | None = None  # with the host/disk tiers on (`bind`)
+
+    def bind(self, kv: KVCacheManager | None, hicache: HiCache | None) -> None:
+        """The layout this scheduler decides for: its KV manager and HiCache binding (both
+        None between the two layouts of a phase flip). Queues and stats carry over."""
+        self.kv, self.hicache = kv, hicache
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:

@@ -1,0 +1,105 @@
+"""The seam census (MISSION C6): what one flip did and what each segment of its seam cost.
+
+Every field is None until something measured it (law 5). The seam (`flip/seam.py`) fills the
+segments and the relayout's readings; the ledger (`flip/ledger.py`) completes the refill
+fields in place as the steps after the cutover run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def layout_name(tp_size: int, pp_size: int) -> str:
+    return f"tp{tp_size}×pp{pp_size}"
+
+
+@dataclass
+class SeamCensus:
+    """What one flip did and what each segment of its seam cost."""
+
+    source: str
+    target: str
+    segments: dict[str, float] = field(default_factory=dict)  # seconds, in seam order
+    retracted: int = 0  # requests taken off the device, re-admitted after the cutover
+    tree_slots_freed: int = 0  # cached slots the drop returned to the allocator
+    fence_s: float | None = None  # None: no host tier, no fence ran (law 5: not 0)
+    # KV rows carried across the seam: the new pool's occupied slots right after the relayout,
+    # before anything is re-admitted (0 by law 6); None until that reading ran (law 5)
+    rows_moved: int | None = None
+    weights: str = "reload"  # how the new ranks got their weights: "host-image" or "reload"
+    # rank 0's load of its shard inside the relayout (`WeightsLoad`): the whole load; the
+    # image's checksum pass (the read), the copies into the device parameters, the final
+    # synchronize. None when unmeasured (law 5): the split on reload, h2d and drain off CUDA
+    weights_load_s: float | None = None
+    weights_read_s: float | None = None
+    weights_h2d_wait_s: float | None = None
+    weights_drain_s: float | None = None
+    # device memory this process still had allocated once the old layout was torn down
+    # (None off CUDA): the old rank 0's weights and pool must be gone before the new ranks
+    # size their pools from what is free
+    held_after_teardown_bytes: int | None = None
+    # After the cutover (`flip/ledger.py` completes these in place as steps run): what
+    # refilling the retracted requests cost. None until the last of them is refilled (law 5);
+    # the loads' fields also without a host tier, the rate also when nothing was loaded.
+    refill_state: str = "pending"  # "pending", "done", "cut short" (by the next flip)
+    refill_tokens_loaded: int | None = None  # read back from the host (or disk) tier
+    refill_bytes: int | None = None  # KV bytes of those loads
+    refill_tokens_prefilled: int | None = None  # tokens they held before, computed again
+    refill_s: float | None = None  # cutover → the end of the step refilling the last of them
+    refill_rate_gbps: float | None = None  # refill_bytes / the loads' own seconds
+    warmup: Any = None  # this flip's warm-up ledger (`flip_ledger.Warmup`), set at cutover
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.segments.values())
+
+    def worst(self) -> tuple[str, float]:
+        """The costliest segment and its share of the seam."""
+        name = max(self.segments, key=self.segments.__getitem__)
+        return name, self.segments[name] / (self.total_s or 1.0)
+
+    def done_line(self) -> str:
+        name, share = self.worst()
+        fence = "none" if self.fence_s is None else f"{self.fence_s:.3f} s"
+        held = ("" if self.held_after_teardown_bytes is None else
+                f", {self.held_after_teardown_bytes / 2**30:.2f} GiB held after teardown")
+        return (f"flip {self.source} → {self.target} DONE in {self.total_s:.3f} s: worst "
+                f"segment {name} {self.segments[name]:.3f} s ({100 * share:.0f} %); retracted "
+                f"{self.retracted}, rows moved {_or_unmeasured(self.rows_moved)}, fence "
+                f"{fence}, weights {self.weights}{self._weights_detail()}{held}")
+
+    def _weights_detail(self) -> str:
+        if self.weights_load_s is None:
+            return ""
+
+        def s(v: float | None) -> str:
+            return "unmeasured" if v is None else f"{v:.3f} s"
+
+        split = ("" if self.weights != "host-image" else
+                 f": read {s(self.weights_read_s)}, h2d {s(self.weights_h2d_wait_s)}, drain "
+                 f"{s(self.weights_drain_s)}")
+        return f" (rank 0 {self.weights_load_s:.3f} s{split})"
+
+    def refill_line(self) -> str:
+        loaded = ("no host tier" if self.refill_tokens_loaded is None else
+                  f"{self.refill_tokens_loaded} tokens loaded ("
+                  + ("rate unmeasured" if self.refill_rate_gbps is None else
+                     f"{self.refill_rate_gbps:.3f} GB/s") + ")")
+        return (f"flip {self.source} → {self.target} refill done in {self.refill_s:.3f} s: "
+                f"{loaded}, {self.refill_tokens_prefilled} re-prefilled")
+
+    def as_dict(self) -> dict:
+        """JSON-safe: plain numbers and strings, the warm-up ledger as its own dict."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["segments"] = dict(self.segments)
+        d["warmup"] = None if self.warmup is None else self.warmup.as_dict()
+        d["total_s"] = self.total_s
+        d["worst_segment"], d["worst_share"] = self.worst()
+        return d
+
+
+def _or_unmeasured(value: object) -> str:
+    return "unmeasured" if value is None else str(value)
