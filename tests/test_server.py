@@ -278,7 +278,9 @@ def test_dead_engine_makes_server_exit():
             if b"resource_tracker" not in open(f"/proc/{int(c)}/cmdline", "rb").read())
         os.kill(engine_pid, signal.SIGKILL)
         proc.wait(timeout=15)  # the front end notices and shuts down, no hang
-        assert proc.returncode is not None
+        assert proc.returncode == 1  # not 0: it did not end the way an operator asked
+        last = proc.stdout.read().strip().splitlines()[-1]
+        assert "exits with code 1: the engine died: killed by SIGKILL" in last, last
     finally:
         if proc.poll() is None:
             stop_server(proc)

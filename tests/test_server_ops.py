@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 
@@ -361,3 +362,50 @@ def test_queue_bound_counts_prompts_times_n(tmp_path):
             first.cancel()
 
     run(go())
+
+
+# ------------------------------------------------------------------ 3: a real `phaseflip serve`
+def test_sigterm_on_a_real_server_mid_stream():
+    """Streams cut by the drain end with an error event and [DONE], a non-streaming call gets a
+    shaped 503, new calls are refused, and the exit code says requests were ended."""
+    from phaseflip.server.launch import EXIT_DRAIN_TIMEOUT
+    from tests.server_process import start_server
+
+    proc, url = start_server("--shutdown-timeout", "1")
+    body = {"model": "tiny-llama", "prompt": "Return the", "max_tokens": 1000,
+            "ignore_eos": True}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            async def stream() -> list[str]:
+                events = []
+                async with c.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            events.append(line.removeprefix("data: "))
+                return events
+
+            streams = [asyncio.create_task(stream()) for _ in range(3)]
+            plain = asyncio.create_task(c.post("/v1/completions", json=body))
+            await asyncio.sleep(2)
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            refused = await c.post("/v1/completions", json=body)
+            return await asyncio.gather(*streams), await plain, refused
+
+    try:
+        streams, plain, refused = asyncio.run(main())
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = proc.stdout.read()
+    for events in streams:
+        assert events[-1] == "[DONE]" and len(events) > 2, events[-3:]
+        assert "shutting down" in json.loads(events[-2])["error"]["message"]
+    assert plain.status_code == 503 and "shutting down" in plain.json()["error"]["message"]
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "server_shutting_down"
+    assert proc.returncode == EXIT_DRAIN_TIMEOUT, log[-2000:]
+    last = log.strip().splitlines()[-1]
+    assert "exits with code 3" in last and "4 requests" in last, last

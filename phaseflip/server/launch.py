@@ -15,6 +15,7 @@ import os
 import signal
 import tempfile
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 import uvicorn
@@ -46,7 +47,12 @@ class Outcome:
 def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     outcome = asyncio.run(_serve(engine_cfg, server_cfg))
-    # the last line of the log says how the server ended (see docs/troubleshooting.md)
+    # the last line of the log says how the server ended (see docs/troubleshooting.md): let
+    # multiprocessing's resource tracker finish first (it warns about what a killed engine
+    # left, and would otherwise print after us)
+    stop_tracker = getattr(resource_tracker._resource_tracker, "_stop", None)
+    if stop_tracker is not None:
+        stop_tracker()
     (log.info if outcome.code == EXIT_OK else log.error)(
         "phaseflip exits with code %d: %s", outcome.code, outcome.reason)
     return outcome.code
