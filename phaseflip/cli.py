@@ -1,7 +1,9 @@
-"""Command line: `phaseflip serve` and `phaseflip generate`.
+"""phaseflip: serve a Hugging Face model behind an OpenAI-compatible API, generate offline, or
+run a benchmark.
 
-Flags are generated from the fields of `EngineConfig` and `ServerConfig` (and their docstrings
-become the help text), so nothing is written twice.
+Flags are generated from the fields of the engine and server configurations (their docstrings
+are the help text), so nothing is written twice. Nothing heavy (torch, transformers) is
+imported until a command runs, so `--help` and `--version` answer at once.
 """
 
 from __future__ import annotations
@@ -11,11 +13,70 @@ import ast
 import dataclasses
 import inspect
 import json
+import logging
+import os
+import re
 import sys
 import types
 import typing
 
-from phaseflip.config import EngineConfig, resolve_model
+from phaseflip.config import LOG_LEVELS, EngineConfig
+
+# Values an enumerated flag accepts (EngineConfig checks them again).
+CHOICES: dict[str, tuple[str, ...]] = {
+    "load_format": ("auto", "dummy"),
+    "dtype": ("auto", "float32", "float16", "bfloat16"),
+    "attention_backend": ("auto", "torch", "triton"),
+    "schedule_policy": ("fcfs", "lpm"),
+    "hicache_write_policy": ("write_through", "write_back"),
+    "dist_backend": ("auto", "gloo", "nccl"),
+    "flip_weights": ("auto", "reload", "host-image"),
+    "flip_policy": ("manual", "auto"),
+    "log_level": LOG_LEVELS,
+}
+# The spellings other servers' users bring, for the same setting.
+ALIASES: dict[str, tuple[str, ...]] = {
+    "model": ("--model-path",),
+    "tp_size": ("-tp", "--tensor-parallel-size"),
+    "pp_size": ("-pp", "--pipeline-parallel-size"),
+    "mem_fraction": ("--gpu-memory-utilization", "--mem-fraction-static"),
+    "max_model_len": ("--context-length",),
+    "max_running_requests": ("--max-num-seqs",),
+    "max_prefill_tokens": ("--max-num-batched-tokens",),
+}
+# Flags that set a boolean field to a fixed value: `--enforce-eager` = --disable-cuda-graph.
+FLAG_ALIASES: dict[str, tuple[str, bool, str]] = {
+    "--enforce-eager": ("disable_cuda_graph", True, "same as --disable-cuda-graph"),
+    "--disable-radix-cache": ("enable_prefix_cache", False,
+                              "same as --no-enable-prefix-cache"),
+}
+DTYPE_SPELLINGS = {
+    "auto": "auto", "float32": "float32", "fp32": "float32", "float": "float32",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+}
+BENCHMARKS = {
+    "latency": "one batch: prefill and per-token decode time",
+    "offline": "offline throughput over a generated workload",
+    "serving": "an online serving run (Poisson arrivals; TTFT/ITL/E2E percentiles)",
+    "flip": "phase flips under load (seam census per flip)",
+    "hicache": "HiCache tiers: hit rates and copy rates",
+}
+
+
+def _dtype(text: str) -> str:
+    try:
+        return DTYPE_SPELLINGS[text.lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"invalid dtype {text!r} (choose from {', '.join(DTYPE_SPELLINGS)})") from None
+
+
+def _device(text: str) -> str:
+    if text in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", text):
+        return text
+    raise argparse.ArgumentTypeError(f"invalid device {text!r} (choose from auto, cpu, cuda, "
+                                     "cuda:N)")
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -24,35 +85,85 @@ def _field_docs(cls: type) -> dict[str, str]:
     docs, body = {}, tree.body[0].body
     for prev, node in zip(body, body[1:]):
         if isinstance(prev, ast.AnnAssign) and isinstance(node, ast.Expr):
-            docs[prev.target.id] = str(node.value.value)
+            docs[prev.target.id] = " ".join(str(node.value.value).split())
     return docs
+
+
+def _help(doc: str, default: object, show_default: bool) -> str:
+    """The help text: the field's docstring without design-document references or
+    measurement notes, and the default unless the text already says it."""
+    doc = re.sub(r"\blaw \d+: ", "", doc)
+    doc = " ".join(s for s in re.split(r"(?<=\.) (?=[A-Z])", doc) if "H200" not in s)
+    if show_default and default is not None and "default" not in doc.lower():
+        doc += " (default: %(default)s)"
+    return doc.replace("%", "%%").replace("%%(default)s", "%(default)s")
 
 
 def add_config_flags(parser: argparse.ArgumentParser, cls: type = EngineConfig) -> None:
     docs, hints = _field_docs(cls), typing.get_type_hints(cls)
+    group = parser.add_argument_group(
+        "engine options" if cls is EngineConfig else "server options")
     for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *ALIASES.get(f.name, ())]
         kind = hints[f.name]
         if isinstance(kind, types.UnionType):
             kind = next(a for a in kind.__args__ if a is not type(None))
+        doc = docs.get(f.name, "")
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=docs.get(f.name, ""))
-        else:
-            parser.add_argument(flag, type=kind, default=f.default,
-                                help=f"{docs.get(f.name, '')} (default: %(default)s)")
+            action = group.add_argument(*flags, action=argparse.BooleanOptionalAction,
+                                        default=f.default, help=_help(doc, None, False))
+            if "%(default)s" not in action.help:  # some Pythons' BooleanOptionalAction add it
+                action.help += " (default: %(default)s)"
+            continue
+        kwargs: dict[str, typing.Any] = {"type": kind, "default": f.default,
+                                         "help": _help(doc, f.default, show_default=True)}
+        if f.name == "dtype":
+            kwargs.update(type=_dtype, metavar="{" + ",".join(DTYPE_SPELLINGS) + "}")
+        elif f.name == "device":
+            kwargs.update(type=_device, metavar="{auto,cpu,cuda,cuda:N}")
+        elif f.name in CHOICES:
+            kwargs["choices"] = CHOICES[f.name]
+        group.add_argument(*flags, dest=f.name, **kwargs)
+    if cls is EngineConfig:
+        for flag, (name, value, text) in FLAG_ALIASES.items():
+            group.add_argument(flag, dest=name, action="store_const", const=value, help=text)
 
 
 def config_from_args(args: argparse.Namespace, cls: type = EngineConfig):
+    from phaseflip.config import resolve_model
+
     cfg = cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
     return resolve_model(cfg) if isinstance(cfg, EngineConfig) else cfg
 
 
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(message)s")
+
+
+def _warn_if_cpu(cfg: EngineConfig) -> None:
+    if cfg.device != "auto" or cfg.load_format == "dummy":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        logging.getLogger("phaseflip").warning(
+            "no GPU found: the engine runs on the CPU, which suits the bundled tiny model and "
+            "small tests, not real models. For a GPU machine see docs/gpu.md; "
+            "--device cpu silences this warning")
+
+
 def _serve(args: argparse.Namespace) -> int:
+    from phaseflip.model.loader import looks_like_repo_id
     from phaseflip.server.context import ServerConfig
     from phaseflip.server.launch import serve
+    from phaseflip.threads import plan_for
 
     cfg = config_from_args(args)
+    _warn_if_cpu(cfg)
+    logging.getLogger("phaseflip.threads").info("%s", plan_for(cfg).describe())
+    if args.served_model_name is None and looks_like_repo_id(args.model) \
+            and not os.path.isdir(args.model):
+        args.served_model_name = args.model  # clients name it as it was asked for: ORG/NAME
     if cfg.node_rank > 0:  # another host's ranks: no HTTP, no scheduler
         from phaseflip.distributed.driver import run_node_workers
 
@@ -62,8 +173,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from phaseflip import Engine, SamplingParams
+    from phaseflip.threads import apply_cpu_threads
 
     cfg = config_from_args(args)
+    _warn_if_cpu(cfg)
+    apply_cpu_threads(cfg)  # the engine runs in this process
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.sampling_seed)
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
@@ -78,24 +192,99 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="phaseflip", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate completions offline (prompts from args/stdin)")
-    gen.add_argument("prompt", nargs="*", help="prompts (default: one per line on stdin)")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--sampling-seed", type=int, default=None)
-    gen.add_argument("--json", action="store_true", help="one JSON object per line")
-    add_config_flags(gen)
-    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    from phaseflip.server.context import ServerConfig
+def _bench(args: argparse.Namespace) -> int:
+    """Runs `benchmarks.bench_<name>` with the remaining arguments."""
+    import importlib
+
+    try:
+        module = importlib.import_module(f"benchmarks.bench_{args.benchmark}")
+    except ModuleNotFoundError as e:
+        hint = (" (pip install 'phaseflip[bench]')" if e.name not in
+                ("benchmarks", f"benchmarks.bench_{args.benchmark}") else "")
+        print(f"phaseflip bench: cannot import the benchmark: {e}{hint}", file=sys.stderr)
+        return 2
+    main = module.main
+    if inspect.signature(main).parameters:
+        main(args.bench_args)
+    else:  # a benchmark that reads sys.argv itself
+        sys.argv = [f"phaseflip bench {args.benchmark}", *args.bench_args]
+        main()
+    return 0
+
+
+def version_text() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from phaseflip import __version__
+
+    parts = []
+    for dist in ("torch", "transformers", "triton"):
+        try:
+            parts.append(f"{dist} {version(dist)}")
+        except PackageNotFoundError:
+            pass
+    parts.append(f"python {sys.version.split()[0]}")
+    return f"phaseflip {__version__} ({', '.join(parts)})"
+
+
+class _VersionAction(argparse.Action):
+    """`--version`, with the versions looked up only when asked."""
+
+    def __init__(self, option_strings, dest, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the versions of phaseflip, torch, transformers and triton")
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(version_text())
+        parser.exit()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="phaseflip", description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("--version", action=_VersionAction)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+                         usage="phaseflip serve [--model MODEL] [options]",
+                         description="Serve a model behind an OpenAI-compatible HTTP API. "
+                         "Without --model, the tiny model shipped with phaseflip.")
+    from phaseflip.server.context import ServerConfig  # no torch: the dataclass only
 
     add_config_flags(srv, ServerConfig)
     add_config_flags(srv)
+    gen = sub.add_parser("generate", help="generate completions offline (prompts from args/stdin)",
+                         usage="phaseflip generate [--model MODEL] [options] [PROMPT ...]",
+                         description="Generate completions offline, one per prompt.")
+    gen.add_argument("prompt", nargs="*", help="prompts (default: one per line on stdin)")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="(default: %(default)s)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy "
+                     "(default: %(default)s)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s)")
+    gen.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampling")
+    gen.add_argument("--json", action="store_true", help="one JSON object per line")
+    add_config_flags(gen)
+    bench = sub.add_parser(
+        "bench", help="run a benchmark (`phaseflip bench NAME --help` for its flags)",
+        description="Run a benchmark; it prints a table and writes JSON. "
+        + "; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()) + ".")
+    bench.add_argument("benchmark", choices=tuple(BENCHMARKS))
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER,
+                       help="the benchmark's own flags")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from phaseflip.errors import PhaseflipError
+
+    parser = build_parser()
     args = parser.parse_args(argv)
-    return _serve(args) if args.command == "serve" else _generate(args)
+    if args.command == "bench":
+        return _bench(args)
+    _setup_logging(args.log_level)
+    try:
+        return _serve(args) if args.command == "serve" else _generate(args)
+    except PhaseflipError as e:  # a bad flag value or model: a message, not a traceback
+        parser.exit(2, f"phaseflip {args.command}: error: {e}\n")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from pathlib import Path
 from phaseflip.errors import InvalidRequestError
 
 EMBEDDED_MODEL = Path(__file__).parent / "assets" / "tiny-llama"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _LAYOUT = re.compile(r"(?:tp(?P<tp>\d+))?(?:[x×*]?pp(?P<pp>\d+))?")
 
 
@@ -23,8 +24,18 @@ def parse_layout(text: str) -> tuple[int, int]:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = str(EMBEDDED_MODEL)
-    """Hugging Face model directory, or a bundled shape name (llama-3.1-8b, qwen3-8b,
-    llama-3.2-1b, qwen3-0.6b) with --load-format dummy (default: the tiny shipped model)."""
+    """Hugging Face model directory, ORG/NAME from the local Hugging Face cache (never
+    downloaded), or a bundled shape name (llama-3.1-8b, qwen3-8b, llama-3.2-1b, qwen3-0.6b)
+    with --load-format dummy (default: the tiny shipped model)."""
+    revision: str | None = None
+    """With --model ORG/NAME: the branch, tag or commit in the local cache (default: main)."""
+    tokenizer: str | None = None
+    """Tokenizer directory or ORG/NAME, if not the model's own."""
+    chat_template: str | None = None
+    """Chat template (a Jinja file, or the template itself) in place of the tokenizer's."""
+    trust_remote_code: bool = False
+    """Accepted for compatibility: phaseflip runs its own implementation of each supported
+    architecture, never a checkpoint's code; a model that needs its own code is refused."""
     load_format: str = "auto"
     """auto (the checkpoint's safetensors) or dummy (random weights made on the device)."""
     device: str = "auto"
@@ -69,6 +80,8 @@ class EngineConfig:
     """Reuse KV of cached prompt prefixes (radix tree)."""
     seed: int = 0
     """Seed for requests that do not set their own."""
+    log_level: str = "info"
+    """Log level of every process: debug, info, warning, error or critical."""
     max_logprobs: int = 20
     """Largest top-logprobs count a request may ask for."""
     check_accounting: bool = False
@@ -218,6 +231,8 @@ class EngineConfig:
             raise bad("dist_init_addr", "is required with --nnodes > 1 (host:port of node 0)")
         if self.dist_timeout_s <= 0:
             raise bad("dist_timeout_s", "must be > 0")
+        if self.log_level not in LOG_LEVELS:
+            raise bad("log_level", f"expected one of {', '.join(LOG_LEVELS)}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise bad("cpu_threads", "must be >= 1")
         self._check_flip_policy(bad)
@@ -288,11 +303,25 @@ class EngineConfig:
 
 
 def resolve_model(cfg: EngineConfig) -> EngineConfig:
-    """The config with `model` turned into a directory (bundled shape names → their dir)."""
-    if Path(cfg.model).is_dir():
+    """The config with `model` turned into a directory: bundled shape names → their dir,
+    ORG/NAME → its snapshot in the local Hugging Face cache, and with --tokenizer or
+    --chat-template a directory that reads as the model with those (ModelLoadError on a miss)."""
+    from phaseflip.model import loader
+
+    if loader.is_overlay(cfg.model):  # resolved already
         return cfg
-    try:
-        from phaseflip.model.dummy import resolve_model_dir
-    except ImportError:  # bundled shapes not installed: the loader names the missing dir
-        return cfg
-    return replace(cfg, model=str(resolve_model_dir(cfg.model)))
+    model = Path(cfg.model)
+    if not model.is_dir():
+        try:
+            from phaseflip.model.dummy import resolve_model_dir
+        except ImportError:  # bundled shapes not installed: the loader names the missing dir
+            resolve_model_dir = Path
+        model = resolve_model_dir(cfg.model)
+        if not model.is_dir():
+            model = loader.resolve_model_path(cfg.model, cfg.revision)
+    if cfg.load_format != "dummy":
+        loader.check_remote_code(model, cfg.trust_remote_code)
+    if cfg.tokenizer is not None or cfg.chat_template is not None:
+        tokenizer = cfg.tokenizer and loader.resolve_model_path(cfg.tokenizer, None)
+        model = loader.overlay_model_dir(model, tokenizer, cfg.chat_template)
+    return cfg if str(model) == cfg.model else replace(cfg, model=str(model))

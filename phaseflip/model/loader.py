@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -250,3 +251,135 @@ def load_tokenizer(model_dir: str | os.PathLike[str]) -> PreTrainedTokenizerBase
         return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except Exception as exc:  # transformers raises OSError/ValueError/KeyError/... variously
         raise ModelLoadError(f"cannot load the tokenizer in {directory}: {exc}") from exc
+
+
+# ---------------------------------------------------------------- models named the hub's way
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+# Files that make up a tokenizer; `--tokenizer DIR` replaces the model's with DIR's.
+_TOKENIZER_SET = (*_TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json",
+                  "merges.txt", "chat_template.jinja", "chat_template.json")
+OVERLAY_MARKER = "phaseflip-overlay.json"
+
+
+def looks_like_repo_id(name: str) -> bool:
+    """`ORG/NAME` (a Hugging Face repository id), as opposed to a path."""
+    return bool(_REPO_ID.fullmatch(name)) and not name.startswith((".", "/", "~"))
+
+
+def hub_cache_dir() -> Path:
+    """The local Hugging Face hub cache, as huggingface_hub finds it: $HF_HUB_CACHE, else
+    $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return Path(xdg).expanduser() / "huggingface" / "hub"
+
+
+def resolve_hub_model(repo_id: str, revision: str | None = None) -> Path:
+    """The snapshot directory of `repo_id` at `revision` (a branch, tag or commit; default
+    main) in the local Hugging Face cache. Never downloads: a miss is a ModelLoadError that
+    says how to fetch the model."""
+    cache = hub_cache_dir()
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    rev = revision or "main"
+    commit = None
+    ref = repo / "refs" / rev
+    if ref.is_file():
+        commit = ref.read_text().strip()
+    elif _COMMIT.fullmatch(rev):
+        commit = rev
+    snapshot = repo / "snapshots" / commit if commit else None
+    if snapshot is None or not (snapshot / "config.json").is_file():
+        at = f" at revision {rev!r}" if revision else ""
+        found = ""
+        if (repo / "snapshots").is_dir():
+            refs = sorted(p.name for p in (repo / "refs").glob("*"))
+            found = f" (the cache holds it at {', '.join(refs) or 'other commits'})"
+        raise ModelLoadError(
+            f"model {repo_id!r}{at} is not a directory and not in the local Hugging Face cache "
+            f"{cache}{found}. phaseflip never downloads at run time, and this machine may be "
+            f"offline: fetch it where there is network (`hf download {repo_id}"
+            f"{' --revision ' + revision if revision else ''}`, or `huggingface-cli download`), "
+            "then copy the cache here (or set HF_HUB_CACHE / HF_HOME to it), or pass the "
+            "model's directory to --model")
+    return snapshot
+
+
+def resolve_model_path(name: str, revision: str | None = None) -> Path:
+    """A directory as is; `ORG/NAME` from the local hub cache; otherwise a ModelLoadError."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if looks_like_repo_id(name) and not path.exists():
+        return resolve_hub_model(name, revision)
+    return _model_dir(path)  # names what is wrong with the path
+
+
+def is_overlay(model_dir: str | os.PathLike[str]) -> bool:
+    return (Path(model_dir) / OVERLAY_MARKER).is_file()
+
+
+def overlay_model_dir(model_dir: Path, tokenizer_dir: Path | None = None,
+                      chat_template: str | None = None) -> Path:
+    """A directory that reads as `model_dir` with the tokenizer files of `tokenizer_dir`
+    and/or the chat template `chat_template` (a file, or the template text) in place of the
+    model's own: symbolic links to the model's files, made once per process in a temporary
+    directory that ends in the model's name (the default served model name)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="phaseflip-model-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    out = root / model_dir.name
+    out.mkdir()
+    replaced = set(_TOKENIZER_SET) if tokenizer_dir is not None else set()
+    if chat_template is not None:
+        replaced |= {"chat_template.jinja", "chat_template.json"}
+    for src in model_dir.iterdir():
+        if src.name not in replaced:
+            (out / src.name).symlink_to(src.resolve())
+    if tokenizer_dir is not None:
+        names = [n for n in _TOKENIZER_SET if (tokenizer_dir / n).is_file()]
+        if not any(n in _TOKENIZER_FILES for n in names):
+            raise ModelLoadError(f"no tokenizer files in --tokenizer {tokenizer_dir} (looked "
+                                 f"for {', '.join(_TOKENIZER_FILES)})")
+        for n in names:
+            (out / n).symlink_to((tokenizer_dir / n).resolve())
+    if chat_template is not None:
+        template = Path(chat_template).expanduser()
+        text = template.read_text(encoding="utf-8") if template.is_file() else chat_template
+        if "{" not in text:  # neither a file nor a Jinja template: most likely a typo'd path
+            raise ModelLoadError(f"--chat-template {chat_template!r} is neither a file nor a "
+                                 "Jinja template")
+        (out / "chat_template.jinja").write_text(text, encoding="utf-8")
+    (out / OVERLAY_MARKER).write_text(json.dumps({
+        "model": str(model_dir), "tokenizer": tokenizer_dir and str(tokenizer_dir),
+        "chat_template": chat_template}))
+    return out
+
+
+def check_remote_code(model_dir: Path, trust_remote_code: bool) -> None:
+    """phaseflip runs its own implementation of each supported architecture and never a
+    checkpoint's Python code: with --trust-remote-code a checkpoint that needs its own code
+    (an `auto_map`, or an architecture phaseflip does not implement) is refused by name."""
+    if not trust_remote_code:
+        return
+    from phaseflip.model.config import SUPPORTED_ARCHITECTURES
+
+    try:
+        raw = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # ModelConfig names what is wrong with config.json
+    archs = [a for a in raw.get("architectures") or [] if isinstance(a, str)]
+    if any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        return
+    custom = " with its own code (auto_map in config.json)" if raw.get("auto_map") else ""
+    raise ModelLoadError(
+        f"--trust-remote-code: {model_dir} is architecture {', '.join(archs) or '(none)'}"
+        f"{custom}, which phaseflip does not implement. phaseflip runs its own implementations "
+        f"({', '.join(SUPPORTED_ARCHITECTURES)}) and never a checkpoint's code, so "
+        "--trust-remote-code cannot add an architecture")

@@ -1,0 +1,102 @@
+"""The command line: aliases, choices, errors as messages, --version, and a --help that imports
+nothing heavy."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from phaseflip.cli import build_parser, config_from_args, main
+from phaseflip.config import EMBEDDED_MODEL, EngineConfig
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_spellings_people_bring_map_to_the_same_settings():
+    args = parse("--model-path", str(EMBEDDED_MODEL), "-tp", "2", "-pp", "1",
+                 "--gpu-memory-utilization", "0.5", "--max-num-seqs", "8", "--context-length",
+                 "128", "--max-num-batched-tokens", "64", "--enforce-eager",
+                 "--disable-radix-cache", "--dtype", "half")
+    cfg = config_from_args(args)
+    assert (cfg.tp_size, cfg.pp_size, cfg.mem_fraction, cfg.max_running_requests) == (2, 1, 0.5, 8)
+    assert (cfg.max_model_len, cfg.max_prefill_tokens) == (128, 64)
+    assert cfg.disable_cuda_graph and not cfg.enable_prefix_cache and cfg.dtype == "float16"
+    assert parse("--mem-fraction-static", "0.7").mem_fraction == 0.7
+    assert parse("--tensor-parallel-size", "4", "--pipeline-parallel-size", "2").pp_size == 2
+
+
+@pytest.mark.parametrize("spelling,dtype", [
+    ("fp16", "float16"), ("float16", "float16"), ("bf16", "bfloat16"), ("BF16", "bfloat16"),
+    ("fp32", "float32"), ("float", "float32"), ("auto", "auto"),
+])
+def test_dtype_spellings(spelling, dtype):
+    assert parse("--dtype", spelling).dtype == dtype
+
+
+def test_defaults_are_the_config_defaults():
+    args = parse()
+    cfg = config_from_args(args)
+    assert cfg == EngineConfig(model=cfg.model)
+    assert (args.enable_prefix_cache, args.disable_cuda_graph) == (True, False)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--dtype", "fp8"], "invalid dtype 'fp8'"),
+    (["--schedule-policy", "lifo"], "invalid choice: 'lifo'"),
+    (["--log-level", "loud"], "invalid choice: 'loud'"),
+    (["--device", "tpu"], "invalid device 'tpu'"),
+    (["--tp-size", "two"], "invalid int value"),
+])
+def test_bad_values_are_usage_errors(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse(*argv)
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_a_config_the_engine_refuses_is_a_message_not_a_traceback(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--cpu-threads", "0", "hello"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "cpu_threads" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", "/nonexistent/model-dir", "hello"])
+    assert e.value.code == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_help_states_each_default_once_and_no_design_jargon():
+    parser = build_parser()
+    sub = parser._subparsers._group_actions[0].choices  # noqa: SLF001 — argparse has no API
+    for name in ("serve", "generate"):
+        for action in sub[name]._actions:  # noqa: SLF001
+            text = (action.help or "").replace("%(default)s", "")
+            assert text.lower().count("default") <= 1, (action.dest, text)
+            assert "law " not in text and "H200" not in text, (action.dest, text)
+            if action.dest in ("dtype", "schedule_policy", "log_level", "flip_policy"):
+                assert action.choices or action.metavar, action.dest
+
+
+def test_help_and_version_import_neither_torch_nor_transformers():
+    code = ("import sys; from phaseflip.cli import build_parser, version_text; build_parser(); "
+            "print(version_text()); print(sorted(m for m in ('torch', 'transformers') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out[0].startswith("phaseflip ") and "torch " in out[0] and out[1] == "[]"
+
+
+def test_version_flag():
+    r = subprocess.run([sys.executable, "-m", "phaseflip.cli", "--version"], capture_output=True,
+                       text=True)
+    assert r.returncode == 0 and r.stdout.startswith("phaseflip 0.") and "python" in r.stdout
+
+
+def test_bench_lists_the_benchmarks_and_passes_flags_through(capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["bench", "nope"])
+    assert e.value.code == 2 and "latency" in capsys.readouterr().err
+    args = build_parser().parse_args(["bench", "offline", "--num-prompts", "4"])
+    assert (args.benchmark, args.bench_args) == ("offline", ["--num-prompts", "4"])
