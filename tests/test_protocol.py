@@ -55,7 +55,7 @@ VALID_COMPLETIONS: list[tuple[dict[str, Any], Callable[[CompletionRequest], bool
     (comp(prompt=["a", "b"]), lambda r: r.prompt == ["a", "b"]),
     (comp(prompt=[1, 2, 0]), lambda r: r.prompt == [1, 2, 0]),
     (comp(prompt=[[1], [2, 3]]), lambda r: r.prompt == [[1], [2, 3]]),
-    (comp(max_tokens=None), lambda r: r.max_tokens is None),
+    (comp(max_tokens=None), lambda r: r.max_tokens == 16),
     (comp(max_tokens=0, echo=True), lambda r: r.max_tokens == 0 and r.echo),
     (comp(temperature=0), lambda r: r.temperature == 0.0),
     (comp(temperature=2, top_p=1), lambda r: r.temperature == 2.0),
@@ -329,13 +329,13 @@ def test_all_errors_reported_first_one_is_param() -> None:
                        "n: Input should be greater than or equal to 1")
 
 
-def test_null_means_default_but_null_max_tokens_means_context() -> None:
+def test_null_means_default_also_for_completions_max_tokens() -> None:
     req = CompletionRequest.model_validate(comp(
         temperature=None, top_p=None, n=None, echo=None, top_k=None, skip_special_tokens=None,
         stop_token_ids=None, presence_penalty=None, max_tokens=None))
     assert (req.temperature, req.top_p, req.n, req.echo, req.top_k) == (1.0, 1.0, 1, False, -1)
     assert req.skip_special_tokens is True and req.stop_token_ids == []
-    assert req.max_tokens is None  # not the default 16: null means "what the context allows"
+    assert req.max_tokens == 16  # OpenAI's completions default: null is not "to the context"
     assert CompletionRequest.model_validate(comp()).max_tokens == 16
 
 

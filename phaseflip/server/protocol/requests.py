@@ -9,7 +9,8 @@ Why it is shaped the way it is:
 * Scalars are strict (no `"0.5"` for a float, no `true` for an int) and floats reject NaN/inf:
   a NaN temperature that slipped through would poison a whole batch on the device.
 * An explicit `null` for an optional knob means "use the default", as in OpenAI's spec, except
-  where `null` has a meaning of its own (`max_tokens: null` = "as many as the context allows").
+  where `null` has a meaning of its own (chat's `max_tokens: null` = "as many as the context
+  allows"; on completions it is OpenAI's default, 16).
 * Our own validators raise errors that carry the offending field, so
   `validation_error_to_openai` can always name a `param`, even for cross-field rules.
 * Response models are checked against the `openai` client's own types in the tests, so what we
@@ -299,8 +300,9 @@ class CompletionRequest(_OpenAISampling):
     prompt: Prompt
     suffix: Str | None = None
     """Accepted so the server can say "not supported" (see `unsupported`) instead of 'unknown'."""
-    max_tokens: Annotated[int, Strict(), Field(ge=0)] | None = 16
-    """OpenAI's default is 16; an explicit null means "whatever the context leaves"."""
+    max_tokens: Annotated[int, Strict(), Field(ge=0)] = 16
+    """OpenAI's completions default, 16; an explicit null means the default too, as in
+    OpenAI's API (chat's null, by contrast, means "whatever the context leaves")."""
     best_of: NumChoices | None = None
     """Generate this many and return the `n` with the highest cumulative logprob."""
     logprobs: TopLogprobsNum | None = None

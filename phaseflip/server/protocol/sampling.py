@@ -53,10 +53,11 @@ def _common_params(req: _OpenAISampling, max_tokens: int | None,
 def completion_sampling_params(req: CompletionRequest, default_max_tokens: int) -> SamplingParams:
     """Sampling parameters for a completions request.
 
-    `default_max_tokens` (context minus prompt length) applies when `max_tokens` is null.
-    With `best_of > n` the engine samples `best_of` choices and the server keeps the `n` with
-    the highest cumulative logprob; to rank them logprobs must be computed, so `logprobs` is
-    at least 0 then and the server must drop them from the answer if `req.logprobs` is None.
+    `max_tokens` is always set (null means OpenAI's default, 16), so `default_max_tokens` is
+    unused here; the argument keeps the three builders alike. With `best_of > n` the engine
+    samples `best_of` choices and the server keeps the `n` with the highest cumulative logprob;
+    to rank them logprobs must be computed, so `logprobs` is at least 0 then and the server
+    must drop them from the answer if `req.logprobs` is None.
     `echo` with `logprobs` also asks for prompt logprobs, which OpenAI returns for the echoed
     prompt.
     """
