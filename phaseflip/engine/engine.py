@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import queue
 import threading
@@ -10,6 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import fields
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from phaseflip.config import EngineConfig, resolve_model
@@ -219,13 +221,20 @@ class Engine:
             return self.core.kv.check(self.core.scheduler.running)
 
     def shutdown(self) -> None:
+        """Stops the loop and gives back everything the engine took: rank processes, weights,
+        KV pool, graphs, workspaces and host tiers are freed (`EngineCore.close`), what
+        still refers to them is dropped, and the device's cached blocks go back to the
+        driver, so another engine in this process has the whole device again."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
         if self.core is not None:
             self.core.close()
-        self.core = None  # drops the model and the KV pool
+        self.core = None  # the last reference to the loop's objects (sampler, backend...)
+        gc.collect()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
     def __enter__(self) -> Engine:
         return self
