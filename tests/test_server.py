@@ -75,7 +75,7 @@ def test_list_prompts_with_echo_and_logprobs(client):
         assert lp.token_logprobs[0] is None  # the first prompt token has no logprob
         assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset)
-        assert "".join(lp.tokens).startswith(c.text)  # plus an EOS token's own string
+        assert "".join(lp.tokens).startswith(c.text)
         assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
         assert all(len(t) <= 2 for t in lp.top_logprobs[1:])
     assert got.usage.prompt_tokens == sum(
@@ -346,3 +346,40 @@ def test_a_control_call_that_times_out_leaves_no_entry(tmp_path):
             await client.close()
 
     asyncio.run(go())
+
+
+def test_text_offset_indexes_non_ascii_text(client):
+    """Issue 23 item 2: a token inside a multi-byte character is spelt `bytes:\\x..`, and every
+    offset indexes the returned text (lm-eval slices context and continuation by them)."""
+    text = "Return the café — naïve résumé ✓ 日本語 text."
+    got = client.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True,
+                                    logprobs=1)
+    c = got.choices[0]
+    lp = c.logprobs
+    assert c.text == text
+    assert lp.text_offset[lp.tokens.index(" text")] == text.index(" text")
+    assert all(0 <= o <= len(text) for o in lp.text_offset)
+    assert lp.text_offset == sorted(lp.text_offset)
+    assert any(t.startswith("bytes:\\x") for t in lp.tokens)
+    for tok, off in zip(lp.tokens, lp.text_offset):
+        if not tok.startswith("bytes:"):
+            assert text[off:off + len(tok)] == tok, (tok, off)
+
+
+def test_end_of_text_token_agrees_with_text(client):
+    """Issue 23 item 3: the end-of-text token that stops generation is not in `text`, so it is
+    spelt "" in `tokens` (its logprob kept), and ''.join(tokens) == text; when the text keeps
+    it, so do the tokens."""
+    eos = 0  # <|endoftext|> of the embedded tokenizer
+    got = client.completions.create(model=MODEL, prompt="Return the", max_tokens=5, echo=True,
+                                    logprobs=1, logit_bias={str(eos): 100})
+    c = got.choices[0]
+    assert c.finish_reason == "stop" and c.text == "Return the"
+    assert c.logprobs.tokens[-1] == "" and c.logprobs.text_offset[-1] == len(c.text)
+    assert c.logprobs.token_logprobs[-1] is not None
+    assert "".join(c.logprobs.tokens) == c.text
+    kept = client.completions.create(model=MODEL, prompt="Return the", max_tokens=5, echo=True,
+                                     logprobs=1, logit_bias={str(eos): 100},
+                                     extra_body={"skip_special_tokens": False,
+                                                 "include_stop_str_in_output": True}).choices[0]
+    assert kept.text == "Return the<|endoftext|>" == "".join(kept.logprobs.tokens)

@@ -17,6 +17,7 @@ from phaseflip.errors import ContextLengthError, InvalidRequestError
 from phaseflip.sampling.params import SamplingParams
 from phaseflip.server.engine_client import EngineClient, EngineDeadError, ShutdownError
 from phaseflip.server.metrics import ServerMetrics
+from phaseflip.server.token_text import TokenText
 
 
 class OverloadedError(Exception):
@@ -101,6 +102,10 @@ class ServerContext:
             raise OverloadedError(
                 f"the server has {busy} sequences in flight and this request adds {width} "
                 f"(bound {bound}); retry later")
+
+    @cached_property
+    def token_text(self) -> TokenText:
+        return TokenText(self.tokenizer)
 
     @cached_property
     def _max_token_chars(self) -> int:

@@ -20,6 +20,7 @@ from phaseflip.errors import InvalidRequestError, PhaseflipError
 from phaseflip.sampling.params import SamplingParams
 from phaseflip.server import protocol as p
 from phaseflip.server.context import ServerContext
+from phaseflip.server.token_text import OffsetCursor
 
 
 @dataclass
@@ -142,19 +143,30 @@ def usage_of(runs: list[PromptRun]) -> p.UsageInfo:
     return p.UsageInfo.from_counts(prompt, completion, cached)
 
 
-def token_str(ctx: ServerContext, tok: int) -> str:
-    return ctx.tokenizer.decode([tok])
-
-
 # ------------------------------------------------------------------ completions
-def completion_logprobs(ctx: ServerContext, ids: list[int], lps: list[float | None],
-                        tops: list, offset: int) -> p.CompletionLogprobs:
-    tokens = [token_str(ctx, t) for t in ids]
-    offsets, pos = [], offset
-    for s in tokens:
-        offsets.append(pos)
-        pos += len(s)
-    top = [None if t is None else {token_str(ctx, i): v for i, v in t} for t in tops]
+def hides_stop_token(params: SamplingParams, finish_reason: str | None,
+                     matched_stop: int | str | None) -> bool:
+    """Whether the last token is a stop token (EOS, stop_token_ids) left out of the text."""
+    return (finish_reason == "stop" and isinstance(matched_stop, int)
+            and not params.include_stop_str_in_output)
+
+
+def completion_logprobs(ctx: ServerContext, cursor: OffsetCursor, ids: list[int],
+                        lps: list[float | None], tops: list, n_prompt: int,
+                        params: SamplingParams, last_hidden: bool) -> p.CompletionLogprobs:
+    """Logprobs of `ids`: the first `n_prompt` of them echoed prompt tokens, whose text keeps
+    special tokens; the rest generated, whose text skips them with `skip_special_tokens`, and
+    whose last is not in the text at all when `last_hidden` (a stop token)."""
+    tokens, offsets, special = [], [], ctx.token_text.special
+    for i, t in enumerate(ids):
+        generated = i >= n_prompt
+        in_text = not (generated and (params.skip_special_tokens and t in special
+                                      or last_hidden and i == len(ids) - 1))
+        token, offset = cursor.add(t, in_text)
+        tokens.append(token)
+        offsets.append(offset)
+    spell = ctx.token_text.spell
+    top = [None if t is None else {spell(i): v for i, v in t} for t in tops]
     return p.CompletionLogprobs(tokens=tokens, token_logprobs=lps, top_logprobs=top,
                                 text_offset=offsets)
 
@@ -214,7 +226,10 @@ async def _complete(ctx, req: p.CompletionRequest, base: str, runs: list[PromptR
                     ids = run.prompt_ids + ids
                     lps = list(run.prompt_logprobs or [None] * len(run.prompt_ids)) + lps
                     tops = list(run.prompt_top or [None] * len(run.prompt_ids)) + tops
-                lp = completion_logprobs(ctx, ids, lps, tops, 0)
+                lp = completion_logprobs(
+                    ctx, OffsetCursor(ctx.token_text), ids, lps, tops,
+                    len(run.prompt_ids) if req.echo else 0, run.params,
+                    hides_stop_token(run.params, c.finish_reason, c.stop_reason))
             out.append(p.CompletionChoice(
                 index=run.first_index + j, text=prompt_text + c.text, logprobs=lp,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
@@ -225,7 +240,7 @@ async def _complete(ctx, req: p.CompletionRequest, base: str, runs: list[PromptR
 async def _stream_completion(ctx, req: p.CompletionRequest, base: str,
                              runs: list[PromptRun]) -> AsyncIterator[str]:
     echoed: set[str] = set()
-    offsets: dict[tuple[str, int], int] = {}
+    cursors: dict[tuple[str, int], OffsetCursor] = {}
     async for run, d in run_prompts(ctx, runs):
         text, lp = d.text, None
         key = (run.rid, d.index)
@@ -234,11 +249,14 @@ async def _stream_completion(ctx, req: p.CompletionRequest, base: str,
             text = ctx.tokenizer.decode(run.prompt_ids) + text
         if req.logprobs is not None:
             ids, lps, tops = list(d.token_ids), list(d.logprobs or []), list(d.top_logprobs or [])
+            n_prompt = 0
             if d.prompt_logprobs is not None and req.echo:
-                ids = run.prompt_ids + ids
+                ids, n_prompt = run.prompt_ids + ids, len(run.prompt_ids)
                 lps, tops = list(d.prompt_logprobs) + lps, list(d.prompt_top_logprobs) + tops
-            lp = completion_logprobs(ctx, ids, lps, tops, offsets.get(key, 0))
-            offsets[key] = offsets.get(key, 0) + sum(len(t) for t in lp.tokens)
+            cursor = cursors.setdefault(key, OffsetCursor(ctx.token_text))
+            lp = completion_logprobs(ctx, cursor, ids, lps, tops, n_prompt, run.params,
+                                     hides_stop_token(run.params, d.finish_reason,
+                                                      d.matched_stop))
         if d.usage is not None:
             run.usage = d.usage
         choice = p.CompletionChoice(index=run.first_index + d.index, text=text, logprobs=lp,
@@ -271,13 +289,12 @@ async def chat_ids(ctx: ServerContext, messages: list[dict], add_generation_prom
 
 def chat_logprobs(ctx: ServerContext, ids: list[int], lps: list[float],
                   tops: list) -> p.ChatChoiceLogprobs:
-    content = []
+    tt, content = ctx.token_text, []
     for t, lp, top in zip(ids, lps, tops):
-        s = token_str(ctx, t)
         content.append(p.ChatTokenLogprob(
-            token=s, logprob=lp, bytes=list(s.encode()),
-            top_logprobs=[p.ChatTopLogprob(token=(ts := token_str(ctx, i)), logprob=v,
-                                           bytes=list(ts.encode())) for i, v in top]))
+            token=tt.spell(t), logprob=lp, bytes=list(tt.bytes_of(t)),
+            top_logprobs=[p.ChatTopLogprob(token=tt.spell(i), logprob=v,
+                                           bytes=list(tt.bytes_of(i))) for i, v in top]))
     return p.ChatChoiceLogprobs(content=content)
 
 
