@@ -131,7 +131,11 @@ class EngineConfig:
     node_rank: int = 0
     """This host's index among --nnodes."""
     dist_timeout_s: float = 120.0
-    """A rank blocked this long on a peer stops the group with a named stall error."""
+    """A rank blocked this long on a peer inside a step stops the group with a named stall
+    error. Idle ranks wait for work without a deadline."""
+    watchdog_timeout_s: float = 300.0
+    """An engine that has work but finishes no step for this long is reported (every rank's
+    position and stack in the log), /health answers 503, and the server exits non-zero."""
     flip_policy: str = "manual"
     """manual (flips only through POST /admin/flip or Engine.flip) or auto (the engine also
     flips between the two --flip-layouts by itself when the cost model says a flip pays, and
@@ -233,6 +237,8 @@ class EngineConfig:
             raise bad("dist_timeout_s", "must be > 0")
         if self.log_level not in LOG_LEVELS:
             raise bad("log_level", f"expected one of {', '.join(LOG_LEVELS)}")
+        if self.watchdog_timeout_s <= 0:
+            raise bad("watchdog_timeout_s", "must be > 0")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise bad("cpu_threads", "must be >= 1")
         self._check_flip_policy(bad)

@@ -16,6 +16,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import tempfile
 import threading
 from collections.abc import Callable
@@ -184,6 +185,15 @@ class DistributedRunner:
         finally:
             tracker.set("idle")
 
+    def report_ranks(self) -> list[str]:
+        """Every rank's last position; each live local worker also writes its stacks to its
+        log (SIGUSR1, `worker_main`). Safe from another thread (the engine's watchdog)."""
+        for w in self.workers:
+            if w.pid is not None and w.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.pid, signal.SIGUSR1)
+        return self.stage.tracker.positions(self.spec.world_size)
+
     def check_alive(self) -> None:
         dead = [f"{w.name} (exit code {w.exitcode})" for w in self.workers if not w.is_alive()]
         if dead:
@@ -204,11 +214,14 @@ class DistributedRunner:
             self._destroy_group(timeout_s=30)
         # (after a dead peer the graphs stay: a device sync could wait on a collective that
         # never completes; a later group's teardown of this one is bounded instead)
-        for w in self.workers:
-            w.join(timeout=10 if graceful else 0.1)
+        if graceful:
+            for w in self.workers:
+                w.join(timeout=10)
+        for w in self.workers:  # all at once: a failed group goes in one stroke, not 5 s each
             if w.is_alive():
                 w.terminate()
-                w.join(timeout=5)
+        for w in self.workers:
+            w.join(timeout=5)
         self.stage.tracker.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)
         if self.hicache_channel is not None:

@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -82,6 +83,45 @@ class PositionTracker:
         return DistributedStallError(
             f"rank {self.rank} stalled at step {self.step} while '{self.label}': {exc}\n"
             f"  {lines}")
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+class StepWatchdog:
+    """Notices an engine loop that makes no progress while it has work.
+
+    The loop calls `beat(busy)` once per iteration (two attribute writes). A daemon thread
+    wakes once a second; when the loop has had work for `timeout_s` without coming round
+    again, it calls `on_stall(waited_s)` once. Idle time never counts: an idle server is not a
+    stalled one. Collectives inside a step carry the group timeout; this is what catches a
+    driver that wedges outside them (host code, a lock, a plan broadcast that never returns),
+    which its ranks, waiting for plans without a deadline, cannot see.
+    """
+
+    def __init__(self, timeout_s: float, on_stall: Callable[[float], None],
+                 poll_s: float = 1.0) -> None:
+        self.timeout_s, self.on_stall = timeout_s, on_stall
+        self._busy_since: float | None = None  # monotonic time of the last beat with work
+        self._fired = False
+        self._stop = threading.Event()
+        self._poll_s = min(poll_s, timeout_s / 4)
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name="phaseflip-step-watchdog")
+        self._thread.start()
+
+    def beat(self, busy: bool) -> None:
+        self._busy_since = time.monotonic() if busy else None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            since = self._busy_since
+            if since is None or self._fired:
+                continue
+            waited = time.monotonic() - since
+            if waited >= self.timeout_s:
+                self._fired = True
+                self.on_stall(waited)
 
     def close(self) -> None:
         self._stop.set()

@@ -6,8 +6,10 @@ execute, or a peer that never answers, stops the group with a named error (law 4
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import signal
 import traceback
 
 import torch
@@ -81,6 +83,7 @@ def build_rank(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | None
 def worker_main(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | None,
                 parent_pid: int) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the engine watchdog's stack dump
     apply_cpu_threads(cfg)
     groups, runner, stage = build_rank(rank, spec, cfg, run_dir, parent_pid)
     tracker = stage.tracker

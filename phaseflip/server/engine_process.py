@@ -3,19 +3,30 @@
 The loop never waits on a client: it drains whatever messages arrived, runs one step when there
 is work, pushes the step's deltas, and only blocks (with a timeout, to notice a dead parent)
 when there is nothing to do — so an idle engine uses no CPU.
+
+Health travels to the front end as it changes (`EngineHealth`): a loop that has work but
+finishes no step for --watchdog-timeout-s (`StepWatchdog`), or a step that fails (a stalled or
+dead rank), is reported before the process exits non-zero, so /health turns 503 at once.
+SIGTERM stops the loop at its next turn and closes the engine (ranks, host tiers, the weight
+image in /dev/shm) the normal way.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import logging
 import os
 import signal
+import sys
+import time
 import traceback
+from pathlib import Path
 
 import zmq
 
 from phaseflip.config import EngineConfig
+from phaseflip.distributed.watchdog import StepWatchdog
 from phaseflip.engine.core import EngineCore
 from phaseflip.errors import InvalidRequestError, PhaseflipError
 from phaseflip.model.config import ModelConfig
@@ -25,11 +36,14 @@ from phaseflip.threads import apply_cpu_threads
 
 log = logging.getLogger("phaseflip.engine")
 IDLE_POLL_MS = 1000
+EXIT_FAILED, EXIT_STALLED = 1, 3  # the engine process's exit codes besides 0
 
 
 class EngineServer:
     def __init__(self, cfg: EngineConfig, requests_addr: str, outputs_addr: str) -> None:
         self.cfg = cfg
+        self.outputs_addr = outputs_addr
+        self.stopping = False  # set by SIGTERM; the loop ends at its next turn
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.connect(requests_addr)
@@ -38,6 +52,7 @@ class EngineServer:
         self.parent = os.getppid()
         model_cfg = ModelConfig.from_dir(cfg.model)
         self.core = EngineCore(cfg, model_cfg, load_tokenizer(cfg.model))
+        self.watchdog = StepWatchdog(cfg.watchdog_timeout_s, self._on_stall)
         self.send(self._ready())
 
     def _ready(self) -> m.Ready:
@@ -55,8 +70,9 @@ class EngineServer:
         self.outbox.send(m.encode(msg))
 
     def run(self) -> None:
-        while True:
+        while not self.stopping:
             busy = self.core.has_work()
+            self.watchdog.beat(busy)
             if busy or self.inbox.poll(IDLE_POLL_MS):
                 if not self._drain():
                     return
@@ -113,6 +129,7 @@ class EngineServer:
             freed = kv.tree.evict_all_and_reset()
             return m.ControlReply(msg.call_id, True, {"freed_tokens": freed})
         if msg.op == "flip":
+            self.watchdog.beat(True)  # a seam is work, with or without requests
             try:
                 census, _ = self.core.flip(msg.args["tp_size"], msg.args["pp_size"],
                                            sink=self._send_deltas)
@@ -141,16 +158,70 @@ class EngineServer:
         return m.ControlReply(msg.call_id, False, message=f"unknown control op {msg.op!r}")
 
 
+    def report_unhealthy(self, reason: str) -> None:
+        """Tells the front end the engine cannot serve, from any thread (its own socket: the
+        loop's may be in use, and a ZeroMQ socket belongs to one thread)."""
+        sock = self.ctx.socket(zmq.PUSH)
+        try:
+            sock.connect(self.outputs_addr)
+            sock.send(m.encode(m.EngineHealth(False, reason)))
+        finally:
+            sock.close(linger=2000)
+
+    def _on_stall(self, waited_s: float) -> None:
+        """The watchdog thread's report of a loop that stopped making progress: every rank's
+        position and stack to the log, 503 to the front end, then exit (the ranks follow: they
+        watch their parent). The wedged loop cannot close anything, so the node's shared
+        files are unlinked here."""
+        sched = self.core.scheduler
+        reason = (f"no engine step finished in {waited_s:.0f} s while {len(sched.running)} "
+                  f"requests ran and {len(sched.waiting)} waited (--watchdog-timeout-s "
+                  f"{self.cfg.watchdog_timeout_s:g})")
+        positions = _rank_positions(self.core)
+        log.error("watchdog: %s; stopping the engine\n  %s", reason,
+                  "\n  ".join(positions) or "(one process: no ranks)")
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        self.report_unhealthy(reason)
+        time.sleep(1.0)  # the ranks' stack dumps (SIGUSR1) reach the log before we go
+        for path in _node_files(self.core):
+            path.unlink(missing_ok=True)
+        logging.shutdown()
+        os._exit(EXIT_STALLED)
+
+
+def _rank_positions(core: EngineCore) -> list[str]:
+    """Every rank's last position (each local rank also dumps its stacks to its log)."""
+    from phaseflip.distributed.driver import DistributedRunner
+
+    runner = core.runner
+    return runner.report_ranks() if isinstance(runner, DistributedRunner) else []
+
+
+def _node_files(core: EngineCore) -> list[Path]:
+    """The node's shared-memory files this engine made: the weight image, HiCache's tier."""
+    files = [core.weight_image.path] if core.weight_image is not None else []
+    if core.hicache is not None and core.hicache.host.frames.path is not None:
+        files.append(core.hicache.host.frames.path)
+    return files
+
+
 def engine_main(cfg: EngineConfig, requests_addr: str, outputs_addr: str) -> None:
     """Entry point of the engine process (spawned by the launcher)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher stops us with a message/SIGTERM
+    # SIGTERM while loading: leave at once (finalizers unlink what was made); while serving:
+    # end the loop at its next turn and close normally
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     apply_cpu_threads(cfg)
     server = None
     try:
         server = EngineServer(cfg, requests_addr, outputs_addr)
+        signal.signal(signal.SIGTERM, lambda *_: setattr(server, "stopping", True))
         server.run()
+        server.watchdog.close()
         server.core.close()
-    except Exception:
+    except Exception as e:
+        if server is not None:  # before the log and the teardown: /health turns 503 now
+            server.report_unhealthy(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
         log.error("engine process failed:\n%s", traceback.format_exc())
-        raise SystemExit(1) from None
+        raise SystemExit(EXIT_FAILED) from None
