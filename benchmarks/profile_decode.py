@@ -25,10 +25,10 @@ from benchmarks.common import add_model_args, parse_engine_args, random_prompts,
 from phaseflip import Engine, SamplingParams
 
 # (label, owner attribute of the core, method); an overlapped step samples on the device and
-# waits for the previous step's tokens in `_take_tokens` (the "tokens" range)
+# waits for the previous step's tokens in `OutputProcessor.take_tokens` (the "tokens" range)
 PHASES = [("schedule", "scheduler", "schedule"), ("forward", "runner", "forward"),
-          ("sample", "sampler", "sample"), ("sample", "sampler", "sample_on_device"),
-          ("tokens", None, "_take_tokens")]
+          ("sample", "sampling", "sample"), ("sample", "sampling", "sample_ahead"),
+          ("tokens", "outputs", "take_tokens")]
 
 
 def _wrap(obj: Any, name: str, label: str) -> None:

@@ -363,7 +363,7 @@ class EngineCore:
                 self.scheduler.advance(batch)
         finally:
             if prev is not None:
-                self.outputs.take_tokens(prev.items, prev.host_tokens())
+                self.outputs.take_tokens(prev)
             deltas = self._owed_text(sink)
         if batch is None:
             if self.cfg.check_accounting and prev is None:
@@ -380,5 +380,5 @@ class EngineCore:
         step, self._inflight = self._inflight, None
         if step is None:
             return []
-        self.outputs.take_tokens(step.items, step.host_tokens())
+        self.outputs.take_tokens(step)
         return self.outputs.emit_text()

@@ -77,9 +77,10 @@ class OutputProcessor:
                     deltas.append(self.delta(req))
         return deltas
 
-    def take_tokens(self, items: Iterable, tokens: list[int]) -> None:
-        """The sampled tokens of an overlapped step, appended (text made by `emit_text`)."""
-        for it, tok in zip(items, tokens):
+    def take_tokens(self, step) -> None:
+        """The sampled tokens of an overlapped step (`sampling_step.InFlight`: waits for
+        them to reach the host), appended; their text is made by `emit_text`."""
+        for it, tok in zip(step.items, step.host_tokens()):
             req = it.req
             req.pending = 0
             if req.finished:  # aborted, or finished by the token before: a wasted row
