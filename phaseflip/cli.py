@@ -212,19 +212,27 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def version_text() -> str:
+def version_info() -> dict[str, str | None]:
+    """Versions of phaseflip and what it runs on (None: not installed); what `GET /version`
+    answers."""
     from importlib.metadata import PackageNotFoundError, version
 
     from phaseflip import __version__
 
-    parts = []
+    info: dict[str, str | None] = {"version": __version__}
     for dist in ("torch", "transformers", "triton"):
         try:
-            parts.append(f"{dist} {version(dist)}")
+            info[dist] = version(dist)
         except PackageNotFoundError:
-            pass
-    parts.append(f"python {sys.version.split()[0]}")
-    return f"phaseflip {__version__} ({', '.join(parts)})"
+            info[dist] = None
+    info["python"] = sys.version.split()[0]
+    return info
+
+
+def version_text() -> str:
+    info = version_info()
+    deps = ", ".join(f"{k} {v}" for k, v in info.items() if k != "version" and v is not None)
+    return f"phaseflip {info['version']} ({deps})"
 
 
 class _VersionAction(argparse.Action):

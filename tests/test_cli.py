@@ -100,3 +100,12 @@ def test_bench_lists_the_benchmarks_and_passes_flags_through(capsys):
     assert e.value.code == 2 and "latency" in capsys.readouterr().err
     args = build_parser().parse_args(["bench", "offline", "--num-prompts", "4"])
     assert (args.benchmark, args.bench_args) == ("offline", ["--num-prompts", "4"])
+
+
+def test_version_info_is_what_get_version_answers():
+    from phaseflip import __version__
+    from phaseflip.cli import version_info
+
+    info = version_info()
+    assert info["version"] == __version__ and info["torch"] and info["python"]
+    assert set(info) == {"version", "torch", "transformers", "triton", "python"}
