@@ -1,28 +1,39 @@
-"""Property-based fuzz of the HTTP API from its own OpenAPI schema: no request may cause a 5xx.
+"""Property-based fuzz of the HTTP API from its own OpenAPI schema, with schemathesis's checks:
+no 5xx, status codes, content types, headers (e.g. `Allow` on 405) and response bodies as the
+schema documents them, and schema-invalid requests rejected.
 
 Drives schemathesis's strategies with hypothesis directly (no pytest plugin), so the test does
-not depend on the plugin keeping up with pytest releases.
+not depend on the plugin keeping up with pytest releases. Bounded for CI: a fixed seed and a
+fixed number of examples per operation; a short context keeps every generated request fast.
+
+`positive_data_acceptance` (every schema-valid body gets 2xx) is left out on purpose: some rules
+depend on the running model and cannot be written in JSON Schema (prompt + max_tokens within
+the context, token ids below the vocabulary size), and OpenAI's own strictness (an integer
+field refuses 1.0, which JSON Schema calls an integer) is kept; each such 400 says why.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 
 from tests.server_process import start_server, stop_server  # noqa: E402
+
+EXAMPLES = int(os.environ.get("PHASEFLIP_FUZZ_EXAMPLES", "200"))
 
 
 @pytest.fixture(scope="module")
 def fuzz_server():
-    # a short context keeps every generated request fast on the CPU
     proc, url = start_server("--max-model-len", "48")
     yield url
     stop_server(proc)
 
 
-def test_no_server_errors(fuzz_server):
+def test_schema_checks_hold(fuzz_server):
     schema = schemathesis.openapi.from_url(fuzz_server + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert len(operations) >= 12
@@ -30,14 +41,18 @@ def test_no_server_errors(fuzz_server):
     for op in operations:
         fuzz(op, seen)
     assert any(kind == 4 for _, _, kind in seen), "the fuzzer never sent an invalid request"
+    assert any(kind == 2 for _, _, kind in seen), "the fuzzer never sent a valid request"
 
 
 def fuzz(op, seen: set) -> None:
-    @settings(max_examples=25, deadline=None, database=None,
+    excluded = [schemathesis.checks.positive_data_acceptance]
+
+    @seed(23)
+    @settings(max_examples=EXAMPLES, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
     @given(case=op.as_strategy())
     def check(case):
-        response = case.call(timeout=60)
+        response = case.call_and_validate(timeout=60, excluded_checks=excluded)
         seen.add((op.method.upper(), op.path, response.status_code // 100))
         assert response.status_code < 500, (
             f"{case.method} {case.path} -> {response.status_code}: {response.text[:500]}")

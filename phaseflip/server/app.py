@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import phaseflip
@@ -28,14 +28,17 @@ from phaseflip.server.openai_api import (
     sse,
     stream_response,
 )
+from phaseflip.server.openapi import ERRORS, Aborted, FreedTokens, Health, ok, streams
+from phaseflip.server.openapi import install as install_openapi
 
 log = logging.getLogger("phaseflip.server")
 FLIP_TIMEOUT_S = 600.0  # a flip restarts ranks and reloads weights: minutes on big models
 
 
 def _error(status: int, message: str, type_: str, param: str | None = None,
-           code: str | None = None) -> JSONResponse:
-    return JSONResponse(p.error_body(message, type_, param, code), status_code=status)
+           code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(p.error_body(message, type_, param, code), status_code=status,
+                        headers=headers)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -72,23 +75,24 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(exc.status_code, str(exc.detail), kind)
+        return _error(exc.status_code, str(exc.detail), kind, headers=exc.headers)  # (Allow)
 
 
 def build_app(ctx: ServerContext) -> FastAPI:
-    app = FastAPI(title="phaseflip", version=phaseflip.__version__)
+    app = FastAPI(title="phaseflip", version=phaseflip.__version__, responses=ERRORS)
+    install_openapi(app)
     _install_error_handlers(app)
 
     app.add_middleware(Gate, ctx=ctx)
 
-    @app.get("/health")
+    @app.get("/health", responses=ok(Health))
     async def health() -> Response:
         problem = ctx.shutting_down or ctx.engine.state.problem
         if ctx.ready and not problem:
             return JSONResponse({"status": "ok"})
         return _error(503, problem or "the model is still loading", "server_error")
 
-    @app.get("/health_generate")
+    @app.get("/health_generate", responses=ok(Health))
     async def health_generate() -> Response:
         from phaseflip.sampling.params import SamplingParams
 
@@ -96,28 +100,29 @@ def build_app(ctx: ServerContext) -> FastAPI:
             pass
         return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses=ok(p.ModelList))
     async def models() -> dict:
         return p.ModelList(data=[_card(ctx)]).model_dump()
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", response_model=None, responses=ok(p.ModelCard))
     async def model(model_id: str) -> dict:
         ctx.check_model(model_id)
         return _card(ctx).model_dump()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=streams(p.CompletionResponse))
     async def completions(req: p.CompletionRequest, request: Request):
         return await create_completion(req, request, ctx)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=streams(p.ChatCompletionResponse))
     async def chat(req: p.ChatCompletionRequest, request: Request):
         return await create_chat_completion(req, request, ctx)
 
-    @app.post("/generate")
+    @app.post("/generate", responses=streams({"anyOf": [
+        {"type": "object"}, {"type": "array", "items": {"type": "object"}}]}))
     async def generate(req: p.GenerateRequest, request: Request):
         return await _native_generate(ctx, req, request)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=None, responses=ok(p.TokenizeResponse))
     async def tokenize(req: p.TokenizeRequest) -> dict:
         ctx.check_model(req.model)
         if req.messages is not None:
@@ -128,7 +133,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         return p.TokenizeResponse(tokens=ids, count=len(ids),
                                   max_model_len=ctx.max_context).model_dump()
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=None, responses=ok(p.DetokenizeResponse))
     async def detokenize(req: p.DetokenizeRequest) -> dict:
         ctx.check_model(req.model)
         vocab = ctx.engine.state.ready.vocab_size
@@ -136,14 +141,14 @@ def build_app(ctx: ServerContext) -> FastAPI:
             raise InvalidRequestError(f"token ids must be below {vocab}", "tokens")
         return p.DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens)).model_dump()
 
-    @app.post("/flush_cache")
+    @app.post("/flush_cache", responses=ok(FreedTokens))
     async def flush_cache() -> Response:
         reply = await ctx.engine.control("flush_cache")
         if not reply.ok:
             return _error(400, reply.message, "invalid_request_error")
         return JSONResponse({"freed_tokens": reply.data["freed_tokens"]})
 
-    @app.post("/admin/flip")
+    @app.post("/admin/flip", responses=ok({"type": "object"}))
     async def admin_flip(req: p.FlipRequest) -> Response:
         """Re-lays the engine's ranks out between two steps; answers with the seam census."""
         target = f"tp{req.tp_size}×pp{req.pp_size}"
@@ -165,7 +170,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
             return _error(400, reply.message, "invalid_request_error")
         return JSONResponse(reply.data)
 
-    @app.post("/abort_request")
+    @app.post("/abort_request", response_model=None, responses=ok(Aborted))
     async def abort_request(req: p.AbortRequest) -> dict:
         rids = ctx.engine.matching(req.rid)
         if not rids:
@@ -177,7 +182,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         ctx.metrics.aborted.labels("abort_request").inc(len(rids))
         return {"rid": req.rid, "aborted": rids}
 
-    @app.get("/server_info")
+    @app.get("/server_info", response_model=None, responses=ok({"type": "object"}))
     async def server_info() -> dict:
         # mid-flip the engine answers nothing until its seam ends: say so instead of waiting
         info = ({"flip_in_progress": ctx.flipping_to} if ctx.flipping_to is not None
@@ -190,7 +195,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
             "versions": _versions(),
         }
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         st = ctx.engine.state
         ctx.metrics.running.set(st.running)

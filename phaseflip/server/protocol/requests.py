@@ -156,8 +156,12 @@ def _check_logit_bias(value: dict[str, float] | None) -> dict[str, float] | None
     return value
 
 
+# the min_length constraints repeat what the validator checks, so the OpenAPI schema says it
+_Text = Annotated[str, Field(min_length=1)]
+_Ids = Annotated[list[TokenId], Field(min_length=1)]
 Prompt = Annotated[
-    str | list[str] | list[TokenId] | list[list[TokenId]],
+    _Text | Annotated[list[_Text], Field(min_length=1)] | _Ids
+    | Annotated[list[_Ids], Field(min_length=1)],
     _prompt_validator(strings=True, token_ids=True, what="prompt"),
 ]
 Stop = Annotated[str | list[str] | None, BeforeValidator(_check_stop)]
@@ -502,11 +506,15 @@ class GenerateRequest(_Request):
     (-1: none).
     """
 
+    model_config = ConfigDict(json_schema_extra={
+        "oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]})
+
     text: Annotated[
-        str | list[str] | None, _prompt_validator(strings=True, token_ids=False, what="text")
+        _Text | Annotated[list[_Text], Field(min_length=1)] | None,
+        _prompt_validator(strings=True, token_ids=False, what="text")
     ] = None
     input_ids: Annotated[
-        list[TokenId] | list[list[TokenId]] | None,
+        _Ids | Annotated[list[_Ids], Field(min_length=1)] | None,
         _prompt_validator(strings=False, token_ids=True, what="input_ids"),
     ] = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
@@ -531,6 +539,9 @@ class GenerateRequest(_Request):
 
 class TokenizeRequest(_Request):
     """Body of `POST /tokenize`: a raw prompt, or chat messages rendered by the template."""
+
+    model_config = ConfigDict(json_schema_extra={
+        "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
 
     model: Str | None = None
     prompt: Str | None = None
