@@ -27,6 +27,7 @@ class PoolAccounting:
     evictable: int
     protected: int
     private: int
+    withheld: int = 0  # held by HiCache loads in flight: allocated, in no tree or request yet
 
     @property
     def locked(self) -> int:
@@ -34,7 +35,7 @@ class PoolAccounting:
 
     @property
     def balanced(self) -> bool:
-        return self.total == self.free + self.evictable + self.locked
+        return self.total == self.free + self.evictable + self.locked + self.withheld
 
 
 class KVCacheManager:
@@ -209,13 +210,16 @@ class KVCacheManager:
             self.allocator.free(slots[req.protected_len : dup])
 
     # ------------------------------------------------------------------ checks
-    def accounting(self, running: list[Req]) -> PoolAccounting:
+    def accounting(self, running: list[Req], withheld: int = 0) -> PoolAccounting:
+        """`withheld`: the slots HiCache loads in flight hold (0 at idle: the scheduler
+        quiesces the controller before it reports idle)."""
         return PoolAccounting(
             total=self.allocator.total_slots,
             free=self.allocator.free_slots,
             evictable=self.tree.evictable_size(),
             protected=self.tree.protected_size(),
             private=sum(r.private_slots(self.page_size) for r in running),
+            withheld=withheld,
         )
 
     def check(self, running: list[Req]) -> PoolAccounting:

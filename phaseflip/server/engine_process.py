@@ -31,6 +31,7 @@ from phaseflip.engine.core import EngineCore
 from phaseflip.errors import InvalidRequestError, PhaseflipError
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.loader import load_tokenizer
+from phaseflip.scheduler.kv_cache import PoolAccounting
 from phaseflip.server import messages as m
 from phaseflip.threads import apply_cpu_threads
 
@@ -141,7 +142,7 @@ class EngineServer:
             self.send(self._ready())  # before the reply: the caller sees the new limits
             return m.ControlReply(msg.call_id, True, census.as_dict())
         if msg.op == "info":
-            acc = kv.accounting(sched.running)
+            acc = pool_accounting(self.core)
             ledger = self.core.flip_ledger  # the last flips' censuses, refill and warm-up
             flips = (ledger.snapshot() if ledger is not None
                      else {"last_flip": None, "flip_censuses": []})
@@ -187,6 +188,13 @@ class EngineServer:
             path.unlink(missing_ok=True)
         logging.shutdown()
         os._exit(EXIT_STALLED)
+
+
+def pool_accounting(core: EngineCore) -> PoolAccounting:
+    """The pool's accounting between steps, counting the slots of HiCache loads in flight
+    (without them /server_info reported 'balanced: false' whenever loads were in flight)."""
+    withheld = core.hicache.in_flight_slots if core.hicache is not None else 0
+    return core.kv.accounting(core.scheduler.running, withheld)
 
 
 def _rank_positions(core: EngineCore) -> list[str]:
