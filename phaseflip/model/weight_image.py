@@ -37,7 +37,6 @@ import logging
 import mmap
 import os
 import struct
-import tempfile
 import time
 import zlib
 from collections.abc import Iterable, Iterator
@@ -51,6 +50,7 @@ import torch
 from phaseflip.cache.hicache.frames import cuda_host_register
 from phaseflip.errors import PhaseflipError
 from phaseflip.model.loader import checkpoint_tensor_specs, iter_checkpoint_tensors
+from phaseflip.node_files import node_file_path, remove_stale
 
 if TYPE_CHECKING:
     from phaseflip.config import EngineConfig
@@ -297,29 +297,13 @@ def _check_headroom(directory: Path, size: int) -> None:
 
 
 def remove_stale_images(directory: Path) -> list[Path]:
-    """Unlinks the images of engines that are gone (their pid no longer runs): a killed engine
-    cannot unlink its own, and a checkpoint-sized tmpfs file would stay until reboot."""
-    removed = []
-    for f in directory.glob("phaseflip-weights-*-*"):
-        try:
-            pid = int(f.name.split("-")[2])
-        except (IndexError, ValueError):
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            f.unlink(missing_ok=True)
-            removed.append(f)
-            log.warning("host weight image: removed %s, left by the gone process %d", f, pid)
-        except PermissionError:
-            pass  # another user's live process
-    return removed
+    """Unlinks the images of engines that are gone (their pid no longer runs)."""
+    return remove_stale("weights", directory)
 
 
 def image_path() -> Path:
     """A fresh name for a node's weight image: in /dev/shm (tmpfs) where there is one."""
-    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return shm / f"phaseflip-weights-{os.getpid()}-{os.urandom(4).hex()}"
+    return node_file_path("weights")
 
 
 def flip_weights_strategy(cfg: EngineConfig) -> str:

@@ -17,12 +17,12 @@ import contextlib
 import logging
 import mmap
 import os
-import tempfile
 from pathlib import Path
 
 import torch
 
 from phaseflip.cache.hicache.page import PageGeometry
+from phaseflip.node_files import node_file_path, remove_stale
 
 log = logging.getLogger("phaseflip.hicache")
 
@@ -151,9 +151,10 @@ def page_geometry(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torc
 
 
 def shared_frames_path() -> Path:
-    """A fresh name for a node's shared host tier: in /dev/shm (tmpfs) where there is one."""
-    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return shm / f"phaseflip-hicache-{os.getpid()}-{os.urandom(4).hex()}"
+    """A fresh name for a node's shared host tier, in /dev/shm (tmpfs) where there is one;
+    the tiers of engines that are gone (killed: none unlinks its own) are removed first."""
+    remove_stale("hicache")
+    return node_file_path("hicache")
 
 
 def host_capacity_pages(host_bytes: float, geometry: PageGeometry) -> int:
