@@ -238,3 +238,40 @@ def test_idle_ranks_outlive_the_group_timeout(deep_dir):
 
 def want_flat(outs: list[list[list[int]]]) -> list[list[int]]:
     return [o[0] for o in outs]
+
+
+@pytest.mark.timeout(90, method="thread")
+def test_rank_dying_while_the_group_forms_is_a_named_error_at_once(deep_dir):
+    """A worker killed before it joins: rank 0 must not wait out the store timeout (the server
+    hung ~124 s with /health 200, then failed with a generic DistStoreError); it fails at once
+    naming the dead rank, and no rank is left behind."""
+    import multiprocessing as mp
+    import os
+    import signal
+    import threading
+
+    from phaseflip.distributed.group import GroupFormationError
+
+    errors: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            Engine(str(deep_dir), device="cpu", max_total_tokens=4096, tp_size=2,
+                   dist_timeout_s=60)
+        except BaseException as e:  # noqa: BLE001 — the test inspects it
+            errors.append(e)
+
+    t = threading.Thread(target=build, daemon=True)
+    t.start()
+    end = time.monotonic() + 30
+    while not mp.active_children() and time.monotonic() < end:
+        time.sleep(0.05)
+    workers = mp.active_children()
+    assert workers, "no worker was spawned"
+    start = time.monotonic()
+    os.kill(workers[0].pid, signal.SIGKILL)
+    t.join(timeout=30)
+    assert not t.is_alive() and time.monotonic() - start < 10
+    assert errors and isinstance(errors[0], GroupFormationError), errors
+    assert "phaseflip-rank1 (exit code -9) exited while joining" in str(errors[0])
+    assert "ranks not joined: [1]" in str(errors[0])

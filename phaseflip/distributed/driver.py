@@ -118,8 +118,21 @@ class DistributedRunner:
         ]
         for w in self.workers:
             w.start()
-        self.groups, self.runner, self.stage = build_rank(0, self.spec, cfg, self.run_dir, None,
-                                                          self.hicache_frames, self.weight_image)
+        try:
+            self.groups, self.runner, self.stage = build_rank(
+                0, self.spec, cfg, self.run_dir, None, self.hicache_frames, self.weight_image,
+                peers_failed=self._exited_workers)
+        except BaseException:
+            for w in self.workers:  # none of them may outlive a group that did not form
+                w.terminate()
+            for w in self.workers:
+                w.join(timeout=5)
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
+
+    def _exited_workers(self) -> list[str]:
+        return [f"{w.name} (exit code {w.exitcode})" for w in self.workers
+                if w.exitcode is not None]
 
     # the `Runner` protocol (model/runner.py), as rank 0 sees it
     @property

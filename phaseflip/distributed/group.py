@@ -18,6 +18,8 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -102,13 +104,31 @@ class RankGroups:
 IDLE_WAIT = datetime.timedelta(days=365)
 
 
-def join(rank: int, spec: DistSpec) -> RankGroups:
+class GroupFormationError(RuntimeError):
+    """The rank group did not form: a rank died while joining, or missed the deadline."""
+
+
+JOIN_KEY = "phaseflip/joined/"
+
+
+def join(rank: int, spec: DistSpec,
+         peers_failed: Callable[[], list[str]] | None = None) -> RankGroups:
     """init_process_group for this rank and create the TP groups, the CPU group and the plan
-    group (the same gloo ranks, without a deadline: see the module docstring)."""
+    group (the same gloo ranks, without a deadline: see the module docstring).
+
+    Rank 0 hosts the rendezvous store and waits for every rank to check in before it forms
+    the group, asking `peers_failed` (its local workers that exited) every 0.1 s: a rank that
+    dies while joining is a named `GroupFormationError` at once, not a store timeout minutes
+    later; a rank that never arrives is one after --dist-timeout-s, naming who is missing."""
     host, port = spec.init_addr.rsplit(":", 1)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
     timeout = datetime.timedelta(seconds=spec.timeout_s)
-    dist.init_process_group(spec.backend, init_method=f"tcp://{host}:{port}", rank=rank,
+    store = dist.TCPStore(host, int(port), spec.world_size, is_master=rank == 0,
+                          timeout=timeout, wait_for_workers=False)
+    store.set(f"{JOIN_KEY}{rank}", "1")
+    if rank == 0:
+        _await_ranks(store, spec, peers_failed or (lambda: []))
+    dist.init_process_group(spec.backend, store=store, rank=rank,
                             world_size=spec.world_size, timeout=timeout)
     tp_group = None
     for pp in range(spec.pp_size):
@@ -121,6 +141,23 @@ def join(rank: int, spec: DistSpec) -> RankGroups:
     plan_group = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
     return RankGroups(rank, spec, tp_group if spec.tp_size > 1 else None, cpu_group,
                       plan_group)
+
+
+def _await_ranks(store: dist.Store, spec: DistSpec,
+                 peers_failed: Callable[[], list[str]]) -> None:
+    deadline = time.monotonic() + spec.timeout_s
+    keys = [f"{JOIN_KEY}{r}" for r in range(spec.world_size)]
+    while not store.check(keys):
+        failed = peers_failed()
+        late = time.monotonic() > deadline
+        if failed or late:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            why = (f"{', '.join(failed)} exited while joining" if failed
+                   else f"not every rank joined within --dist-timeout-s {spec.timeout_s:g}")
+            raise GroupFormationError(
+                f"the rank group did not form: {why}; ranks not joined: {missing} "
+                f"(world size {spec.world_size}, rendezvous {spec.init_addr})")
+        time.sleep(0.1)
 
 
 def rank_device(rank: int, spec: DistSpec, cfg: EngineConfig) -> torch.device:

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import traceback
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,14 +35,16 @@ STOP = "stop"
 
 def build_rank(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | None,
                parent_pid: int | None, frames: HostFrames | None = None,
-               image: WeightImage | None = None
+               image: WeightImage | None = None,
+               peers_failed: Callable[[], list[str]] | None = None,
                ) -> tuple[RankGroups, ModelRunner, StageExecutor]:
     """Everything one rank needs; the driver calls it for rank 0 too (with the HiCache host
     frames and the host weight image it created; other ranks map them by name, the image
-    only while they load their shard)."""
+    only while they load their shard). `peers_failed`: rank 0's local workers that exited, so
+    a group that cannot form fails at once (`join`)."""
     tracker = PositionTracker(rank, run_dir, parent_pid)
     with tracker.at("joining the process group"):
-        groups = join(rank, spec)
+        groups = join(rank, spec, peers_failed)
     model_cfg = ModelConfig.from_dir(cfg.model)
     if spec.pp_size > model_cfg.num_layers:
         raise ValueError(f"pp_size={spec.pp_size} exceeds the model's {model_cfg.num_layers} "
