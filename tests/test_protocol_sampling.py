@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from phaseflip.sampling.grammar import GrammarSpec
 from phaseflip.sampling.params import SamplingParams
 from phaseflip.server.protocol import (
     ChatCompletionRequest,
@@ -135,6 +136,12 @@ def test_generate_sampling_params_every_field_reaches_sampling_params() -> None:
         "ignore_eos": True, "stop": ["q"], "stop_token_ids": [5], "skip_special_tokens": False,
         "include_stop_str_in_output": True,
     }
-    assert set(values) == native_sampling_param_names()
+    grammars = {"regex": "[a-z]+", "ebnf": 'root ::= "a"', "json_schema": '{"type": "object"}'}
+    assert set(values) | set(grammars) == native_sampling_param_names()
     p = generate_sampling_params(GenerateRequest.model_validate(gen(sampling_params=values)), 1)
     assert p == SamplingParams(**{**values, "logit_bias": {1: 2.0}})
+    for kind, text in grammars.items():  # one at a time: NativeSamplingParams refuses two
+        body = gen(sampling_params={**values, kind: text})
+        p = generate_sampling_params(GenerateRequest.model_validate(body), 1)
+        assert p == SamplingParams(**{**values, "logit_bias": {1: 2.0}},
+                                   grammar=GrammarSpec(kind, text))

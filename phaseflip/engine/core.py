@@ -30,6 +30,7 @@ from phaseflip.flip.seam import check_target, run_seam
 from phaseflip.flip.telemetry import FlipTelemetry
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.runner import Runner
+from phaseflip.sampling.grammar import GrammarBook
 from phaseflip.sampling.params import SamplingParams
 from phaseflip.sampling.sampler import Sampler
 from phaseflip.scheduler.kv_cache import KVCacheManager, PoolAccounting
@@ -55,7 +56,8 @@ class EngineCore:
             if self._hicache is not None:
                 self._hicache.close()  # no engine will: free the (maybe shared) host tier now
             raise
-        self.sampling = SamplingStep(Sampler(cfg.seed))
+        self.sampling = SamplingStep(Sampler(cfg.seed),
+                                     GrammarBook(tokenizer, model_cfg.vocab_size))
         self.outputs = OutputProcessor(tokenizer, self.max_context, self.scheduler.remove)
         self._arrivals = 0
         self._inflight: InFlight | None = None
@@ -235,6 +237,7 @@ class EngineCore:
                 leader=reqs[0] if reqs else None,
             )
             req.overlappable = overlappable(p)
+            self.sampling.grammars.register(req)  # compiled (cached): a bad one raises here
             self._arrivals += 1
             reqs.append(req)
         self.outputs.add(rid, prompt_ids, reqs)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from phaseflip.sampling.grammar import GrammarBook
 from phaseflip.sampling.params import SamplingParams
 from phaseflip.sampling.sampler import Sampler, SamplingInput, compute_logprobs, to_device
 from phaseflip.scheduler.scheduler import Scheduled, ScheduledBatch
@@ -37,9 +38,10 @@ def overlappable(params: SamplingParams) -> bool:
     """Whether sampling with `params` needs nothing of the previous token on the host: no
     logprobs (read at sampling), no penalties or min_new_tokens (they read the output so
     far), no stop strings (checked on the text at once), no seed (its stream is keyed by the
-    output length)."""
+    output length), no grammar (its mask needs the previous token on the host)."""
     return (params.logprobs is None and params.prompt_logprobs is None and not params.stop
-            and not params.has_penalties and params.min_new_tokens == 0 and params.seed is None)
+            and not params.has_penalties and params.min_new_tokens == 0 and params.seed is None
+            and params.grammar is None)
 
 
 def _inputs(items: list[Scheduled]) -> list[SamplingInput]:
@@ -56,15 +58,17 @@ def logit_rows(items: list[Scheduled], logits: torch.Tensor) -> torch.Tensor:
 
 
 class SamplingStep:
-    def __init__(self, sampler: Sampler) -> None:
-        self.sampler = sampler
+    def __init__(self, sampler: Sampler, grammars: GrammarBook | None = None) -> None:
+        self.sampler, self.grammars = sampler, grammars
 
     def sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> dict:
-        """{sampling item: (token, logprob or None, top logprobs or None)}, on the host."""
+        """{sampling item: (token, logprob or None, top logprobs or None)}, on the host.
+        Grammar masks are filled on the host first, while the device still runs the step."""
         items = [it for it in batch.items if it.samples]
         if not items:
             return {}
-        out = self.sampler.sample(logit_rows(items, logits), _inputs(items))
+        mask = None if self.grammars is None else self.grammars.masks([it.req for it in items])
+        out = self.sampler.sample(logit_rows(items, logits), _inputs(items), mask)
         result: dict[Scheduled, tuple] = {}
         for i, it in enumerate(items):
             lp = out.logprobs[i] if out.logprobs is not None else None

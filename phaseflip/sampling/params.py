@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phaseflip.errors import InvalidRequestError
+from phaseflip.sampling.grammar import GrammarSpec
 
 MAX_N = 128
 PENALTY_RANGE = 2.0
@@ -63,6 +64,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # what the output must match (JSON schema, regex, EBNF); None: unconstrained
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         # OpenAI accepts `stop: "foo"`; normalise so the rest of the engine sees one shape.
@@ -175,6 +178,11 @@ class SamplingParams:
                     f"stop_token_ids entry {token!r} is outside the vocabulary [0, {vocab_size})",
                     param="stop_token_ids",
                 )
+
+        if self.grammar is not None:
+            if not isinstance(self.grammar, GrammarSpec):
+                raise InvalidRequestError("grammar must be a GrammarSpec", param="grammar")
+            self.grammar.check()
 
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

@@ -18,7 +18,12 @@ from itertools import chain
 import numpy as np
 import torch
 
+from phaseflip.sampling.grammar import apply_bitmask
 from phaseflip.sampling.params import SamplingParams
+
+# (rows constrained by a grammar, their int32 token bitmask [len(rows), ceil(V / 32)] on the
+# host): see sampling/grammar.py
+TokenMask = tuple[list[int], torch.Tensor]
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
@@ -79,6 +84,13 @@ def to_device(values: Sequence[float] | Sequence[int], dtype: torch.dtype,
     memory first synchronises the stream, which would stall an overlapped step until the
     forward queued before it is done; a pinned source copies asynchronously."""
     t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device, through pinned memory (no stream sync, see to_device)."""
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t
@@ -254,15 +266,17 @@ class Sampler:
             self._generators[device] = gen
         return gen
 
-    def sample(self, logits: torch.Tensor, inputs: list[SamplingInput]) -> SampleOutput:
-        """Pick a token for every row of `logits` [B, V] and report raw-distribution logprobs."""
+    def sample(self, logits: torch.Tensor, inputs: list[SamplingInput],
+               mask: TokenMask | None = None) -> SampleOutput:
+        """Pick a token for every row of `logits` [B, V] and report raw-distribution logprobs
+        (of the model's distribution: a grammar's mask only restricts the choice)."""
         if logits.dim() != 2 or logits.shape[0] != len(inputs):
             raise ValueError(
                 f"logits shape {tuple(logits.shape)} does not match {len(inputs)} sampling inputs"
             )
         if logits.shape[0] == 0:
             return SampleOutput(token_ids=[], logprobs=None, top_logprobs=None)
-        tokens, raw, want_logprobs = self._choose(logits, inputs)
+        tokens, raw, want_logprobs = self._choose(logits, inputs, mask)
         if not want_logprobs:
             return SampleOutput(token_ids=tokens.tolist(), logprobs=None, top_logprobs=None)
         return _with_logprobs(raw, tokens, inputs)
@@ -276,8 +290,8 @@ class Sampler:
             raise ValueError("sample_on_device cannot report logprobs")
         return tokens
 
-    def _choose(self, logits: torch.Tensor, inputs: list[SamplingInput]
-                ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    def _choose(self, logits: torch.Tensor, inputs: list[SamplingInput],
+                mask: TokenMask | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """(chosen ids on the device, the float32 logits, whether any row wants logprobs)."""
         rows, vocab = logits.shape
         device = logits.device
@@ -304,13 +318,16 @@ class Sampler:
                 want_logprobs = True
 
         work = raw
-        if penalised or banned_rows:
+        if penalised or banned_rows or mask is not None:
             work = raw.clone()
             if penalised:
                 apply_penalties_batch(work, penalised, [inputs[i] for i in penalised])
             if banned_rows:
                 work[to_device(banned_rows, torch.long, device),
                      to_device(banned_ids, torch.long, device)] = float("-inf")
+            if mask is not None:  # after the bans: a grammar row keeps only allowed tokens
+                apply_bitmask(work, to_device(mask[0], torch.long, device),
+                              _on_device(mask[1], device))
 
         # argmax returns the first maximal index: ties resolve to the lowest id, deterministically.
         tokens = work.argmax(dim=-1)

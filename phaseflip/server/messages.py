@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phaseflip.engine.outputs import StreamDelta, Usage
+from phaseflip.sampling.grammar import GrammarSpec
 from phaseflip.sampling.params import SamplingParams
 
 # ---------------------------------------------------------------- front end → engine
@@ -93,7 +94,8 @@ Message = (AddRequest | AbortRequest | Control | Ready | Deltas | RequestFailed 
 _ALLOWED = {
     (c.__module__, c.__name__)
     for c in (AddRequest, AbortRequest, Control, Ready, Deltas, RequestFailed, ControlReply,
-              EngineHealth, StreamDelta, Usage, SamplingParams)
+              EngineHealth, StreamDelta, Usage, SamplingParams,
+              GrammarSpec)
 }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -19,6 +19,7 @@ from phaseflip.engine.outputs import StreamDelta
 from phaseflip.errors import InvalidRequestError, PhaseflipError
 from phaseflip.sampling.params import SamplingParams
 from phaseflip.server import protocol as p
+from phaseflip.server import tools
 from phaseflip.server.context import ServerContext
 from phaseflip.server.token_text import OffsetCursor
 
@@ -304,37 +305,62 @@ async def create_chat_completion(req: p.ChatCompletionRequest, request: Request,
     feature = p.unsupported(req)
     if feature:
         raise InvalidRequestError(f"{feature} is not supported yet", feature)
-    ids = await chat_ids(ctx, req.template_messages(), req.add_generation_prompt,
-                         req.chat_template_kwargs or {})
+    plan = tools.plan_tools(req)
+    template = ctx.tokenizer.chat_template
+    messages, tool_kwargs = tools.template_messages(
+        req, plan, template if isinstance(template, str) else str(template or ""))
+    ids = await chat_ids(ctx, messages, req.add_generation_prompt,
+                         {**(req.chat_template_kwargs or {}), **tool_kwargs})
     params = p.chat_sampling_params(req, ctx.default_max_tokens(len(ids)))
+    if plan is not None and plan.grammar is not None:
+        params = replace(params, grammar=plan.grammar)
     ctx.validate(ids, params)
     ctx.admit([params])
     base = ctx.new_id("chatcmpl")
     run = PromptRun(base, ids, params, 0)
     if req.stream:
-        return stream_response(_stream_chat(ctx, req, run))
-    return await respond(request, lambda: _chat(ctx, req, run))
+        return stream_response(_stream_chat(ctx, req, run, plan))
+    return await respond(request, lambda: _chat(ctx, req, run, plan))
 
 
-async def _chat(ctx, req: p.ChatCompletionRequest, run: PromptRun) -> dict:
+def _chat_message(plan: tools.ToolPlan | None,
+                  c: Choice) -> tuple[p.ChatResponseMessage, str | None]:
+    """The assistant message of a finished choice and its finish reason ("tool_calls" when
+    it called tools and ended by itself)."""
+    if plan is None:
+        return p.ChatResponseMessage(content=c.text), c.finish_reason
+    content, calls = tools.parse_output(plan, c.text)
+    if not calls:
+        return p.ChatResponseMessage(content=content), c.finish_reason
+    reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+    return p.ChatResponseMessage(content=content, tool_calls=tools.tool_calls(calls)), reason
+
+
+async def _chat(ctx, req: p.ChatCompletionRequest, run: PromptRun,
+                plan: tools.ToolPlan | None) -> dict:
     choices = [Choice(j) for j in range(req.n)]
     async for _, d in run_prompts(ctx, [run]):
         choices[d.index].add(d)
         if d.usage is not None:
             run.usage = d.usage
-    out = [p.ChatCompletionChoice(
-        index=c.index, message=p.ChatResponseMessage(content=c.text),
-        logprobs=chat_logprobs(ctx, c.token_ids, c.logprobs, c.top) if req.logprobs else None,
-        finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in choices]
+    out = []
+    for c in choices:
+        message, reason = _chat_message(plan, c)
+        out.append(p.ChatCompletionChoice(
+            index=c.index, message=message, finish_reason=reason, stop_reason=c.stop_reason,
+            logprobs=chat_logprobs(ctx, c.token_ids, c.logprobs, c.top) if req.logprobs
+            else None))
     return p.ChatCompletionResponse(id=run.rid, model=ctx.model_name, choices=out,
                                     usage=usage_of([run])).model_dump()
 
 
-async def _stream_chat(ctx, req: p.ChatCompletionRequest,
-                       run: PromptRun) -> AsyncIterator[str]:
+async def _stream_chat(ctx, req: p.ChatCompletionRequest, run: PromptRun,
+                       plan: tools.ToolPlan | None) -> AsyncIterator[str]:
     def chunk(choices: list, usage=None) -> str:
         return sse(p.ChatCompletionStreamResponse(id=run.rid, model=ctx.model_name,
                                                   choices=choices, usage=usage))
+
+    streamers = [tools.ToolStreamer(plan) for _ in range(req.n)] if plan is not None else None
 
     for j in range(req.n):
         yield chunk([p.ChatCompletionStreamChoice(
@@ -345,10 +371,17 @@ async def _stream_chat(ctx, req: p.ChatCompletionRequest,
         lp = None
         if req.logprobs and d.token_ids:
             lp = chat_logprobs(ctx, d.token_ids, d.logprobs or [], d.top_logprobs or [])
-        if d.text or lp is not None or d.finish_reason:
+        content, calls, reason = d.text or None, None, d.finish_reason
+        if streamers is not None:
+            streamer = streamers[d.index]
+            content, calls = streamer.feed(d.text, d.finish_reason is not None)
+            calls = calls or None
+            if streamer.calls and reason == "stop":
+                reason = "tool_calls"
+        if content or calls or lp is not None or reason:
             yield chunk([p.ChatCompletionStreamChoice(
-                index=d.index, delta=p.DeltaMessage(content=d.text or None), logprobs=lp,
-                finish_reason=d.finish_reason,
-                stop_reason=d.matched_stop if d.finish_reason else None)])
+                index=d.index, delta=p.DeltaMessage(content=content, tool_calls=calls),
+                logprobs=lp, finish_reason=reason,
+                stop_reason=d.matched_stop if reason else None)])
     if req.include_usage:
         yield chunk([], usage_of([run]))

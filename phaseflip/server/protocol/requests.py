@@ -298,6 +298,13 @@ class _OpenAISampling(_SamplingExtras):
 # ---------------------------------------------------------------------------------------------
 
 
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+    """{"name": ..., "schema": {...}, "strict": ...}: the output is JSON valid against the
+    schema (grammar-constrained, always strict)."""
+
+
 class CompletionRequest(_OpenAISampling):
     """Body of `POST /v1/completions`."""
 
@@ -312,6 +319,8 @@ class CompletionRequest(_OpenAISampling):
     logprobs: TopLogprobsNum | None = None
     """None: no logprobs; 0: the chosen token's; k: also the k most likely alternatives."""
     echo: Bool = False
+    response_format: ResponseFormat | None = None
+    """As on chat: json_object / json_schema constrain the completion (vLLM/SGLang extension)."""
 
     def _requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -404,11 +413,6 @@ class ChatMessage(_Request):
         return out
 
 
-class ResponseFormat(_Request):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
-
 class ChatCompletionRequest(_OpenAISampling):
     """Body of `POST /v1/chat/completions`."""
 
@@ -490,11 +494,24 @@ class NativeSamplingParams(_Request):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: Bool | None = None
     include_stop_str_in_output: Bool | None = None
+    regex: Str | None = None
+    """The output matches this regular expression (grammar-constrained)."""
+    ebnf: Str | None = None
+    """The output matches this EBNF grammar (GBNF-style, root rule `root`)."""
+    json_schema: Str | None = None
+    """The output is JSON valid against this schema (given as JSON text, as in SGLang)."""
 
     @model_validator(mode="before")
     @classmethod
     def _no_logprob_keys(cls, data: Any) -> Any:
         return _reject_logprob_keys(data)
+
+    @model_validator(mode="after")
+    def _one_grammar(self) -> NativeSamplingParams:
+        given = [k for k in ("regex", "ebnf", "json_schema") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise _fail(f"at most one of regex, ebnf and json_schema, got {given}", given[1])
+        return self
 
 
 class GenerateRequest(_Request):

@@ -28,7 +28,7 @@ def _finite_logprob(x: float) -> float:
 
 
 Logprob = Annotated[float, AfterValidator(_finite_logprob)]
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 """"abort" (the request was aborted) is phaseflip's; the `openai` client's Literal lacks it but
 its default, non-strict parsing passes it through."""
 
@@ -124,9 +124,37 @@ class ChatChoiceLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str
+    """The arguments as JSON text (as OpenAI sends them)."""
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Response):
+    """A piece of a streamed tool call: the first names it (id, type, function name), the
+    others carry fragments of its arguments, which concatenate to the whole JSON text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(_Response):
@@ -150,6 +178,7 @@ class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     """Set on each choice's first chunk only."""
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(_Response):

@@ -5,13 +5,18 @@ from __future__ import annotations
 from dataclasses import fields as dataclass_fields
 from typing import Any
 
+from phaseflip.errors import InvalidRequestError
+from phaseflip.sampling.grammar import GrammarSpec
 from phaseflip.sampling.params import SamplingParams
 from phaseflip.server.protocol.requests import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
+    ResponseFormat,
     _OpenAISampling,
 )
+
+NATIVE_GRAMMARS = ("regex", "ebnf", "json_schema")
 
 # ---------------------------------------------------------------------------------------------
 # Request -> SamplingParams
@@ -50,6 +55,25 @@ def _common_params(req: _OpenAISampling, max_tokens: int | None,
     }
 
 
+def response_format_grammar(fmt: ResponseFormat | None) -> GrammarSpec | None:
+    """The grammar a `response_format` asks for (None for text); a schema that cannot be
+    compiled is refused (400) naming the problem."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        spec = GrammarSpec("json_object")
+    else:
+        body = fmt.json_schema
+        if not isinstance(body, dict) or not isinstance(body.get("schema"), dict):
+            raise InvalidRequestError(
+                "response_format json_schema needs json_schema.schema, a JSON schema object "
+                '(e.g. {"name": "answer", "schema": {"type": "object", ...}})',
+                "response_format.json_schema.schema")
+        spec = GrammarSpec.json_schema(body["schema"])
+    spec.check("response_format")
+    return spec
+
+
 def completion_sampling_params(req: CompletionRequest, default_max_tokens: int) -> SamplingParams:
     """Sampling parameters for a completions request.
 
@@ -70,6 +94,7 @@ def completion_sampling_params(req: CompletionRequest, default_max_tokens: int) 
         n=req.best_of if ranking and req.best_of is not None else req.n,
         logprobs=logprobs,
         prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+        grammar=response_format_grammar(req.response_format),
     )
 
 
@@ -82,6 +107,7 @@ def chat_sampling_params(req: ChatCompletionRequest, default_max_tokens: int) ->
         n=req.n,
         logprobs=logprobs,
         prompt_logprobs=None,
+        grammar=response_format_grammar(req.response_format),
     )
 
 
@@ -94,6 +120,10 @@ def generate_sampling_params(req: GenerateRequest, default_max_tokens: int) -> S
         given["logit_bias"] = _logit_bias(given["logit_bias"])
     if given.get("top_k") == 0:
         given["top_k"] = -1
+    for kind in NATIVE_GRAMMARS:  # (at most one: NativeSamplingParams checks)
+        if kind in given:
+            given["grammar"] = GrammarSpec(kind, given.pop(kind))
+            given["grammar"].check(f"sampling_params.{kind}")
     if req.return_logprob:
         given["logprobs"] = req.top_logprobs_num
         if req.logprob_start_len >= 0:
@@ -102,30 +132,22 @@ def generate_sampling_params(req: GenerateRequest, default_max_tokens: int) -> S
 
 
 def native_sampling_param_names() -> frozenset[str]:
-    """`SamplingParams` fields settable through `sampling_params` (all but the logprob ones)."""
+    """`SamplingParams` fields settable through `sampling_params` (all but the logprob ones;
+    the grammar as one of `regex`, `ebnf`, `json_schema`)."""
     return frozenset(f.name for f in dataclass_fields(SamplingParams)) - {
-        "logprobs", "prompt_logprobs"}
+        "logprobs", "prompt_logprobs", "grammar"} | set(NATIVE_GRAMMARS)
 
 
 def unsupported(req: CompletionRequest | ChatCompletionRequest) -> str | None:
     """Name of the first feature the request uses that phaseflip does not implement, else None.
 
-    These fields are accepted by the schema on purpose: answering "tools is not supported yet"
-    is more useful than "unrecognized argument". An empty `tools` list, `tool_choice` "none" or
-    "auto" without tools, and `response_format` {"type": "text"} change nothing and pass.
+    These fields are accepted by the schema on purpose: answering "functions is not supported"
+    is more useful than "unrecognized argument" (`tools` is their successor, and served).
     """
     if isinstance(req, CompletionRequest):
         return "suffix" if req.suffix else None
-    if req.tools:
-        return "tools"
-    if req.tool_choice not in (None, "none", "auto"):
-        return "tool_choice"
     if req.functions:
         return "functions"
     if req.function_call not in (None, "none", "auto"):
         return "function_call"
-    if req.response_format is not None and req.response_format.type != "text":
-        return "response_format"
-    if any(m.tool_calls for m in req.messages):
-        return "tool_calls"
     return None

@@ -1,0 +1,198 @@
+"""Grammar-constrained decoding: what a request may generate, as a token mask per step.
+
+A `GrammarSpec` is the picklable description a request carries (in `SamplingParams`, across
+the front end's ZeroMQ link); the engine process compiles it against its tokenizer with
+xgrammar (compiled grammars cached by spec) and keeps one matcher per constrained sequence in a
+`GrammarBook`. Before a step's tokens are chosen the book brings each matcher up to its
+request's `output_ids` (every accepted token, whatever path appended it: n > 1 samples,
+a retracted request that re-prefills keeps its output, so its matcher stays where it was) and
+fills the rows of an int32 bitmask [rows, ceil(V / 32)]; `apply_bitmask` sets the logits of
+disallowed tokens to -inf in the sampler.
+
+xgrammar is imported on first use only: requests without a grammar never load it (law 11).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import weakref
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Literal
+
+import torch
+
+from phaseflip.errors import InvalidRequestError
+
+GrammarKind = Literal["json_object", "json_schema", "regex", "ebnf"]
+KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "ebnf")
+_COMPILED_CACHE = 256  # compiled grammars kept per engine (LRU)
+_XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+?:\d+: ")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What the output must match. `value`: the JSON schema as JSON text (json_schema), the
+    regex, the EBNF grammar (root rule `root`), or "" (json_object: any JSON object).
+    JSON is generated compactly (", " and ": " separators, no free whitespace): a model
+    allowed free whitespace can fill its whole budget with it."""
+
+    kind: GrammarKind
+    value: str = ""
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | str) -> GrammarSpec:
+        text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=False)
+        return cls("json_schema", text)
+
+    def check(self, param: str = "response_format") -> None:
+        """Raises `InvalidRequestError` naming the problem if the grammar cannot be built
+        (no tokenizer needed; cached, so a repeated spec costs a dict lookup)."""
+        if self.kind not in KINDS:
+            raise InvalidRequestError(
+                f"unknown grammar kind {self.kind!r}; expected one of {', '.join(KINDS)}", param)
+        if not isinstance(self.value, str):
+            raise InvalidRequestError(f"the {self.kind} grammar must be given as text", param)
+        problem = _grammar_problem(self)
+        if problem is not None:
+            raise InvalidRequestError(f"invalid {self.kind}: {problem}", param)
+
+
+def _xgr():
+    import xgrammar
+
+    return xgrammar
+
+
+def _clean(e: Exception) -> str:
+    text = str(e).strip()
+    return _XGR_PREFIX.sub("", text).strip() or type(e).__name__
+
+
+def _build(spec: GrammarSpec):
+    """The tokenizer-free `xgrammar.Grammar` of `spec` (raises on a bad one)."""
+    xgr = _xgr()
+    if spec.kind == "json_object":
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False,
+                                            strict_mode=False)
+    if spec.kind == "json_schema":
+        try:
+            schema = json.loads(spec.value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"the schema is not JSON ({e})") from None
+        if not isinstance(schema, dict):
+            raise ValueError("the schema must be a JSON object")
+        return xgr.Grammar.from_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+    if spec.kind == "regex":
+        return xgr.Grammar.from_regex(spec.value)
+    return xgr.Grammar.from_ebnf(spec.value)
+
+
+@lru_cache(maxsize=_COMPILED_CACHE)
+def _grammar_problem(spec: GrammarSpec) -> str | None:
+    try:
+        _build(spec)
+    except Exception as e:  # noqa: BLE001 — xgrammar raises RuntimeError/ValueError freely
+        return _clean(e)
+    return None
+
+
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: logits[rows[j], t] = -inf wherever bit t of `bitmask[j]` is 0 (bit t is bit
+    t % 32 of int32 word t // 32). Plain torch, so it runs on any device and off the graph."""
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :vocab]
+    sub = logits.index_select(0, rows)
+    sub.masked_fill_(allowed.to(logits.device) == 0, float("-inf"))
+    logits.index_copy_(0, rows, sub)
+
+
+@dataclass
+class _Track:
+    matcher: Any  # xgrammar.GrammarMatcher
+    accepted: int = 0  # how many of the request's output_ids the matcher has taken
+
+
+class GrammarBook:
+    """Compiles grammars for one tokenizer and tracks each constrained sequence's matcher.
+
+    Matchers are keyed weakly by request object: a finished request's matcher goes with it."""
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._compiler = None
+        self._compiled: dict[GrammarSpec, Any] = {}
+        self._tracks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.compiles = 0  # grammars compiled (cache misses), for tests and /server_info
+
+    @property
+    def words(self) -> int:
+        return (self.vocab_size + 31) // 32
+
+    def compiled(self, spec: GrammarSpec):
+        """The compiled grammar of `spec`, compiled once per book (LRU over specs)."""
+        hit = self._compiled.pop(spec, None)
+        if hit is None:
+            spec.check()
+            if self._compiler is None:
+                xgr = _xgr()
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer,
+                                                          vocab_size=self.vocab_size)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            try:
+                hit = self._compiler.compile_grammar(_build(spec))
+            except Exception as e:  # noqa: BLE001 — check() passed: the tokenizer's fault
+                raise InvalidRequestError(f"invalid {spec.kind}: {_clean(e)}",
+                                          "response_format") from None
+            self.compiles += 1
+            if len(self._compiled) >= _COMPILED_CACHE:
+                self._compiled.pop(next(iter(self._compiled)))
+        self._compiled[spec] = hit
+        return hit
+
+    def register(self, req) -> None:
+        """Gives `req` (a scheduler `Req` whose params carry a grammar) its matcher; the EOS
+        ids of the request end the grammar. Raises InvalidRequestError on a bad grammar."""
+        spec = req.params.grammar
+        if spec is None:
+            return
+        matcher = _xgr().GrammarMatcher(self.compiled(spec),
+                                        override_stop_tokens=list(req.eos_ids) or None)
+        self._tracks[req] = _Track(matcher)
+
+    def tracked(self, req) -> bool:
+        return req in self._tracks
+
+    def _sync(self, req, track: _Track) -> None:
+        """Feeds the matcher the output tokens it has not seen (rolls back if the output was
+        cut). A token the grammar refuses means the mask was not applied: stop loudly."""
+        out = req.output_ids
+        if track.accepted > len(out):
+            track.matcher.rollback(track.accepted - len(out))
+            track.accepted = len(out)
+        for tok in out[track.accepted:]:
+            if not track.matcher.accept_token(tok):
+                raise RuntimeError(f"request {req.rid}: token {tok} breaks its grammar "
+                                   f"(after {track.accepted} accepted tokens)")
+            track.accepted += 1
+
+    def masks(self, reqs: list) -> tuple[list[int], torch.Tensor] | None:
+        """(rows of `reqs` that are constrained, their bitmask [len(rows), words] on the
+        host), or None when none is. A terminated matcher allows only the stop tokens."""
+        rows = [i for i, r in enumerate(reqs) if r in self._tracks]
+        if not rows:
+            return None
+        bitmask = torch.empty((len(rows), self.words), dtype=torch.int32)
+        for j, i in enumerate(rows):
+            track = self._tracks[reqs[i]]
+            self._sync(reqs[i], track)
+            if track.matcher.is_terminated():
+                bitmask[j].zero_()
+                for t in reqs[i].eos_ids:
+                    bit = 1 << (t % 32)
+                    bitmask[j, t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit
+                continue
+            track.matcher.fill_next_token_bitmask(bitmask, j)
+        return rows, bitmask

@@ -1,0 +1,304 @@
+"""Tool calls on `/v1/chat/completions`: which mode, what the model is shown, what it must
+generate, and how its text becomes `tool_calls` (whole, or as stream deltas).
+
+Modes (`tool_choice`): "none" (tools are not shown), "auto" (shown; the text is parsed for
+Hermes/Qwen `<tool_call>{"name", "arguments"}</tool_call>` blocks or a Llama-3 JSON call
+`{"name", "parameters"}`), "required" (the output is constrained to one
+`{"name": ..., "arguments": {...}}` object naming a listed tool) and a named function (the
+output is constrained to that tool's arguments object). The two constrained modes always
+parse. A chat template that knows tools gets them (`tools=`); any other gets a Hermes-style
+system prompt listing them.
+
+Arguments are the generated JSON text itself, so a streamed call's argument fragments
+concatenate to exactly the arguments of the same call answered whole.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from phaseflip.errors import InvalidRequestError
+from phaseflip.sampling.grammar import GrammarSpec
+from phaseflip.server import protocol as p
+
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+_BLOCK = re.compile(re.escape(TOOL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CLOSE) + r"|$)",
+                    re.DOTALL)
+_SYSTEM = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    "{tools}\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+
+
+@dataclass
+class ToolPlan:
+    """The tools of one chat request and how they are to be used."""
+
+    tools: list[dict[str, Any]]  # the `function` objects: name, description, parameters
+    mode: str  # "none", "auto", "required" or "named"
+    name: str | None = None  # the named function
+    grammar: GrammarSpec | None = None
+
+    def parameters(self, name: str) -> dict[str, Any]:
+        fn = next(f for f in self.tools if f["name"] == name)
+        return fn.get("parameters") or {"type": "object", "properties": {}}
+
+
+def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type", "function") if isinstance(tool, dict) else None
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if kind != "function" or not isinstance(fn, dict):
+            raise InvalidRequestError(
+                'each tool must be {"type": "function", "function": {"name": ...}}',
+                f"tools[{i}]")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise InvalidRequestError("a tool function needs a name", f"tools[{i}].function.name")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise InvalidRequestError("function parameters must be a JSON schema object",
+                                      f"tools[{i}].function.parameters")
+        out.append(fn)
+    return out
+
+
+def _mode(choice: Any, names: list[str]) -> tuple[str, str | None]:
+    if choice is None:
+        return ("auto" if names else "none"), None
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise InvalidRequestError(
+                f"tool_choice must be none, auto, required or a named function, got {choice!r}",
+                "tool_choice")
+        if choice == "required" and not names:
+            raise InvalidRequestError("tool_choice required needs tools", "tool_choice")
+        return choice, None
+    fn = choice.get("function") if choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise InvalidRequestError(
+            'a named tool_choice is {"type": "function", "function": {"name": ...}}',
+            "tool_choice")
+    if name not in names:
+        raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools",
+                                  "tool_choice")
+    return "named", name
+
+
+def plan_tools(req: p.ChatCompletionRequest) -> ToolPlan | None:
+    """The request's tool plan (None: no tools in play); 400 for inconsistent tools."""
+    tools = _functions(req.tools or [])
+    mode, name = _mode(req.tool_choice, [f["name"] for f in tools])
+    if mode == "none" and not tools:
+        return None
+    plan = ToolPlan(tools, mode, name)
+    if mode in ("required", "named"):
+        if req.response_format is not None and req.response_format.type != "text":
+            raise InvalidRequestError(
+                f"response_format cannot be combined with tool_choice {mode!r}: both constrain "
+                "the output", "response_format")
+        plan.grammar = GrammarSpec.json_schema(_call_schema(plan))
+        plan.grammar.check("tools")
+    return plan
+
+
+def _call_schema(plan: ToolPlan) -> dict[str, Any]:
+    if plan.mode == "named":
+        return plan.parameters(plan.name)
+    return {"anyOf": [{
+        "type": "object",
+        "properties": {"name": {"const": f["name"]}, "arguments": plan.parameters(f["name"])},
+        "required": ["name", "arguments"], "additionalProperties": False,
+    } for f in plan.tools]}
+
+
+# ------------------------------------------------------------------ prompting
+def template_messages(req: p.ChatCompletionRequest, plan: ToolPlan | None,
+                      template: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(messages for the chat template, extra template kwargs): earlier tool calls and the
+    tool list in the form the template understands, else as Hermes-style text."""
+    knows_calls = "tool_calls" in template
+    messages = []
+    for m in req.messages:
+        d = m.template_dict()
+        if m.tool_calls:
+            if knows_calls:
+                d["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+            else:
+                blocks = [f"{TOOL_OPEN}\n{json.dumps(_template_call(c)['function'])}\n"
+                          f"{TOOL_CLOSE}" for c in m.tool_calls]
+                d["content"] = "\n".join(([d["content"]] if d["content"] else []) + blocks)
+        messages.append(d)
+    if plan is None or plan.mode == "none":
+        return messages, {}
+    if "tools" in template:
+        return messages, {"tools": [{"type": "function", "function": f} for f in plan.tools]}
+    listing = _SYSTEM.format(tools="\n".join(json.dumps({"type": "function", "function": f})
+                                             for f in plan.tools))
+    if messages and messages[0]["role"] == "system":
+        messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + listing}
+    else:
+        messages.insert(0, {"role": "system", "content": listing})
+    return messages, {}
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI tool call as templates take it: arguments as an object, not JSON text."""
+    fn = call.get("function") or {}
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            pass
+    return {"type": "function", "id": call.get("id"),
+            "function": {"name": fn.get("name"), "arguments": args}}
+
+
+# ------------------------------------------------------------------ parsing
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def split_required(text: str) -> tuple[str, str] | None:
+    """(name, arguments text) of a `{"name": ..., "arguments": {...}}` call, else None."""
+    m = _HEADER.match(text)
+    rest = text[m.end():].rstrip() if m else ""
+    if not m or not rest.endswith("}"):
+        return None
+    return json.loads(f'"{m.group(1)}"'), rest[:-1].rstrip()
+
+
+def _auto_calls(text: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """Hermes/Qwen blocks, or a Llama-3 JSON call; unparseable text stays content."""
+    calls: list[tuple[str, str]] = []
+    head = text
+    if TOOL_OPEN in text:
+        head = text[: text.index(TOOL_OPEN)]
+        for block in _BLOCK.findall(text):
+            obj = _json_object(block)
+            if obj is not None and isinstance(obj.get("name"), str):
+                calls.append((obj["name"], json.dumps(obj.get("arguments", {}),
+                                                      ensure_ascii=False)))
+    else:
+        body = text.strip()
+        body = body[len(PYTHON_TAG):] if body.startswith(PYTHON_TAG) else body
+        obj = _json_object(body) if body.startswith("{") else None
+        args = None if obj is None else obj.get("parameters", obj.get("arguments"))
+        if obj is not None and isinstance(obj.get("name"), str) and isinstance(args, dict):
+            calls.append((obj["name"], json.dumps(args, ensure_ascii=False)))
+            head = ""
+    if not calls:
+        return text, []
+    return (head.strip() or None), calls
+
+
+def _json_object(text: str) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(text.strip())
+    except json.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def parse_output(plan: ToolPlan, text: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """(content, [(name, arguments JSON text)]) of a finished choice's text."""
+    if plan.mode == "named":
+        return None, [(plan.name, text)]
+    if plan.mode == "required":
+        call = split_required(text)
+        return (None, [call]) if call else (text, [])
+    if plan.mode == "auto":
+        return _auto_calls(text)
+    return text, []
+
+
+def tool_calls(calls: list[tuple[str, str]]) -> list[p.ToolCall]:
+    return [p.ToolCall(id=new_call_id(), function=p.FunctionCall(name=n, arguments=a))
+            for n, a in calls]
+
+
+@dataclass
+class ToolStreamer:
+    """Turns one choice's streamed text into content and tool-call deltas."""
+
+    plan: ToolPlan
+    text: str = ""
+    sent: int = 0  # named/required: argument characters sent; auto: content characters sent
+    opened: bool = False  # the call's first delta (id, name) went out
+    buffering: bool = False  # auto: a tool call began; the rest is parsed at the end
+    calls: list[tuple[str, str]] = field(default_factory=list)
+
+    def feed(self, delta: str, finished: bool) -> tuple[str | None, list[p.DeltaToolCall]]:
+        """(content to send, tool-call deltas to send) after `delta`; `finished`: last one."""
+        self.text += delta
+        if self.plan.mode in ("named", "required"):
+            return None, self._constrained(finished)
+        if self.plan.mode == "auto":
+            return self._auto(finished)
+        return delta or None, []
+
+    def _constrained(self, finished: bool) -> list[p.DeltaToolCall]:
+        if self.plan.mode == "named":
+            name, args = self.plan.name, self.text
+        else:
+            m = _HEADER.match(self.text)
+            if m is None:
+                return []
+            name = json.loads(f'"{m.group(1)}"')
+            rest = self.text[m.end():]
+            args = rest.rstrip()[:-1].rstrip() if finished else rest.rstrip()[:-1]
+        out = []
+        if not self.opened:
+            self.opened = True
+            self.calls.append((name, ""))
+            out.append(p.DeltaToolCall(index=0, id=new_call_id(), type="function",
+                                       function=p.DeltaFunctionCall(name=name, arguments="")))
+        if len(args) > self.sent:
+            out.append(p.DeltaToolCall(index=0, function=p.DeltaFunctionCall(
+                arguments=args[self.sent:])))
+            self.sent = len(args)
+        return out
+
+    def _auto(self, finished: bool) -> tuple[str | None, list[p.DeltaToolCall]]:
+        text = self.text
+        if not self.buffering:
+            start = text.lstrip()
+            if TOOL_OPEN in text or start.startswith(("{", PYTHON_TAG)):
+                self.buffering = True
+        if not self.buffering:
+            hold = 0 if finished else _partial_marker(text)
+            end = max(self.sent, len(text) - hold)
+            out, self.sent = text[self.sent:end], end
+            return out or None, []
+        if not finished:
+            return None, []
+        content, calls = _auto_calls(text)
+        if not calls:  # not a call after all: the held text is content
+            out, self.sent = text[self.sent:], len(text)
+            return out or None, []
+        self.calls = calls
+        deltas = [p.DeltaToolCall(index=i, id=new_call_id(), type="function",
+                                  function=p.DeltaFunctionCall(name=n, arguments=a))
+                  for i, (n, a) in enumerate(calls)]
+        rest = text[self.sent: text.index(TOOL_OPEN)] if TOOL_OPEN in text else ""
+        return rest.rstrip() or None, deltas
+
+
+def _partial_marker(text: str) -> int:
+    """Length of the longest suffix of `text` that begins a `<tool_call>` or a leading JSON."""
+    if not text.strip():
+        return len(text)  # nothing but whitespace yet: a call may still start
+    for k in range(min(len(TOOL_OPEN) - 1, len(text)), 0, -1):
+        if TOOL_OPEN.startswith(text[-k:]):
+            return k
+    return 0
