@@ -60,8 +60,13 @@ class GrammarSpec:
 
 
 def _xgr():
-    import xgrammar
-
+    try:
+        import xgrammar
+    except ImportError:
+        raise InvalidRequestError(
+            "structured output (response_format, tool_choice required/named, regex/ebnf/"
+            "json_schema) needs xgrammar on the server: pip install 'phaseflip[structured]'",
+            "response_format") from None
     return xgrammar
 
 
@@ -93,6 +98,8 @@ def _build(spec: GrammarSpec):
 def _grammar_problem(spec: GrammarSpec) -> str | None:
     try:
         _build(spec)
+    except InvalidRequestError as e:  # no xgrammar
+        return str(e)
     except Exception as e:  # noqa: BLE001 — xgrammar raises RuntimeError/ValueError freely
         return _clean(e)
     return None
