@@ -153,7 +153,10 @@ def template_messages(req: p.ChatCompletionRequest, plan: ToolPlan | None,
 
 def _template_call(call: dict[str, Any]) -> dict[str, Any]:
     """An OpenAI tool call as templates take it: arguments as an object, not JSON text."""
-    fn = call.get("function") or {}
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise InvalidRequestError('a tool call is {"id": ..., "type": "function", "function": '
+                                  '{"name": ..., "arguments": "{...}"}}', "messages")
     args = fn.get("arguments")
     if isinstance(args, str):
         try:

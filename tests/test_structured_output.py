@@ -1,0 +1,208 @@
+"""Grammar-constrained decoding (sampling/grammar.py) and tool-call parsing (server/tools.py),
+below the HTTP layer: the token mask against a tiny grammar, the mask in the sampler, the
+engine with constrained and unconstrained rows in one batch, n > 1 and retraction."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+import phaseflip
+from phaseflip import SamplingParams
+from phaseflip.errors import InvalidRequestError
+from phaseflip.sampling.grammar import GrammarBook, GrammarSpec, apply_bitmask
+from phaseflip.scheduler.request import Req
+from phaseflip.server import tools
+from phaseflip.server.protocol import ChatCompletionRequest
+
+EMBEDDED = Path(phaseflip.__file__).parent / "assets" / "tiny-llama"
+VOCAB = 4096
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 3},
+}, "required": ["name", "age", "pets"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(EMBEDDED)
+
+
+def _req(spec: GrammarSpec | None, out=()) -> Req:
+    return Req(rid="r#0", prompt_ids=[1], params=SamplingParams(grammar=spec), eos_ids=(0,),
+               arrival=0, output_ids=list(out))
+
+
+def _allowed(bitmask_row: torch.Tensor) -> set[int]:
+    logits = torch.zeros(1, VOCAB)
+    apply_bitmask(logits, torch.tensor([0]), bitmask_row.unsqueeze(0))
+    return set(torch.nonzero(logits[0] == 0).view(-1).tolist())
+
+
+def test_mask_allows_exactly_the_tokens_that_continue_the_grammar(tokenizer) -> None:
+    words = ("abe", "cde")
+    book = GrammarBook(tokenizer, VOCAB)
+    req = _req(GrammarSpec("regex", "(ab|cd)e"))
+    book.register(req)
+    text = [tokenizer.decode([t]) for t in range(VOCAB)]
+    special = set(tokenizer.all_special_ids)
+    done = ""
+    while done not in words:
+        rows, bitmask = book.masks([req])
+        expect = {t for t in range(VOCAB) if t not in special and text[t]
+                  and any(w.startswith(done + text[t]) for w in words)}
+        assert rows == [0] and _allowed(bitmask[0]) == expect, done
+        tok = min(expect, key=lambda t: (len(text[t]), t))  # one character at a time
+        req.output_ids.append(tok)
+        done += text[tok]
+    rows, bitmask = book.masks([req])
+    assert _allowed(bitmask[0]) == {0}  # complete: only EOS
+
+
+def test_matcher_follows_output_ids_and_refuses_a_token_outside(tokenizer) -> None:
+    book = GrammarBook(tokenizer, VOCAB)
+    a, b = (tokenizer.convert_tokens_to_ids(c) for c in "ab")
+    req = _req(GrammarSpec("regex", "a+b"), [a, a])
+    book.register(req)
+    assert b in _allowed(book.masks([req])[1][0])
+    req.output_ids[1:] = []  # cut back (as if the output were rewound): the matcher rolls back
+    assert _allowed(book.masks([req])[1][0]) >= {a, b}
+    req.output_ids.append(0)  # EOS before the grammar is complete: no mask would allow it
+    with pytest.raises(RuntimeError, match="breaks its grammar"):
+        book.masks([req])
+
+
+def test_unconstrained_rows_get_no_mask_and_grammars_compile_once(tokenizer) -> None:
+    book = GrammarBook(tokenizer, VOCAB)
+    plain = _req(None)
+    assert book.masks([plain]) is None
+    spec = GrammarSpec.json_schema(SCHEMA)
+    reqs = [_req(GrammarSpec.json_schema(SCHEMA)) for _ in range(3)]
+    for r in reqs:
+        book.register(r)
+    assert book.compiles == 1 and book.compiled(spec) is book.compiled(spec)
+    rows, bitmask = book.masks([plain, *reqs])
+    assert rows == [1, 2, 3] and bitmask.shape == (3, VOCAB // 32)
+
+
+def test_apply_bitmask_reads_bit_31_and_a_ragged_vocabulary() -> None:
+    logits = torch.randn(3, 70)
+    bitmask = torch.zeros(2, 3, dtype=torch.int32)
+    bitmask[0, 0] = -(2 ** 31)  # bit 31: token 31
+    bitmask[0, 1] = 1  # token 32
+    bitmask[0, 2] = 1 << 5  # token 69
+    bitmask[1, 0] = 1  # token 0
+    before = logits.clone()
+    apply_bitmask(logits, torch.tensor([2, 0]), bitmask)
+    assert torch.equal(logits[1], before[1])  # not a constrained row
+    assert torch.isfinite(logits[2]).nonzero().view(-1).tolist() == [31, 32, 69]
+    assert torch.isfinite(logits[0]).nonzero().view(-1).tolist() == [0]
+
+
+@pytest.mark.parametrize(("spec", "problem"), [
+    (GrammarSpec("json_schema", '{"type": "strin"}'), "strin"),
+    (GrammarSpec("json_schema", "[1"), "not JSON"),
+    (GrammarSpec("regex", "a(b"), "parenthesis"),
+    (GrammarSpec("ebnf", "root ::= foo"), "foo"),
+    (GrammarSpec("xml", "x"), "unknown grammar kind"),
+])
+def test_a_bad_grammar_is_refused_naming_the_problem(spec, problem) -> None:
+    with pytest.raises(InvalidRequestError, match=problem):
+        SamplingParams(grammar=spec).validate(VOCAB)
+
+
+# ------------------------------------------------------------------ the engine
+def _valid(text: str) -> bool:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return (set(obj) == {"name", "age", "pets"} and isinstance(obj["name"], str)
+            and len(obj["name"]) <= 8 and 0 <= obj["age"] <= 120
+            and set(obj["pets"]) <= {"cat", "dog"} and len(obj["pets"]) <= 3)
+
+
+@pytest.mark.parametrize("cfg", [
+    {},
+    {"overlap_schedule": True},
+    {"max_total_tokens": 192, "page_size": 4},  # retraction: matchers must stay in step
+])
+def test_constrained_rows_match_and_other_rows_are_untouched(make_engine, cfg) -> None:
+    engine = make_engine(EMBEDDED, **cfg)
+    prompts = ["The answer is", "def f(x):", "Return the", "A list of"]
+    greedy = SamplingParams(temperature=0, max_new_tokens=24)
+    alone = engine.generate(prompts, greedy, use_tqdm=False)
+    spec = GrammarSpec.json_schema(SCHEMA)
+    grammar = [SamplingParams(temperature=1.0, seed=i, n=3, max_new_tokens=80, grammar=spec)
+               for i in range(len(prompts))]
+    mixed = engine.generate(prompts * 2, [greedy] * len(prompts) + grammar, use_tqdm=False)
+    for a, b in zip(alone, mixed[: len(prompts)]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    for out in mixed[len(prompts):]:
+        for s in out.outputs:
+            assert s.finish_reason == "stop" and _valid(s.text), s.text
+    if "max_total_tokens" in cfg:
+        assert engine.core.scheduler.stats.retractions > 0
+
+
+# ------------------------------------------------------------------ tool-call parsing
+def _plan(**body) -> tools.ToolPlan:
+    fn = {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}}, "required": ["city"]}}
+    req = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": fn}], **body})
+    return tools.plan_tools(req)
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ('Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+     "Sure.", [("get_weather", '{"city": "Oslo"}')]),
+    ('<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", '
+     '"arguments": {"x": 1}}</tool_call>', None, [("a", "{}"), ("b", '{"x": 1}')]),
+    ('{"name": "get_weather", "parameters": {"city": "Rome"}}', None,
+     [("get_weather", '{"city": "Rome"}')]),
+    ('<|python_tag|>{"name": "f", "parameters": {}}', None, [("f", "{}")]),
+    ("just text {not json", "just text {not json", []),
+    ('<tool_call>{"broken": </tool_call>', '<tool_call>{"broken": </tool_call>', []),
+])
+def test_auto_parsers(text, content, calls) -> None:
+    plan = _plan(tool_choice="auto")
+    assert tools.parse_output(plan, text) == (content, calls)
+    streamer, sent, deltas = tools.ToolStreamer(plan), "", []
+    for i in range(0, len(text), 3):
+        chunk = text[i:i + 3]
+        c, d = streamer.feed(chunk, i + 3 >= len(text))
+        sent += c or ""
+        deltas += d
+    assert [(d.function.name, d.function.arguments) for d in deltas] == calls
+    if not calls:
+        assert sent == text
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                  "function": {"name": "get_weather"}}])
+def test_constrained_tool_streams_assemble_to_the_whole_answer(choice) -> None:
+    plan = _plan(tool_choice=choice)
+    args = '{"city": "Bergen \\"west\\" }"}'
+    text = args if plan.mode == "named" else f'{{"name": "get_weather", "arguments": {args}}}'
+    _, whole = tools.parse_output(plan, text)
+    assert whole == [("get_weather", args)]
+    streamer, got = tools.ToolStreamer(plan), []
+    for i in range(len(text)):
+        got += streamer.feed(text[i], i == len(text) - 1)[1]
+    assert got[0].function.name == "get_weather" and got[0].id
+    assert "".join(d.function.arguments for d in got) == args
+
+
+def test_tool_choice_is_checked() -> None:
+    with pytest.raises(InvalidRequestError, match="not among the tools"):
+        _plan(tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(InvalidRequestError, match="both constrain"):
+        _plan(tool_choice="required", response_format={"type": "json_object"})
+    assert _plan(tool_choice="none").grammar is None and _plan().mode == "auto"
