@@ -165,7 +165,7 @@ def _serve(args: argparse.Namespace) -> int:
             and not os.path.isdir(args.model):
         args.served_model_name = args.model  # clients name it as it was asked for: ORG/NAME
     if cfg.node_rank > 0:  # another host's ranks: no HTTP, no scheduler
-        from phaseflip.distributed.driver import run_node_workers
+        from phaseflip.distributed.rank_set import run_node_workers
 
         return run_node_workers(cfg)
     return serve(cfg, config_from_args(args, ServerConfig))

@@ -11,7 +11,7 @@ def test_pool_report_counts_slots_of_loads_in_flight(llama_dir, make_engine, mon
     flip and some idle polls while loads were in flight)."""
     engine = make_engine(llama_dir, enable_hicache=True, hicache_page_size=8)
     core = engine.core
-    held = core.kv.allocator.alloc_slots(16)  # page size 1: 16 slots  # what a LoadJob in the COPYING state holds
+    held = core.kv.allocator.alloc_slots(16)  # page size 1: what a COPYING LoadJob holds
     monkeypatch.setattr(type(core.hicache), "in_flight_slots", property(lambda _: 16))
     acc = pool_accounting(core)
     assert acc.withheld == 16 and acc.balanced

@@ -79,6 +79,20 @@ def test_three_flip_cycles_match_the_unflipped_run(model_dirs):
         assert lps == pytest.approx(want[rid][1], abs=1e-4), rid
 
 
+def test_rank_processes_outlive_ten_flips(model_dirs, reference):
+    """A flip re-lays the same processes out (persistent ranks): the worker PIDs are the
+    same after ten flips in a row as before, and every output equals the unflipped run."""
+    flips = {step: ((1, 2) if step % 2 else (2, 1)) for step in range(1, 11)}
+    with Engine(str(model_dirs["llama"]), tp_size=2, **PAGED, **CFG) as e:
+        ranks = e.core.runner.ranks
+        pids = ranks.pids()
+        got, censuses = _drive(e, prompts_for(300), flips)
+        assert e.core.runner.ranks is ranks and ranks.pids() == pids
+        assert not ranks.exited_workers()
+    assert len(censuses) == 10
+    _assert_same(got, reference)
+
+
 def shm_files() -> set[str]:
     """This process's shared host tiers in /dev/shm."""
     shm = Path("/dev/shm")

@@ -15,6 +15,7 @@ its sockets (the wait then fails at once) or is noticed by the rank's parent che
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import socket
@@ -54,6 +55,8 @@ class DistSpec:
     node_rank: int
     hicache_frames: str | None = None  # path of the node's shared HiCache host frames
     weight_image: str | None = None  # path of the node's host weight image (flip weights)
+    # every (tp, pp) the ranks may run: their communicators are made at launch, none at a seam
+    layouts: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> DistSpec:
@@ -64,11 +67,23 @@ class DistSpec:
             gpus = torch.cuda.device_count() if cfg.device != "cpu" else 0
             backend = "nccl" if gpus >= per_node and cfg.device != "cpu" else "gloo"
         return cls(cfg.world_size, cfg.tp_size, cfg.pp_size, addr, backend, cfg.dist_timeout_s,
-                   per_node, cfg.node_rank)
+                   per_node, cfg.node_rank, layouts=runnable_layouts(cfg))
+
+    def with_layout(self, tp_size: int, pp_size: int) -> DistSpec:
+        return dataclasses.replace(self, tp_size=tp_size, pp_size=pp_size)
 
     def local_ranks(self) -> range:
         start = self.node_rank * self.ranks_per_node
         return range(start, start + self.ranks_per_node)
+
+
+def runnable_layouts(cfg: EngineConfig) -> tuple[tuple[int, int], ...]:
+    """The launch layout, and with flips on every tp × pp of the same ranks (a manual flip may
+    go to any of them; the auto policy uses two)."""
+    w = cfg.world_size
+    if not cfg.enable_flip:
+        return ((cfg.tp_size, cfg.pp_size),)
+    return tuple((tp, w // tp) for tp in range(1, w + 1) if w % tp == 0)
 
 
 @dataclass
@@ -104,6 +119,26 @@ class RankGroups:
 IDLE_WAIT = datetime.timedelta(days=365)
 
 
+@dataclass
+class Fabric:
+    """One rank's communicators for every layout it may run, made once at launch: the world's
+    CPU and plan groups, and its TP group in each layout. A phase flip picks another layout's
+    `RankGroups` from it; nothing is created or destroyed at the seam."""
+
+    rank: int
+    spec: DistSpec
+    cpu_group: dist.ProcessGroup
+    plan_group: dist.ProcessGroup
+    tp_groups: dict[tuple[int, int], dist.ProcessGroup | None]
+
+    def groups(self, tp_size: int, pp_size: int) -> RankGroups:
+        if (tp_size, pp_size) not in self.tp_groups:
+            raise ValueError(f"tp{tp_size}×pp{pp_size} is not among the layouts these ranks "
+                             f"were launched for: {sorted(self.tp_groups)}")
+        return RankGroups(self.rank, self.spec.with_layout(tp_size, pp_size),
+                          self.tp_groups[(tp_size, pp_size)], self.cpu_group, self.plan_group)
+
+
 class GroupFormationError(RuntimeError):
     """The rank group did not form: a rank died while joining, or missed the deadline."""
 
@@ -112,9 +147,10 @@ JOIN_KEY = "phaseflip/joined/"
 
 
 def join(rank: int, spec: DistSpec,
-         peers_failed: Callable[[], list[str]] | None = None) -> RankGroups:
-    """init_process_group for this rank and create the TP groups, the CPU group and the plan
-    group (the same gloo ranks, without a deadline: see the module docstring).
+         peers_failed: Callable[[], list[str]] | None = None) -> Fabric:
+    """init_process_group for this rank, then every group of every layout in `spec.layouts`
+    (TP groups), the CPU group and the plan group (the same gloo ranks, without a deadline:
+    see the module docstring). Every rank creates them in the same order.
 
     Rank 0 hosts the rendezvous store and waits for every rank to check in before it forms
     the group, asking `peers_failed` (its local workers that exited) every 0.1 s: a rank that
@@ -130,17 +166,18 @@ def join(rank: int, spec: DistSpec,
         _await_ranks(store, spec, peers_failed or (lambda: []))
     dist.init_process_group(spec.backend, store=store, rank=rank,
                             world_size=spec.world_size, timeout=timeout)
-    tp_group = None
-    for pp in range(spec.pp_size):
-        ranks = [pp * spec.tp_size + t for t in range(spec.tp_size)]
-        group = dist.new_group(ranks, timeout=timeout)
-        if rank in ranks:
-            tp_group = group
+    tp_groups: dict[tuple[int, int], dist.ProcessGroup | None] = {}
+    for tp, pp in spec.layouts or ((spec.tp_size, spec.pp_size),):
+        tp_groups[(tp, pp)] = None
+        for stage in range(pp):
+            ranks = [stage * tp + t for t in range(tp)]
+            group = dist.new_group(ranks, timeout=timeout) if tp > 1 else None
+            if rank in ranks:
+                tp_groups[(tp, pp)] = group
     cpu_group = (dist.group.WORLD if spec.backend == "gloo"
                  else dist.new_group(backend="gloo", timeout=timeout))
     plan_group = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
-    return RankGroups(rank, spec, tp_group if spec.tp_size > 1 else None, cpu_group,
-                      plan_group)
+    return Fabric(rank, spec, cpu_group, plan_group, tp_groups)
 
 
 def _await_ranks(store: dist.Store, spec: DistSpec,

@@ -1,7 +1,10 @@
-"""A worker rank: joins the group, loads its shard, then executes the driver's plans verbatim.
+"""A worker rank: joins the group once, then builds whatever layout rank 0 orders and executes
+its plans verbatim, for the life of the server.
 
-It holds no scheduling state: every decision arrives in the plan (law 1). A plan it cannot
-execute, or a peer that never answers, stops the group with a named error (law 4).
+It holds no scheduling state: every decision arrives in the plan (law 1). A phase flip is a
+`Relayout` message, not a new process: the rank drops its layout (weights, KV pool, graphs)
+and builds the next one on the communicators it made at launch. A plan it cannot execute, or
+a peer that never answers, stops the group with a named error (law 4).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import os
 import signal
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,7 +25,7 @@ from phaseflip.cache.hicache.transfer import KVTransferEngine, rank_slice
 from phaseflip.config import EngineConfig
 from phaseflip.distributed.group import DistSpec, RankGroups, join, rank_device
 from phaseflip.distributed.plan_codec import PlanDecoder
-from phaseflip.distributed.stage import StageExecutor
+from phaseflip.distributed.stage import StageExecutor, StepMessage
 from phaseflip.distributed.watchdog import PositionTracker
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.runner import ModelRunner
@@ -30,85 +34,159 @@ from phaseflip.threads import apply_cpu_threads
 
 log = logging.getLogger("phaseflip.worker")
 
-STOP = "stop"
+STOP = "stop"  # leave: the engine's end
+RELEASE = "release"  # drop the layout you run (its weights, KV pool, graphs); keep the process
 
 
-def build_rank(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | None,
-               parent_pid: int | None, frames: HostFrames | None = None,
-               image: WeightImage | None = None,
-               peers_failed: Callable[[], list[str]] | None = None,
-               ) -> tuple[RankGroups, ModelRunner, StageExecutor]:
-    """Everything one rank needs; the driver calls it for rank 0 too (with the HiCache host
-    frames and the host weight image it created; other ranks map them by name, the image
-    only while they load their shard). `peers_failed`: rank 0's local workers that exited, so
-    a group that cannot form fails at once (`join`)."""
-    tracker = PositionTracker(rank, run_dir, parent_pid)
-    with tracker.at("joining the process group"):
-        groups = join(rank, spec, peers_failed)
-    model_cfg = ModelConfig.from_dir(cfg.model)
-    if spec.pp_size > model_cfg.num_layers:
-        raise ValueError(f"pp_size={spec.pp_size} exceeds the model's {model_cfg.num_layers} "
-                         "layers")
+@dataclass
+class Relayout:
+    """Rank 0's order to every rank: drop the layout you run and build `cfg`'s (a phase flip,
+    or the first layout after launch). The processes and communicators stay."""
 
-    def agree(local_slots: int) -> int:
-        t = torch.tensor([local_slots], dtype=torch.int64)
-        with tracker.at("agreeing on the KV slot space"):
-            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=groups.cpu_group)
-        return int(t.item())
+    cfg: EngineConfig
 
-    device = rank_device(rank, spec, cfg)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    mapped = None
-    if spec.weight_image and image is None:
-        with tracker.at("mapping the host weight image"):
-            # page-locked only for a GPU rank (a CPU rank would make a CUDA context for it)
-            image = mapped = WeightImage.open(spec.weight_image,
-                                              register=device.type == "cuda")
-    try:
-        with tracker.at("loading weights, sizing the KV pool"):
-            runner = ModelRunner(cfg, model_cfg, groups.layout(), device, agree_slots=agree,
-                                 weights=image)
-    finally:
-        if mapped is not None:
-            mapped.close()  # the parameters are copies: the mapping is not needed after
-    transfers = None
-    if spec.hicache_frames:
-        geo = page_geometry(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
-                            runner.dtype, cfg.hicache_page_size)
-        frames = frames or HostFrames.open_shared(spec.hicache_frames, geo.total_size)
-        part = rank_slice(runner.layout, model_cfg.num_layers, model_cfg.num_kv_heads)
-        transfers = KVTransferEngine(runner.pool, frames, geo, part, device)
-    tracker.set("idle")
-    return groups, runner, StageExecutor(runner, groups, tracker, transfers)
+
+@dataclass
+class RankLayout:
+    """What one rank runs one layout with; replaced whole by the next layout."""
+
+    groups: RankGroups
+    runner: ModelRunner
+    stage: StageExecutor
+
+    def release(self) -> None:
+        """Frees this rank's graphs, weights and KV pool in place (after its HiCache copies
+        finished: they read the pool), so the next layout sizes its pool from what is free."""
+        if self.stage.transfers is not None:
+            self.stage.transfers.close()
+        self.runner.release_graphs()
+        self.runner.free_device_memory()
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+class RankProcess:
+    """One rank's process-lifetime state: its communicators for every layout (`Fabric`), its
+    position tracker, the node's HiCache frames it maps, and the layout it runs now.
+
+    Rank 0 (the driver) is handed the frames and the weight image it made; the other ranks map
+    them by name: the frames once, the image only while they load a shard."""
+
+    def __init__(self, rank: int, spec: DistSpec, run_dir: str | None, parent_pid: int | None,
+                 frames: HostFrames | None = None, image: WeightImage | None = None,
+                 peers_failed: Callable[[], list[str]] | None = None) -> None:
+        self.rank, self.spec = rank, spec
+        self.tracker = PositionTracker(rank, run_dir, parent_pid)
+        with self.tracker.at("joining the process group"):
+            self.fabric = join(rank, spec, peers_failed)
+        self.frames, self._own_frames = frames, False
+        self.image = image
+        self.layout: RankLayout | None = None
+        self.tracker.set("idle")
+
+    def relayout(self, cfg: EngineConfig) -> RankLayout:
+        """Drops the current layout, builds `cfg`'s (every rank at once: the KV slot space is
+        agreed over the group)."""
+        self.release()
+        with self.tracker.at(f"building layout tp{cfg.tp_size}×pp{cfg.pp_size}"):
+            self.layout = self._build(cfg)
+        self.tracker.set("idle")
+        return self.layout
+
+    def release(self) -> None:
+        if self.layout is not None:
+            layout, self.layout = self.layout, None
+            with self.tracker.at("releasing the layout"):
+                layout.release()
+            self.tracker.set("idle")
+
+    def close(self) -> None:
+        self.release()
+        if self._own_frames and self.frames is not None:
+            self.frames.close()
+        self.tracker.close()
+
+    def _build(self, cfg: EngineConfig) -> RankLayout:
+        groups = self.fabric.groups(cfg.tp_size, cfg.pp_size)
+        model_cfg = ModelConfig.from_dir(cfg.model)
+        if cfg.pp_size > model_cfg.num_layers:
+            raise ValueError(f"pp_size={cfg.pp_size} exceeds the model's "
+                             f"{model_cfg.num_layers} layers")
+        tracker = self.tracker
+
+        def agree(local_slots: int) -> int:
+            t = torch.tensor([local_slots], dtype=torch.int64)
+            with tracker.at("agreeing on the KV slot space"):
+                dist.all_reduce(t, op=dist.ReduceOp.MIN, group=groups.cpu_group)
+            return int(t.item())
+
+        device = rank_device(self.rank, groups.spec, cfg)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        image, mapped = self.image, None
+        if self.spec.weight_image and image is None:
+            with tracker.at("mapping the host weight image"):
+                # page-locked only for a GPU rank (a CPU rank would make a CUDA context for it)
+                image = mapped = WeightImage.open(self.spec.weight_image,
+                                                  register=device.type == "cuda")
+        try:
+            with tracker.at("loading weights, sizing the KV pool"):
+                runner = ModelRunner(cfg, model_cfg, groups.layout(), device,
+                                     agree_slots=agree, weights=image)
+        finally:
+            if mapped is not None:
+                mapped.close()  # the parameters are copies: the mapping is not needed after
+        transfers = None
+        if self.spec.hicache_frames:
+            geo = page_geometry(model_cfg.num_layers, model_cfg.num_kv_heads,
+                                model_cfg.head_dim, runner.dtype, cfg.hicache_page_size)
+            if self.frames is None:
+                self.frames = HostFrames.open_shared(self.spec.hicache_frames, geo.total_size)
+                self._own_frames = True
+            part = rank_slice(runner.layout, model_cfg.num_layers, model_cfg.num_kv_heads)
+            transfers = KVTransferEngine(runner.pool, self.frames, geo, part, device)
+        return RankLayout(groups, runner, StageExecutor(runner, groups, tracker, transfers))
 
 
 def worker_main(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | None,
                 parent_pid: int) -> None:
+    """A worker rank for the life of the server: join, then execute rank 0's messages —
+    relayouts, plans, releases — until STOP."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(message)s")
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the engine watchdog's stack dump
     apply_cpu_threads(cfg)
-    groups, runner, stage = build_rank(rank, spec, cfg, run_dir, parent_pid)
-    tracker = stage.tracker
+    proc = RankProcess(rank, spec, run_dir, parent_pid)
+    tracker = proc.tracker
     plans = PlanDecoder()
     try:
         while True:
             box = [None]
-            with tracker.at("waiting for the next plan from rank 0"):
-                dist.broadcast_object_list(box, src=0, group=groups.plan_group)
+            with tracker.at("waiting for the next message from rank 0"):
+                dist.broadcast_object_list(box, src=0, group=proc.fabric.plan_group)
             msg = box[0]
             if msg == STOP:
                 break
-            if msg.plan is not None:
-                with tracker.at("rebuilding the plan from rank 0's slots", msg.step):
-                    msg.plan = plans.decode(msg.plan)
-            stage.run(msg)
+            if msg == RELEASE:
+                proc.release()
+            elif isinstance(msg, Relayout):
+                proc.relayout(msg.cfg)
+                plans = PlanDecoder()  # it mirrors one layout's slot space
+            else:
+                _run_step(proc, plans, msg)
             tracker.set("idle")
     except Exception as e:  # noqa: BLE001 — report with every rank's position, then exit
         err = tracker.stall_error(e, spec.world_size)
         log.error("%s\n%s", err, traceback.format_exc())
         os._exit(1)
-    finally:
-        tracker.close()
-    runner.release_graphs()  # before the communicator its captured all-reduces use
+    # every rank tears down at once: graphs before the communicator their all-reduces use
+    proc.close()
     dist.destroy_process_group()
+
+
+def _run_step(proc: RankProcess, plans: PlanDecoder, msg: StepMessage) -> None:
+    if proc.layout is None:
+        raise RuntimeError(f"step {msg.step} arrived before any layout was built")
+    if msg.plan is not None:
+        with proc.tracker.at("rebuilding the plan from rank 0's slots", msg.step):
+            msg.plan = plans.decode(msg.plan)
+    proc.layout.stage.run(msg)

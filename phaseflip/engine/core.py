@@ -50,9 +50,13 @@ class EngineCore:
         self.weight_image = self._new_weight_image(cfg)
         self.scheduler = Scheduler(cfg, None, self.max_context)
         self._bundle: LayoutBundle | None = None
+        self._ranks = None  # the rank processes (several ranks): they outlive every layout
         try:
+            self._ranks = self._new_ranks(cfg)
             self.install_layout(cfg)
         except BaseException:
+            if self._ranks is not None:
+                self._ranks.close(graceful=False)
             if self._hicache is not None:
                 self._hicache.close()  # no engine will: free the (maybe shared) host tier now
             raise
@@ -115,6 +119,16 @@ class EngineCore:
             weakref.finalize(self, image.close)
         return image
 
+    def _new_ranks(self, cfg: EngineConfig):
+        """The node's rank processes with every layout's communicators (None: one process).
+        A phase flip re-lays them out; they end with the engine."""
+        if cfg.world_size == 1:
+            return None
+        from phaseflip.distributed.rank_set import RankSet
+
+        hicache = self._hicache
+        return RankSet(cfg, hicache.host.frames if hicache else None, self.weight_image)
+
     # ------------------------------------------------------------------ LayoutHost (flip)
     def install_layout(self, cfg: EngineConfig):
         """Builds the bundle for `cfg` and makes it the running one (at start, and at a
@@ -122,7 +136,8 @@ class EngineCore:
         if self._bundle is not None:
             raise RuntimeError("install_layout: retire the running layout first")
         bundle = build_layout_bundle(cfg, self.model_cfg, self.max_context, self._hicache,
-                                     self.weight_image, self.scheduler.decode_reserve)
+                                     self.weight_image, self.scheduler.decode_reserve,
+                                     self._ranks)
         self._bundle, self.cfg = bundle, cfg
         self.scheduler.bind(bundle.kv, bundle.hicache)
         return bundle.runner.weights_load
@@ -269,6 +284,8 @@ class EngineCore:
         self._inflight = None
         if bundle is not None:
             bundle.close()
+        if self._ranks is not None:
+            self._ranks.close()
         if self._hicache is not None:
             self._hicache.close()
         if self.weight_image is not None:

@@ -49,9 +49,9 @@ class LayoutBundle:
 
     def retire(self) -> int | None:
         """Ends this layout for the next one (a phase flip, after the tree was dropped):
-        unbinds the HiCache controller, which stays open with its host tier, then stops the
-        ranks and frees their device memory. Returns the device bytes this process still has
-        allocated afterwards (None off CUDA)."""
+        unbinds the HiCache controller, which stays open with its host tier, then releases
+        the layout on the ranks (their device memory is freed; the processes stay). Returns
+        the device bytes this process still has allocated afterwards (None off CUDA)."""
         if self.hicache is not None:
             self.hicache.unbind()
         return self._stop_ranks()
@@ -73,11 +73,13 @@ class LayoutBundle:
 
 def build_layout_bundle(cfg: EngineConfig, model_cfg: ModelConfig, max_context: int,
                         hicache: Any = None, weight_image: Any = None,
-                        decode_reserve: Any = None) -> LayoutBundle:
+                        decode_reserve: Any = None, ranks: Any = None) -> LayoutBundle:
     """The one factory: the runner for `cfg` (its ranks map HiCache's host tier and load
     from `weight_image` when given), the KV manager over its slot space, and `hicache` bound
-    to both. `decode_reserve`: the scheduler's, which the controller asks before a load."""
-    runner = _make_runner(cfg, model_cfg, hicache, weight_image)
+    to both. `decode_reserve`: the scheduler's, which the controller asks before a load.
+    `ranks`: the engine's rank processes (a `RankSet`, several ranks), which build this
+    layout in place; retiring the bundle releases the layout on them, the processes stay."""
+    runner = _make_runner(cfg, model_cfg, hicache, weight_image, ranks)
     try:
         kv = KVCacheManager(runner.num_slots, cfg.page_size, cfg.max_running_requests + 1,
                             max_context + 1, cfg.enable_prefix_cache)
@@ -93,9 +95,10 @@ def build_layout_bundle(cfg: EngineConfig, model_cfg: ModelConfig, max_context: 
 
 
 def _make_runner(cfg: EngineConfig, model_cfg: ModelConfig, hicache: Any,
-                 weight_image: Any) -> Runner:
+                 weight_image: Any, ranks: Any) -> Runner:
     if cfg.world_size > 1:
         from phaseflip.distributed.driver import DistributedRunner
 
-        return DistributedRunner(cfg, hicache.host.frames if hicache else None, weight_image)
+        return DistributedRunner(cfg, hicache.host.frames if hicache else None, weight_image,
+                                 ranks)
     return ModelRunner(cfg, model_cfg)

@@ -1,0 +1,190 @@
+"""The node's rank processes, for the life of the engine: spawned and joined once, with the
+communicators of every layout they may run; a phase flip re-lays them out, it never restarts
+them.
+
+Rank 0 is this process (the driver); ranks 1.. are spawned workers (`worker_main`) that
+execute what rank 0 broadcasts on the plan group: `Relayout` (build a layout), step messages
+(plans, HiCache orders), `RELEASE` (drop the layout) and `STOP`. `DistributedRunner` runs one
+layout on a `RankSet`; the engine holds the set across its layouts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+import threading
+
+import torch.distributed as dist
+
+from phaseflip.cache.hicache.frames import HostFrames
+from phaseflip.config import EngineConfig
+from phaseflip.distributed.group import DistSpec
+from phaseflip.distributed.worker import (
+    RELEASE,
+    STOP,
+    RankLayout,
+    RankProcess,
+    Relayout,
+    worker_main,
+)
+from phaseflip.model.weight_image import WeightImage
+
+log = logging.getLogger(__name__)
+
+
+class RankSet:
+    def __init__(self, cfg: EngineConfig, hicache_frames: HostFrames | None = None,
+                 weight_image: WeightImage | None = None) -> None:
+        """Spawns this node's worker ranks and joins them. `hicache_frames` / `weight_image`:
+        the node's shared HiCache host tier and checkpoint image (owned by the controller and
+        the engine), which every rank maps by name."""
+        if dist.is_initialized():  # left by an earlier group of this process that was stopped
+            with contextlib.suppress(Exception):  # without teardown (a stall): it is dead
+                _destroy_group(timeout_s=30)
+        spec = DistSpec.from_config(cfg)
+        if hicache_frames is not None:
+            if hicache_frames.path is None:
+                raise ValueError("the ranks of a TP/PP group need shared HiCache host frames")
+            spec = dataclasses.replace(spec, hicache_frames=str(hicache_frames.path))
+        if weight_image is not None:
+            spec = dataclasses.replace(spec, weight_image=str(weight_image.path))
+        self.spec, self.hicache_frames = spec, hicache_frames
+        self.closed = False
+        self.run_dir = tempfile.mkdtemp(prefix="phaseflip-ranks-")
+        spawn = mp.get_context("spawn")
+        self.workers = [
+            spawn.Process(target=worker_main, name=f"phaseflip-rank{r}", daemon=True,
+                          args=(r, spec, cfg, self.run_dir, os.getpid()))
+            for r in spec.local_ranks() if r != 0
+        ]
+        for w in self.workers:
+            w.start()
+        try:
+            self.rank0 = RankProcess(0, spec, self.run_dir, None, hicache_frames, weight_image,
+                                     peers_failed=self.exited_workers)
+        except BaseException:
+            self._terminate()  # none of them may outlive a group that did not form
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
+
+    @property
+    def tracker(self):
+        return self.rank0.tracker
+
+    @property
+    def plan_group(self) -> dist.ProcessGroup:
+        return self.rank0.fabric.plan_group
+
+    def broadcast(self, msg: object) -> None:
+        """One message to every rank (they wait for it without a deadline)."""
+        dist.broadcast_object_list([msg], src=0, group=self.plan_group)
+
+    def relayout(self, cfg: EngineConfig) -> RankLayout:
+        """Every rank drops its layout and builds `cfg`'s; returns rank 0's."""
+        self._guarded(lambda: self.broadcast(Relayout(cfg)), "ordering a relayout")
+        return self._guarded(lambda: self.rank0.relayout(cfg), "building the layout")
+
+    def release(self) -> None:
+        """Every rank drops its layout (weights, KV pool, graphs), so the next one sizes its
+        pool from what is free; the processes stay."""
+        self._guarded(lambda: self.broadcast(RELEASE), "ordering a release")
+        self.rank0.release()
+
+    def _guarded(self, fn, what: str):
+        try:
+            with self.tracker.at(what):
+                return fn()
+        except Exception as e:
+            err = self.stall_error(e)
+            self.close(graceful=False)
+            raise err from e
+        finally:
+            self.tracker.set("idle")
+
+    def stall_error(self, exc: BaseException):
+        err = self.tracker.stall_error(exc, self.spec.world_size)
+        dead = [w.name for w in self.workers if not w.is_alive()]
+        return type(err)(f"{err}\n  dead ranks: {', '.join(dead)}") if dead else err
+
+    def exited_workers(self) -> list[str]:
+        return [f"{w.name} (exit code {w.exitcode})" for w in self.workers
+                if w.exitcode is not None]
+
+    def report_ranks(self) -> list[str]:
+        """Every rank's last position; each live local worker also writes its stacks to its
+        log (SIGUSR1, `worker_main`). Safe from another thread (the engine's watchdog)."""
+        for w in self.workers:
+            if w.pid is not None and w.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.pid, signal.SIGUSR1)
+        return self.tracker.positions(self.spec.world_size)
+
+    def check_alive(self) -> None:
+        dead = self.exited_workers()
+        if dead:
+            self.close(graceful=False)
+            raise RuntimeError(f"worker ranks died: {', '.join(dead)}; the group is stopped")
+
+    def pids(self) -> list[int]:
+        return [w.pid for w in self.workers if w.pid is not None]
+
+    def close(self, graceful: bool = True) -> None:
+        """STOP every rank and tear the group down (graceful), or terminate the workers (a
+        failed group: a device sync could wait on a collective that never completes)."""
+        if self.closed:
+            return
+        self.closed = True
+        if graceful:
+            try:
+                self.broadcast(STOP)
+            except Exception:  # noqa: BLE001 — a dead peer; terminate below
+                graceful = False
+        if graceful:  # every rank tears down at once: NCCL's teardown may wait for its peers
+            self.rank0.close()
+            _destroy_group(timeout_s=30)
+            for w in self.workers:
+                w.join(timeout=10)
+        self._terminate()
+        self.tracker.close()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _terminate(self) -> None:
+        for w in self.workers:  # all at once: a failed group goes in one stroke, not 5 s each
+            if w.is_alive():
+                w.terminate()
+        for w in self.workers:
+            w.join(timeout=5)
+
+
+def _destroy_group(timeout_s: float) -> None:
+    """destroy_process_group, given up on after `timeout_s` (a peer that never arrives must
+    not hang the shutdown; the workers are terminated after it)."""
+    if not dist.is_initialized():
+        return
+    done = threading.Thread(target=dist.destroy_process_group, daemon=True,
+                            name="phaseflip-destroy-group")
+    done.start()
+    done.join(timeout_s)
+    if done.is_alive():
+        log.warning("process group teardown did not finish in %.0f s; going on", timeout_s)
+
+
+def run_node_workers(cfg: EngineConfig) -> int:
+    """`phaseflip serve --node-rank k` (k > 0): run this host's ranks until the driver stops
+    them. Returns non-zero if any rank failed."""
+    spec = DistSpec.from_config(cfg)
+    spawn = mp.get_context("spawn")
+    procs = [spawn.Process(target=worker_main, name=f"phaseflip-rank{r}",
+                           args=(r, spec, cfg, None, os.getpid()))
+             for r in spec.local_ranks()]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    return max(p.exitcode or 0 for p in procs)
