@@ -40,7 +40,7 @@ def _req(spec: GrammarSpec | None, out=()) -> Req:
 
 def _allowed(bitmask_row: torch.Tensor) -> set[int]:
     logits = torch.zeros(1, VOCAB)
-    apply_bitmask(logits, torch.tensor([0]), bitmask_row.unsqueeze(0))
+    apply_bitmask(logits, [0], bitmask_row.unsqueeze(0))
     return set(torch.nonzero(logits[0] == 0).view(-1).tolist())
 
 
@@ -98,10 +98,14 @@ def test_apply_bitmask_reads_bit_31_and_a_ragged_vocabulary() -> None:
     bitmask[0, 2] = 1 << 5  # token 69
     bitmask[1, 0] = 1  # token 0
     before = logits.clone()
-    apply_bitmask(logits, torch.tensor([2, 0]), bitmask)
+    apply_bitmask(logits, [2, 0], bitmask)
     assert torch.equal(logits[1], before[1])  # not a constrained row
     assert torch.isfinite(logits[2]).nonzero().view(-1).tolist() == [31, 32, 69]
     assert torch.isfinite(logits[0]).nonzero().view(-1).tolist() == [0]
+    # the device path (plain torch), run here on a float64 copy: the same rows survive
+    other = before.double()
+    apply_bitmask(other, [2, 0], bitmask)
+    assert torch.equal(torch.isfinite(other), torch.isfinite(logits))
 
 
 @pytest.mark.parametrize(("spec", "problem"), [

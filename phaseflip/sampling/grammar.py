@@ -105,15 +105,27 @@ def _grammar_problem(spec: GrammarSpec) -> str | None:
     return None
 
 
-def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
     """In place: logits[rows[j], t] = -inf wherever bit t of `bitmask[j]` is 0 (bit t is bit
-    t % 32 of int32 word t // 32). Plain torch, so it runs on any device and off the graph."""
+    t % 32 of int32 word t // 32); `bitmask` on the logits' device, `logits` float32.
+
+    On the CPU, xgrammar's kernel (B=64, V=128256: 37 ms against 139 ms for the unpacking
+    below, one thread); elsewhere plain torch, a few device ops off any captured graph."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        full = bitmask  # xgrammar pairs bitmask row i with logits row i
+        if rows != list(range(logits.shape[0])):
+            full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)
+            full[rows] = bitmask
+        _xgr().apply_token_bitmask_inplace(logits, full, vocab_size=logits.shape[1],
+                                           indices=rows)
+        return
     vocab = logits.shape[1]
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :vocab]
-    sub = logits.index_select(0, rows)
-    sub.masked_fill_(allowed.to(logits.device) == 0, float("-inf"))
-    logits.index_copy_(0, rows, sub)
+    index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+    sub = logits.index_select(0, index)
+    sub.masked_fill_(allowed == 0, float("-inf"))
+    logits.index_copy_(0, index, sub)
 
 
 @dataclass

@@ -326,8 +326,7 @@ class Sampler:
                 work[to_device(banned_rows, torch.long, device),
                      to_device(banned_ids, torch.long, device)] = float("-inf")
             if mask is not None:  # after the bans: a grammar row keeps only allowed tokens
-                apply_bitmask(work, to_device(mask[0], torch.long, device),
-                              _on_device(mask[1], device))
+                apply_bitmask(work, mask[0], _on_device(mask[1], device))
 
         # argmax returns the first maximal index: ties resolve to the lowest id, deterministically.
         tokens = work.argmax(dim=-1)
