@@ -9,6 +9,7 @@ limits) is tested in milliseconds without a model.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -36,13 +37,18 @@ def tokenizer():
 
 @dataclass
 class FakeEngine:
-    """Answers like the engine process: one token ("a", id 64) per request every `step_s`."""
+    """Answers like the engine process: one token ("a", id 64) per request every `step_s`.
+    A "flip" control call is a seam of `seam_s` seconds announced by `FlipState` at its start
+    and end, during which nothing is answered; `seam_until` holds the loop in a seam of the
+    engine's own (an automatic flip) until it is set."""
 
     requests_addr: str
     outputs_addr: str
     step_s: float = 0.01
     added: list[m.AddRequest] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
+    flips: list[dict] = field(default_factory=list)  # the "flip" calls' arguments, in order
+    seam_s: float = 0.0
 
     def start(self) -> None:
         self.ctx = zmq.Context()
@@ -52,6 +58,7 @@ class FakeEngine:
         self.outbox.connect(self.outputs_addr)
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._auto: list[tuple[str, threading.Event]] = []
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -64,6 +71,9 @@ class FakeEngine:
                           kv_capacity_tokens=16384, device="cpu", dtype="float32"))
         running: dict[str, tuple[m.AddRequest, int]] = {}
         while not self._stop.is_set():
+            while self._auto:
+                target, done = self._auto.pop(0)
+                self.seam(target, functools.partial(done.wait, 30))
             while self.inbox.poll(0):
                 msg = m.decode(self.inbox.recv())
                 if isinstance(msg, m.AddRequest):
@@ -73,6 +83,10 @@ class FakeEngine:
                     self.aborted.append(msg.rid)
                     if running.pop(msg.rid, None) is not None:
                         self.send(m.Deltas([_delta(msg.rid, "abort", 0, 0)]))
+                elif isinstance(msg, m.Control) and msg.op == "flip":
+                    self.flips.append(msg.args)
+                    self.seam(_layout(msg.args), lambda: time.sleep(self.seam_s))
+                    self.send(m.ControlReply(msg.call_id, True, {"seam": "census"}))
                 elif isinstance(msg, m.Control):
                     self.send(m.ControlReply(msg.call_id, True, _info()))
             deltas = []
@@ -87,6 +101,21 @@ class FakeEngine:
             if deltas:
                 self.send(m.Deltas(deltas, running=len(running)))
             time.sleep(self.step_s)
+
+    def seam(self, target: str, run) -> None:
+        """`run()` as a seam to `target`, announced as the engine does."""
+        self.send(m.FlipState(target))
+        try:
+            run()
+        finally:
+            self.send(m.FlipState(None))
+
+    def auto_flip(self, target: str) -> threading.Event:
+        """Makes the loop enter a seam of its own at its next turn (as the flip policy does
+        inside a step); it lasts until the returned event is set."""
+        done = threading.Event()
+        self._auto.append((target, done))
+        return done
 
     def stop(self) -> None:
         self._stop.set()
@@ -103,18 +132,23 @@ def _delta(rid: str, finish: str | None, prompt_len: int, done: int) -> StreamDe
                        finish_reason=finish, usage=usage)
 
 
+def _layout(args: dict) -> str:
+    return f"tp{args['tp_size']}×pp{args['pp_size']}"
+
+
 def _info() -> dict:
     pool = {"total": 100, "free": 100, "protected": 0, "private": 0, "evictable": 0}
     return {"pool": pool | {"balanced": True}, "running": 0, "waiting": 0, "hicache": None}
 
 
 @asynccontextmanager
-async def fake_server(tmp_path, cfg: ServerConfig | None = None, step_s: float = 0.01):
+async def fake_server(tmp_path, cfg: ServerConfig | None = None, step_s: float = 0.01,
+                      seam_s: float = 0.0):
     """(ServerContext, FastAPI app, FakeEngine) with the engine Ready."""
     req, out = f"ipc://{tmp_path}/req", f"ipc://{tmp_path}/out"
     client = EngineClient(req, out, None)
     client.start()
-    engine = FakeEngine(req, out, step_s)
+    engine = FakeEngine(req, out, step_s, seam_s=seam_s)
     engine.start()
     ctx = ServerContext(cfg or ServerConfig(), client, tokenizer(), "tiny")
     try:

@@ -32,7 +32,6 @@ from phaseflip.server.openapi import ERRORS, Aborted, FreedTokens, Health, ok, s
 from phaseflip.server.openapi import install as install_openapi
 
 log = logging.getLogger("phaseflip.server")
-FLIP_TIMEOUT_S = 600.0  # a flip restarts ranks and reloads weights: minutes on big models
 
 
 def _error(status: int, message: str, type_: str, param: str | None = None,
@@ -152,20 +151,27 @@ def build_app(ctx: ServerContext) -> FastAPI:
     async def admin_flip(req: p.FlipRequest) -> Response:
         """Re-lays the engine's ranks out between two steps; answers with the seam census."""
         target = f"tp{req.tp_size}×pp{req.pp_size}"
-        if ctx.flipping_to is not None:
-            return _error(409, f"a flip to {ctx.flipping_to} is in progress; retry when it "
-                               "has answered", "invalid_request_error", code="flip_in_progress")
+        if (busy := ctx.flip_in_progress) is not None:
+            return _error(409, f"a flip to {busy} is in progress; retry once it has ended "
+                               "(/server_info says flip_in_progress until then)",
+                          "invalid_request_error", code="flip_in_progress")
         ctx.flipping_to = target
         try:
-            reply = await ctx.engine.control("flip", timeout_s=FLIP_TIMEOUT_S,
-                                             args={"tp_size": req.tp_size,
-                                                   "pp_size": req.pp_size})
-        except asyncio.TimeoutError:  # (builtin TimeoutError from 3.11 on)
-            return _error(504, f"the flip to {target} did not answer within "
-                               f"{FLIP_TIMEOUT_S:.0f} s; the engine may still be in its seam "
-                               "(see /server_info and the engine log)", "timeout_error")
-        finally:
+            call = await ctx.engine.send_control("flip", {"tp_size": req.tp_size,
+                                                          "pp_size": req.pp_size})
+        except BaseException:
             ctx.flipping_to = None
+            raise
+        timeout_s = ctx.cfg.flip_timeout_s
+        try:  # (shielded: the call stays open when this caller stops waiting)
+            reply = await asyncio.wait_for(asyncio.shield(call), timeout_s)
+        except asyncio.TimeoutError:  # (builtin TimeoutError from 3.11 on)
+            return _error(504, f"the flip to {target} did not answer within {timeout_s:g} s; "
+                               "the engine may still be in its seam: other flips get 409 "
+                               "until it ends (see /server_info and the engine log)",
+                          "timeout_error")
+        finally:
+            ctx.hold_flip_guard(call)  # released when the engine answers, not before
         if not reply.ok:
             return _error(400, reply.message, "invalid_request_error")
         return JSONResponse(reply.data)
@@ -185,8 +191,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.get("/server_info", response_model=None, responses=ok({"type": "object"}))
     async def server_info() -> dict:
         # mid-flip the engine answers nothing until its seam ends: say so instead of waiting
-        info = ({"flip_in_progress": ctx.flipping_to} if ctx.flipping_to is not None
-                else (await ctx.engine.control("info")).data)
+        info = await ctx.engine_info()
         ready = ctx.engine.state.ready
         return info | {
             "model": ctx.model_name, "max_model_len": ctx.max_context,
@@ -200,11 +205,13 @@ def build_app(ctx: ServerContext) -> FastAPI:
         st = ctx.engine.state
         ctx.metrics.running.set(st.running)
         ctx.metrics.waiting.set(st.waiting)
-        if st.ready is not None and not st.dead and ctx.flipping_to is None:
-            data = (await ctx.engine.control("info")).data
-            pool = data["pool"]
-            ctx.metrics.token_usage.set((pool["protected"] + pool["private"]) / pool["total"])
-            ctx.metrics.observe_hicache(data.get("hicache"))
+        if st.ready is not None and not st.dead:
+            data = await ctx.engine_info()
+            if (pool := data.get("pool")) is not None:  # (none mid-flip)
+                ctx.metrics.token_usage.set((pool["protected"] + pool["private"])
+                                            / pool["total"])
+                ctx.metrics.observe_hicache(data.get("hicache"))
+        ctx.observe_flip()
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app

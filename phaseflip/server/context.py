@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from prometheus_client import Gauge
+
 from phaseflip.engine.outputs import StreamDelta
 from phaseflip.engine.validation import validate_request
 from phaseflip.errors import ContextLengthError, InvalidRequestError
@@ -18,6 +20,8 @@ from phaseflip.sampling.params import SamplingParams
 from phaseflip.server.engine_client import EngineClient, EngineDeadError, ShutdownError
 from phaseflip.server.metrics import ServerMetrics
 from phaseflip.server.token_text import TokenText
+
+INFO_TIMEOUT_S = 30.0  # the engine answers "info" between two steps: milliseconds, not seconds
 
 
 class OverloadedError(Exception):
@@ -48,6 +52,9 @@ class ServerConfig:
     error (new requests get 503 meanwhile)."""
     metrics_without_api_key: bool = False
     """Serve /metrics without the API key (for Prometheus scrapers); /health never needs it."""
+    flip_timeout_s: float = 600.0
+    """Seconds POST /admin/flip waits for the seam's census before answering 504 (the seam
+    goes on; further flips get 409 until the engine says it ended)."""
 
 
 @dataclass
@@ -58,14 +65,60 @@ class ServerContext:
     model_name: str
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     started: int = field(default_factory=lambda: int(time.time()))
-    # the layout a flip in progress goes to: the engine answers nothing until its seam ends,
-    # so status endpoints answer from here meanwhile
+    # the target of a flip this front end asked for and the engine has not answered yet (also
+    # after the caller stopped waiting: 504, a client gone); the engine's own word on seams,
+    # manual or automatic, is `engine.state.flipping_to`
     flipping_to: str | None = None
     shutting_down: str | None = None  # why new work is refused, once a shutdown began
     # tokenising a long prompt takes seconds: off the event loop, one at a time (the fast
     # tokenizer's Rust object is not safe to share between concurrent encodes)
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         1, thread_name_prefix="phaseflip-tokenize"))
+
+    def __post_init__(self) -> None:
+        # (the one gauge ServerMetrics does not hold: it is read from this context)
+        self._flip_gauge = Gauge(
+            "flip_in_progress", "1 while a phase-flip seam runs or a flip asked for is not "
+            "answered, labelled with its target layout; 0 (to=\"\") otherwise", ["to"],
+            namespace="phaseflip", registry=self.metrics.registry)
+
+    @property
+    def flip_in_progress(self) -> str | None:
+        """The target of the flip under way: one asked for here and not answered, or a seam the
+        engine says it is in (an automatic one, or one whose caller stopped waiting)."""
+        return self.flipping_to or self.engine.state.flipping_to
+
+    def hold_flip_guard(self, call: asyncio.Future) -> None:
+        """Keeps `flipping_to` until the engine answers the flip `call` (or dies): a flip whose
+        caller stopped waiting may still be queued or in its seam."""
+        if call.done():
+            self.flipping_to = None
+        else:
+            call.add_done_callback(lambda _: setattr(self, "flipping_to", None))
+
+    async def engine_info(self) -> dict:
+        """The engine's state (the "info" call), or `{"flip_in_progress": target}` while a
+        flip runs: the engine answers nothing until its seam ends, so a call sent just before
+        a seam began is left to its late answer, not waited for."""
+        if (target := self.flip_in_progress) is not None:
+            return {"flip_in_progress": target}
+        call = await self.engine.send_control("info")
+        end = time.monotonic() + INFO_TIMEOUT_S
+        while not call.done():
+            if (target := self.flip_in_progress) is not None:
+                return {"flip_in_progress": target}
+            if time.monotonic() > end:
+                call.cancel()
+                raise asyncio.TimeoutError(f"the engine did not answer 'info' in "
+                                           f"{INFO_TIMEOUT_S:.0f} s")
+            await asyncio.wait({call}, timeout=0.05)
+        return call.result().data | {"flip_in_progress": None}
+
+    def observe_flip(self) -> None:
+        """Sets the flip gauge for /metrics."""
+        target = self.flip_in_progress
+        self._flip_gauge.clear()
+        self._flip_gauge.labels(target or "").set(1 if target else 0)
 
     @property
     def ready(self) -> bool:

@@ -36,6 +36,7 @@ class EngineState:
     waiting: int = 0
     dead: str | None = None  # why the engine is gone, once it is
     unhealthy: str | None = None  # why the engine says it cannot serve (EngineHealth), if so
+    flipping_to: str | None = None  # the target of the seam the engine is in (FlipState)
     in_flight: dict[str, asyncio.Queue] = field(default_factory=dict)
     widths: dict[str, int] = field(default_factory=dict)  # sequences (n) of each in flight
 
@@ -94,6 +95,8 @@ class EngineClient:
                 self._ready.set()
             elif isinstance(msg, m.EngineHealth):
                 self.state.unhealthy = None if msg.healthy else (msg.reason or "no reason given")
+            elif isinstance(msg, m.FlipState):
+                self.state.flipping_to = msg.flipping_to
 
     async def _watch(self) -> None:
         """Turns an engine exit into a named failure for everyone waiting on it."""
@@ -102,11 +105,12 @@ class EngineClient:
         while self.process.is_alive():
             await asyncio.sleep(0.5)
         self.state.dead = f"engine process exited with code {self.process.exitcode}"
+        self.state.flipping_to = None  # no seam outlives the engine
         self._ready.set()
         err = m.RequestFailed("", "server_error", self.state.dead)
         for q in self.state.in_flight.values():
             q.put_nowait(err)
-        for fut in self._calls.values():
+        for fut in list(self._calls.values()):
             if not fut.done():
                 fut.set_exception(EngineDeadError(self.state.dead))
 
@@ -159,18 +163,29 @@ class EngineClient:
             await self.abort(rid)
         return rids
 
-    async def control(self, op: str, timeout_s: float = 30.0, args: dict | None = None
-                      ) -> m.ControlReply:
+    async def send_control(self, op: str, args: dict | None = None) -> asyncio.Future:
+        """Sends a control call; the future gets its `ControlReply` whenever the engine answers
+        (or `EngineDeadError`), also after its caller stopped waiting, unless cancelled."""
         if self.state.dead:
             raise EngineDeadError(self.state.dead)
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
+        # answered, failed or cancelled: no entry is left, and a failure nobody awaits any
+        # more is not logged as "never retrieved"
+        fut.add_done_callback(lambda f: (self._calls.pop(call_id, None),
+                                         f.cancelled() or f.exception()))
         try:
             await self.out.send(m.encode(m.Control(call_id, op, args)))
-            return await asyncio.wait_for(fut, timeout_s)
-        finally:  # answered (the reader popped it), timed out or cancelled: no entry is left
-            self._calls.pop(call_id, None)
+        except BaseException:
+            fut.cancel()
+            raise
+        return fut
+
+    async def control(self, op: str, timeout_s: float = 30.0, args: dict | None = None
+                      ) -> m.ControlReply:
+        fut = await self.send_control(op, args)
+        return await asyncio.wait_for(fut, timeout_s)  # (cancels the call when it times out)
 
     async def close(self) -> None:
         for t in self._tasks:

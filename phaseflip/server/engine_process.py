@@ -7,6 +7,9 @@ when there is nothing to do — so an idle engine uses no CPU.
 Health travels to the front end as it changes (`EngineHealth`): a loop that has work but
 finishes no step for --watchdog-timeout-s (`StepWatchdog`), or a step that fails (a stalled or
 dead rank), is reported before the process exits non-zero, so /health turns 503 at once.
+Every phase-flip seam, manual (the "flip" control op) or automatic (the policy, inside a
+step), is announced as it starts and ends (`FlipState`): the loop answers nothing meanwhile,
+so the front end holds its flip guard and answers status calls itself.
 SIGTERM stops the loop at its next turn and closes the engine (ranks, host tiers, the weight
 image in /dev/shm) the normal way.
 """
@@ -21,6 +24,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
@@ -29,6 +33,7 @@ from phaseflip.config import EngineConfig
 from phaseflip.distributed.watchdog import StepWatchdog
 from phaseflip.engine.core import EngineCore
 from phaseflip.errors import InvalidRequestError, PhaseflipError
+from phaseflip.flip.census import layout_name
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.loader import load_tokenizer
 from phaseflip.scheduler.kv_cache import PoolAccounting
@@ -38,6 +43,22 @@ from phaseflip.threads import apply_cpu_threads
 log = logging.getLogger("phaseflip.engine")
 IDLE_POLL_MS = 1000
 EXIT_FAILED, EXIT_STALLED = 1, 3  # the engine process's exit codes besides 0
+
+
+class AnnouncingCore(EngineCore):
+    """The engine core, telling `announce` when a flip's seam starts and when it has ended
+    (however it ended). Both kinds of flip go through `flip`: the control op calls it, and the
+    auto policy's `_auto_flip` inside `step` does. (Stands in for an on-seam-start hook that
+    EngineCore's flip observer does not have yet.)"""
+
+    announce: Callable[[m.Message], None] = staticmethod(lambda _msg: None)
+
+    def flip(self, tp_size: int, pp_size: int, sink=None):
+        self.announce(m.FlipState(layout_name(tp_size, pp_size)))
+        try:
+            return super().flip(tp_size, pp_size, sink)
+        finally:
+            self.announce(m.FlipState(None))
 
 
 class EngineServer:
@@ -52,7 +73,8 @@ class EngineServer:
         self.outbox.connect(outputs_addr)
         self.parent = os.getppid()
         model_cfg = ModelConfig.from_dir(cfg.model)
-        self.core = EngineCore(cfg, model_cfg, load_tokenizer(cfg.model))
+        self.core = AnnouncingCore(cfg, model_cfg, load_tokenizer(cfg.model))
+        self.core.announce = self.send  # (the loop's thread: flips run in it)
         self.watchdog = StepWatchdog(cfg.watchdog_timeout_s, self._on_stall)
         self.send(self._ready())
 

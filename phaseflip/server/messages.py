@@ -81,6 +81,16 @@ class EngineHealth:
 
 
 @dataclass
+class FlipState:
+    """A phase-flip seam started (`flipping_to` names its target, e.g. "tp1×pp2") or ended
+    (None), manual or automatic. The engine answers nothing while in a seam, so the front end
+    holds its flip guard and answers status calls itself for as long as the engine says one
+    runs, whether or not anyone still waits for the flip's answer."""
+
+    flipping_to: str | None
+
+
+@dataclass
 class ControlReply:
     call_id: int
     ok: bool
@@ -89,12 +99,12 @@ class ControlReply:
 
 
 Message = (AddRequest | AbortRequest | Control | Ready | Deltas | RequestFailed | ControlReply
-           | EngineHealth)
+           | EngineHealth | FlipState)
 
 _ALLOWED = {
     (c.__module__, c.__name__)
     for c in (AddRequest, AbortRequest, Control, Ready, Deltas, RequestFailed, ControlReply,
-              EngineHealth, StreamDelta, Usage, SamplingParams,
+              EngineHealth, FlipState, StreamDelta, Usage, SamplingParams,
               GrammarSpec)
 }
 
