@@ -54,17 +54,20 @@ class LayoutBundle:
         the device bytes this process still has allocated afterwards (None off CUDA)."""
         if self.hicache is not None:
             self.hicache.unbind()
-        return self._stop_ranks()
+        # no garbage collection here: the ranks free their storage in place, and a full
+        # collection costs ~0.14 s of the seam (measured on the CPU box)
+        return self._stop_ranks(collect=False)
 
     def close(self) -> int | None:
         """The engine's end: stops the ranks and frees their device memory (the HiCache
         controller is closed by its owner, the engine, afterwards)."""
-        return self._stop_ranks()
+        return self._stop_ranks(collect=True)
 
-    def _stop_ranks(self) -> int | None:
+    def _stop_ranks(self, collect: bool) -> int | None:
         device = self.runner.device
         self.runner.close()
-        gc.collect()
+        if collect:
+            gc.collect()
         if device.type != "cuda":
             return None
         torch.cuda.empty_cache()  # cached blocks go back to the driver
