@@ -79,14 +79,65 @@ def _device(text: str) -> str:
                                      "cuda:N)")
 
 
-def _field_docs(cls: type) -> dict[str, str]:
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    """One config field as a flag: its name, value type, default and docstring."""
+
+    name: str
+    kind: type
+    default: object
+    doc: str
+
+
+def _docs(node: ast.ClassDef) -> dict[str, str]:
     """The docstring under each dataclass field (the flag's help text)."""
-    tree = ast.parse(inspect.getsource(cls))
-    docs, body = {}, tree.body[0].body
-    for prev, node in zip(body, body[1:]):
-        if isinstance(prev, ast.AnnAssign) and isinstance(node, ast.Expr):
-            docs[prev.target.id] = " ".join(str(node.value.value).split())
+    docs, body = {}, node.body
+    for prev, nxt in zip(body, body[1:]):
+        if isinstance(prev, ast.AnnAssign) and isinstance(nxt, ast.Expr):
+            docs[prev.target.id] = " ".join(str(nxt.value.value).split())
     return docs
+
+
+def _fields_of(cls: type) -> list[_Field]:
+    docs = _docs(ast.parse(inspect.getsource(cls)).body[0])
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if isinstance(kind, types.UnionType):
+            kind = next(a for a in kind.__args__ if a is not type(None))
+        out.append(_Field(f.name, kind, f.default, docs.get(f.name, "")))
+    return out
+
+
+_SCALARS = {"str": str, "int": int, "float": float, "bool": bool}
+_ARITHMETIC = (ast.Expression, ast.Constant, ast.BinOp, ast.UnaryOp, ast.operator, ast.unaryop)
+
+
+def _fields_from_source(module: str, name: str) -> list[_Field] | None:
+    """The fields of dataclass `name` read from `module`'s source without importing it (the
+    server's module imports the engine, and --help should not wait for that); None when a
+    type or default is more than a scalar type and literal arithmetic."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        return None
+    tree = ast.parse(open(spec.origin, encoding="utf-8").read())
+    node = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None)
+    if node is None:
+        return None
+    docs, out = _docs(node), []
+    for item in node.body:
+        if not isinstance(item, ast.AnnAssign) or item.value is None:
+            continue
+        kind = _SCALARS.get(ast.unparse(item.annotation).removesuffix(" | None"))
+        expr = ast.Expression(item.value)
+        if kind is None or not all(isinstance(n, _ARITHMETIC) for n in ast.walk(expr)):
+            return None
+        default = eval(compile(expr, module, "eval"), {"__builtins__": {}})  # literals only
+        out.append(_Field(item.target.id, kind, default, docs.get(item.target.id, "")))
+    return out
 
 
 def _help(doc: str, default: object, show_default: bool) -> str:
@@ -99,24 +150,21 @@ def _help(doc: str, default: object, show_default: bool) -> str:
     return doc.replace("%", "%%").replace("%%(default)s", "%(default)s")
 
 
-def add_config_flags(parser: argparse.ArgumentParser, cls: type = EngineConfig) -> None:
-    docs, hints = _field_docs(cls), typing.get_type_hints(cls)
-    group = parser.add_argument_group(
-        "engine options" if cls is EngineConfig else "server options")
-    for f in dataclasses.fields(cls):
+def add_config_flags(parser: argparse.ArgumentParser, cls: type = EngineConfig,
+                     fields: list[_Field] | None = None) -> None:
+    """Flags for the fields of `cls` (or the given `fields` of a server config)."""
+    engine = fields is None and cls is EngineConfig
+    group = parser.add_argument_group("engine options" if engine else "server options")
+    for f in fields if fields is not None else _fields_of(cls):
         flags = ["--" + f.name.replace("_", "-"), *ALIASES.get(f.name, ())]
-        kind = hints[f.name]
-        if isinstance(kind, types.UnionType):
-            kind = next(a for a in kind.__args__ if a is not type(None))
-        doc = docs.get(f.name, "")
-        if kind is bool:
+        if f.kind is bool:
             action = group.add_argument(*flags, action=argparse.BooleanOptionalAction,
-                                        default=f.default, help=_help(doc, None, False))
+                                        default=f.default, help=_help(f.doc, None, False))
             if "%(default)s" not in action.help:  # some Pythons' BooleanOptionalAction add it
                 action.help += " (default: %(default)s)"
             continue
-        kwargs: dict[str, typing.Any] = {"type": kind, "default": f.default,
-                                         "help": _help(doc, f.default, show_default=True)}
+        kwargs: dict[str, typing.Any] = {"type": f.kind, "default": f.default,
+                                         "help": _help(f.doc, f.default, show_default=True)}
         if f.name == "dtype":
             kwargs.update(type=_dtype, metavar="{" + ",".join(DTYPE_SPELLINGS) + "}")
         elif f.name == "device":
@@ -124,7 +172,7 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type = EngineConfig) 
         elif f.name in CHOICES:
             kwargs["choices"] = CHOICES[f.name]
         group.add_argument(*flags, dest=f.name, **kwargs)
-    if cls is EngineConfig:
+    if engine:
         for flag, (name, value, text) in FLAG_ALIASES.items():
             group.add_argument(flag, dest=name, action="store_const", const=value, help=text)
 
@@ -152,8 +200,18 @@ def _warn_if_cpu(cfg: EngineConfig) -> None:
             "--device cpu silences this warning")
 
 
-def _serve(args: argparse.Namespace) -> int:
+def served_model_name(args: argparse.Namespace) -> str | None:
+    """--served-model-name, else the Hugging Face id the model was asked for (ORG/NAME), else
+    None (the server names it after its directory)."""
     from phaseflip.model.loader import looks_like_repo_id
+
+    if args.served_model_name is None and looks_like_repo_id(args.model) \
+            and not os.path.isdir(args.model):
+        return args.model
+    return args.served_model_name
+
+
+def _serve(args: argparse.Namespace) -> int:
     from phaseflip.server.context import ServerConfig
     from phaseflip.server.launch import serve
     from phaseflip.threads import plan_for
@@ -161,9 +219,7 @@ def _serve(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     _warn_if_cpu(cfg)
     logging.getLogger("phaseflip.threads").info("%s", plan_for(cfg).describe())
-    if args.served_model_name is None and looks_like_repo_id(args.model) \
-            and not os.path.isdir(args.model):
-        args.served_model_name = args.model  # clients name it as it was asked for: ORG/NAME
+    args.served_model_name = served_model_name(args)
     if cfg.node_rank > 0:  # another host's ranks: no HTTP, no scheduler
         from phaseflip.distributed.rank_set import run_node_workers
 
@@ -256,9 +312,12 @@ def build_parser() -> argparse.ArgumentParser:
                          usage="phaseflip serve [--model MODEL] [options]",
                          description="Serve a model behind an OpenAI-compatible HTTP API. "
                          "Without --model, the tiny model shipped with phaseflip.")
-    from phaseflip.server.context import ServerConfig  # no torch: the dataclass only
+    server_fields = _fields_from_source("phaseflip.server.context", "ServerConfig")
+    if server_fields is None:  # not plain literals: import it (slower)
+        from phaseflip.server.context import ServerConfig
 
-    add_config_flags(srv, ServerConfig)
+        server_fields = _fields_of(ServerConfig)
+    add_config_flags(srv, fields=server_fields)
     add_config_flags(srv)
     gen = sub.add_parser("generate", help="generate completions offline (prompts from args/stdin)",
                          usage="phaseflip generate [--model MODEL] [options] [PROMPT ...]",

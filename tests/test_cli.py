@@ -109,3 +109,34 @@ def test_version_info_is_what_get_version_answers():
     info = version_info()
     assert info["version"] == __version__ and info["torch"] and info["python"]
     assert set(info) == {"version", "torch", "transformers", "triton", "python"}
+
+
+def test_served_model_name_is_the_id_asked_for():
+    from phaseflip.cli import served_model_name
+
+    assert served_model_name(parse("--model", "Qwen/Qwen2.5-7B")) == "Qwen/Qwen2.5-7B"
+    assert served_model_name(parse("--model", "Qwen/Qwen2.5-7B", "--served-model-name", "q")) == "q"
+    assert served_model_name(parse("--model", str(EMBEDDED_MODEL))) is None  # the directory's
+
+
+def test_no_gpu_warning_only_when_the_device_was_left_to_choose(caplog, monkeypatch):
+    import torch
+
+    from phaseflip.cli import _warn_if_cpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _warn_if_cpu(EngineConfig())
+    assert "no GPU found" in caplog.text and "docs/gpu.md" in caplog.text
+    caplog.clear()
+    _warn_if_cpu(EngineConfig(device="cpu"))
+    assert caplog.text == ""
+
+
+def test_server_flags_read_from_source_match_the_class():
+    """--help reads the server config's fields from its source (importing its module pulls in
+    the engine); they must be the class's."""
+    from phaseflip.cli import _fields_from_source, _fields_of
+    from phaseflip.server.context import ServerConfig
+
+    assert _fields_from_source("phaseflip.server.context", "ServerConfig") == \
+        _fields_of(ServerConfig)
