@@ -38,10 +38,10 @@ def overlappable(params: SamplingParams) -> bool:
     """Whether sampling with `params` needs nothing of the previous token on the host: no
     logprobs (read at sampling), no penalties or min_new_tokens (they read the output so
     far), no stop strings (checked on the text at once), no seed (its stream is keyed by the
-    output length), no grammar (its mask needs the previous token on the host)."""
+    output length). A grammar is fine: an overlapped step's tokens reach the host (and the
+    matchers) before the next step's are chosen, while the device runs that next step."""
     return (params.logprobs is None and params.prompt_logprobs is None and not params.stop
-            and not params.has_penalties and params.min_new_tokens == 0 and params.seed is None
-            and params.grammar is None)
+            and not params.has_penalties and params.min_new_tokens == 0 and params.seed is None)
 
 
 def _inputs(items: list[Scheduled]) -> list[SamplingInput]:
@@ -77,11 +77,14 @@ class SamplingStep:
         return result
 
     def sample_ahead(self, batch: ScheduledBatch, logits: torch.Tensor) -> InFlight | None:
-        """Samples on the device without waiting; the tokens start their way to the host."""
+        """Samples on the device without waiting; the tokens start their way to the host.
+        The previous step's tokens are on the host already (`OutputProcessor.take_tokens`),
+        so grammar masks are filled here, on the host, while the device runs this step."""
         items = [it for it in batch.items if it.samples]
         if not items:
             return None
-        tokens = self.sampler.sample_on_device(logit_rows(items, logits), _inputs(items))
+        mask = None if self.grammars is None else self.grammars.masks([it.req for it in items])
+        tokens = self.sampler.sample_on_device(logit_rows(items, logits), _inputs(items), mask)
         for i, it in enumerate(items):
             it.req.pending, it.req.future_row = 1, i
         if tokens.device.type != "cuda":

@@ -122,7 +122,10 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) 
     vocab = logits.shape[1]
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :vocab]
-    index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+    index = torch.tensor(rows, dtype=torch.long)
+    if logits.device.type == "cuda":  # pinned: a pageable copy would wait for the stream
+        index = index.pin_memory()
+    index = index.to(logits.device, non_blocking=True)
     sub = logits.index_select(0, index)
     sub.masked_fill_(allowed == 0, float("-inf"))
     logits.index_copy_(0, index, sub)
@@ -200,6 +203,8 @@ class GrammarBook:
     def masks(self, reqs: list) -> tuple[list[int], torch.Tensor] | None:
         """(rows of `reqs` that are constrained, their bitmask [len(rows), words] on the
         host), or None when none is. A terminated matcher allows only the stop tokens."""
+        if not self._tracks:  # no constrained request in the engine: nothing to look up
+            return None
         rows = [i for i, r in enumerate(reqs) if r in self._tracks]
         if not rows:
             return None

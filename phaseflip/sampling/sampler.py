@@ -281,11 +281,11 @@ class Sampler:
             return SampleOutput(token_ids=tokens.tolist(), logprobs=None, top_logprobs=None)
         return _with_logprobs(raw, tokens, inputs)
 
-    def sample_on_device(self, logits: torch.Tensor, inputs: list[SamplingInput]
-                         ) -> torch.Tensor:
+    def sample_on_device(self, logits: torch.Tensor, inputs: list[SamplingInput],
+                         mask: TokenMask | None = None) -> torch.Tensor:
         """The chosen token ids as a device tensor, with no host sync (overlap scheduling).
         Rows must not ask for logprobs."""
-        tokens, _, want_logprobs = self._choose(logits, inputs)
+        tokens, _, want_logprobs = self._choose(logits, inputs, mask)
         if want_logprobs:
             raise ValueError("sample_on_device cannot report logprobs")
         return tokens
