@@ -221,3 +221,23 @@ def test_tool_choice_is_checked() -> None:
     with pytest.raises(InvalidRequestError, match="both constrain"):
         _plan(tool_choice="required", response_format={"type": "json_object"})
     assert _plan(tool_choice="none").grammar is None and _plan().mode == "auto"
+
+
+def test_templates_get_tools_their_way() -> None:
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "rain"}]
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": history, "tools": [
+        {"type": "function", "function": {"name": "get_weather"}}]})
+    plan = tools.plan_tools(req)
+    # a template that knows tools (Qwen's, Llama 3.1's) gets them as data
+    msgs, kwargs = tools.template_messages(req, plan, "{% if tools %}{{ m.tool_calls }}")
+    assert kwargs["tools"][0]["function"]["name"] == "get_weather"
+    assert msgs[1]["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                    "arguments": {"city": "Oslo"}}
+    # any other gets a Hermes system prompt and the earlier call as a <tool_call> block
+    msgs, kwargs = tools.template_messages(req, plan, "{{ message['content'] }}")
+    assert kwargs == {} and msgs[0]["role"] == "system" and "<tools>" in msgs[0]["content"]
+    assert msgs[2]["content"] == ('<tool_call>\n{"name": "get_weather", "arguments": '
+                                  '{"city": "Oslo"}}\n</tool_call>')

@@ -383,7 +383,7 @@ class ChatMessage(_Request):
     tool_call_id: Str | None = None
     """Accepted on `tool` messages so a replayed transcript does not fail validation."""
     tool_calls: list[dict[str, Any]] | None = None
-    """Accepted so `unsupported` can report tool calling rather than an unknown field."""
+    """An assistant turn's earlier calls, replayed (rendered by `server/tools.py`)."""
 
     @model_validator(mode="after")
     def _check_content_present(self) -> ChatMessage:
