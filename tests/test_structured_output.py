@@ -120,6 +120,13 @@ def test_a_bad_grammar_is_refused_naming_the_problem(spec, problem) -> None:
         SamplingParams(grammar=spec).validate(VOCAB)
 
 
+def test_min_tokens_with_a_grammar_is_refused() -> None:
+    # a complete JSON object allows only EOS, which min_tokens bans: every logit -inf
+    params = SamplingParams(grammar=GrammarSpec("json_object"), min_new_tokens=4)
+    with pytest.raises(InvalidRequestError, match="min_new_tokens"):
+        params.validate(VOCAB)
+
+
 # ------------------------------------------------------------------ the engine
 def _valid(text: str) -> bool:
     try:

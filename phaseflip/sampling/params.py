@@ -183,6 +183,11 @@ class SamplingParams:
             if not isinstance(self.grammar, GrammarSpec):
                 raise InvalidRequestError("grammar must be a GrammarSpec", param="grammar")
             self.grammar.check()
+            if self.min_new_tokens:  # a complete output may allow nothing but EOS
+                raise InvalidRequestError(
+                    "min_new_tokens cannot be combined with a grammar (response_format, tools, "
+                    "regex/ebnf/json_schema): the grammar decides where the output ends",
+                    param="min_new_tokens")
 
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
