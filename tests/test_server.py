@@ -154,8 +154,8 @@ def test_context_length_error_says_by_how_much(client):
 
 
 def test_unsupported_chat_features_are_400(client):
-    for extra in ({"tools": [{"type": "function", "function": {"name": "f"}}]},
-                  {"response_format": {"type": "json_object"}}):
+    # (tools and response_format are served: tests/test_structured_server.py)
+    for extra in ({"functions": [{"name": "f"}]}, {"function_call": {"name": "f"}}):
         with pytest.raises(openai.BadRequestError, match="not supported"):
             client.chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": "x"}], **extra)
