@@ -115,28 +115,43 @@ def test_an_automatic_seam_holds_the_guard_and_status_answers_from_the_front_end
 
 
 def test_a_real_flip_past_its_timeout_keeps_the_guard():
-    """A real `phaseflip serve` whose flip takes longer than --flip-timeout-s: 504, then 409
-    for another flip until the engine's seam ends, and the layout is the one asked for."""
+    """A real `phaseflip serve` whose flip outlives --flip-timeout-s (the engine process is
+    held with SIGSTOP, so the seam cannot be quicker than the test): 504, then 409 for another
+    flip and /server_info says a flip is under way; once the engine goes on, its seam ends,
+    the guard lifts, and the layout is the one asked for."""
+    import os
+    import signal
+
+    from benchmarks.soak import engine_pid
     from tests.server_process import start_server, stop_server
 
     proc, url = start_server("--tp-size", "2", "--enable-flip", "--enable-hicache",
-                             "--hicache-host-gb", "0.01", "--flip-timeout-s", "0.2",
+                             "--hicache-host-gb", "0.01", "--flip-timeout-s", "1",
                              deadline_s=120)
+    engine = engine_pid(proc.pid)
+    assert engine is not None
     try:
-        r = httpx.post(url + "/admin/flip", json=TP1PP2, timeout=60)
-        assert r.status_code == 504, r.text
-        r = httpx.post(url + "/admin/flip", json=TP2PP1, timeout=60)
-        assert r.status_code == 409, r.text
-        seen_busy, end = False, time.monotonic() + 120
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            r = httpx.post(url + "/admin/flip", json=TP1PP2, timeout=60)
+            assert r.status_code == 504, r.text
+            r = httpx.post(url + "/admin/flip", json=TP2PP1, timeout=60)
+            assert r.status_code == 409, r.text
+            info = httpx.get(url + "/server_info", timeout=10).json()
+            assert info["flip_in_progress"] == "tp1×pp2"
+        finally:
+            os.kill(engine, signal.SIGCONT)
+        end = time.monotonic() + 120
         while time.monotonic() < end:
             info = httpx.get(url + "/server_info", timeout=10).json()
             if info["flip_in_progress"] is None:
                 break
-            seen_busy = True
-            time.sleep(0.1)
-        assert seen_busy and info["flip_in_progress"] is None
+            time.sleep(0.05)
+        assert info["flip_in_progress"] is None
         assert (info["config"]["tp_size"], info["config"]["pp_size"]) == (1, 2)
         assert info["pool"]["balanced"]
+        r = httpx.post(url + "/admin/flip", json=TP2PP1, timeout=60)  # taken again
+        assert r.status_code in (200, 504), r.text
     finally:
         stop_server(proc)
 
