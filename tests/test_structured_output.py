@@ -5,6 +5,8 @@ engine with constrained and unconstrained rows in one batch, n > 1 and retractio
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -248,3 +250,16 @@ def test_templates_get_tools_their_way() -> None:
     assert kwargs == {} and msgs[0]["role"] == "system" and "<tools>" in msgs[0]["content"]
     assert msgs[2]["content"] == ('<tool_call>\n{"name": "get_weather", "arguments": '
                                   '{"city": "Oslo"}}\n</tool_call>')
+
+
+def test_the_front_end_loads_neither_torch_nor_xgrammar_for_a_grammar_spec() -> None:
+    # GrammarSpec rides in SamplingParams through the front end, which never loaded torch
+    code = ("import sys; import phaseflip.server.app, phaseflip.server.openai_api; "
+            "from phaseflip.server import messages as m; from phaseflip.sampling.grammar "
+            "import GrammarSpec; from phaseflip import SamplingParams; "
+            "m.decode(m.encode(m.AddRequest('r', [1], SamplingParams(grammar=GrammarSpec("
+            "'regex', 'a+'))))); print(sorted(x for x in ('torch', 'xgrammar') "
+            "if x in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "[]"

@@ -9,7 +9,8 @@ a retracted request that re-prefills keeps its output, so its matcher stays wher
 fills the rows of an int32 bitmask [rows, ceil(V / 32)]; `apply_bitmask` sets the logits of
 disallowed tokens to -inf in the sampler.
 
-xgrammar is imported on first use only: requests without a grammar never load it (law 11).
+xgrammar is imported on first use only: requests without a grammar never load it (law 11);
+torch too, as `GrammarSpec` travels through the front end, which does not load torch.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import re
 import weakref
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from phaseflip.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
 
 GrammarKind = Literal["json_object", "json_schema", "regex", "ebnf"]
 KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "ebnf")
@@ -111,6 +113,8 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) 
 
     On the CPU, xgrammar's kernel (B=64, V=128256: 37 ms against 139 ms for the unpacking
     below, one thread); elsewhere plain torch, a few device ops off any captured graph."""
+    import torch
+
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         full = bitmask  # xgrammar pairs bitmask row i with logits row i
         if rows != list(range(logits.shape[0])):
@@ -205,6 +209,8 @@ class GrammarBook:
         host), or None when none is. A terminated matcher allows only the stop tokens."""
         if not self._tracks:  # no constrained request in the engine: nothing to look up
             return None
+        import torch
+
         rows = [i for i, r in enumerate(reqs) if r in self._tracks]
         if not rows:
             return None

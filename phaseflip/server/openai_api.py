@@ -137,6 +137,14 @@ def stream_response(events: AsyncIterator[str]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache"})
 
 
+async def check_grammar(ctx: ServerContext, params: SamplingParams, param: str) -> None:
+    """A 400 naming the problem if the request's grammar cannot be built. In the pool: the
+    first check loads xgrammar (and torch, ~seconds), which must not stall the event loop;
+    the result is cached, so `SamplingParams.validate` repeats it for free."""
+    if params.grammar is not None:
+        await ctx.in_pool(params.grammar.check, param)
+
+
 def usage_of(runs: list[PromptRun]) -> p.UsageInfo:
     prompt = sum(r.usage.prompt_tokens for r in runs if r.usage)
     completion = sum(r.usage.completion_tokens for r in runs if r.usage)
@@ -186,6 +194,7 @@ async def create_completion(req: p.CompletionRequest, request: Request,
     width = req.best_of if req.best_of and req.best_of > req.n else req.n
     for i, ids in enumerate(prompts):
         params = p.completion_sampling_params(req, ctx.default_max_tokens(len(ids)))
+        await check_grammar(ctx, params, "response_format")
         ctx.validate(ids, params)
         runs.append(PromptRun(f"{base}-{i}", ids, params, i * req.n))
     ctx.admit([r.params for r in runs])
@@ -314,6 +323,7 @@ async def create_chat_completion(req: p.ChatCompletionRequest, request: Request,
     params = p.chat_sampling_params(req, ctx.default_max_tokens(len(ids)))
     if plan is not None and plan.grammar is not None:
         params = replace(params, grammar=plan.grammar)
+    await check_grammar(ctx, params, "tools" if plan and plan.grammar else "response_format")
     ctx.validate(ids, params)
     ctx.admit([params])
     base = ctx.new_id("chatcmpl")
