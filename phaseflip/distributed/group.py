@@ -144,6 +144,9 @@ class GroupFormationError(RuntimeError):
 
 
 JOIN_KEY = "phaseflip/joined/"
+# A live rank may take long to arrive (a loaded host importing torch, another node started by
+# hand): it is waited for at least this long; a local rank that dies is named at once.
+JOIN_FLOOR_S = 300.0
 
 
 def join(rank: int, spec: DistSpec,
@@ -155,7 +158,8 @@ def join(rank: int, spec: DistSpec,
     Rank 0 hosts the rendezvous store and waits for every rank to check in before it forms
     the group, asking `peers_failed` (its local workers that exited) every 0.1 s: a rank that
     dies while joining is a named `GroupFormationError` at once, not a store timeout minutes
-    later; a rank that never arrives is one after --dist-timeout-s, naming who is missing."""
+    later; a live rank that never arrives is one after --dist-timeout-s (at least
+    JOIN_FLOOR_S), naming who is missing."""
     host, port = spec.init_addr.rsplit(":", 1)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
     timeout = datetime.timedelta(seconds=spec.timeout_s)
@@ -182,7 +186,8 @@ def join(rank: int, spec: DistSpec,
 
 def _await_ranks(store: dist.Store, spec: DistSpec,
                  peers_failed: Callable[[], list[str]]) -> None:
-    deadline = time.monotonic() + spec.timeout_s
+    wait_s = max(spec.timeout_s, JOIN_FLOOR_S)
+    deadline = time.monotonic() + wait_s
     keys = [f"{JOIN_KEY}{r}" for r in range(spec.world_size)]
     while not store.check(keys):
         failed = peers_failed()
@@ -190,7 +195,7 @@ def _await_ranks(store: dist.Store, spec: DistSpec,
         if failed or late:
             missing = [r for r, k in enumerate(keys) if not store.check([k])]
             why = (f"{', '.join(failed)} exited while joining" if failed
-                   else f"not every rank joined within --dist-timeout-s {spec.timeout_s:g}")
+                   else f"not every rank joined within {wait_s:g} s")
             raise GroupFormationError(
                 f"the rank group did not form: {why}; ranks not joined: {missing} "
                 f"(world size {spec.world_size}, rendezvous {spec.init_addr})")

@@ -86,8 +86,11 @@ class RankProcess:
 
     def relayout(self, cfg: EngineConfig) -> RankLayout:
         """Drops the current layout, builds `cfg`'s (every rank at once: the KV slot space is
-        agreed over the group)."""
+        agreed over the group). No rank builds before every rank has released: ranks that
+        share a device would otherwise size their pools around each other's old layout."""
         self.release()
+        with self.tracker.at("waiting for every rank to release its layout"):
+            dist.barrier(group=self.fabric.cpu_group)
         with self.tracker.at(f"building layout tp{cfg.tp_size}×pp{cfg.pp_size}"):
             self.layout = self._build(cfg)
         self.tracker.set("idle")
@@ -98,6 +101,11 @@ class RankProcess:
             layout, self.layout = self.layout, None
             with self.tracker.at("releasing the layout"):
                 layout.release()
+            device = layout.runner.device
+            if device.type == "cuda":
+                log.info("rank %d released its layout: %.2f GiB allocated, %.2f GiB reserved "
+                         "on %s", self.rank, torch.cuda.memory_allocated(device) / 2**30,
+                         torch.cuda.memory_reserved(device) / 2**30, device)
             self.tracker.set("idle")
 
     def close(self) -> None:
@@ -129,10 +137,15 @@ class RankProcess:
                 # page-locked only for a GPU rank (a CPU rank would make a CUDA context for it)
                 image = mapped = WeightImage.open(self.spec.weight_image,
                                                   register=device.type == "cuda")
+        def settle() -> None:  # every rank's new weights in, every old layout gone
+            with tracker.at("waiting for every rank's weights before sizing the KV pool"):
+                dist.barrier(group=groups.cpu_group)
+
         try:
             with tracker.at("loading weights, sizing the KV pool"):
                 runner = ModelRunner(cfg, model_cfg, groups.layout(), device,
-                                     agree_slots=agree, weights=image)
+                                     agree_slots=agree, weights=image, before_sizing=settle,
+                                     device_share=_device_share(self.spec, device))
         finally:
             if mapped is not None:
                 mapped.close()  # the parameters are copies: the mapping is not needed after
@@ -146,6 +159,14 @@ class RankProcess:
             part = rank_slice(runner.layout, model_cfg.num_layers, model_cfg.num_kv_heads)
             transfers = KVTransferEngine(runner.pool, self.frames, geo, part, device)
         return RankLayout(groups, runner, StageExecutor(runner, groups, tracker, transfers))
+
+
+def _device_share(spec: DistSpec, device: torch.device) -> int:
+    """How many of this node's ranks share `device` (more than one only when there are fewer
+    GPUs than ranks, e.g. correctness runs of several ranks on one GPU)."""
+    if device.type != "cuda":
+        return 1
+    return max(1, -(-spec.ranks_per_node // torch.cuda.device_count()))
 
 
 def worker_main(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | None,

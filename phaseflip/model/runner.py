@@ -129,12 +129,16 @@ class Runner(Protocol):
 class ModelRunner:
     """One rank's model shard and KV pool. In a group every rank must use the same slot space:
     `agree_slots(local_slots)` returns the size all ranks agreed on (the minimum). `weights`:
-    the host weight image to load from instead of the checkpoint (a phase flip's new ranks)."""
+    the host weight image to load from instead of the checkpoint (a phase flip's new ranks).
+    `before_sizing`: called once the weights are loaded, before the KV pool is sized from free
+    memory (a group's barrier: every rank's weights are in, every old layout is gone);
+    `device_share`: how many ranks share this device, each sized to its part of the budget."""
 
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, layout: Layout | None = None,
                  device: torch.device | None = None,
                  agree_slots: Callable[[int], int] | None = None,
-                 weights: WeightImage | None = None):
+                 weights: WeightImage | None = None,
+                 before_sizing: Callable[[], None] | None = None, device_share: int = 1):
         self.cfg, self.model_cfg = cfg, model_cfg
         self.layout = layout or Layout()
         self.device = device or resolve_device(cfg.device)
@@ -149,6 +153,9 @@ class ModelRunner:
                  self.weights_load.line())
         self.model.eval()
         self.backend = make_attention_backend(cfg.attention_backend, self.device)
+        if before_sizing is not None:
+            before_sizing()
+        self.device_share = device_share
         local = self._kv_slots()
         self.num_slots = agree_slots(local) if agree_slots else local
         n_layers = self.model.end_layer - self.model.start_layer
@@ -237,7 +244,7 @@ class ModelRunner:
 
     def _tokens_from_memory(self) -> int:
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = free - total * (1.0 - self.cfg.mem_fraction)
+        budget = (free - total * (1.0 - self.cfg.mem_fraction)) / self.device_share
         m = self.model_cfg
         kv_heads = self.model.layers[0].self_attn.num_kv_heads
         n_layers = self.model.end_layer - self.model.start_layer
