@@ -94,6 +94,14 @@ class SamplingParams:
 
     def validate(self, vocab_size: int, max_logprobs: int = 20) -> None:
         """Raise `InvalidRequestError` naming the first bad field; NaN and bools are rejected."""
+        self._validate_lengths()
+        self._validate_choice()
+        self._validate_logit_bias(vocab_size)
+        self._validate_stops(vocab_size)
+        self._validate_grammar()
+        self._validate_logprobs(max_logprobs)
+
+    def _validate_lengths(self) -> None:
         max_new = _require_int(self.max_new_tokens, "max_new_tokens")
         if max_new < 0:
             raise InvalidRequestError(
@@ -110,6 +118,7 @@ class SamplingParams:
                 param="min_new_tokens",
             )
 
+    def _validate_choice(self) -> None:
         temperature = _require_finite(self.temperature, "temperature")
         if temperature < 0:
             raise InvalidRequestError(
@@ -142,6 +151,7 @@ class SamplingParams:
                     param=name,
                 )
 
+    def _validate_logit_bias(self, vocab_size: int) -> None:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise InvalidRequestError(
@@ -161,6 +171,7 @@ class SamplingParams:
                         param="logit_bias",
                     )
 
+    def _validate_stops(self, vocab_size: int) -> None:
         n = _require_int(self.n, "n")
         if not 1 <= n <= MAX_N:
             raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {n}", param="n")
@@ -179,6 +190,7 @@ class SamplingParams:
                     param="stop_token_ids",
                 )
 
+    def _validate_grammar(self) -> None:
         if self.grammar is not None:
             if not isinstance(self.grammar, GrammarSpec):
                 raise InvalidRequestError("grammar must be a GrammarSpec", param="grammar")
@@ -189,6 +201,7 @@ class SamplingParams:
                     "regex/ebnf/json_schema): the grammar decides where the output ends",
                     param="min_new_tokens")
 
+    def _validate_logprobs(self, max_logprobs: int) -> None:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is None:

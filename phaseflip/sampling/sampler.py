@@ -294,8 +294,7 @@ class Sampler:
                 mask: TokenMask | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """(chosen ids on the device, the float32 logits, whether any row wants logprobs)."""
         rows, vocab = logits.shape
-        device = logits.device
-        raw = logits.float()
+        device, raw = logits.device, logits.float()
 
         # One pass over the rows: which need logit edits, which draw, which want logprobs.
         penalised: list[int] = []
