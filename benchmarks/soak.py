@@ -396,8 +396,10 @@ class Soak:
         if self.server_pid is None:
             return {"front_end": None, "engine": None}
         engine = engine_pid(self.server_pid)
+        ranks = [proc_rss_bytes(r) for r in children(engine)] if engine else []
         return {"front_end": proc_rss_bytes(self.server_pid),
-                "engine": proc_rss_bytes(engine) if engine else None}
+                "engine": proc_rss_bytes(engine) if engine else None,
+                "worker_ranks": sum(r for r in ranks if r) if ranks else None}
 
     # ------------------------------------------------------------------ the verdict
     def verdict(self, before: dict, after: dict, idle: dict, load_s: float) -> dict[str, Any]:
@@ -440,6 +442,8 @@ class Soak:
                 growth[proc] is not None and abs(growth[proc]) <= tol,
                 "unmeasured" if growth[proc] is None
                 else f"{w / 2**20:.0f} -> {e / 2**20:.0f} MiB ({growth[proc]:+.1%})")
+        w, e = warm.get("worker_ranks"), end.get("worker_ranks")
+        growth["worker_ranks"] = None if not w or not e else e / w - 1  # (reported only)
         return {
             "duration_s": load_s, "concurrency": self.args.concurrency,
             "sent": dict(b.sent), "requests": sum(b.sent.values()),
@@ -505,6 +509,11 @@ def print_result(r: dict[str, Any]) -> None:
                 f"soak: {r['duration_s']:.0f} s, {r['concurrency']} clients, "
                 f"{r['requests']} requests")
     print_table(["ended (server, /metrics delta)", "count"], sorted(r["server_ended"].items()))
+    rss = [(proc, r["rss"].get("warm", {}).get(proc), r["rss"].get("end", {}).get(proc),
+            r["rss_growth"].get(proc)) for proc in ("front_end", "engine", "worker_ranks")]
+    print_table(["process", "RSS after warm-up (MiB)", "RSS at the end (MiB)", "growth"],
+                [(p, w and w / 2**20, e and e / 2**20, "-" if g is None else f"{g:+.1%}")
+                 for p, w, e, g in rss])
     print_table(["check", "ok", "detail"],
                 [(k, "yes" if v["ok"] else "NO", v["detail"]) for k, v in r["checks"].items()])
     for e in r["errors"][:10]:
