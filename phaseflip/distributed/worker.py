@@ -93,6 +93,8 @@ class RankProcess:
             dist.barrier(group=self.fabric.cpu_group)
         with self.tracker.at(f"building layout tp{cfg.tp_size}×pp{cfg.pp_size}"):
             self.layout = self._build(cfg)
+        parts = ", ".join(f"{k} {v:.3f} s" for k, v in self.layout.runner.build_s.items())
+        log.info("rank %d built tp%d×pp%d: %s", self.rank, cfg.tp_size, cfg.pp_size, parts)
         self.tracker.set("idle")
         return self.layout
 

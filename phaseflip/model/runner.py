@@ -8,6 +8,7 @@ implement it, with one `forward` signature.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -139,6 +140,7 @@ class ModelRunner:
                  agree_slots: Callable[[int], int] | None = None,
                  weights: WeightImage | None = None,
                  before_sizing: Callable[[], None] | None = None, device_share: int = 1):
+        t0 = time.perf_counter()
         self.cfg, self.model_cfg = cfg, model_cfg
         self.layout = layout or Layout()
         self.device = device or resolve_device(cfg.device)
@@ -153,9 +155,11 @@ class ModelRunner:
                  self.weights_load.line())
         self.model.eval()
         self.backend = make_attention_backend(cfg.attention_backend, self.device)
+        t_weights = time.perf_counter()
         if before_sizing is not None:
             before_sizing()
         self.device_share = device_share
+        t_sizing = time.perf_counter()
         local = self._kv_slots()
         self.num_slots = agree_slots(local) if agree_slots else local
         n_layers = self.model.end_layer - self.model.start_layer
@@ -166,7 +170,11 @@ class ModelRunner:
         )
         log.info("KV pool: %d slots on %s (%s)", self.num_slots, self.device, self.dtype)
         self._workspace_held = _gemm_workspace(self.device, hold=True)
+        t_pool = time.perf_counter()
         self.graphs = self._capture_graphs()
+        # how long building this rank took, by part (a flip's census reads rank 0's)
+        self.build_s = {"weights": t_weights - t0, "wait_for_ranks": t_sizing - t_weights,
+                        "kv_pool": t_pool - t_sizing, "graphs": time.perf_counter() - t_pool}
         self.closed = False
 
     def _capture_graphs(self):
@@ -245,6 +253,11 @@ class ModelRunner:
     def _tokens_from_memory(self) -> int:
         free, total = torch.cuda.mem_get_info(self.device)
         budget = (free - total * (1.0 - self.cfg.mem_fraction)) / self.device_share
+        log.info("KV budget: %.2f GiB free of %.2f, %.2f GiB allocated and %.2f reserved here, "
+                 "%d rank(s) on the device: %.2f GiB for this rank's pool", free / 2**30,
+                 total / 2**30, torch.cuda.memory_allocated(self.device) / 2**30,
+                 torch.cuda.memory_reserved(self.device) / 2**30, self.device_share,
+                 budget / 2**30)
         m = self.model_cfg
         kv_heads = self.model.layers[0].self_attn.num_kv_heads
         n_layers = self.model.end_layer - self.model.start_layer
