@@ -131,12 +131,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _print(result: dict[str, Any]) -> None:
-    names = list(dict.fromkeys(k for f in result["flips"] for k in f["segments"]))
+    flips = result["flips"]
+    names = list(dict.fromkeys(k for f in flips for k in f["segments"]))
+    parts = list(dict.fromkeys(k for f in flips for k in (f.get("relayout_parts") or {})))
     rows = [[f"{f['source']}→{f['target']}", f["step"], f["retracted"], f["wall_s"],
-             *(f["segments"].get(n, 0.0) for n in names), f["first_step_after_s"]]
-            for f in result["flips"]]
+             *(f["segments"].get(n, 0.0) for n in names),
+             *((f.get("relayout_parts") or {}).get(n, "") for n in parts),
+             f"{f.get('kv_slots_before')}→{f.get('kv_slots_after')}", f["first_step_after_s"]]
+            for f in flips]
     print_table(["flip", "at step", "retracted", "seam s", *(f"{n} s" for n in names),
-                 "next step s"], rows,
+                 *(f"relayout: {n} s" for n in parts), "KV slots", "next step s"], rows,
                 title=f"phase flips: {result['output_tokens']} output tokens in "
                       f"{result['seconds']:.1f} s")
 

@@ -108,6 +108,11 @@ class DistributedRunner:
         return self.runner.dtype
 
     @property
+    def build_s(self) -> dict[str, float]:
+        """Rank 0's build of this layout by part (the other ranks log theirs)."""
+        return self.runner.build_s
+
+    @property
     def weights_load(self):
         """Rank 0's `WeightsLoad` (how it loaded its shard, timed)."""
         return self.runner.weights_load

@@ -78,12 +78,15 @@ class DistSpec:
 
 
 def runnable_layouts(cfg: EngineConfig) -> tuple[tuple[int, int], ...]:
-    """The launch layout, and with flips on every tp × pp of the same ranks (a manual flip may
-    go to any of them; the auto policy uses two)."""
-    w = cfg.world_size
+    """The launch layout first; with flips on, also the two --flip-layouts when given (a flip
+    elsewhere is refused before its seam), else every tp × pp of the same ranks (a manual flip
+    may go to any of them)."""
+    w, launch = cfg.world_size, (cfg.tp_size, cfg.pp_size)
     if not cfg.enable_flip:
-        return ((cfg.tp_size, cfg.pp_size),)
-    return tuple((tp, w // tp) for tp in range(1, w + 1) if w % tp == 0)
+        return (launch,)
+    others = (cfg.flip_layout_pair if cfg.flip_layouts
+              else tuple((tp, w // tp) for tp in range(1, w + 1) if w % tp == 0))
+    return (launch, *(lay for lay in others if lay != launch))
 
 
 @dataclass

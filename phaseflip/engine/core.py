@@ -127,12 +127,20 @@ class EngineCore:
         from phaseflip.distributed.rank_set import RankSet
 
         hicache = self._hicache
-        return RankSet(cfg, hicache.host.frames if hicache else None, self.weight_image)
+        ranks = RankSet(cfg, hicache.host.frames if hicache else None, self.weight_image)
+        if cfg.enable_flip:
+            try:
+                ranks.warm_up(cfg)  # the flip layouts' kernels compile now, not on a seam
+            except BaseException:
+                ranks.close(graceful=False)
+                raise
+        return ranks
 
     # ------------------------------------------------------------------ LayoutHost (flip)
     def install_layout(self, cfg: EngineConfig):
         """Builds the bundle for `cfg` and makes it the running one (at start, and at a
-        flip's relayout once the old one is retired); returns rank 0's `WeightsLoad`."""
+        flip's relayout once the old one is retired); returns its runner (rank 0's view:
+        `weights_load`, `build_s`)."""
         if self._bundle is not None:
             raise RuntimeError("install_layout: retire the running layout first")
         bundle = build_layout_bundle(cfg, self.model_cfg, self.max_context, self._hicache,
@@ -140,7 +148,7 @@ class EngineCore:
                                      self._ranks)
         self._bundle, self.cfg = bundle, cfg
         self.scheduler.bind(bundle.kv, bundle.hicache)
-        return bundle.runner.weights_load
+        return bundle.runner
 
     def retire_layout(self) -> int | None:
         """Ends the running bundle (HiCache unbound, ranks stopped, memory freed); returns

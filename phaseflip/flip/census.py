@@ -37,6 +37,11 @@ class SeamCensus:
     weights_read_s: float | None = None
     weights_h2d_wait_s: float | None = None
     weights_drain_s: float | None = None
+    # rank 0's relayout by part (weights, wait_for_ranks, kv_pool, graphs), seconds; the
+    # ranks are the same processes before and after (none start or join at a seam)
+    relayout_parts: dict[str, float] | None = None
+    kv_slots_before: int | None = None  # the KV slot space of the old layout and the new
+    kv_slots_after: int | None = None
     # device memory this process still had allocated once the old layout was torn down
     # (None off CUDA): the old rank 0's weights and pool must be gone before the new ranks
     # size their pools from what is free
@@ -66,10 +71,14 @@ class SeamCensus:
         fence = "none" if self.fence_s is None else f"{self.fence_s:.3f} s"
         held = ("" if self.held_after_teardown_bytes is None else
                 f", {self.held_after_teardown_bytes / 2**30:.2f} GiB held after teardown")
+        parts = ("" if not self.relayout_parts else " (" + ", ".join(
+            f"{k} {v:.3f} s" for k, v in self.relayout_parts.items()) + ")")
+        kv = ("" if self.kv_slots_after is None else
+              f", KV slots {_or_unmeasured(self.kv_slots_before)} → {self.kv_slots_after}")
         return (f"flip {self.source} → {self.target} DONE in {self.total_s:.3f} s: worst "
-                f"segment {name} {self.segments[name]:.3f} s ({100 * share:.0f} %); retracted "
-                f"{self.retracted}, rows moved {_or_unmeasured(self.rows_moved)}, fence "
-                f"{fence}, weights {self.weights}{self._weights_detail()}{held}")
+                f"segment {name} {self.segments[name]:.3f} s ({100 * share:.0f} %){parts}; "
+                f"retracted {self.retracted}, rows moved {_or_unmeasured(self.rows_moved)}, "
+                f"fence {fence}, weights {self.weights}{self._weights_detail()}{kv}{held}")
 
     def _weights_detail(self) -> str:
         if self.weights_load_s is None:
@@ -95,6 +104,7 @@ class SeamCensus:
         """JSON-safe: plain numbers and strings, the warm-up ledger as its own dict."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["segments"] = dict(self.segments)
+        d["relayout_parts"] = None if self.relayout_parts is None else dict(self.relayout_parts)
         d["warmup"] = None if self.warmup is None else self.warmup.as_dict()
         d["total_s"] = self.total_s
         d["worst_segment"], d["worst_share"] = self.worst()

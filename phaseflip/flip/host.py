@@ -51,8 +51,8 @@ class LayoutHost(Protocol):
         ...
 
     def install_layout(self, cfg: Any) -> Any:
-        """Builds the bundle for `cfg` and makes it the running one; returns rank 0's
-        `WeightsLoad`."""
+        """Builds the bundle for `cfg` and makes it the running one; returns its runner
+        (rank 0's `weights_load` and `build_s`, its build by part)."""
         ...
 
 

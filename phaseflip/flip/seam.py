@@ -133,7 +133,7 @@ def _mutate(host: LayoutHost, census: SeamCensus, segment, target_cfg) -> None:
             host.hicache.quiesce()
     with segment("drop"):
         census.tree_slots_freed = host.drop_device_tree()
-        host.check_pool()
+        census.kv_slots_before = host.check_pool().total
     with segment("teardown"):
         census.held_after_teardown_bytes = held = host.retire_layout()
         if held is not None and held > HELD_WARN_BYTES:
@@ -141,8 +141,11 @@ def _mutate(host: LayoutHost, census: SeamCensus, segment, target_cfg) -> None:
                         "layout?); the new layout sizes its KV pool from what is free",
                         held / 2**30)
     with segment("relayout"):
-        record_weights(census, host.install_layout(target_cfg))
+        runner = host.install_layout(target_cfg)
+        record_weights(census, runner.weights_load)
+        census.relayout_parts = dict(runner.build_s)
         acc = host.check_pool()
+        census.kv_slots_after = acc.total
         census.rows_moved = acc.total - acc.free  # nothing is re-admitted yet (law 6)
         if host.hicache is not None:
             host.hicache.host.check()

@@ -105,6 +105,9 @@ class Runner(Protocol):
     def weights_load(self) -> WeightsLoad: ...  # how rank 0 got its weights, timed
 
     @property
+    def build_s(self) -> dict[str, float]: ...  # rank 0's build of its layout, by part
+
+    @property
     def graphs(self) -> object | None: ...  # rank 0's decode graphs, None when eager
 
     def forward(self, plan: ForwardBatch, future: torch.Tensor | None = None) -> torch.Tensor:
