@@ -20,9 +20,12 @@ At the end, with the clients stopped, it checks:
   the clients read ended each choice exactly once; `/abort_request` aborts are counted as such;
 - accounting back to idle: /server_info says no request runs or waits, `pool.balanced`, and no
   slot is held by a request (private/protected 0);
-- memory flat: the VmRSS of the front end and of the engine process (its child; rank 0) at the
-  end within ±`--rss-tolerance` of a sample taken after the warm-up (the first quarter of the
-  run, and a flip round trip when flipping).
+- memory flat: the private resident memory (VmRSS less RssShmem) of the front end and of the
+  engine process (its child; rank 0) at the end within ±`--rss-tolerance` of a sample taken
+  after the warm-up (the first quarter of the
+  run, and a flip round trip when flipping). Shared memory is reported apart: the HiCache
+  host tier and the weight image are /dev/shm files the ranks map, resident as they are
+  touched, up to their fixed sizes (--hicache-host-gb), so they grow by design until full.
 Prints a table and writes JSON (`--out`); exits 1 when a check fails.
 """
 
@@ -81,14 +84,26 @@ class Books:
 
 
 # ------------------------------------------------------------------ the server's side
-def proc_rss_bytes(pid: int) -> int | None:
+def proc_status_bytes(pid: int, field: str) -> int | None:
+    """A `kB` field of /proc/<pid>/status (VmRSS, RssShmem...), in bytes."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         return None
     return None
+
+
+def proc_rss_bytes(pid: int) -> int | None:
+    return proc_status_bytes(pid, "VmRSS")
+
+
+def private_rss_bytes(pid: int) -> tuple[int | None, int | None]:
+    """(VmRSS less RssShmem, RssShmem): what the process holds itself, and what it has
+    resident of shared-memory files."""
+    rss, shmem = proc_rss_bytes(pid), proc_status_bytes(pid, "RssShmem")
+    return (None if rss is None or shmem is None else rss - shmem), shmem
 
 
 def children(pid: int) -> list[int]:
@@ -396,10 +411,15 @@ class Soak:
         if self.server_pid is None:
             return {"front_end": None, "engine": None}
         engine = engine_pid(self.server_pid)
-        ranks = [proc_rss_bytes(r) for r in children(engine)] if engine else []
-        return {"front_end": proc_rss_bytes(self.server_pid),
-                "engine": proc_rss_bytes(engine) if engine else None,
-                "worker_ranks": sum(r for r in ranks if r) if ranks else None}
+        procs = {"front_end": [self.server_pid], "engine": [engine] if engine else [],
+                 "worker_ranks": children(engine) if engine else []}
+        out: dict[str, int | None] = {}
+        for name, pids in procs.items():  # private RSS under the name, shared under _shmem
+            mem = [private_rss_bytes(pid) for pid in pids]
+            ok = mem and all(None not in m for m in mem)
+            out[name] = sum(m[0] for m in mem) if ok else None
+            out[name + "_shmem"] = sum(m[1] for m in mem) if ok else None
+        return out
 
     # ------------------------------------------------------------------ the verdict
     def verdict(self, before: dict, after: dict, idle: dict, load_s: float) -> dict[str, Any]:
@@ -441,7 +461,9 @@ class Soak:
             checks[f"{proc} RSS flat"] = (
                 growth[proc] is not None and abs(growth[proc]) <= tol,
                 "unmeasured" if growth[proc] is None
-                else f"{w / 2**20:.0f} -> {e / 2**20:.0f} MiB ({growth[proc]:+.1%})")
+                else f"private {w / 2**20:.0f} -> {e / 2**20:.0f} MiB ({growth[proc]:+.1%}); "
+                     f"shared {_mib(warm.get(proc + '_shmem'))} -> "
+                     f"{_mib(end.get(proc + '_shmem'))} MiB")
         w, e = warm.get("worker_ranks"), end.get("worker_ranks")
         growth["worker_ranks"] = None if not w or not e else e / w - 1  # (reported only)
         return {
@@ -457,6 +479,10 @@ class Soak:
             "checks": {k: {"ok": ok, "detail": d} for k, (ok, d) in checks.items()},
             "ok": all(ok for ok, _ in checks.values()),
         }
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.0f}"
 
 
 # ------------------------------------------------------------------ launching
@@ -509,11 +535,13 @@ def print_result(r: dict[str, Any]) -> None:
                 f"soak: {r['duration_s']:.0f} s, {r['concurrency']} clients, "
                 f"{r['requests']} requests")
     print_table(["ended (server, /metrics delta)", "count"], sorted(r["server_ended"].items()))
-    rss = [(proc, r["rss"].get("warm", {}).get(proc), r["rss"].get("end", {}).get(proc),
-            r["rss_growth"].get(proc)) for proc in ("front_end", "engine", "worker_ranks")]
-    print_table(["process", "RSS after warm-up (MiB)", "RSS at the end (MiB)", "growth"],
-                [(p, w and w / 2**20, e and e / 2**20, "-" if g is None else f"{g:+.1%}")
-                 for p, w, e, g in rss])
+    warm, end = r["rss"].get("warm", {}), r["rss"].get("end", {})
+    print_table(["process", "private RSS after warm-up (MiB)", "at the end (MiB)", "growth",
+                 "shared RSS (MiB)"],
+                [(p, _mib(warm.get(p)), _mib(end.get(p)),
+                  "-" if r["rss_growth"].get(p) is None else f"{r['rss_growth'][p]:+.1%}",
+                  f"{_mib(warm.get(p + '_shmem'))} -> {_mib(end.get(p + '_shmem'))}")
+                 for p in ("front_end", "engine", "worker_ranks")])
     print_table(["check", "ok", "detail"],
                 [(k, "yes" if v["ok"] else "NO", v["detail"]) for k, v in r["checks"].items()])
     for e in r["errors"][:10]:
