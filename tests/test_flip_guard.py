@@ -205,6 +205,7 @@ def test_the_engine_announces_manual_and_automatic_seams(monkeypatch):
 
 
 def _rss_bytes() -> int:
-    from benchmarks.soak import proc_rss_bytes
+    """Private resident memory (the host tier is shared memory, resident as it fills)."""
+    from benchmarks.soak import private_rss_bytes
 
-    return proc_rss_bytes(os.getpid())
+    return private_rss_bytes(os.getpid())[0]
