@@ -36,6 +36,7 @@ from phaseflip.distributed.worker import (
 from phaseflip.model.weight_image import WeightImage
 
 log = logging.getLogger(__name__)
+WARM_UP_KV_TOKENS = 8192  # the KV pool of a layout built only to warm its kernels up
 
 
 class RankSet:
@@ -98,7 +99,11 @@ class RankSet:
         launch = (cfg.tp_size, cfg.pp_size)
         for tp, pp in self.spec.layouts:
             if (tp, pp) != launch:
-                layout = self.relayout(dataclasses.replace(cfg, tp_size=tp, pp_size=pp))
+                # a small KV pool: the kernels and graphs are the same, the launch layout's
+                # pool is sized after it (on the H200 a warmed 8B layout's freed pool once
+                # stayed reserved by its rank, and the launch pool got 57 % of its budget)
+                layout = self.relayout(dataclasses.replace(
+                    cfg, tp_size=tp, pp_size=pp, max_total_tokens=WARM_UP_KV_TOKENS))
                 log.info("warmed up layout tp%d×pp%d at launch (rank 0: %s)", tp, pp,
                          ", ".join(f"{k} {v:.2f} s" for k, v in layout.runner.build_s.items()))
                 self.release()

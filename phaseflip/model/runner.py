@@ -159,6 +159,9 @@ class ModelRunner:
         self.model.eval()
         self.backend = make_attention_backend(cfg.attention_backend, self.device)
         t_weights = time.perf_counter()
+        if self.device.type == "cuda":
+            # blocks this rank cached but no longer uses count as free for the pool's sizing
+            torch.cuda.empty_cache()
         if before_sizing is not None:
             before_sizing()
         self.device_share = device_share
@@ -222,6 +225,10 @@ class ModelRunner:
             t.untyped_storage().resize_(0)  # views of it (fused weights, caches) included
         if self._workspace_held:  # the last holder frees it (its graphs are gone)
             self._workspace_held = not _gemm_workspace(self.device, hold=False)
+        if self.device.type == "cuda" and hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+            # cuBLAS keeps a workspace per stream it ran on (32 MiB on the H200), the graph
+            # capture's side stream included: without this each layout leaked one
+            torch._C._cuda_clearCublasWorkspaces()
 
     def check_alive(self) -> None:
         """One process: no rank can die apart from this one."""
