@@ -90,10 +90,6 @@ class DistributedRunner:
             raise
         self.groups, self.runner, self.stage = layout.groups, layout.runner, layout.stage
 
-    @property
-    def workers(self) -> list:
-        return self.ranks.workers
-
     # the `Runner` protocol (model/runner.py), as rank 0 sees it
     @property
     def num_slots(self) -> int:
