@@ -100,7 +100,10 @@ def test_an_automatic_seam_holds_the_guard_and_status_answers_from_the_front_end
     async def go():
         async with fake_server(tmp_path) as (ctx, app, engine), asgi(app) as c:
             done = engine.auto_flip("tp1×pp2")
-            info = await get(c, "/server_info")  # (sent before or after the seam's start)
+            # A call the engine answers before its seam starts rightly says no flip: wait
+            # for the engine's FlipState, then every status call must answer at once.
+            await until(lambda: ctx.engine.state.flipping_to == "tp1×pp2")
+            info = await get(c, "/server_info")
             assert info.status_code == 200 and info.json()["flip_in_progress"] == "tp1×pp2"
             r = await asyncio.wait_for(c.post("/admin/flip", json=TP2PP1), 5)
             assert r.status_code == 409, r.text
