@@ -175,7 +175,8 @@ def worker_main(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | Non
                 parent_pid: int) -> None:
     """A worker rank for the life of the server: join, then execute rank 0's messages —
     relayouts, plans, releases — until STOP."""
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(message)s")
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format=f"%(asctime)s rank{rank} %(message)s")
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the engine watchdog's stack dump
     apply_cpu_threads(cfg)
     proc = RankProcess(rank, spec, run_dir, parent_pid)
