@@ -14,6 +14,7 @@ every EARLIER message (see `run`), and a fence message waits for all copies on e
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,43 @@ class StepMessage:
     fence: bool = False
 
 
+# Benchmarks only (`benchmarks/bench_host_step.py`): set in the environment of the engine
+# process before its ranks are spawned, every rank's stage runs no model math.
+NULL_FORWARD_ENV = "PHASEFLIP_NULL_FORWARD"
+
+
+class NullStage:
+    """A stage without model math, for measuring the host's share of a step: zero hidden
+    states of the right shape, and on the last stage rows of a fixed random logits matrix
+    (the window moves each call, so sampled tokens vary as in real decoding). Everything else
+    of the step (plans, sends, receives, logits to the driver, sampling) runs for real."""
+
+    SPARE = 61  # window offsets cycle through this many values
+
+    def __init__(self, runner: ModelRunner) -> None:
+        cfg, mc = runner.cfg, runner.model_cfg
+        self.last = runner.layout.pp_rank == runner.layout.pp_size - 1
+        gen = torch.Generator().manual_seed(cfg.seed)
+        self.table = torch.randn(cfg.max_running_requests + self.SPARE, mc.vocab_size,
+                                 generator=gen) * 4.0
+        self.zeros = torch.zeros(0, mc.hidden_size, dtype=runner.dtype, device=runner.device)
+        self.calls = 0
+
+    def run_stage(self, mb: ForwardBatch, hidden=None, residual=None):
+        rows = int(mb.logits_indices.numel()) if self.last else mb.num_tokens
+        if self.zeros.shape[0] < rows:
+            self.zeros = self.zeros.new_zeros(max(rows, 2 * self.zeros.shape[0]),
+                                              self.zeros.shape[1])
+        return self.zeros[:rows], self.zeros[:rows]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows, off = hidden.shape[0], self.calls % self.SPARE
+        self.calls += 1
+        if rows + off > self.table.shape[0]:  # a prompt step of more rows: any values do
+            return torch.zeros(rows, self.table.shape[1])
+        return self.table[off : off + rows]
+
+
 class StageExecutor:
     def __init__(self, runner: ModelRunner, groups: RankGroups, tracker: PositionTracker,
                  transfers: KVTransferEngine | None = None):
@@ -46,6 +84,8 @@ class StageExecutor:
         self.spec = groups.spec
         self.staged = self.spec.backend == "gloo"  # gloo cannot send CUDA tensors: stage on host
         self.hidden_size = runner.model_cfg.hidden_size
+        # what runs this rank's layers: the model, or nothing at all (benchmarks)
+        self.model = NullStage(runner) if os.environ.get(NULL_FORWARD_ENV) else runner
 
     def run(self, msg: StepMessage) -> torch.Tensor | None:
         """Executes one message. The forward of message m starts only after this rank's copies
@@ -104,9 +144,9 @@ class StageExecutor:
                     hidden = self._recv((mb.num_tokens, self.hidden_size), runner.dtype, src)
                     residual = self._recv((mb.num_tokens, self.hidden_size), runner.dtype, src)
             with tr.at(f"forward micro-batch {i}", step):
-                h, r = runner.run_stage(mb, hidden, residual)
+                h, r = self.model.run_stage(mb, hidden, residual)
             if self.last:
-                logits.append(runner.logits(h))
+                logits.append(self.model.logits(h))
             else:
                 dst = self.groups.stage_rank(self.groups.pp_rank + 1)
                 pending += [self._isend(h, dst), self._isend(r, dst)]
