@@ -255,3 +255,27 @@ def test_a_flip_mid_generation_fills_its_refill_and_warmup(model_dirs):
         assert [warmup["bands"][b]["steps"] for b in BANDS[:4]] == [1, 3, 12, 48]
         assert all(warmup["bands"][b]["ratio"] > 0 for b in BANDS)
         assert warmup["bands"]["steady"]["steps"] >= STEADY_MIN_STEPS
+
+
+def test_each_closed_refill_is_told_to_the_policy_once():
+    """Issue 17: C includes the refill. The ledger hands every refill window that closes (at
+    the cutover when nothing was retracted, or at the step refilling the last request) to
+    `on_refill` once; a window the next flip cuts short is never handed on."""
+    told: list[SeamCensus] = []
+    ledger = FlipLedger("tp2×pp1", clock=lambda: 0.0, on_refill=told.append)
+    a = _req(9)
+    first = _census("tp2×pp1", "tp1×pp2")
+    ledger.before_seam([a])
+    ledger.cutover(first, Tier())
+    assert told == []
+    _run(ledger, a, 0, 10)
+    _run(ledger, a, 10, 1)
+    assert told == [first] and first.refill_tokens_prefilled == 9
+    b = _req(30)
+    second = _census("tp1×pp2", "tp2×pp1")
+    ledger.before_seam([b])
+    ledger.cutover(second, Tier())
+    third = _census("tp2×pp1", "tp1×pp2")
+    ledger.before_seam([])
+    ledger.cutover(third, Tier())  # cuts the second short; the third has nothing to refill
+    assert told == [first, third] and second.refill_state == "cut short"

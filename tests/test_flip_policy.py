@@ -62,6 +62,15 @@ def measure(p: FlipPolicy, x_tps: float, p_tps: float) -> None:
     p.observe_step(PP, int(p_tps), 0, 1.0)
 
 
+def no_refill(src, dst):
+    """The census of a seam that retracted nothing: its refill closed at once, costing 0."""
+    from phaseflip.flip.census import SeamCensus, layout_name
+
+    c = SeamCensus(source=layout_name(*src), target=layout_name(*dst))
+    c.refill_tokens_prefilled, c.refill_state = 0, "done"
+    return c
+
+
 # ---------------------------------------------------------------------- cost model
 @pytest.mark.parametrize("x, p_, c_there, c_back, n", [
     (1000, 2000, 1.0, 1.0, 4000),  # C / (1/X - 1/P) = 2 / 0.0005
@@ -99,6 +108,7 @@ def test_each_flip_direction_is_priced_on_its_own_seams():
     seams = [(PP, TP, 1.0), (TP, PP, 4.0), (PP, TP, 1.0)]
     for src, dst, s in seams:
         pol.observe_flip(src, dst, s)
+        pol.observe_refill(no_refill(src, dst))
     measure(pol, 1000, 2000)
     there, back = pol.flip_costs()
     assert (there.value, back.value) == (4.0, 1.0) and there.provenance == MEASURED
@@ -144,6 +154,7 @@ def test_seeds_give_a_first_decision_and_measurements_replace_them():
     assert pol.break_even().provenance == HALF
     assert pol.decide(backlog(50_000), [], None).target == PP
     pol.observe_flip(TP, PP, 3.0)
+    pol.observe_refill(no_refill(TP, PP))
     pol.observe_step(PP, 1500, 0, 1.0)  # measured: the seed is gone
     assert pol.throughputs()[1].value == 1500 and pol.throughputs()[1].provenance == MEASURED
     assert pol.flip_costs()[0].provenance == MEASURED
@@ -358,6 +369,12 @@ def test_the_engine_flips_by_itself_and_outputs_match_the_unflipped_run(model_di
                 flip_min_dwell_steps=2, max_running_requests=4, **cfg) as e:
         got = drive(e)
         snap = e.core.flip_policy.snapshot()
+        # issue 17: idle in the prefill layout, the engine has one step to run: a flip back
+        if e.core.layout.layout != (1, 2):  # (manual: wherever the drained backlog left it)
+            e.core.flip(1, 2)
+        assert e.core.has_work() and e.core.step() == []
+        assert e.core.layout.layout == (2, 1) and not e.core.has_work()
+        assert e.core.flip_policy.last.reason.startswith("prefill backlog served")
     json.dumps(snap, allow_nan=False)
     assert 1 <= snap["flips"] == snap["auto_flips"] <= 3, snap
     first = snap["recent_flips"][0]
@@ -367,3 +384,130 @@ def test_the_engine_flips_by_itself_and_outputs_match_the_unflipped_run(model_di
         assert reasons == ["length"], rid  # finished exactly once: none lost, none doubled
         assert ids == want[rid][0], rid
         assert lps == pytest.approx(want[rid][1], abs=1e-4), rid
+
+
+# ---------------------------------------------------------------------- issue 17 open items
+def test_an_idle_prefill_layout_flips_back_after_a_dwell():
+    """The engine steps (and asks the policy) only with work: idle in PP, `idle_flip_due` says
+    when to step once, so the drained prefill layout goes back to the decode layout; asked
+    once per idle spell (a refused flip does not spin the loop), and not before the dwell."""
+    clock = Clock()
+    pol = policy(clock=clock, flip_seed_to_pp_s=1.0, flip_seed_to_tp_s=1.0,
+                 flip_min_dwell_s=2.0, flip_min_dwell_steps=4)
+    measure(pol, 1000, 2000)
+    for _ in range(4):
+        pol.observe_step(TP, 0, 2, 0.1)
+    clock.now += 2.0
+    assert pol.decide(backlog(5000), [], None).target == PP
+    pol.observe_flip(TP, PP, 1.0)
+    assert not pol.idle_flip_due()  # no dwell since the flip yet
+    pol.observe_step(PP, 2000, 0, 1.0)  # the backlog served in one step: now idle
+    clock.now += 1.9
+    assert not pol.idle_flip_due()
+    clock.now += 0.2  # idle 2.1 s since the last work (only 1 of 4 dwell steps: seconds rule)
+    assert pol.idle_flip_due()
+    d = pol.decide([], [], None)
+    assert d.target == TP and "served" in d.reason
+    pol.observe_flip(PP, TP, 1.0)
+    clock.now += 60.0
+    assert not pol.idle_flip_due()  # in the decode layout idle is where it should be
+    # an abandoned idle flip is asked again after a dwell, not at every loop turn
+    pol.observe_flip(TP, PP, 1.0)
+    clock.now += 3.0
+    assert pol.idle_flip_due() and pol.decide([], [], None).target == TP
+    assert not pol.idle_flip_due()  # asked: the loop does not step again for it
+    pol.observe_abandoned("the fence did not complete")
+    clock.now += 1.0
+    assert not pol.idle_flip_due()
+    clock.now += 1.5
+    assert pol.idle_flip_due()
+    assert not policy(clock=clock, flip_policy="manual", flip_seed_to_pp_s=1.0).idle_flip_due()
+
+
+def test_unpriced_tokens_are_none_and_an_infinite_n_is_not_null():
+    """Law 5: `Pending(raw)` (pricing skipped, the raw bound decided) reports its device, host
+    and shared tokens as None, not 0; an infinite N (P <= X) is "inf", not a null that reads
+    as unmeasured beside provenance 'measured'."""
+    pol = policy(flip_seed_to_pp_s=1.0, flip_seed_to_tp_s=1.0)
+    measure(pol, 1000, 2000)
+    pol.decide(backlog(100), [], None)  # raw 100 <= N: nothing priced
+    pending = pol.last.numbers["pending"]
+    assert pending["uncached_tokens"] is None
+    assert (pending["device_tokens"], pending["host_tokens"], pending["shared_tokens"]) == \
+        (None, None, None)
+    pol.decide(backlog(9000), [], None)  # no pricer: every raw token is work, none priced
+    pending = pol.last.numbers["pending"]
+    assert pending["uncached_tokens"] == 9000 and pending["device_tokens"] is None
+    slow = policy(flip_seed_to_pp_s=1.0, flip_seed_to_tp_s=1.0)
+    slow.observe_step(TP, 2000, 0, 1.0)
+    slow.observe_step(PP, 1000, 0, 1.0)
+    n = slow.snapshot()["estimates"]["break_even_tokens"]
+    assert n["value"] == "inf" and float(n["value"]) == float("inf")
+    assert n["provenance"] == HALF and "P <= X" in n["note"]
+    json.dumps(slow.snapshot(), allow_nan=False)
+    assert slow.snapshot()["estimates"]["round_trip_s"]["value"] == 2.0
+
+
+class CountingTree:
+    """A device tree holding all (or none) of every prompt, counting the read-only walks."""
+
+    enabled = True
+
+    def __init__(self, cached: bool) -> None:
+        self.cached, self.walks = cached, 0
+
+    def cached_prefix_len(self, tokens: list[int]) -> int:
+        self.walks += 1
+        return len(tokens) if self.cached else 0
+
+
+def test_residency_pricing_walks_a_bounded_part_of_a_long_queue():
+    """1000 waiting requests of 12 tokens (raw 12 000, past N = 4000, so pricing runs at
+    every decision): it walks PRICE_MAX_REQUESTS of them, not all 1000 every step, and
+    extrapolates the tail at the walked ones' uncached share: uncached, 12 000 tokens of work
+    (it flips); all in the device tree, 1 token each (it does not)."""
+    from phaseflip.flip.policy import PRICE_MAX_REQUESTS
+
+    rng = random.Random(5)
+    waiting = [req(f"w{i}", [rng.randrange(1, 300) for _ in range(12)]) for i in range(1000)]
+    pricer = ResidencyPricer(HP, lambda t: page_keys(t, HP, SALT), lambda k: False)
+    for cached, flips, work in ((False, True, 12_000), (True, False, 1000)):
+        pol = policy(pricer, flip_seed_to_pp_s=1.0, flip_seed_to_tp_s=1.0)
+        measure(pol, 1000, 2000)  # N = 4000
+        tree = CountingTree(cached)
+        for _ in range(3):
+            assert pol.decide(waiting, [], tree).flip is flips, pol.last.reason
+        assert tree.walks == 3 * PRICE_MAX_REQUESTS
+        pending = pricer.price(waiting, [], tree)
+        assert pending.unpriced_tokens == (1000 - PRICE_MAX_REQUESTS) * 12
+        assert pending.work_tokens == work and not pending.complete
+    pol.observe_flip(TP, PP, 1.0)  # in PP, the same all-cached queue is a served backlog
+    pol.observe_step(PP, 10, 2, 0.1)
+    assert pol.decide(waiting, [], CountingTree(True)).target == TP
+    assert pol.decide(waiting[:10], [], CountingTree(False)).target == TP  # 120 <= 1000
+
+
+def test_the_refill_after_the_cutover_is_part_of_a_directions_cost():
+    """C = seam + refill: a refill that re-prefilled 2000 tokens at P = 2000 tokens/s (1 s)
+    and loaded 1 GB at 2 GB/s (0.5 s) after a 1 s seam makes C(TP→PP) 2.5 s, measured; before
+    its refill closes, the seam alone is 'half-measured' (never a refill of 0)."""
+    from phaseflip.flip.census import SeamCensus
+
+    pol = policy()
+    measure(pol, 1000, 2000)
+    pol.observe_flip(TP, PP, 1.0)
+    there = pol.flip_costs()[0]
+    assert (there.value, there.provenance) == (1.0, HALF) and "refill" in there.note
+    census = SeamCensus(source="tp2×pp1", target="tp1×pp2", segments={"relayout": 1.0})
+    census.refill_tokens_prefilled, census.refill_bytes = 2000, 10**9
+    census.refill_rate_gbps, census.refill_s, census.refill_state = 2.0, 3.0, "done"
+    pol.observe_refill(census)
+    there = pol.flip_costs()[0]
+    assert there.value == pytest.approx(2.5) and there.provenance == MEASURED
+    pol.observe_flip(PP, TP, 0.5)
+    back = SeamCensus(source="tp1×pp2", target="tp2×pp1", segments={"relayout": 0.5})
+    back.refill_tokens_prefilled, back.refill_state = 0, "done"  # nothing retracted
+    pol.observe_refill(back)
+    assert pol.round_trip().value == pytest.approx(3.0)
+    assert pol.round_trip().provenance == MEASURED
+    assert pol.break_even().value == pytest.approx(3.0 / (1 / 1000 - 1 / 2000))

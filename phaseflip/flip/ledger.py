@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -168,8 +168,10 @@ def _loads(hicache: Any) -> tuple[float, float, float] | None:
 class FlipLedger:
     """The refill and warm-up of every flip, fed by the engine (see the module docstring)."""
 
-    def __init__(self, layout: str, clock=time.perf_counter) -> None:
+    def __init__(self, layout: str, clock=time.perf_counter,
+                 on_refill: Callable[[SeamCensus], None] | None = None) -> None:
         self.clock = clock
+        self.on_refill = on_refill  # told each refill window that closes (the policy's C)
         self.tenure = Warmup(layout)  # the layout running now, since the launch or a cutover
         self.steady_ms: dict[str, float] = {}  # per layout: its last tenure's steady mean
         self.recent: deque[SeamCensus] = deque(maxlen=RECENT_FLIPS)
@@ -193,8 +195,7 @@ class FlipLedger:
         now = self.clock()
         self.refill = Refill(census, self._before, hicache, now)
         self._before = []
-        if self.refill.settle(now):  # nothing was retracted (or all ended): nothing to refill
-            self.refill = None
+        self._settle(now)  # nothing was retracted (or all ended): nothing to refill
 
     def observe_items(self, items: list[Scheduled]) -> None:
         """A step's scheduled items, after `Scheduler.advance`, before sampling."""
@@ -206,8 +207,14 @@ class FlipLedger:
         """A step's end: whether it ran a batch, its wall time."""
         served, self._served = self._served, False
         self.tenure.observe(ran, served, seconds)
-        if self.refill is not None and self.refill.settle(self.clock()):
-            self.refill = None
+        if self.refill is not None:
+            self._settle(self.clock())
+
+    def _settle(self, now: float) -> None:
+        if self.refill is not None and self.refill.settle(now):
+            census, self.refill = self.refill.census, None
+            if self.on_refill is not None:
+                self.on_refill(census)
 
     def snapshot(self) -> dict[str, Any]:
         """`/server_info`: the last flip's census (refill and warm-up included) and the last

@@ -10,7 +10,9 @@ the round trip). So the flip pays once U exceeds the break-even
 and the prefill layout flips back once the backlog is served (U ≤ f·N, f =
 --flip-backlog-served-fraction: what is left would save less than f of a round trip), or when
 its decode steps exceed --flip-decode-slo-ms. Both flips wait out a dwell (seconds and steps in
-the layout), so the policy cannot thrash.
+the layout), so the policy cannot thrash. An engine left idle in the prefill layout flips back
+once it has been idle --flip-min-dwell-s (`idle_flip_due`: the engine loop steps only when it
+has work, so the policy is otherwise never asked), ready for the decode traffic that comes next.
 
 Estimates (law 5): a value that nothing measured is None, never 0, and every estimate says
 where it comes from: `measured`, `seed` (a config prior), `half-measured` (a seed applied to a
@@ -19,18 +21,24 @@ measurement, or a sum of measured and seeded parts) or `unmeasured` (None).
   its steps that are mostly prefill (prompt tokens ≥ PREFILL_SHARE of the step's rows and ≥
   MIN_PREFILL_TOKENS). The decode rows riding along are charged to the prompt tokens, an
   underestimate by at most 1 − PREFILL_SHARE, alike in both layouts.
-- Flip cost of a direction: an EMA of its seams' `SeamCensus.total_s`. The refill after the
-  cutover (host→device loads and the partial pages re-prefilled by the re-admitted requests)
-  is not counted in C: it runs in the new layout's steps (its prompt tokens count there as
-  prefill work, its load waits lower that layout's measured throughput a little).
+- Flip cost of a direction: an EMA of its seams' `SeamCensus.total_s` plus an EMA of the
+  refill that follows the cutover (`observe_refill`, once the ledger closes the window): the
+  tokens the retracted requests re-prefilled ÷ the new layout's measured prefill rate, plus
+  the host→device load seconds (bytes ÷ the loads' own rate; an upper bound, loads overlap
+  compute). Until a refill of that direction is measured, C is the seam alone, 'half-measured'
+  with a note (law 5: not a zero refill).
 
 Residency (law 8): pending work is priced by what it costs. A waiting request's tokens already
 in the device prefix tree, in the HiCache host tier, or computed first by an earlier pending
 request with the same prefix are not prefill work. The device tree is walked read-only (no LRU
 touch, no split); the host tier is asked `contains` (no LRU touch); page keys are hashed once
 per request and length. Pricing stops once the count crosses the threshold being decided, and
-runs only when the raw token count (an upper bound) could cross it. Disk-tier pages are priced
-as work: the disk store's `contains` may read a file on a miss, too costly per step.
+runs only when the raw token count (an upper bound) could cross it. It walks at most
+PRICE_MAX_REQUESTS waiting requests a step (a long queue is not walked whole every step): the
+tail's tokens are `unpriced_tokens`, and its work is extrapolated at the priced waiting
+requests' uncached share (`work_tokens`; the queue of one phase is alike). Disk-tier
+pages are priced as work: the disk store's `contains` may read a file on a miss, too costly per
+step.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ MIN_PREFILL_TOKENS = 32  # below this a step measures its fixed overhead, not th
 TPS_ALPHA = 0.3  # weight of the newest step in the throughput EMAs
 SEAM_ALPHA = 0.5  # weight of the newest seam in a direction's cost EMA (seams are few)
 DECODE_WINDOW = 8  # steps with decode rows the SLO check averages (acts on a full window)
+PRICE_MAX_REQUESTS = 64  # waiting requests residency pricing walks per decision
 
 Layout = tuple[int, int]  # (tp_size, pp_size)
 
@@ -66,8 +75,11 @@ class Estimate:
     note: str = ""
 
     def as_dict(self) -> dict[str, Any]:
-        finite = self.value is not None and math.isfinite(self.value)
-        d: dict[str, Any] = {"value": self.value if finite else None,
+        """JSON-safe: an infinite value (N when P ≤ X) is the string "inf", never null (null
+        means unmeasured, law 5)."""
+        v = self.value
+        value = v if v is None or math.isfinite(v) else "inf" if v > 0 else "-inf"
+        d: dict[str, Any] = {"value": value,
                              "provenance": self.provenance, "samples": self.samples}
         if self.note:
             d["note"] = self.note
@@ -104,22 +116,34 @@ class RateEstimator:
         return Estimate(self.tokens / self.seconds, MEASURED, self.samples)
 
 
+def _ema(old: float | None, new: float, alpha: float) -> float:
+    return new if old is None else old + alpha * (new - old)
+
+
 class CostEstimator:
-    """Seconds of one flip direction: the seed until a seam of that direction is measured."""
+    """Seconds of one flip direction, seam plus refill: the seed until a seam of that direction
+    is measured; the seam alone ('half-measured', noted) until a refill of it is."""
 
     def __init__(self, seed_s: float | None) -> None:
         self.seed_s = seed_s
-        self.seconds: float | None = None
-        self.samples = 0
+        self.seconds: float | None = None  # EMA of the seams
+        self.refill_s: float | None = None  # EMA of the refills after their cutovers
+        self.samples = self.refills = 0
 
     def observe(self, seconds: float) -> None:
-        a = 1.0 if self.seconds is None else SEAM_ALPHA
-        self.seconds = (self.seconds or 0.0) + a * (seconds - (self.seconds or 0.0))
+        self.seconds = _ema(self.seconds, seconds, SEAM_ALPHA)
         self.samples += 1
 
+    def observe_refill(self, seconds: float) -> None:
+        self.refill_s = _ema(self.refill_s, seconds, SEAM_ALPHA)
+        self.refills += 1
+
     def estimate(self) -> Estimate:
+        if self.seconds is not None and self.refill_s is not None:
+            return Estimate(self.seconds + self.refill_s, MEASURED, min(self.samples,
+                                                                          self.refills))
         if self.seconds is not None:
-            return Estimate(self.seconds, MEASURED, self.samples)
+            return Estimate(self.seconds, HALF, self.samples, "seam measured, refill not yet")
         return Estimate(self.seed_s, SEED) if self.seed_s is not None else Estimate(None)
 
 
@@ -149,10 +173,19 @@ class Pending:
 
     raw_tokens: int
     uncached_tokens: int | None = None  # None: not priced (the raw bound decided)
-    device_tokens: int = 0  # in the device prefix tree
-    host_tokens: int = 0  # in the HiCache host tier (past the device prefix)
-    shared_tokens: int = 0  # computed first by an earlier pending request
-    complete: bool = True  # False: pricing stopped once `uncached_tokens` crossed the limit
+    # what residency pricing found; None when it did not run (law 5: unpriced is not 0)
+    device_tokens: int | None = None  # in the device prefix tree
+    host_tokens: int | None = None  # in the HiCache host tier (past the device prefix)
+    shared_tokens: int | None = None  # computed first by an earlier pending request
+    unpriced_tokens: int | None = None  # raw tokens of the waiting requests past the walk
+    unpriced_work_tokens: int | None = None  # their work, at the priced ones' uncached share
+    complete: bool = True  # False: pricing stopped at the limit or PRICE_MAX_REQUESTS
+
+    @property
+    def work_tokens(self) -> int | None:
+        """The work the decision weighs: uncached tokens, plus the extrapolated tail."""
+        u = self.uncached_tokens
+        return None if u is None else u + (self.unpriced_work_tokens or 0)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -174,18 +207,25 @@ class ResidencyPricer:
         return left + sum(r.num_tokens for r in waiting)
 
     def price(self, waiting: Iterable[PendingReq], running: Iterable[PendingReq], tree: Any,
-              limit: float = math.inf) -> Pending:
+              limit: float = math.inf, max_requests: int = PRICE_MAX_REQUESTS) -> Pending:
         """Prices prefilling requests (their rest is work: admission matched their prefix
-        already) then waiting ones in queue order; stops once the uncached count > `limit`."""
+        already) then waiting ones in queue order; stops once the uncached count > `limit`,
+        or after `max_requests` waiting ones (the rest: `unpriced_tokens`)."""
         waiting, running = list(waiting), list(running)
-        out = Pending(self.raw(waiting, running), 0)
+        out = Pending(self.raw(waiting, running), 0, 0, 0, 0, 0)
         claimed: set[bytes] = set()  # pages an earlier pending request computes
         for req in running:
             if req.num_tokens - req.kv_len > 1:
                 out.uncached_tokens += req.num_tokens - req.kv_len
                 claimed.update(self._page_keys(req, req.num_tokens))
-        for req in waiting:
+        priced_raw = priced_work = 0  # of the waiting requests walked
+        for i, req in enumerate(waiting):
             if out.uncached_tokens > limit:
+                out.complete = False
+                break
+            if i >= max_requests:
+                tail = out.unpriced_tokens = sum(r.num_tokens for r in waiting[i:])
+                out.unpriced_work_tokens = round(tail * priced_work / max(1, priced_raw))
                 out.complete = False
                 break
             n = req.num_tokens - 1  # admission matches at most this much (the last is fed)
@@ -207,6 +247,8 @@ class ResidencyPricer:
             out.host_tokens += host_t
             out.shared_tokens += past_dev - host_t
             out.uncached_tokens += req.num_tokens - dev - past_dev
+            priced_raw += req.num_tokens
+            priced_work += req.num_tokens - dev - past_dev
             claimed.update(keys)
         if len(self._keys) > 4 * (len(waiting) + len(running)) + 64:
             live = {r.rid for r in waiting} | {r.rid for r in running}
@@ -266,6 +308,8 @@ class FlipPolicy:
             (self.prefill, self.decode): CostEstimator(cfg.flip_seed_to_tp_s)}
         self.decode_ms: deque[float] = deque(maxlen=DECODE_WINDOW)
         self.since_s, self.steps_in_layout = clock(), 0
+        self.busy_s = self.since_s  # when a step last ran work (idle flips count from it)
+        self._idle_asked: float | None = None  # busy_s of the idle spell last asked about
         self.flips = self.auto_flips = 0  # seams seen; those of them this policy decided
         self._asked: Layout | None = None  # the target of a flip decided, not yet seen
         self.last: Decision | None = None
@@ -278,6 +322,7 @@ class FlipPolicy:
         if prompt_tokens + decode_rows == 0:
             return  # an idle step measures nothing
         self.steps_in_layout += 1
+        self.busy_s = self.clock()
         if (prompt_tokens >= MIN_PREFILL_TOKENS
                 and prompt_tokens >= PREFILL_SHARE * (prompt_tokens + decode_rows)):
             self.rates.setdefault(layout, RateEstimator()).observe(prompt_tokens, seconds)
@@ -294,6 +339,33 @@ class FlipPolicy:
         self._asked = None
         self._entered(target)
 
+    def observe_refill(self, census: Any) -> None:
+        """A flip's refill window closed (`SeamCensus` refill fields): its cost joins C of that
+        direction: re-prefilled tokens at the new layout's measured rate plus the load seconds.
+        Nothing is observed while the new layout's rate is unmeasured and tokens were
+        re-prefilled (law 5), nor for a window cut short."""
+        names = {layout_name(lay): lay for lay in (self.decode, self.prefill)}
+        key = (names.get(census.source), names.get(census.target))
+        if key not in self.costs or census.refill_tokens_prefilled is None:
+            return
+        seconds = 0.0
+        if census.refill_tokens_prefilled:
+            rate = self._rate(key[1])
+            if rate.value is None:
+                return
+            seconds += census.refill_tokens_prefilled / rate.value
+        if census.refill_bytes and census.refill_rate_gbps:
+            seconds += census.refill_bytes / (census.refill_rate_gbps * 1e9)
+        self.costs[key].observe_refill(seconds)
+
+    def idle_flip_due(self) -> bool:
+        """Under auto, True once an engine idle in the prefill layout should step to be asked
+        (it flips back): idle --flip-min-dwell-s since its last work or flip, and not yet asked
+        in this idle spell (one ask; a refused flip does not spin the loop)."""
+        if not self.auto or self.layout != self.prefill or self._idle_asked == self.busy_s:
+            return False
+        return self.clock() - max(self.since_s, self.busy_s) >= self.min_dwell_s
+
     def observe_abandoned(self, reason: str) -> None:
         """An automatic flip was abandoned before any change (its fence did not complete):
         wait a dwell before trying again rather than fencing every step."""
@@ -305,6 +377,7 @@ class FlipPolicy:
     def _entered(self, layout: Layout) -> None:
         self.layout = layout
         self.since_s, self.steps_in_layout = self.clock(), 0
+        self.busy_s = max(self.busy_s, self.since_s)
         self.decode_ms.clear()
 
     # ------------------------------------------------------------------ estimates
@@ -371,10 +444,14 @@ class FlipPolicy:
                                 "round_trip_s": self.round_trip().as_dict(),
                                 "break_even_tokens": n.as_dict()}
         age_s = self.clock() - self.since_s
-        if age_s < self.min_dwell_s or self.steps_in_layout < self.min_dwell_steps:
+        idle = not waiting and not running  # no steps to count: the seconds alone dwell
+        if age_s < self.min_dwell_s or (self.steps_in_layout < self.min_dwell_steps
+                                        and not idle):
             return Decision(None, f"dwell: {age_s:.1f}/{self.min_dwell_s:g} s and "
                             f"{self.steps_in_layout}/{self.min_dwell_steps} steps in {here}",
                             nums)
+        if idle:
+            self._idle_asked = self.busy_s  # this idle spell is answered (see idle_flip_due)
         if self.layout == self.decode:
             return self._from_decode(n, nums, waiting, running, tree)
         return self._from_prefill(n, nums, waiting, running, tree)
@@ -387,7 +464,7 @@ class FlipPolicy:
             return Decision(None, f"{layout_name(self.prefill)} prefill is not faster than "
                             f"{layout_name(self.decode)}'s (P <= X): a flip never pays", nums)
         pending = self._pending(waiting, running, tree, n.value, nums)
-        work = pending.uncached_tokens
+        work = pending.work_tokens
         if work is None or work <= n.value:
             what = (f"{pending.raw_tokens} pending prefill tokens, cached ones included," if
                     work is None else f"{work} uncached pending prefill tokens")
@@ -410,7 +487,7 @@ class FlipPolicy:
                             f"{layout_name(self.decode)}'s (P <= X): nothing to win here", nums)
         served = 0.0 if n.value is None else self.served_fraction * n.value
         pending = self._pending(waiting, running, tree, served, nums)
-        work = pending.uncached_tokens
+        work = pending.work_tokens
         rule = (f"{self.served_fraction:g} x N ({n.provenance})" if n.value is not None else
                 "0 (N unknown)")
         if work is None or work <= served:

@@ -35,7 +35,9 @@ class FlipTelemetry:
         pricer = ResidencyPricer(hc.page_size, lambda ids: page_keys(ids, hc.page_size,
                                                                      hc.fingerprint),
                                  hc.host.contains)
-        return cls(FlipPolicy(cfg, pricer), FlipLedger(layout_name(cfg.tp_size, cfg.pp_size)))
+        policy = FlipPolicy(cfg, pricer)  # C includes each flip's refill, from the ledger
+        return cls(policy, FlipLedger(layout_name(cfg.tp_size, cfg.pp_size),
+                                      on_refill=policy.observe_refill))
 
     def on_items(self, items: Iterable[Any]) -> None:
         self.ledger.observe_items(list(items))
