@@ -27,6 +27,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "load_format": ("auto", "dummy"),
     "dtype": ("auto", "float32", "float16", "bfloat16"),
     "attention_backend": ("auto", "torch", "triton"),
+    "quantization": ("fp8",),
+    "kv_cache_dtype": ("auto", "fp8_e4m3"),
     "schedule_policy": ("fcfs", "lpm"),
     "hicache_write_policy": ("write_through", "write_back"),
     "dist_backend": ("auto", "gloo", "nccl"),

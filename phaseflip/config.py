@@ -45,6 +45,13 @@ class EngineConfig:
     use, less one for the front end, shared by this host's ranks (OMP_NUM_THREADS, if set)."""
     dtype: str = "auto"
     """float32, float16, bfloat16 or auto (the checkpoint's dtype; float32 on CPU)."""
+    quantization: str | None = None
+    """fp8: the decoder's projections in FP8 (a scale per output channel, activations scaled
+    per token at run time); a float checkpoint is quantized at load. Default: the checkpoint's
+    own (FP8 checkpoints, compressed-tensors or block-wise, run FP8), else none."""
+    kv_cache_dtype: str = "auto"
+    """auto (the model dtype) or fp8_e4m3: the KV cache in FP8 with a scale per layer and KV
+    head, about twice the tokens in the same memory."""
     attention_backend: str = "auto"
     """torch (the reference), triton, or auto (triton on CUDA when installed, else torch)."""
     disable_cuda_graph: bool = False
@@ -182,6 +189,10 @@ class EngineConfig:
             raise bad("load_format", "expected auto or dummy")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise bad("dtype", "expected float32, float16, bfloat16 or auto")
+        if self.quantization not in (None, "fp8"):
+            raise bad("quantization", "expected fp8 (or leave it unset)")
+        if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
+            raise bad("kv_cache_dtype", "expected auto or fp8_e4m3")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise bad("mem_fraction", "expected a fraction in (0, 1]")
         if self.page_size < 1:

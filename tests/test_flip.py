@@ -47,7 +47,8 @@ def _drive(engine: Engine, prompts, flips: dict[int, tuple[int, int]],
             if seam is not None:
                 seam("after")
         for d in deltas + core.step():
-            ids, lps, reasons = outs[d.request_id]
+            key = d.request_id if d.index == 0 else f"{d.request_id}/{d.index}"
+            ids, lps, reasons = outs.setdefault(key, ([], [], []))
             ids += d.token_ids
             lps += d.logprobs or []
             if d.finish_reason is not None:
@@ -376,12 +377,15 @@ def test_admin_flip_over_http_under_load():
     assert texts[0] == texts[1] and texts[0]
 
 
-def test_old_layout_memory_is_freed_even_if_referenced(model_dirs):
+@pytest.mark.parametrize("strategy", ["reload", "resident"])
+def test_old_layout_memory_is_freed_even_if_referenced(model_dirs, strategy):
     """A flip frees rank 0's old weights and KV pool in place: on the H200 pair something still
     held the old layout after tp2 → pp2, and the new rank 0 found "-8.10 GiB left for the KV
     cache". Here a reference is held on purpose (the runner and a view of its pool), and the
-    old storage must still be gone."""
-    with Engine(str(model_dirs["llama"]), tp_size=2, **FLIP, **CFG) as e:
+    old storage must still be gone — the weights too, unless they are resident (parked for the
+    next flip back, and then freed with the engine)."""
+    with Engine(str(model_dirs["llama"]), tp_size=2, flip_weights=strategy, **FLIP,
+                **CFG) as e:
         core = e.core
         core.add_request("r0", prompts_for(300)[0], PARAMS)
         core.step()
@@ -391,10 +395,12 @@ def test_old_layout_memory_is_freed_even_if_referenced(model_dirs):
         census, _ = core.flip(1, 2)
         assert old.pool.kv.untyped_storage().nbytes() == 0
         assert layer0_k.untyped_storage().nbytes() == 0
-        assert all(p.untyped_storage().nbytes() == 0 for p in weights)
+        gone = [p.untyped_storage().nbytes() == 0 for p in weights]
+        assert all(gone) if strategy == "reload" else not any(gone)
         assert census.held_after_teardown_bytes is None  # (CPU: not measured)
         while core.has_work():
             core.step()
+    assert all(p.untyped_storage().nbytes() == 0 for p in weights)  # the engine's end
 
 
 def test_requests_the_new_pool_cannot_hold_are_ended(model_dirs, monkeypatch):
@@ -478,3 +484,37 @@ def test_a_target_outside_flip_layouts_is_refused_before_the_seam(model_dirs):
                        enable_hicache=True, flip_layouts="tp4,pp4")
     with pytest.raises(InvalidRequestError, match="launch layout tp2×pp2"):
         check_target(cfg, ModelConfig.from_dir(model_dirs["llama"]), 2, 2)
+
+
+@pytest.mark.parametrize("strategy", ["resident", "host-image", "reload"])
+def test_each_weights_strategy_matches_the_unflipped_run(model_dirs, strategy):
+    """tp2 → pp2 → tp2 → pp2 with each weights strategy forced, flips mid-prefill and
+    mid-decode, with n = 2 beside n = 1: every output equals the single-process run, and the
+    census says how the weights came (resident: nothing moved, nothing loaded)."""
+    prompts = prompts_for(300)
+    two = SamplingParams(temperature=0.0, max_new_tokens=14, ignore_eos=True, logprobs=0, n=2)
+    flips = {1: (1, 2), 4: (2, 1), 8: (1, 2)}
+
+    def run(engine: Engine, flips: dict) -> tuple[dict, list]:
+        core = engine.core
+        core.add_request("pair", prompts[0], two)
+        outs, censuses = _drive(engine, prompts, flips)
+        return outs, censuses
+
+    with Engine(str(model_dirs["llama"]), **CFG) as e:
+        want, _ = run(e, {})
+    with Engine(str(model_dirs["llama"]), tp_size=2, flip_weights=strategy, **FLIP,
+                **CFG) as e:
+        assert e.core.cfg.flip_weights == strategy
+        got, censuses = run(e, flips)
+    assert [c.weights for c in censuses] == [strategy] * 3
+    for c in censuses:
+        if strategy == "resident":
+            assert c.weights_bytes_moved == 0 and c.relayout_parts["weights"] < 0.05
+        else:
+            assert c.weights_bytes_moved > 0
+    assert set(got) == set(want)
+    for rid, (ids, lps, reasons) in got.items():
+        assert reasons == want[rid][2] and set(reasons) == {"length"}, rid
+        assert ids == want[rid][0], rid
+        assert lps == pytest.approx(want[rid][1], abs=1e-4), rid

@@ -28,7 +28,8 @@ from phaseflip.distributed.plan_codec import PlanDecoder
 from phaseflip.distributed.stage import StageExecutor, StepMessage
 from phaseflip.distributed.watchdog import PositionTracker
 from phaseflip.model.config import ModelConfig
-from phaseflip.model.runner import ModelRunner
+from phaseflip.model.llama import LlamaForCausalLM
+from phaseflip.model.runner import ModelRunner, free_model
 from phaseflip.model.weight_image import WeightImage
 from phaseflip.threads import apply_cpu_threads
 
@@ -54,15 +55,17 @@ class RankLayout:
     runner: ModelRunner
     stage: StageExecutor
 
-    def release(self) -> None:
-        """Frees this rank's graphs, weights and KV pool in place (after its HiCache copies
-        finished: they read the pool), so the next layout sizes its pool from what is free."""
+    def release(self, keep_weights: bool = False) -> LlamaForCausalLM | None:
+        """Frees this rank's graphs, KV pool and (unless `keep_weights`) weights in place
+        (after its HiCache copies finished: they read the pool), so the next layout sizes its
+        pool from what is free. `keep_weights`: returns the model, to be parked."""
         if self.stage.transfers is not None:
             self.stage.transfers.close()
         self.runner.release_graphs()
-        self.runner.free_device_memory()
+        model = self.runner.free_device_memory(keep_weights)
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
+        return model
 
 
 class RankProcess:
@@ -82,6 +85,8 @@ class RankProcess:
         self.frames, self._own_frames = frames, False
         self.image = image
         self.layout: RankLayout | None = None
+        # resident weights: the shards of the layouts this rank does not run now, by (tp, pp)
+        self.parked: dict[tuple[int, int], LlamaForCausalLM] = {}
         self.tracker.set("idle")
 
     def relayout(self, cfg: EngineConfig) -> RankLayout:
@@ -98,11 +103,17 @@ class RankProcess:
         self.tracker.set("idle")
         return self.layout
 
-    def release(self) -> None:
+    def release(self, park: bool = True) -> None:
+        """Drops the running layout; with resident weights (and `park`) its model stays on
+        the device for the next build of that layout."""
         if self.layout is not None:
             layout, self.layout = self.layout, None
+            cfg = layout.runner.cfg
+            keep = park and cfg.flip_weights == "resident"
             with self.tracker.at("releasing the layout"):
-                layout.release()
+                model = layout.release(keep_weights=keep)
+            if model is not None:
+                self.parked[(cfg.tp_size, cfg.pp_size)] = model
             device = layout.runner.device
             if device.type == "cuda":
                 log.info("rank %d released its layout: %.2f GiB allocated, %.2f GiB reserved "
@@ -111,7 +122,10 @@ class RankProcess:
             self.tracker.set("idle")
 
     def close(self) -> None:
-        self.release()
+        self.release(park=False)
+        for model in self.parked.values():
+            free_model(model)
+        self.parked.clear()
         if self._own_frames and self.frames is not None:
             self.frames.close()
         self.tracker.close()
@@ -147,14 +161,16 @@ class RankProcess:
             with tracker.at("loading weights, sizing the KV pool"):
                 runner = ModelRunner(cfg, model_cfg, groups.layout(), device,
                                      agree_slots=agree, weights=image, before_sizing=settle,
-                                     device_share=_device_share(self.spec, device))
+                                     device_share=_device_share(self.spec, device),
+                                     resident=self.parked.pop((cfg.tp_size, cfg.pp_size),
+                                                              None))
         finally:
             if mapped is not None:
                 mapped.close()  # the parameters are copies: the mapping is not needed after
         transfers = None
         if self.spec.hicache_frames:
             geo = page_geometry(model_cfg.num_layers, model_cfg.num_kv_heads,
-                                model_cfg.head_dim, runner.dtype, cfg.hicache_page_size)
+                                model_cfg.head_dim, runner.kv_dtype, cfg.hicache_page_size)
             if self.frames is None:
                 self.frames = HostFrames.open_shared(self.spec.hicache_frames, geo.total_size)
                 self._own_frames = True

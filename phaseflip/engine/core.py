@@ -45,6 +45,7 @@ class EngineCore:
         self.model_cfg, self.tokenizer = model_cfg, tokenizer
         self.max_context = cfg.max_model_len or model_cfg.max_position_embeddings
         self.dead: str | None = None  # set when a failed phase flip left no usable layout
+        cfg = self._plan_flip_weights(cfg)  # `--flip-weights auto` resolved, once
         self._hicache = self._new_hicache(cfg)  # before the ranks: they map its host tier
         # the checkpoint in shared memory (flips' weights), the engine's until its end
         self.weight_image = self._new_weight_image(cfg)
@@ -110,6 +111,24 @@ class EngineCore:
                           shared=cfg.world_size > 1)
         weakref.finalize(self, hicache.close)  # its disk thread finishes its queue
         return hicache
+
+    def _plan_flip_weights(self, cfg: EngineConfig) -> EngineConfig:
+        """The weights strategy of this engine's flips, chosen at launch (`flip/weights.py`):
+        every rank runs the same one, so it travels in their configs."""
+        self.weights_plan = None
+        if not cfg.enable_flip or cfg.world_size < 2:
+            return cfg
+        from phaseflip.distributed.group import runnable_layouts
+        from phaseflip.flip.weights import plan_weights, rank_budget
+        from phaseflip.model.runner import resolve_device, resolve_dtype
+
+        device = resolve_device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, self.model_cfg, device)
+        plan = plan_weights(cfg, self.model_cfg, runnable_layouts(cfg), dtype,
+                            rank_budget(cfg, device))
+        log.info(plan.line())
+        self.weights_plan = plan
+        return replace(cfg, flip_weights=plan.strategy)
 
     def _new_weight_image(self, cfg: EngineConfig):
         from phaseflip.model.weight_image import image_for_engine

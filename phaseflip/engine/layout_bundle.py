@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from phaseflip.cache.hicache.transfer import TransferChannel
+from phaseflip.cache.kv_pool import kv_cache_dtype
 from phaseflip.config import EngineConfig
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.runner import ModelRunner, Runner
@@ -89,7 +90,7 @@ def build_layout_bundle(cfg: EngineConfig, model_cfg: ModelConfig, max_context: 
         channel = None
         if hicache is not None:
             channel = runner.transfer_channel(hicache.host.frames, hicache.geometry)
-            hicache.bind(kv, channel, runner.dtype)
+            hicache.bind(kv, channel, kv_cache_dtype(cfg.kv_cache_dtype, runner.dtype))
             hicache.decode_reserve = decode_reserve
     except BaseException:
         runner.close()

@@ -29,7 +29,9 @@ class SeamCensus:
     # KV rows carried across the seam: the new pool's occupied slots right after the relayout,
     # before anything is re-admitted (0 by law 6); None until that reading ran (law 5)
     rows_moved: int | None = None
-    weights: str = "reload"  # how the new ranks got their weights: "host-image" or "reload"
+    # how the new ranks got their weights: "resident", "host-image" or "reload"
+    weights: str = "reload"
+    weights_bytes_moved: int | None = None  # rank 0's shard bytes moved onto its device
     # rank 0's load of its shard inside the relayout (`WeightsLoad`): the whole load; the
     # image's checksum pass (the read), the copies into the device parameters, the final
     # synchronize. None when unmeasured (law 5): the split on reload, h2d and drain off CUDA
@@ -90,7 +92,9 @@ class SeamCensus:
         split = ("" if self.weights != "host-image" else
                  f": read {s(self.weights_read_s)}, h2d {s(self.weights_h2d_wait_s)}, drain "
                  f"{s(self.weights_drain_s)}")
-        return f" (rank 0 {self.weights_load_s:.3f} s{split})"
+        moved = ("" if self.weights_bytes_moved is None else
+                 f", {self.weights_bytes_moved / 2**30:.2f} GiB moved")
+        return f" (rank 0 {self.weights_load_s:.3f} s{split}{moved})"
 
     def refill_line(self) -> str:
         loaded = ("no host tier" if self.refill_tokens_loaded is None else

@@ -1,23 +1,121 @@
-"""Weight strategies of a flip (MISSION C6): how the new layout's ranks get their weights.
+"""Weight strategies of a flip (MISSION C6): how the new layout's ranks get their weights, and
+the planner that picks one at launch.
 
-Built today: `host-image` (the checkpoint in a shared, page-locked host image, checksummed per
-tensor; `model/weight_image.py`, chosen by `--flip-weights`) and `reload` (as at launch: the
-checkpoint, or re-initialised dummy weights). The dual-resident and device-to-device
-strategies, and a planner choosing among them, are the live flip's (issue 15). Whatever the
-strategy, rank 0's `WeightsLoad` is what the census reports: the whole load and, for the
-image, its read / host-to-device wait / drain split (None where unmeasured, law 5).
+- `resident` (dual-resident): every layout the ranks may run keeps its shards on the device;
+  a flip releases only the old layout's KV pool and graphs and builds the new layout on the
+  weights it parked at launch. No bytes move at the seam; the price is device memory, taken
+  from the KV budget of every layout alike (so a flip's pool equals a fresh launch's).
+- `host-image`: the checkpoint in a shared, page-locked host image, checksummed per tensor
+  (`model/weight_image.py`); the new ranks copy their shards from it.
+- `reload`: as at launch, from the checkpoint (or re-initialised dummy weights).
+
+`--flip-weights auto` asks `plan_weights`: resident when the parked shards cost at most
+`RESIDENT_MAX_SHARE` of a rank's memory budget, else the host image for a real checkpoint,
+else reload. The device-to-device strategy (a rank keeps the slices it holds and receives the
+rest from its peers) is not built. Whatever the strategy, rank 0's `WeightsLoad` is what the
+census reports (None where unmeasured, law 5).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+from dataclasses import dataclass
 from typing import Any
 
-STRATEGIES = ("host-image", "reload")
+import torch
+
+from phaseflip.config import EngineConfig
+from phaseflip.layout import Layout
+from phaseflip.model.config import ModelConfig
+from phaseflip.model.weight_image import param_bytes
+
+log = logging.getLogger("phaseflip.engine.flip")
+
+STRATEGIES = ("resident", "host-image", "reload")
+# resident when the other layouts' shards take at most this share of a rank's memory budget:
+# beyond it the KV pool (the cache every layout serves from) pays more than a seam's copy
+RESIDENT_MAX_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class WeightsPlan:
+    """The strategy chosen at launch and why; the bytes are per rank, the worst rank's."""
+
+    strategy: str
+    parked_bytes: int  # the other layouts' shards a rank keeps on its device (resident)
+    budget_bytes: int | None  # a rank's memory budget the planner compared them with
+    reason: str
+
+    def line(self) -> str:
+        return f"flip weights: {self.strategy} ({self.reason})"
+
+
+def shard_bytes(model_cfg: ModelConfig, tp_size: int, pp_size: int,
+                dtype: torch.dtype) -> list[int]:
+    """Parameter bytes of every rank's shard of a tp × pp layout (rank order: tp fastest),
+    counted on the meta device: exactly what the layout allocates, nothing read."""
+    out = []
+    from phaseflip.model.llama import LlamaForCausalLM
+
+    for rank in range(tp_size * pp_size):
+        layout = Layout(rank % tp_size, tp_size, rank // tp_size, pp_size)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(model_cfg, layout, dtype)
+        out.append(param_bytes(model))
+    return out
+
+
+def parked_bytes(model_cfg: ModelConfig, layouts: tuple[tuple[int, int], ...],
+                 dtype: torch.dtype) -> int:
+    """The worst rank's bytes of the layouts it keeps parked beside the one it runs (the
+    largest running shard is counted as running)."""
+    per_rank = [shard_bytes(model_cfg, tp, pp, dtype) for tp, pp in layouts]
+    totals = [sum(col) - min(col) for col in zip(*per_rank, strict=True)]
+    return max(totals) if totals else 0
+
+
+def rank_budget(cfg: EngineConfig, device: torch.device) -> int | None:
+    """A rank's memory for weights and KV: its share of `mem_fraction` of the GPU (ranks
+    sharing a GPU split it), or of the host's RAM on CPU. None if unknown."""
+    per_node = cfg.world_size // cfg.nnodes
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        share = max(1, -(-per_node // torch.cuda.device_count()))
+        return int(total * cfg.mem_fraction / share)
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+    return int(ram * cfg.mem_fraction / per_node)
+
+
+def plan_weights(cfg: EngineConfig, model_cfg: ModelConfig, layouts: tuple, dtype: torch.dtype,
+                 budget: int | None) -> WeightsPlan:
+    """The weights strategy of this engine's flips (see the module docstring)."""
+    if not cfg.enable_flip or cfg.world_size < 2 or len(layouts) < 2:
+        return WeightsPlan("reload", 0, budget, "no flips")
+    parked = parked_bytes(model_cfg, layouts, dtype)
+    gib = parked / 2**30
+    if cfg.flip_weights != "auto":
+        return WeightsPlan(cfg.flip_weights, parked if cfg.flip_weights == "resident" else 0,
+                           budget, f"--flip-weights {cfg.flip_weights}")
+    if budget is not None and parked <= RESIDENT_MAX_SHARE * budget:
+        return WeightsPlan("resident", parked, budget,
+                           f"the other layouts' shards take {gib:.2f} GiB per rank, "
+                           f"{100 * parked / budget:.1f} % of its {budget / 2**30:.1f} GiB")
+    why = ("the rank's budget is unknown" if budget is None else
+           f"parking the other layouts would take {gib:.2f} GiB per rank, over "
+           f"{100 * RESIDENT_MAX_SHARE:.0f} % of its {budget / 2**30:.1f} GiB")
+    if cfg.load_format == "dummy":
+        return WeightsPlan("reload", 0, budget, f"{why}; dummy weights have no checkpoint "
+                           "to image")
+    return WeightsPlan("host-image", 0, budget, why)
 
 
 def strategy_of(load: Any) -> str:
     """The strategy a `WeightsLoad` used."""
-    return "host-image" if load.source == "host-image" else "reload"
+    return {"host-image": "host-image", "resident": "resident"}.get(load.source, "reload")
 
 
 def record_weights(census: Any, load: Any) -> None:
@@ -25,3 +123,4 @@ def record_weights(census: Any, load: Any) -> None:
     census.weights = strategy_of(load)
     census.weights_load_s, census.weights_read_s = load.load_s, load.read_s
     census.weights_h2d_wait_s, census.weights_drain_s = load.h2d_wait_s, load.drain_s
+    census.weights_bytes_moved = load.bytes_moved

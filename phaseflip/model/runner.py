@@ -23,7 +23,7 @@ from phaseflip.cache.hicache.transfer import (
     RankSlice,
     TransferChannel,
 )
-from phaseflip.cache.kv_pool import KVPool
+from phaseflip.cache.kv_pool import KVPool, kv_cache_dtype
 from phaseflip.config import EngineConfig
 from phaseflip.errors import CapacityError
 from phaseflip.forward_batch import ForwardBatch
@@ -31,6 +31,7 @@ from phaseflip.layout import Layout, ProcessGroupCommunicator
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.layers import HAS_TRITON
 from phaseflip.model.llama import LlamaForCausalLM
+from phaseflip.model.quant import resolve_quantization
 from phaseflip.model.weight_image import WeightImage, WeightsLoad, load_model_weights
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,13 @@ def _gemm_workspace(device: torch.device, hold: bool) -> bool:
     return True
 
 
+def free_model(model: torch.nn.Module) -> None:
+    """Frees a model's parameters and buffers in place: their storage goes even if something
+    still refers to them (views included: fused weights, caches)."""
+    for t in [*model.parameters(), *model.buffers()]:
+        t.untyped_storage().resize_(0)
+
+
 class Runner(Protocol):
     """The ranks that execute the scheduler's plans, as the engine sees them (rank 0)."""
 
@@ -136,24 +144,34 @@ class ModelRunner:
     the host weight image to load from instead of the checkpoint (a phase flip's new ranks).
     `before_sizing`: called once the weights are loaded, before the KV pool is sized from free
     memory (a group's barrier: every rank's weights are in, every old layout is gone);
-    `device_share`: how many ranks share this device, each sized to its part of the budget."""
+    `device_share`: how many ranks share this device, each sized to its part of the budget.
+    `resident`: this layout's model, weights loaded, parked on the device by an earlier build
+    (the dual-resident flip strategy): nothing is loaded."""
 
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, layout: Layout | None = None,
                  device: torch.device | None = None,
                  agree_slots: Callable[[int], int] | None = None,
                  weights: WeightImage | None = None,
-                 before_sizing: Callable[[], None] | None = None, device_share: int = 1):
+                 before_sizing: Callable[[], None] | None = None, device_share: int = 1,
+                 resident: LlamaForCausalLM | None = None):
         t0 = time.perf_counter()
         self.cfg, self.model_cfg = cfg, model_cfg
         self.layout = layout or Layout()
         self.device = device or resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, model_cfg, self.device)
-        with torch.device(self.device):
-            self.model = LlamaForCausalLM(model_cfg, self.layout, self.dtype)
-        # one load path: dummy init, the checkpoint, or the host image a phase flip's ranks
-        # copy their shards from (`weights`); timed (`WeightsLoad`, the seam census reads it)
-        self.weights_load = load_model_weights(self.model, cfg, model_cfg.model_dir,
-                                               self.device, weights)
+        self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self.dtype)  # FP8 KV: 2x tokens
+        self.quant = resolve_quantization(cfg.quantization, model_cfg.model_dir,
+                                          cfg.load_format)  # FP8 weights, or None
+        if resident is not None:  # this layout's shard, parked on the device at launch
+            self.model = resident
+            self.weights_load = WeightsLoad("resident", 0.0, bytes_moved=0)
+        else:
+            with torch.device(self.device):
+                self.model = LlamaForCausalLM(model_cfg, self.layout, self.dtype, self.quant)
+            # one load path: dummy init, the checkpoint, or the host image a phase flip's
+            # ranks copy their shards from (`weights`); timed (`WeightsLoad`, the census's)
+            self.weights_load = load_model_weights(self.model, cfg, model_cfg.model_dir,
+                                                   self.device, weights)
         log.info("tp rank %d, stage %d: %s", self.layout.tp_rank, self.layout.pp_rank,
                  self.weights_load.line())
         self.model.eval()
@@ -172,9 +190,9 @@ class ModelRunner:
         kv_heads = self.model.layers[0].self_attn.num_kv_heads if n_layers else 0
         self.pool = KVPool(
             self.num_slots, (self.model.start_layer, self.model.end_layer), kv_heads,
-            model_cfg.head_dim, self.dtype, self.device,
+            model_cfg.head_dim, self.kv_dtype, self.device,
         )
-        log.info("KV pool: %d slots on %s (%s)", self.num_slots, self.device, self.dtype)
+        log.info("KV pool: %d slots on %s (%s)", self.num_slots, self.device, self.kv_dtype)
         self._workspace_held = _gemm_workspace(self.device, hold=True)
         t_pool = time.perf_counter()
         self.graphs = self._capture_graphs()
@@ -211,24 +229,27 @@ class ModelRunner:
             self.graphs = None
             torch.cuda.synchronize(self.device)
 
-    def free_device_memory(self) -> None:
-        """Frees this rank's weights and KV pool in place, after its graphs were released (a
-        flip's teardown): the storage goes even if something still refers to this runner,
-        its model or its pool, so the next layout's ranks size their pools from the memory
-        really free. The runner cannot run afterwards."""
+    def free_device_memory(self, keep_weights: bool = False) -> LlamaForCausalLM | None:
+        """Frees this rank's KV pool and (unless `keep_weights`) its weights in place, after
+        its graphs were released (a flip's teardown): the storage goes even if something
+        still refers to this runner, its model or its pool, so the next layout's ranks size
+        their pools from the memory really free. The runner cannot run afterwards.
+        `keep_weights`: the model is returned whole, to be parked (resident weights)."""
         if self.graphs is not None:
             raise RuntimeError("release the decode graphs first (they address this memory)")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # nothing queued may still read it
         self.pool.release()
-        for t in [*self.model.parameters(), *self.model.buffers()]:
-            t.untyped_storage().resize_(0)  # views of it (fused weights, caches) included
+        model = self.model if keep_weights else None
+        if model is None:
+            free_model(self.model)
         if self._workspace_held:  # the last holder frees it (its graphs are gone)
             self._workspace_held = not _gemm_workspace(self.device, hold=False)
         if self.device.type == "cuda" and hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
             # cuBLAS keeps a workspace per stream it ran on (32 MiB on the H200), the graph
             # capture's side stream included: without this each layout leaked one
             torch._C._cuda_clearCublasWorkspaces()
+        return model
 
     def check_alive(self) -> None:
         """One process: no rank can die apart from this one."""
@@ -271,7 +292,7 @@ class ModelRunner:
         m = self.model_cfg
         kv_heads = self.model.layers[0].self_attn.num_kv_heads
         n_layers = self.model.end_layer - self.model.start_layer
-        per_token = KVPool.bytes_per_slot(n_layers, kv_heads, m.head_dim, self.dtype)
+        per_token = KVPool.bytes_per_slot(n_layers, kv_heads, m.head_dim, self.kv_dtype)
         tokens = int(budget // per_token)
         if tokens < 1024:
             raise CapacityError(

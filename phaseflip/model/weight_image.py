@@ -95,11 +95,16 @@ class WeightsLoad:
     h2d_wait_s: float | None = None  # the weight loaders' copies into the device parameters
     drain_s: float | None = None  # the final device synchronize
     bytes_read: int | None = None  # image bytes checked and read by this rank
+    # parameter bytes written into this rank's shard from outside the device (checkpoint or
+    # image); 0 when nothing moved (dummy weights made on the device, resident weights)
+    bytes_moved: int | None = None
 
     def line(self) -> str:
         def s(v: float | None) -> str:
             return "unmeasured" if v is None else f"{v:.3f} s"
 
+        if self.source == "resident":
+            return "weights resident on the device (parked at launch): nothing moved"
         if self.source != "host-image":
             return f"weights from the {self.source} in {self.load_s:.3f} s"
         return (f"weights from the host image in {self.load_s:.3f} s: read {s(self.read_s)} "
@@ -309,11 +314,13 @@ def image_path() -> Path:
 def flip_weights_strategy(cfg: EngineConfig) -> str:
     """"host-image" when a flip's ranks load from the image, else "reload": flips off, one
     rank (no flip keeps a world of 1), dummy weights (no checkpoint; made on the device) or
-    --flip-weights reload."""
+    --flip-weights reload; "resident" when the ranks keep every layout's shards (no image:
+    nothing is loaded at a seam). `auto` is resolved by the engine's planner
+    (`flip/weights.py`) before the image is built."""
     if (not cfg.enable_flip or cfg.world_size < 2 or cfg.load_format == "dummy"
             or cfg.flip_weights == "reload"):
         return "reload"
-    return "host-image"
+    return "resident" if cfg.flip_weights == "resident" else "host-image"
 
 
 def image_for_engine(cfg: EngineConfig) -> WeightImage | None:
@@ -345,10 +352,11 @@ def load_model_weights(model, cfg: EngineConfig, model_dir: str, device: torch.d
         from phaseflip.model.dummy import init_dummy_weights
 
         init_dummy_weights(model, cfg.seed)
-        return WeightsLoad("dummy", time.perf_counter() - t0)
+        return WeightsLoad("dummy", time.perf_counter() - t0, bytes_moved=0)
     if image is None:
         model.load_weights(iter_checkpoint_tensors(model_dir))
-        return WeightsLoad("checkpoint", time.perf_counter() - t0)
+        return WeightsLoad("checkpoint", time.perf_counter() - t0,
+                           bytes_moved=param_bytes(model))
     params = dict(model.named_parameters(remove_duplicate=False))
     wanted = [n for n in image.entries
               if (target := model._param_name(n)) is not None and target[0] in params]
@@ -362,4 +370,10 @@ def load_model_weights(model, cfg: EngineConfig, model_dir: str, device: torch.d
     t3 = time.perf_counter()
     return WeightsLoad("host-image", t3 - t0, read_s=t1 - t0,
                        h2d_wait_s=t2 - t1 if cuda else None,
-                       drain_s=t3 - t2 if cuda else None, bytes_read=nbytes)
+                       drain_s=t3 - t2 if cuda else None, bytes_read=nbytes,
+                       bytes_moved=param_bytes(model))
+
+
+def param_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's parameters (`parameters()` yields a tied weight once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -14,6 +14,7 @@ import torch
 
 from phaseflip.config import EngineConfig
 from phaseflip.model.config import ModelConfig
+from phaseflip.cache.kv_pool import kv_cache_dtype
 from phaseflip.model.runner import resolve_dtype
 
 PROMOTING, COPYING, LOADED = "promoting", "copying", "loaded"
@@ -89,4 +90,5 @@ def kv_dtype(cfg: EngineConfig, model_cfg: ModelConfig) -> torch.dtype:
     """The KV dtype of every layout of `cfg` (it follows the device kind, not the layout), known
     before the first runner exists: the host tier is made first."""
     cuda = cfg.device != "cpu" and torch.cuda.is_available()
-    return resolve_dtype(cfg.dtype, model_cfg, torch.device("cuda" if cuda else "cpu"))
+    model = resolve_dtype(cfg.dtype, model_cfg, torch.device("cuda" if cuda else "cpu"))
+    return kv_cache_dtype(cfg.kv_cache_dtype, model)  # FP8 pages with --kv-cache-dtype

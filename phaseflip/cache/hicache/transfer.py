@@ -233,6 +233,9 @@ class KVTransferEngine:
         if len(part.layers) != pool.end_layer - pool.start_layer:
             raise ValueError(f"rank slice {part} does not match the pool's layers "
                              f"[{pool.start_layer}, {pool.end_layer})")
+        if pool.dtype != geometry.dtype:  # an FP8 page read as bf16 (or back) is garbage
+            raise ValueError(f"the KV pool holds {pool.dtype}, the host tier's pages "
+                             f"{geometry.dtype}: a page is never read as another dtype")
         self.pool, self.frames, self.geometry, self.part = pool, frames, geometry, part
         self.device = torch.device(device)
         self.pages = PoolPages(pool)
