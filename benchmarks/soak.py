@@ -139,9 +139,12 @@ def ended_counts(metrics: dict[str, float]) -> dict[str, float]:
     """phaseflip_requests_total by finish reason, and aborted_requests_total by reason."""
     out = {}
     for key, value in metrics.items():
-        if m := re.fullmatch(r'phaseflip_requests_total\{finish_reason="(\w+)"\}', key):
+        name, _, labels = key.partition("{")  # (labels also hold model_name="...")
+        if name == "phaseflip_requests_total" and (
+                m := re.search(r'\bfinish_reason="(\w+)"', labels)):
             out[f"finish:{m[1]}"] = value
-        elif m := re.fullmatch(r'phaseflip_aborted_requests_total\{reason="(\w+)"\}', key):
+        elif name == "phaseflip_aborted_requests_total" and (
+                m := re.search(r'\breason="(\w+)"', labels)):
             out[f"aborted:{m[1]}"] = value
     return out
 

@@ -57,13 +57,14 @@ def test_a_flip_that_timed_out_holds_the_guard_until_its_seam_ends(tmp_path):
             info = await get(c, "/server_info")
             assert info.status_code == 200 and info.json()["flip_in_progress"] == "tp1×pp2"
             metrics = (await get(c, "/metrics")).text
-            assert 'phaseflip_flip_in_progress{to="tp1×pp2"} 1.0' in metrics
+            assert 'phaseflip_flip_in_progress{model_name="tiny",to="tp1×pp2"} 1.0' in metrics
 
             await until(lambda: ctx.flip_in_progress is None, timeout_s=10)
             assert engine.flips == [TP1PP2]  # the 409 never reached the engine
             info = (await get(c, "/server_info")).json()
             assert info["flip_in_progress"] is None and info["pool"]["balanced"]
-            assert 'phaseflip_flip_in_progress{to=""} 0.0' in (await get(c, "/metrics")).text
+            assert 'phaseflip_flip_in_progress{model_name="tiny",to=""} 0.0' in (
+                await get(c, "/metrics")).text
             engine.seam_s = 0.0
             r = await asyncio.wait_for(c.post("/admin/flip", json=TP2PP1), 5)
             assert r.status_code == 200, r.text
@@ -108,7 +109,8 @@ def test_an_automatic_seam_holds_the_guard_and_status_answers_from_the_front_end
             r = await asyncio.wait_for(c.post("/admin/flip", json=TP2PP1), 5)
             assert r.status_code == 409, r.text
             metrics = await get(c, "/metrics")
-            assert 'phaseflip_flip_in_progress{to="tp1×pp2"} 1.0' in metrics.text
+            assert 'phaseflip_flip_in_progress{model_name="tiny",to="tp1×pp2"} 1.0' in (
+                metrics.text)
             done.set()
             await until(lambda: ctx.flip_in_progress is None)
             info = (await get(c, "/server_info")).json()

@@ -383,3 +383,39 @@ def test_end_of_text_token_agrees_with_text(client):
                                      extra_body={"skip_special_tokens": False,
                                                  "include_stop_str_in_output": True}).choices[0]
     assert kept.text == "Return the<|endoftext|>" == "".join(kept.logprobs.tokens)
+
+
+def test_stop_reason_is_null_on_eos_and_names_a_stop_string_or_token(server):
+    """Issue 21 item 5: `stop_reason` as vLLM reports it: the stop string or stop_token_ids
+    entry that ended the choice, null on the end-of-sequence token (it said 0, EOS's id)."""
+    eos, tok = 0, 500  # <|endoftext|>; an ordinary token, forced by the bias below
+
+    def choices(path: str, **body) -> list[dict]:
+        body = {"model": MODEL, "max_tokens": 8, "temperature": 0} | body
+        if path.endswith("chat/completions"):
+            body["messages"] = [{"role": "user", "content": "Return the"}]
+        else:
+            body["prompt"] = "Return the"
+        r = httpx.post(server + path, json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        if not body.get("stream"):
+            return r.json()["choices"]
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")]
+        return [c for chunk in chunks for c in chunk["choices"] if c["finish_reason"]]
+
+    def ends(path: str, **body) -> list[tuple]:
+        return [(c["finish_reason"], c["stop_reason"]) for c in choices(path, **body)]
+
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        for stream in (False, True):
+            assert ends(path, stream=stream, logit_bias={str(eos): 100}) == [("stop", None)]
+            assert ends(path, stream=stream, logit_bias={str(tok): 100},
+                        stop_token_ids=[tok]) == [("stop", tok)]
+            assert ends(path, stream=stream, max_tokens=2,
+                        logit_bias={str(tok): 100}) == [("length", None)]
+    text = choices("/v1/completions")[0]["text"]
+    stop = text.strip()[-3:]
+    assert len(stop) == 3, text
+    for stream in (False, True):
+        assert ends("/v1/completions", stream=stream, stop=[stop]) == [("stop", stop)]

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import phaseflip
+from phaseflip.cli import version_info
 from phaseflip.errors import ContextLengthError, InvalidRequestError
 from phaseflip.server import protocol as p
 from phaseflip.server.context import OverloadedError, ServerContext, UnknownModelError
@@ -28,7 +29,7 @@ from phaseflip.server.openai_api import (
     sse,
     stream_response,
 )
-from phaseflip.server.openapi import ERRORS, Aborted, FreedTokens, Health, ok, streams
+from phaseflip.server.openapi import ERRORS, Aborted, FreedTokens, Health, Versions, ok, streams
 from phaseflip.server.openapi import install as install_openapi
 
 log = logging.getLogger("phaseflip.server")
@@ -98,6 +99,11 @@ def build_app(ctx: ServerContext) -> FastAPI:
         async for _ in ctx.run(ctx.new_id("health"), [0], SamplingParams(max_new_tokens=1)):
             pass
         return JSONResponse({"status": "ok"})
+
+    @app.get("/version", response_model=None, responses=ok(Versions))
+    async def version() -> dict:
+        """phaseflip's version and those of what it runs on (null: not installed)."""
+        return version_info()
 
     @app.get("/v1/models", response_model=None, responses=ok(p.ModelList))
     async def models() -> dict:
@@ -221,12 +227,10 @@ def _card(ctx: ServerContext) -> p.ModelCard:
     return p.ModelCard(id=ctx.model_name, created=ctx.started, max_model_len=ctx.max_context)
 
 
-def _versions() -> dict[str, str]:
-    import torch
-    import transformers
-
-    return {"phaseflip": phaseflip.__version__, "torch": torch.__version__,
-            "transformers": transformers.__version__}
+def _versions() -> dict[str, str | None]:
+    """`version_info()` with phaseflip's own under its name (as /server_info always said)."""
+    info = version_info()
+    return {"phaseflip": info.pop("version"), **info}
 
 
 async def _native_generate(ctx: ServerContext, req: p.GenerateRequest, request: Request):

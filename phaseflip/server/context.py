@@ -7,11 +7,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
-
-from prometheus_client import Gauge
 
 from phaseflip.engine.outputs import StreamDelta
 from phaseflip.engine.validation import validate_request
@@ -31,6 +30,19 @@ class OverloadedError(Exception):
 class UnknownModelError(Exception):
     def __init__(self, model: str, served: str) -> None:
         super().__init__(f"the model {model!r} does not exist; this server serves {served!r}")
+
+
+@dataclass
+class RequestTally:
+    """The tokens of one HTTP request's engine requests, for the request log."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+CURRENT_REQUEST: ContextVar[RequestTally | None] = ContextVar("phaseflip_request", default=None)
+"""The tally of the HTTP request being served (set by the gate with --log-requests; the tasks
+a handler starts inherit it)."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,9 @@ class ServerConfig:
     flip_timeout_s: float = 600.0
     """Seconds POST /admin/flip waits for the seam's census before answering 504 (the seam
     goes on; further flips get 409 until the engine says it ended)."""
+    log_requests: bool = False
+    """Log one line per HTTP request: its id, method and path, status, prompt and output
+    tokens, and seconds taken (logger phaseflip.requests, shown at any --log-level)."""
 
 
 @dataclass
@@ -63,7 +78,7 @@ class ServerContext:
     engine: EngineClient
     tokenizer: object
     model_name: str
-    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    metrics: ServerMetrics = field(init=False)
     started: int = field(default_factory=lambda: int(time.time()))
     # the target of a flip this front end asked for and the engine has not answered yet (also
     # after the caller stopped waiting: 504, a client gone); the engine's own word on seams,
@@ -76,11 +91,7 @@ class ServerContext:
         1, thread_name_prefix="phaseflip-tokenize"))
 
     def __post_init__(self) -> None:
-        # (the one gauge ServerMetrics does not hold: it is read from this context)
-        self._flip_gauge = Gauge(
-            "flip_in_progress", "1 while a phase-flip seam runs or a flip asked for is not "
-            "answered, labelled with its target layout; 0 (to=\"\") otherwise", ["to"],
-            namespace="phaseflip", registry=self.metrics.registry)
+        self.metrics = ServerMetrics(self.model_name)
 
     @property
     def flip_in_progress(self) -> str | None:
@@ -116,9 +127,9 @@ class ServerContext:
 
     def observe_flip(self) -> None:
         """Sets the flip gauge for /metrics."""
-        target = self.flip_in_progress
-        self._flip_gauge.clear()
-        self._flip_gauge.labels(target or "").set(1 if target else 0)
+        target, gauge = self.flip_in_progress, self.metrics.flip_in_progress
+        gauge.clear()
+        gauge.labels(target or "").set(1 if target else 0)
 
     @property
     def ready(self) -> bool:
@@ -227,6 +238,9 @@ class ServerContext:
                     self.metrics.e2e.observe(now - start)
                     self.metrics.observe_usage(d.usage.prompt_tokens, d.usage.cached_tokens,
                                                d.usage.completion_tokens)
+                    if (tally := CURRENT_REQUEST.get()) is not None:
+                        tally.prompt_tokens += d.usage.prompt_tokens
+                        tally.completion_tokens += d.usage.completion_tokens
                 yield d
         except ShutdownError:
             self.metrics.requests.labels("abort").inc(params.n - len(finished))

@@ -256,7 +256,7 @@ def engine_main(cfg: EngineConfig, requests_addr: str, outputs_addr: str) -> Non
     # SIGTERM while loading: leave at once (finalizers unlink what was made); while serving:
     # end the loop at its next turn and close normally
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     apply_cpu_threads(cfg)
     server = None
     try:

@@ -1,4 +1,5 @@
-"""The front door: request ids, the API key, readiness/shutdown refusals and the body limit.
+"""The front door: request ids, the API key, readiness/shutdown refusals, the body limit and
+the request log (--log-requests).
 
 A plain ASGI middleware on purpose: Starlette's `BaseHTTPMiddleware` (what
 `@app.middleware("http")` installs) hands the endpoint a wrapped `receive` that never reports
@@ -8,16 +9,20 @@ A plain ASGI middleware on purpose: Starlette's `BaseHTTPMiddleware` (what
 from __future__ import annotations
 
 import json
+import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from phaseflip.server import protocol as p
-from phaseflip.server.context import ServerContext
+from phaseflip.server.context import CURRENT_REQUEST, RequestTally, ServerContext
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
+
+request_log = logging.getLogger("phaseflip.requests")
 
 OPEN_PATHS = ("/health",)
 """Answered without the API key (load balancers probe them)."""
@@ -27,6 +32,8 @@ NEEDS_ENGINE = ("/v1/", "/generate", "/health_generate", "/tokenize", "/detokeni
 NEW_WORK = ("/v1/completions", "/v1/chat/completions", "/generate", "/health_generate",
             "/tokenize", "/detokenize", "/flush_cache", "/admin/")
 """Refused with 503 once a shutdown began (/abort_request and status endpoints still answer)."""
+UNLOGGED_PATHS = ("/health", "/metrics")
+"""Left out of the request log: probes and scrapes, every few seconds."""
 
 
 def _json(status: int, body: dict, extra: list | None = None):
@@ -57,7 +64,29 @@ class Gate:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         rid = headers.get(b"x-request-id") or uuid.uuid4().hex.encode()
+        if not self.ctx.cfg.log_requests or scope["path"] in UNLOGGED_PATHS:
+            return await self._handle(scope, receive, send, headers, rid)
+        tally, status, start = RequestTally(), [None], time.perf_counter()
 
+        async def send_seen(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        token = CURRENT_REQUEST.set(tally)
+        try:
+            await self._handle(scope, receive, send_seen, headers, rid)
+        finally:
+            CURRENT_REQUEST.reset(token)
+            # (no status: the client left before an answer, or the app failed to send one)
+            request_log.info(
+                "request %s %s %s %s prompt_tokens=%d completion_tokens=%d %.3f s",
+                _escaped(rid.decode("latin-1")), scope["method"], _escaped(scope["path"]),
+                status[0] or "-",
+                tally.prompt_tokens, tally.completion_tokens, time.perf_counter() - start)
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, headers: dict,
+                      rid: bytes) -> None:
         async def send_with_id(message: dict) -> None:
             if message["type"] == "http.response.start":
                 message = message | {"headers": [*message.get("headers", []),
@@ -114,6 +143,11 @@ class Gate:
             413, f"the request body is {'over ' if at_least else ''}{size} bytes; this server "
             f"accepts at most {limit} bytes (--max-request-bytes)", "invalid_request_error",
             code="request_too_large")
+
+
+def _escaped(text: str) -> str:
+    """`text` on one log line (an id or a percent-decoded path may hold line breaks)."""
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
 
 
 async def _nothing(send: Send) -> None:

@@ -26,6 +26,7 @@ from phaseflip.server.app import build_app
 from phaseflip.server.context import ServerConfig, ServerContext
 from phaseflip.server.engine_client import EngineClient
 from phaseflip.server.engine_process import engine_main
+from phaseflip.threads import plan_for
 
 log = logging.getLogger("phaseflip.server")
 
@@ -45,7 +46,10 @@ class Outcome:
 
 
 def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=engine_cfg.log_level.upper(),
+                        format="%(asctime)s %(name)s %(message)s")
+    if server_cfg.log_requests:  # asked for: shown whatever --log-level says
+        logging.getLogger("phaseflip.requests").setLevel(logging.INFO)
     outcome = asyncio.run(_serve(engine_cfg, server_cfg))
     # the last line of the log says how the server ended (see docs/troubleshooting.md): let
     # multiprocessing's resource tracker finish first (it warns about what a killed engine
@@ -132,7 +136,8 @@ async def _serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> Outcome:
     outcome = Outcome()
     drain = Drain(ctx, outcome)
     server = _Server(uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port,
-                                    log_level="warning", timeout_graceful_shutdown=5),
+                                    log_level=engine_cfg.log_level, access_log=False,
+                                    timeout_graceful_shutdown=5),
                      drain.on_signal)
     drain.server = server
 
@@ -144,9 +149,9 @@ async def _serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> Outcome:
             outcome.code, outcome.reason = EXIT_ENGINE_FAILED, f"engine failed to start: {e}"
             server.should_exit = True
             return
-        log.info("phaseflip ready: http://%s:%d/v1 (model %s, %s %s, KV %d tokens)",
+        log.info("phaseflip ready: http://%s:%d/v1 (model %s, %s %s, KV %d tokens; %s)",
                  server_cfg.host, server_cfg.port, name, ready.device, ready.dtype,
-                 ready.kv_capacity_tokens)
+                 ready.kv_capacity_tokens, plan_for(engine_cfg).describe())
 
     async def stop_if_engine_dies() -> None:
         while proc.is_alive():

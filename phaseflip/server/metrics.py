@@ -1,55 +1,81 @@
-"""Prometheus metrics of one server (its own registry: no process-global state)."""
+"""Prometheus metrics of one server (its own registry: no process-global state).
+
+Every series carries a `model_name` label (the served model name), as vLLM's and SGLang's do,
+so one dashboard can show several servers; docs/metrics.md maps the names to vLLM's.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_NS = "phaseflip"
+
+
+class Labelled:
+    """A labelled family with `model_name` bound: `labels("stop")` is the series
+    `{model_name=..., finish_reason="stop"}`."""
+
+    def __init__(self, family: MetricWrapperBase, model_name: str) -> None:
+        self.family, self.model_name = family, model_name
+
+    def labels(self, *values: str):
+        return self.family.labels(self.model_name, *values)
+
+    def clear(self) -> None:
+        self.family.clear()
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
-        ns = "phaseflip"
-        self.running = Gauge("num_requests_running", "Requests in the engine's running batch",
-                             namespace=ns, registry=r)
-        self.waiting = Gauge("num_requests_waiting", "Requests queued in the engine",
-                             namespace=ns, registry=r)
-        self.token_usage = Gauge("token_usage", "Fraction of the KV pool held by requests",
-                                 namespace=ns, registry=r)
-        self.cache_hit_rate = Gauge("cache_hit_rate",
-                                    "Prompt tokens served from the prefix cache / prompt tokens",
-                                    namespace=ns, registry=r)
-        self.prompt_tokens = Counter("prompt_tokens", "Prompt tokens processed",
-                                     namespace=ns, registry=r)
-        self.cached_tokens = Counter("cached_prompt_tokens", "Prompt tokens served from cache",
-                                     namespace=ns, registry=r)
-        self.generation_tokens = Counter("generation_tokens", "Tokens generated",
-                                         namespace=ns, registry=r)
-        self.requests = Counter("requests", "Finished requests by finish reason",
-                                ["finish_reason"], namespace=ns, registry=r)
-        self.aborted = Counter(
-            "aborted_requests", "Engine requests (one per prompt) ended before their end, by "
-            "reason: client_disconnect, abort_request, shutdown", ["reason"], namespace=ns,
-            registry=r)
+    def __init__(self, model_name: str = "") -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.running = self._one(Gauge, "num_requests_running",
+                                 "Requests in the engine's running batch")
+        self.waiting = self._one(Gauge, "num_requests_waiting", "Requests queued in the engine")
+        self.token_usage = self._one(Gauge, "token_usage",
+                                     "Fraction of the KV pool held by requests")
+        self.cache_hit_rate = self._one(
+            Gauge, "cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens")
+        self.prompt_tokens = self._one(Counter, "prompt_tokens", "Prompt tokens processed")
+        self.cached_tokens = self._one(Counter, "cached_prompt_tokens",
+                                       "Prompt tokens served from cache")
+        self.generation_tokens = self._one(Counter, "generation_tokens", "Tokens generated")
+        self.requests = self._by(Counter, "requests", "Finished requests by finish reason",
+                                 "finish_reason")
+        self.aborted = self._by(
+            Counter, "aborted_requests", "Engine requests (one per prompt) ended before their "
+            "end, by reason: client_disconnect, abort_request, shutdown", "reason")
         for reason in ("client_disconnect", "abort_request", "shutdown"):
             self.aborted.labels(reason)  # exported as 0 from the start
-        self.ttft = Histogram("time_to_first_token_seconds", "Time to first token",
-                              namespace=ns, registry=r, buckets=_LATENCY_BUCKETS)
-        self.itl = Histogram("inter_token_latency_seconds", "Time between output tokens",
-                             namespace=ns, registry=r, buckets=_LATENCY_BUCKETS)
-        self.e2e = Histogram("e2e_request_latency_seconds", "Request latency, end to end",
-                             namespace=ns, registry=r, buckets=_LATENCY_BUCKETS)
+        self.ttft = self._one(Histogram, "time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS)
+        self.itl = self._one(Histogram, "inter_token_latency_seconds",
+                             "Time between output tokens", buckets=_LATENCY_BUCKETS)
+        self.e2e = self._one(Histogram, "e2e_request_latency_seconds",
+                             "Request latency, end to end", buckets=_LATENCY_BUCKETS)
+        self.flip_in_progress = self._by(
+            Gauge, "flip_in_progress", "1 while a phase-flip seam runs or a flip asked for is "
+            "not answered, labelled with its target layout; 0 (to=\"\") otherwise", "to")
 
-        self.hicache_tokens = Gauge("hicache_hit_tokens", "Prompt tokens read from a HiCache tier",
-                                    ["tier"], namespace=ns, registry=r)
-        self.hicache_bytes = Gauge("hicache_bytes", "Bytes moved by HiCache", ["direction"],
-                                   namespace=ns, registry=r)
-        self.hicache_pages = Gauge("hicache_pages", "HiCache page events", ["event"],
-                                   namespace=ns, registry=r)
-        self.hicache_rate = Gauge(
-            "hicache_transfer_gbps", "Observed HiCache copy rate (dispatch to seen done; a "
-            "floor on the link rate)", ["direction"], namespace=ns, registry=r)
+        self.hicache_tokens = self._by(Gauge, "hicache_hit_tokens",
+                                       "Prompt tokens read from a HiCache tier", "tier")
+        self.hicache_bytes = self._by(Gauge, "hicache_bytes", "Bytes moved by HiCache",
+                                      "direction")
+        self.hicache_pages = self._by(Gauge, "hicache_pages", "HiCache page events", "event")
+        self.hicache_rate = self._by(
+            Gauge, "hicache_transfer_gbps", "Observed HiCache copy rate (dispatch to seen done; "
+            "a floor on the link rate)", "direction")
+
+    def _one(self, kind: type[MetricWrapperBase], name: str, doc: str, **kw):
+        """The family's one series, `{model_name=...}`."""
+        return kind(name, doc, ["model_name"], namespace=_NS, registry=self.registry,
+                    **kw).labels(self.model_name)
+
+    def _by(self, kind: type[MetricWrapperBase], name: str, doc: str, label: str) -> Labelled:
+        return Labelled(kind(name, doc, ["model_name", label], namespace=_NS,
+                             registry=self.registry), self.model_name)
 
     def observe_hicache(self, stats: dict | None) -> None:
         """Mirrors the engine's HiCache counters (absent when HiCache is off: nothing set)."""

@@ -160,6 +160,14 @@ def hides_stop_token(params: SamplingParams, finish_reason: str | None,
             and not params.include_stop_str_in_output)
 
 
+def reported_stop(params: SamplingParams, matched_stop: int | str | None) -> int | str | None:
+    """`stop_reason` as vLLM reports it: the stop string or `stop_token_ids` entry that ended
+    the choice, null for any other end (the end-of-sequence token included)."""
+    if isinstance(matched_stop, int) and matched_stop not in params.stop_token_ids:
+        return None
+    return matched_stop
+
+
 def completion_logprobs(ctx: ServerContext, cursor: OffsetCursor, ids: list[int],
                         lps: list[float | None], tops: list, n_prompt: int,
                         params: SamplingParams, last_hidden: bool) -> p.CompletionLogprobs:
@@ -242,7 +250,8 @@ async def _complete(ctx, req: p.CompletionRequest, base: str, runs: list[PromptR
                     hides_stop_token(run.params, c.finish_reason, c.stop_reason))
             out.append(p.CompletionChoice(
                 index=run.first_index + j, text=prompt_text + c.text, logprobs=lp,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                finish_reason=c.finish_reason, stop_reason=reported_stop(run.params,
+                                                                         c.stop_reason)))
     return p.CompletionResponse(id=base, model=ctx.model_name, choices=out,
                                 usage=usage_of(runs)).model_dump()
 
@@ -271,7 +280,8 @@ async def _stream_completion(ctx, req: p.CompletionRequest, base: str,
             run.usage = d.usage
         choice = p.CompletionChoice(index=run.first_index + d.index, text=text, logprobs=lp,
                                     finish_reason=d.finish_reason,
-                                    stop_reason=d.matched_stop if d.finish_reason else None)
+                                    stop_reason=reported_stop(run.params, d.matched_stop)
+                                    if d.finish_reason else None)
         yield sse(p.CompletionStreamResponse(id=base, model=ctx.model_name, choices=[choice]))
     if req.include_usage:
         yield sse(p.CompletionStreamResponse(id=base, model=ctx.model_name, choices=[],
@@ -357,7 +367,8 @@ async def _chat(ctx, req: p.ChatCompletionRequest, run: PromptRun,
     for c in choices:
         message, reason = _chat_message(plan, c)
         out.append(p.ChatCompletionChoice(
-            index=c.index, message=message, finish_reason=reason, stop_reason=c.stop_reason,
+            index=c.index, message=message, finish_reason=reason,
+            stop_reason=reported_stop(run.params, c.stop_reason),
             logprobs=chat_logprobs(ctx, c.token_ids, c.logprobs, c.top) if req.logprobs
             else None))
     return p.ChatCompletionResponse(id=run.rid, model=ctx.model_name, choices=out,
@@ -392,6 +403,6 @@ async def _stream_chat(ctx, req: p.ChatCompletionRequest, run: PromptRun,
             yield chunk([p.ChatCompletionStreamChoice(
                 index=d.index, delta=p.DeltaMessage(content=content, tool_calls=calls),
                 logprobs=lp, finish_reason=reason,
-                stop_reason=d.matched_stop if reason else None)])
+                stop_reason=reported_stop(run.params, d.matched_stop) if reason else None)])
     if req.include_usage:
         yield chunk([], usage_of([run]))

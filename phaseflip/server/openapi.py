@@ -35,6 +35,14 @@ class FreedTokens(BaseModel):
     freed_tokens: int
 
 
+class Versions(BaseModel):
+    version: str
+    torch: str | None
+    transformers: str | None
+    triton: str | None
+    python: str
+
+
 class Aborted(BaseModel):
     rid: str
     aborted: list[str]

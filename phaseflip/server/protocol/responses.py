@@ -83,7 +83,8 @@ class CompletionChoice(_Response):
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
-    """The stop token id or stop string that ended the choice (vLLM's extension)."""
+    """The stop string or `stop_token_ids` entry that ended the choice; null for any other
+    end, the end-of-sequence token included (vLLM's extension)."""
 
 
 class CompletionResponse(_Response):
