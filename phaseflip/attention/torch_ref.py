@@ -1,7 +1,7 @@
 """Reference attention over the paged KV pool, in plain torch.
 
 It is the test oracle for every faster backend and the CPU path: one sequence at a time,
-gather the sequence's slots, causal softmax in float32.
+gather the sequence's slots (dequantized from an FP8 pool), causal softmax in float32.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ class TorchRefAttention:
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens. Returns [T, H*D] in q's dtype."""
         pool.store(layer_id, batch.out_cache_loc, k, v)
-        k_cache, v_cache = pool.layer(layer_id)
         num_heads, head_dim = q.shape[1], q.shape[2]
         group = num_heads // k.shape[1]
         out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype, device=q.device)
@@ -40,8 +39,9 @@ class TorchRefAttention:
         start = 0
         for i, (ext, pre) in enumerate(zip(batch.extend_lens, batch.prefix_lens)):
             slots = batch.kv_indices[indptr[i] : indptr[i + 1]]
-            kk = k_cache[slots].float().repeat_interleave(group, dim=1)  # [S, H, D]
-            vv = v_cache[slots].float().repeat_interleave(group, dim=1)
+            kk, vv = pool.dequantized(layer_id, slots)  # float32 [S, KVH, D] (FP8: scaled)
+            kk = kk.repeat_interleave(group, dim=1)  # [S, H, D]
+            vv = vv.repeat_interleave(group, dim=1)
             qq = q[start : start + ext].float()  # [E, H, D]
             scores = torch.einsum("ehd,shd->hes", qq, kk) * scale
             q_pos = torch.arange(pre, pre + ext, device=q.device)[:, None]

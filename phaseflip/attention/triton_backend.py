@@ -125,15 +125,17 @@ class TritonAttention:
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k_cache.shape[1]
         group = num_heads // num_kv_heads
+        scales = pool.scales(layer_id)  # FP8 pool: per-KV-head K and V scales
+        k_scale, v_scale = scales if scales is not None else (None, None)
+        dtype = kernels.compute_dtype(q.dtype, k_cache.dtype)
         if out is None:
             out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype, device=q.device)
         if q.shape[0] == 0:
             return out
         meta = self._batch_meta(batch, q.device)
-        key = (num_kv_heads, group, head_dim, k_cache.dtype, sliding_window)
+        key = (num_kv_heads, group, head_dim, dtype, sliding_window)
         if meta.is_decode:
-            cfg = self.decode_config or kernels.decode_config(
-                k_cache.dtype, head_dim, group, q.device)
+            cfg = self.decode_config or kernels.decode_config(dtype, head_dim, group, q.device)
             cached = meta.by_layout.get(key)
             if cached is None:
                 max_len = meta.max_kv_len
@@ -153,8 +155,9 @@ class TritonAttention:
             return kernels.decode_attention(
                 q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, scale, plan,
                 sliding_window=sliding_window, out=out, workspace=ws, config=cfg,
+                k_scale=k_scale, v_scale=v_scale,
             )
-        cfg = self.extend_config or kernels.extend_config(k_cache.dtype, head_dim, q.device)
+        cfg = self.extend_config or kernels.extend_config(dtype, head_dim, q.device)
         tkey = ("tiles", group, cfg.block_m)
         tiles = meta.by_layout.get(tkey)
         if tiles is None:
@@ -164,4 +167,5 @@ class TritonAttention:
         return kernels.extend_attention(
             q, k_cache, v_cache, meta.qo_indptr, batch.kv_indptr, batch.kv_indices, tiles,
             scale, sliding_window=sliding_window, out=out, config=cfg,
+            k_scale=k_scale, v_scale=v_scale,
         )

@@ -4,12 +4,34 @@ Slot space: slot `s` is row `s` of every layer's K and V buffer. The driver's al
 slot space (which slots are free, which belong to the prefix tree, which to a request); this
 module only stores rows. Slot 0 is the reserved padding slot (page 0 is never allocated), so a
 padded token can write there harmlessly.
+
+FP8 KV (`--kv-cache-dtype fp8_e4m3`): rows are stored as `float8_e4m3fn`, value / scale, with
+one float32 scale per (layer, KV head) for K and one for V (`k_scale`, `v_scale`, [layers,
+kv_heads]). Readers multiply back: the reference attention after its gather, the Triton
+kernels by folding the K scale into the softmax scale and the V scale into the output (a
+program owns one KV head, so both are scalars there). The scales are fixed for the pool's
+life (1.0 unless set before the first store), so a row never changes meaning once written.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+FP8_KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
+
+
+def kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's element dtype for `--kv-cache-dtype` (auto: the model's)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in FP8_KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: expected auto or fp8_e4m3")
+    return FP8_KV_DTYPES[kv_cache_dtype]
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class KVPool:
@@ -35,15 +57,46 @@ class KVPool:
         self.kv = torch.zeros((n, 2, *shape), dtype=dtype, device=device)
         self.k = [self.kv[i, 0] for i in range(n)]
         self.v = [self.kv[i, 1] for i in range(n)]
+        # FP8 only: dequantization scales [layers, kv_heads] (None for a float pool)
+        self.k_scale = self.v_scale = None
+        if is_fp8(dtype):
+            self.k_scale = torch.ones((n, num_kv_heads), dtype=torch.float32, device=device)
+            self.v_scale = torch.ones((n, num_kv_heads), dtype=torch.float32, device=device)
+        self.fp8_max = float(torch.finfo(dtype).max) if is_fp8(dtype) else None
 
     @staticmethod
     def bytes_per_slot(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes one token slot takes (FP8: half of bf16; its scales are per layer, not per
+        slot, so the same memory holds twice the tokens)."""
         return 2 * layers * kv_heads * head_dim * dtype.itemsize
 
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         i = layer_id - self.start_layer
+        if self.k_scale is not None:
+            k, v = self._quantize(k, self.k_scale[i]), self._quantize(v, self.v_scale[i])
         self.k[i][slots] = k.to(self.dtype)
         self.v[i][slots] = v.to(self.dtype)
+
+    def _quantize(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """[T, kv_heads, D] -> FP8 values x / scale (per head), saturated at the FP8 range."""
+        return (x.float() / scale[:, None]).clamp_(-self.fp8_max, self.fp8_max).to(self.dtype)
+
+    def scales(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(k_scale, v_scale) [kv_heads] float32 of an FP8 layer; None for a float pool."""
+        if self.k_scale is None:
+            return None
+        i = layer_id - self.start_layer
+        return self.k_scale[i], self.v_scale[i]
+
+    def dequantized(self, layer_id: int, slots: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 K and V rows of `slots` ([S, kv_heads, D]): what a reader attends over."""
+        k, v = self.layer(layer_id)
+        kk, vv = k[slots].float(), v[slots].float()
+        scales = self.scales(layer_id)
+        if scales is not None:
+            kk, vv = kk * scales[0][:, None], vv * scales[1][:, None]
+        return kk, vv
 
     def release(self) -> None:
         """Frees the pool's memory in place (a flip's teardown): the storage itself shrinks to

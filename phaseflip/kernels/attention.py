@@ -44,12 +44,13 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, KV_INDPTR, KV_INDICES, OUT, MID_O, MID_M, MID_L,
+    Q, K, V, KV_INDPTR, KV_INDICES, OUT, MID_O, MID_M, MID_L, K_SCALE, V_SCALE,
     qk_scale, window, min_chunk, num_splits,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One (sequence, KV head, head block, split): attend the group's queries over one chunk."""
     b = tl.program_id(0)
@@ -82,7 +83,10 @@ def _decode_split_kernel(
         Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
         mask=mask_h[:, None] & mask_d[None, :], other=0.0,
     )
-    q = q.to(K.dtype.element_ty)
+    if KV_FP8:  # dots in q's dtype; this KV head's K scale folds into the softmax scale
+        qk_scale = qk_scale * tl.load(K_SCALE + kvh)
+    else:
+        q = q.to(K.dtype.element_ty)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -95,6 +99,9 @@ def _decode_split_kernel(
                     mask=kv_mask, other=0.0)
         v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :],
                     mask=kv_mask, other=0.0)
+        if KV_FP8:  # exact: every e4m3 value is a bf16/fp16/fp32 value
+            k = k.to(Q.dtype.element_ty)
+            v = v.to(Q.dtype.element_ty)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -103,6 +110,8 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
+    if KV_FP8:  # the V scale of this KV head: out = sum p * (v * s) / l = (sum p * v) * s / l
+        acc = acc * tl.load(V_SCALE + kvh)
 
     if DIRECT:
         out = acc / l_i[:, None]
@@ -151,6 +160,7 @@ def _extend_block(
     stride_kn, stride_kh, stride_vn, stride_vh, qk_scale,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One BLOCK_N key block of the online softmax; MASK only on diagonal (and window) blocks."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -174,6 +184,9 @@ def _extend_block(
             d_mask = (offs_d < HEAD_DIM)[None, :]
             k = tl.load(k_ptrs + slots[:, None] * stride_kn, mask=d_mask, other=0.0)
             v = tl.load(v_ptrs + slots[:, None] * stride_vn, mask=d_mask, other=0.0)
+    if KV_FP8:  # exact widening to q's dtype; the scales are applied by the caller
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     if MASK:
         visible = (idx[None, :] <= q_pos[:, None]) & in_range[None, :]
@@ -195,12 +208,12 @@ def _extend_block(
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, QO_INDPTR, KV_INDPTR, KV_INDICES, TILES, OUT,
+    Q, K, V, QO_INDPTR, KV_INDPTR, KV_INDICES, TILES, OUT, K_SCALE, V_SCALE,
     qk_scale, window, num_tiles,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """One tile of BLOCK_M packed (query, head-in-group) rows of one sequence, one KV head."""
     tile = tl.program_id(0)
@@ -226,7 +239,10 @@ def _extend_kernel(
         + offs_d[None, :],
         mask=mask_m[:, None] & mask_d[None, :], other=0.0,
     )
-    q = q.to(K.dtype.element_ty)
+    if KV_FP8:  # dots in q's dtype; this KV head's K scale folds into the softmax scale
+        qk_scale = qk_scale * tl.load(K_SCALE + kvh)
+    else:
+        q = q.to(K.dtype.element_ty)
 
     q_lo = prefix + r0 // GROUP
     q_hi = prefix + (tl.minimum(r0 + BLOCK_M, num_rows) - 1) // GROUP
@@ -244,16 +260,18 @@ def _extend_kernel(
         acc, l_i, m_i = _extend_block(
             acc, l_i, m_i, q, K, V, KV_INDICES, kv_beg, n0, kv_hi, q_pos, window, kvh,
             stride_kn, stride_kh, stride_vn, stride_vh, qk_scale,
-            BLOCK_N, HEAD_DIM, BLOCK_D, HAS_WINDOW, HAS_WINDOW, DOT_PREC,
+            BLOCK_N, HEAD_DIM, BLOCK_D, HAS_WINDOW, HAS_WINDOW, DOT_PREC, KV_FP8,
         )
     for n0 in range(full_end, kv_hi, BLOCK_N):
         acc, l_i, m_i = _extend_block(
             acc, l_i, m_i, q, K, V, KV_INDICES, kv_beg, n0, kv_hi, q_pos, window, kvh,
             stride_kn, stride_kh, stride_vn, stride_vh, qk_scale,
-            BLOCK_N, HEAD_DIM, BLOCK_D, True, HAS_WINDOW, DOT_PREC,
+            BLOCK_N, HEAD_DIM, BLOCK_D, True, HAS_WINDOW, DOT_PREC, KV_FP8,
         )
     # Padding rows past the sequence may have seen no key (l = 0): divide them by 1, not 0.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if KV_FP8:
+        out = out * tl.load(V_SCALE + kvh)
     tl.store(
         OUT + (q_beg + qi).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh
         + offs_d[None, :],
@@ -380,6 +398,25 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the dots run in: the cache's, or q's when the cache is FP8 (widened on load)."""
+    return q_dtype if kv_dtype in _FP8 else kv_dtype
+
+
+def _fp8_scales(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                v_scale: torch.Tensor | None) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """(is FP8, K scale, V scale) for a launch; a float cache gets q as unread stand-ins."""
+    if k_cache.dtype not in _FP8:
+        return False, q, q
+    if k_scale is None or v_scale is None or k_scale.numel() != k_cache.shape[1] \
+            or v_scale.numel() != k_cache.shape[1]:
+        raise ValueError("an FP8 KV cache needs k_scale and v_scale, one per KV head")
+    return True, k_scale, v_scale
+
+
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
     if q.dim() != 3 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
         raise ValueError("q must be [T, H, D] and k/v caches [slots, KVH, D]")
@@ -421,10 +458,13 @@ def decode_attention(
     out: torch.Tensor | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     config: KernelConfig | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence (q row b = sequence b) over its paged context.
 
     q: [B, H, D]; caches [slots, KVH, D]; kv_indptr [B+1] / kv_indices (device, any int dtype).
+    An FP8 cache needs `k_scale` / `v_scale` (float32 [KVH], `KVPool.scales`).
     `plan` comes from `plan_decode` with the same `config.block_n`. Returns out [B, H*D] in q's
     dtype (written into `out` when given). `workspace` (from `decode_workspace`) may be reused
     across calls of one batch; it is allocated here when omitted and the plan splits.
@@ -434,7 +474,9 @@ def decode_attention(
     num_kv_heads = k_cache.shape[1]
     if q.stride(-1) != 1:
         q = q.contiguous()
-    cfg = config or decode_config(k_cache.dtype, head_dim, group, q.device)
+    kv_fp8, k_scale, v_scale = _fp8_scales(q, k_cache, k_scale, v_scale)
+    dtype = compute_dtype(q.dtype, k_cache.dtype)
+    cfg = config or decode_config(dtype, head_dim, group, q.device)
     if out is None:
         out = torch.empty(batch_size, num_heads * head_dim, dtype=q.dtype, device=q.device)
     if batch_size == 0:
@@ -449,13 +491,13 @@ def decode_attention(
     block_d = triton.next_power_of_2(head_dim)
     grid = (batch_size, num_kv_heads * head_blocks, plan.num_splits)
     _decode_split_kernel[grid](
-        q, k_cache, v_cache, kv_indptr, kv_indices, out, mid_o, mid_m, mid_l,
+        q, k_cache, v_cache, kv_indptr, kv_indices, out, mid_o, mid_m, mid_l, k_scale, v_scale,
         scale * LOG2E, sliding_window or 0, plan.min_chunk, plan.num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), head_dim,
         GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_H=cfg.block_m, BLOCK_N=cfg.block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_WINDOW=sliding_window is not None,
-        DIRECT=direct, DOT_PREC=_dot_precision(k_cache.dtype),
+        DIRECT=direct, DOT_PREC=_dot_precision(dtype), KV_FP8=kv_fp8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not direct:
@@ -480,19 +522,24 @@ def extend_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     config: KernelConfig | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
     q: [T, H, D], sequence i's queries at rows qo_indptr[i]:qo_indptr[i+1] and positions
     prefix_i .. seq_len_i - 1 (prefix_i = its KV length minus its query count). `tiles` is
     `extend_tiles(...)` for the same group and `config.block_m`, as an int32 [2, n] device
-    tensor. Returns out [T, H*D] in q's dtype (written into `out` when given).
+    tensor. Returns out [T, H*D] in q's dtype (written into `out` when given). An FP8 cache
+    needs `k_scale` / `v_scale` (float32 [KVH]).
     """
     group, head_dim = _check(q, k_cache, v_cache)
     num_tokens, num_heads = q.shape[0], q.shape[1]
     if q.stride(-1) != 1:
         q = q.contiguous()
-    cfg = config or extend_config(k_cache.dtype, head_dim, q.device)
+    kv_fp8, k_scale, v_scale = _fp8_scales(q, k_cache, k_scale, v_scale)
+    dtype = compute_dtype(q.dtype, k_cache.dtype)
+    cfg = config or extend_config(dtype, head_dim, q.device)
     if out is None:
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
     num_tiles = tiles.shape[1]
@@ -500,13 +547,13 @@ def extend_attention(
         return out
     grid = (num_tiles, k_cache.shape[1])
     _extend_kernel[grid](
-        q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, tiles, out,
+        q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, tiles, out, k_scale, v_scale,
         scale * LOG2E, sliding_window or 0, num_tiles,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), head_dim,
         GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), HAS_WINDOW=sliding_window is not None,
-        DOT_PREC=_dot_precision(k_cache.dtype),
+        DOT_PREC=_dot_precision(dtype), KV_FP8=kv_fp8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phaseflip.layout import Layout
+from phaseflip.model.quant import FP8_DTYPE, Fp8Config, scaled_linear
 
 WeightLoader = Callable[..., None]
 
@@ -44,11 +45,14 @@ def use_fused_kernels(x: torch.Tensor) -> bool:
     return HAS_TRITON and x.is_cuda
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, or on CUDA for the few rows of a small decode batch the skinny-GEMM kernel,
     which streams the weight at close to HBM bandwidth where cuBLAS' GEMM tiles do not
-    (`kernels/linear.py`; the row cut-over is measured per shape)."""
+    (`kernels/linear.py`; the row cut-over is measured per shape). An FP8 weight (with its
+    per-row `weight_scale`) runs the scaled FP8 GEMM (`model.quant.fp8`)."""
+    if weight_scale is not None:
+        return scaled_linear(x, weight, weight_scale, bias)
     if use_fused_kernels(x) and x.dim() == 2:
         from phaseflip.kernels.linear import skinny_linear
         from phaseflip.kernels.linear_configs import should_use_skinny
@@ -56,6 +60,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if should_use_skinny(x.shape[0], weight.shape[0], weight.shape[1]):
             return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _weight_params(shape: tuple[int, int], dtype: torch.dtype, quant: Fp8Config | None,
+                   loader: WeightLoader, scale_loader: WeightLoader
+                   ) -> tuple[nn.Parameter, nn.Parameter | None]:
+    """(weight, weight_scale): FP8 [out, in] with float32 per-row scales [out] under `quant`
+    (the scales shard along the rows exactly as the weight does), else (weight in `dtype`,
+    None)."""
+    if quant is None:
+        return _param(shape, dtype, loader), None
+    return _param(shape, FP8_DTYPE, loader), _param(shape[:1], torch.float32, scale_loader)
 
 
 def _dense_rows(*ts: torch.Tensor) -> bool:
@@ -113,14 +128,16 @@ class MergedColumnParallelLinear(nn.Module):
     """
 
     def __init__(
-        self, in_features: int, out_sizes: list[int], bias: bool, layout: Layout, dtype: torch.dtype
+        self, in_features: int, out_sizes: list[int], bias: bool, layout: Layout,
+        dtype: torch.dtype, quant: Fp8Config | None = None,
     ) -> None:
         super().__init__()
         self.layout = layout
         self.shards = [layout.shard(n, "output features") for n in out_sizes]
         self.local_sizes = [e - s for s, e in self.shards]
         total = sum(self.local_sizes)
-        self.weight = _param((total, in_features), dtype, self._load)
+        self.weight, self.weight_scale = _weight_params((total, in_features), dtype, quant,
+                                                        self._load, self._load)
         self.bias = _param((total,), dtype, self._load) if bias else None
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
@@ -132,7 +149,7 @@ class MergedColumnParallelLinear(nn.Module):
         dst.copy_(src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.weight_scale)
 
 
 class QKVParallelLinear(nn.Module):
@@ -148,6 +165,7 @@ class QKVParallelLinear(nn.Module):
         bias: bool,
         layout: Layout,
         dtype: torch.dtype,
+        quant: Fp8Config | None = None,
     ) -> None:
         super().__init__()
         tp = layout.tp_size
@@ -170,7 +188,8 @@ class QKVParallelLinear(nn.Module):
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         total = self.q_size + 2 * self.kv_size
-        self.weight = _param((total, hidden_size), dtype, self._load)
+        self.weight, self.weight_scale = _weight_params((total, hidden_size), dtype, quant,
+                                                        self._load, self._load)
         self.bias = _param((total,), dtype, self._load) if bias else None
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
@@ -182,7 +201,7 @@ class QKVParallelLinear(nn.Module):
         dst.copy_(src)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = linear(x, self.weight, self.bias)
+        qkv = linear(x, self.weight, self.bias, self.weight_scale)
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
@@ -191,20 +210,23 @@ class RowParallelLinear(nn.Module):
     the bias is added once, after the reduction."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, layout: Layout, dtype: torch.dtype
+        self, in_features: int, out_features: int, bias: bool, layout: Layout,
+        dtype: torch.dtype, quant: Fp8Config | None = None,
     ) -> None:
         super().__init__()
         self.layout = layout
         start, end = layout.shard(in_features, "input features")
         self.in_start, self.in_local = start, end - start
-        self.weight = _param((out_features, self.in_local), dtype, self._load)
+        # an FP8 row's scale covers the whole row (quantized before slicing): not sharded
+        self.weight, self.weight_scale = _weight_params(
+            (out_features, self.in_local), dtype, quant, self._load, default_weight_loader)
         self.bias = _param((out_features,), dtype, default_weight_loader) if bias else None
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         default_weight_loader(param, loaded.narrow(1, self.in_start, self.in_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.layout.tp_comm.all_reduce(linear(x, self.weight))
+        y = self.layout.tp_comm.all_reduce(linear(x, self.weight, None, self.weight_scale))
         return y + self.bias if self.bias is not None else y
 
 

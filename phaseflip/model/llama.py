@@ -27,6 +27,7 @@ from phaseflip.model.layers import (
     VocabParallelEmbedding,
     default_weight_loader,
 )
+from phaseflip.model.quant import Fp8Config, convert_checkpoint
 from phaseflip.model.rope import RotaryBatch, RotaryEmbedding
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
@@ -40,15 +41,16 @@ _FUSED = (
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, layout: Layout, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, layout: Layout, dtype: torch.dtype,
+                 quant: Fp8Config | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-            cfg.attention_bias, layout, dtype,
+            cfg.attention_bias, layout, dtype, quant,
         )
         self.o_proj = RowParallelLinear(
-            cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, layout, dtype
+            cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, layout, dtype, quant
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -82,13 +84,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, layout: Layout, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, layout: Layout, dtype: torch.dtype,
+                 quant: Fp8Config | None = None) -> None:
         super().__init__()
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [size, size], False, layout, dtype
+            cfg.hidden_size, [size, size], False, layout, dtype, quant
         )
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, layout, dtype)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, layout, dtype, quant)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,10 +99,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, layout: Layout, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, layout: Layout, dtype: torch.dtype,
+                 quant: Fp8Config | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_id, layout, dtype)
-        self.mlp = MLP(cfg, layout, dtype)
+        self.self_attn = Attention(cfg, layer_id, layout, dtype, quant)
+        self.mlp = MLP(cfg, layout, dtype, quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -115,18 +119,21 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Holds layers [start, end) of the stage; the first stage embeds, the last one norms and
-    projects to logits. Between stages the (hidden, residual) pair is what travels."""
+    projects to logits. Between stages the (hidden, residual) pair is what travels. `quant`:
+    FP8 decoder projections (`model.quant`), loaded from any FP8 or float checkpoint."""
 
-    def __init__(self, cfg: ModelConfig, layout: Layout, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, layout: Layout, dtype: torch.dtype,
+                 quant: Fp8Config | None = None) -> None:
         super().__init__()
-        self.cfg, self.layout = cfg, layout
+        self.cfg, self.layout, self.quant = cfg, layout, quant
         self.start_layer, self.end_layer = layout.layer_range(cfg.num_layers)
         if layout.is_first_stage:
             self.embed_tokens = VocabParallelEmbedding(
                 cfg.vocab_size, cfg.hidden_size, layout, dtype
             )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, layout, dtype) for i in range(self.start_layer, self.end_layer)
+            DecoderLayer(cfg, i, layout, dtype, quant)
+            for i in range(self.start_layer, self.end_layer)
         )
         if layout.is_last_stage:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -163,6 +170,10 @@ class LlamaForCausalLM(nn.Module):
         raises naming any parameter the checkpoint did not provide."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
+        if self.quant is not None:  # any FP8 or float checkpoint -> FP8 weights + row scales
+            weights = convert_checkpoint(weights, self.quant, next(self.parameters()).device,
+                                         keep=lambda n: (t := self._param_name(n)) is not None
+                                         and t[0] in params)
         for name, tensor in weights:
             target = self._param_name(name)
             if target is None:
@@ -180,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
     def _param_name(self, name: str) -> tuple[str, str | int | None] | None:
         if "rotary_emb" in name:
             return None
-        name = name.removeprefix("model.")
+        name = name.removeprefix("model.").replace(".weight_scale_inv", ".weight_scale")
         tied = self.cfg.tie_word_embeddings
         if name == "lm_head.weight" and tied:
             return None

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
+from phaseflip.cache.kv_pool import kv_cache_dtype
 from phaseflip.config import EngineConfig
 from phaseflip.model.config import ModelConfig
-from phaseflip.cache.kv_pool import kv_cache_dtype
 from phaseflip.model.runner import resolve_dtype
 
 PROMOTING, COPYING, LOADED = "promoting", "copying", "loaded"

@@ -1,0 +1,96 @@
+"""FP8 (e4m3) numerics: quantize, dequantize and the scaled GEMM of an FP8 linear layer.
+
+Weights are held as `float8_e4m3fn` with one float32 scale per output channel (row), so
+`W ≈ W_q * scale[:, None]`. Activations are quantized per token (row) at run time, so
+`x ≈ x_q * sx[:, None]`, and a linear is `y = (x_q @ W_q^T) * sx[:, None] * scale[None, :]`.
+
+On CUDA that product is one `torch._scaled_mm` with row-wise scales (cuBLASLt, FP8 tensor
+cores, Hopper and later). Everywhere else — CPU, and shapes or dtypes the CUDA kernel does not
+take — the same product is computed in float32 from the FP8 values (`scaled_linear_ref`): it
+rounds x and W exactly as the GPU path does and differs from it only by accumulation order, so
+it is the oracle the accuracy tests measure.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+_MIN_SCALE = 1e-12  # an all-zero row keeps a finite scale (its values quantize to 0)
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (output-channel) FP8: returns (w_q [R, C] fp8, scale [R] float32)."""
+    wf = w.float()
+    scale = (wf.abs().amax(dim=-1) / FP8_MAX).clamp_min(_MIN_SCALE)
+    q = (wf / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def quantize_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale for the whole tensor (compressed-tensors' "tensor" strategy): (w_q, scale [])."""
+    wf = w.float()
+    scale = (wf.abs().amax() / FP8_MAX).clamp_min(_MIN_SCALE)
+    return (wf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-wise FP8 as the official Qwen3 / DeepSeek FP8 checkpoints store it: one scale per
+    `block[0] x block[1]` tile (edge tiles may be partial). Returns (w_q, scale_inv
+    [ceil(R/b0), ceil(C/b1)]), `scale_inv` being the factor that dequantizes (checkpoint name)."""
+    rows, cols = w.shape
+    b0, b1 = block
+    pr, pc = -rows % b0, -cols % b1
+    wf = torch.nn.functional.pad(w.float(), (0, pc, 0, pr))
+    tiles = wf.view(wf.shape[0] // b0, b0, wf.shape[1] // b1, b1)
+    scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min(_MIN_SCALE)
+    q = (tiles / scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(wf.shape)[:rows, :cols].contiguous(), scale
+
+
+def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
+                      ) -> torch.Tensor:
+    """float32 values of a block-wise FP8 tensor (`quantize_blocks`' inverse up to rounding)."""
+    rows, cols = q.shape
+    s = scale_inv.float().repeat_interleave(block[0], 0)[:rows]
+    s = s.repeat_interleave(block[1], 1)[:, :cols]
+    return q.float() * s
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token activation quantization: (x_q [T, K] fp8, scale [T, 1] float32)."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(_MIN_SCALE)
+    return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def scaled_linear_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The FP8 linear in float32 from the FP8 values (the CPU path and the oracle)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    x_q, sx = quantize_tokens(x2)
+    y = (x_q.float() @ w_q.float().t()) * sx * w_scale.float()[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*shape[:-1], w_q.shape[0])
+
+
+def _scaled_mm_ok(x: torch.Tensor, w_q: torch.Tensor) -> bool:
+    """What cuBLASLt's row-wise FP8 GEMM takes: CUDA, bf16 output, dims multiples of 16."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_scaled_mm")
+            and x.shape[-1] % 16 == 0 and w_q.shape[0] % 16 == 0)
+
+
+def scaled_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T for an FP8 weight (per-row `w_scale`) with per-token dynamic activation
+    scales: `torch._scaled_mm` on CUDA where it applies, else `scaled_linear_ref`."""
+    if not _scaled_mm_ok(x, w_q):
+        return scaled_linear_ref(x, w_q, w_scale, bias)
+    shape = x.shape
+    x_q, sx = quantize_tokens(x.reshape(-1, shape[-1]))
+    y = torch._scaled_mm(x_q, w_q.t(), scale_a=sx, scale_b=w_scale.view(1, -1),
+                         bias=bias, out_dtype=x.dtype)
+    return y.reshape(*shape[:-1], w_q.shape[0])

@@ -1,0 +1,166 @@
+"""FP8 KV cache (`--kv-cache-dtype fp8_e4m3`): the pool stores FP8 with per-(layer, KV head)
+scales, the torch reference reads it back scaled, and the Triton decode / extend kernels
+(interpreter on CPU) match the reference on the same FP8 pool.
+
+The kernel cases reuse test_triton_attention's batches (shuffled slots, random prefixes,
+NaN-filled outputs). Both backends read the SAME FP8 rows, so they must agree as tightly as on
+a float pool (fp32 1e-5, bf16 1e-2); the scales are random per head, so a kernel that ignored
+or misplaced a scale (K into the output, V into the softmax, another head's) fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_interpreter import interpret_without_cuda
+
+interpret_without_cuda()  # before triton is imported
+
+from phaseflip.attention.torch_ref import TorchRefAttention  # noqa: E402
+from phaseflip.cache.kv_pool import KVPool, kv_cache_dtype  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _fp8_pools(num_slots: int, layers: int, kv_heads: int, head_dim: int, n: int,
+               gen: torch.Generator) -> list[KVPool]:
+    """`n` identical FP8 pools: random rows in every slot, random per-head scales."""
+    pools = [KVPool(num_slots, (0, layers), kv_heads, head_dim, FP8, DEVICE) for _ in range(n)]
+    for i in range(layers):
+        ks, vs = torch.rand(2, kv_heads, generator=gen) * 0.5 + 0.05
+        for src, scale in (("k", ks), ("v", vs)):
+            data = (torch.randn(num_slots, kv_heads, head_dim, generator=gen) / scale[:, None])
+            for pool in pools:
+                getattr(pool, src)[i].copy_(data.to(FP8))
+                getattr(pool, f"{src}_scale")[i].copy_(scale)
+    return pools
+
+
+def test_kv_cache_dtype_resolution():
+    assert kv_cache_dtype("auto", torch.bfloat16) is torch.bfloat16
+    assert kv_cache_dtype("fp8_e4m3", torch.bfloat16) is FP8
+    with pytest.raises(ValueError, match="fp8_e4m3"):
+        kv_cache_dtype("int8", torch.bfloat16)
+
+
+def test_fp8_pool_holds_twice_the_tokens_of_bf16():
+    """Same bytes -> 2x the slots (8B shape: 32 layers, 8 KV heads, head_dim 128)."""
+    bf16 = KVPool.bytes_per_slot(32, 8, 128, torch.bfloat16)
+    fp8 = KVPool.bytes_per_slot(32, 8, 128, FP8)
+    assert bf16 == 2 * fp8 == 131072
+    pool = KVPool(64, (0, 2), 2, 16, FP8, "cpu")
+    scale_bytes = pool.k_scale.nbytes + pool.v_scale.nbytes  # per pool, not per slot
+    assert pool.kv.nbytes == 64 * KVPool.bytes_per_slot(2, 2, 16, FP8) and scale_bytes == 32
+
+
+def test_store_quantizes_with_the_heads_scale_and_reads_back():
+    pool = KVPool(16, (3, 5), 2, 8, FP8, "cpu")
+    pool.k_scale[1] = torch.tensor([0.5, 4.0])
+    pool.v_scale[1] = torch.tensor([2.0, 0.25])
+    k = torch.randn(3, 2, 8) * 3
+    v = torch.randn(3, 2, 8)
+    slots = torch.tensor([4, 9, 2])
+    pool.store(4, slots, k, v)
+    assert pool.k[1].dtype == FP8
+    # the stored values are x / scale of their head, rounded to e4m3
+    want_k = (k / pool.k_scale[1][:, None]).to(FP8)
+    assert torch.equal(pool.k[1][slots].float(), want_k.float())
+    kk, vv = pool.dequantized(4, slots)
+    assert torch.allclose(kk, k, rtol=0.07, atol=1e-3)  # e4m3: 3 mantissa bits
+    assert torch.allclose(vv, v, rtol=0.07, atol=1e-3)
+    big = torch.full((1, 2, 8), 1e6)  # saturates at +-448 * scale, never inf/nan
+    pool.store(4, torch.tensor([1]), big, -big)
+    kk, vv = pool.dequantized(4, torch.tensor([1]))
+    assert torch.isfinite(kk).all() and torch.isfinite(vv).all()
+    assert torch.equal(kk[0, 0], torch.full((8,), 448 * 0.5))
+
+
+def test_float_pool_has_no_scales():
+    pool = KVPool(8, (0, 1), 2, 4, torch.bfloat16, "cpu")
+    assert pool.scales(0) is None and pool.k_scale is None
+
+
+def test_reference_attention_reads_fp8_scaled():
+    """The reference on an FP8 pool = the reference on a float pool holding the dequantized
+    rows (so the scale is applied, and per head)."""
+    from test_triton_attention import make_batch
+
+    gen = torch.Generator().manual_seed(3)
+    batch = make_batch([(9, 3), (4, 1)], gen)
+    num_slots = int(batch.kv_indices.max()) + 4
+    (fp8,) = _fp8_pools(num_slots, 1, 2, 16, 1, gen)
+    f32 = KVPool(num_slots, (0, 1), 2, 16, torch.float32, DEVICE)
+    q = torch.randn(batch.num_tokens, 4, 16, generator=gen)
+    k = torch.randn(batch.num_tokens, 2, 16, generator=gen)
+    v = torch.randn(batch.num_tokens, 2, 16, generator=gen)
+    ref = TorchRefAttention()
+    got = ref.forward(0, q, k, v, batch, fp8, 0.25)
+    all_slots = torch.arange(num_slots)
+    kk, vv = fp8.dequantized(0, all_slots)
+    f32.k[0].copy_(kk)
+    f32.v[0].copy_(vv)
+    want = ref.forward(0, q, kk[batch.out_cache_loc], vv[batch.out_cache_loc], batch, f32, 0.25)
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+# ---------------------------------------------------------------- Triton kernels vs reference
+
+triton = pytest.importorskip("triton")
+from phaseflip.attention.triton_backend import TritonAttention  # noqa: E402
+
+BOUND = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def run_fp8_case(seqs, *, dtype=torch.float32, num_kv_heads=2, group=4, head_dim=32,
+                 window=None, backend=None, layers=2, seed=0) -> float:
+    from test_triton_attention import make_batch
+
+    gen = torch.Generator().manual_seed(seed)
+    batch = make_batch(seqs, gen)
+    num_slots = int(batch.kv_indices.max()) + 8
+    pools = _fp8_pools(num_slots, layers, num_kv_heads, head_dim, 2, gen)
+    backend = backend or TritonAttention()
+    ref = TorchRefAttention()
+    worst = 0.0
+    for layer in range(layers):
+        t = batch.num_tokens
+        q = torch.randn(t, num_kv_heads * group, head_dim, generator=gen).to(DEVICE, dtype)
+        k = torch.randn(t, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+        v = torch.randn(t, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+        want = ref.forward(layer, q, k, v, batch, pools[0], head_dim**-0.5, window)
+        out = torch.full_like(want, float("nan"))
+        got = backend.forward(layer, q, k, v, batch, pools[1], head_dim**-0.5, window, out=out)
+        assert torch.isfinite(got).all(), "unwritten or non-finite output rows"
+        assert torch.equal(pools[0].k[layer].float(), pools[1].k[layer].float())
+        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        worst = max(worst, err)
+    assert worst < BOUND[dtype], f"relative error {worst:.3g} >= {BOUND[dtype]}"
+    return worst
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_decode_reads_fp8(dtype):
+    run_fp8_case([(5, 1), (33, 1), (0, 1), (17, 1)], dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_extend_and_mixed_read_fp8(dtype):
+    run_fp8_case([(13, 5), (40, 17), (3, 1), (0, 9)], dtype=dtype)
+
+
+def test_triton_split_k_decode_and_window_read_fp8():
+    run_fp8_case([(70, 1), (37, 1)], backend=TritonAttention(decode_splits=3,
+                                                              decode_min_chunk=16))
+    run_fp8_case([(40, 1), (20, 6)], window=7, group=2)
+
+
+def test_kernels_refuse_fp8_cache_without_scales():
+    from phaseflip.kernels import attention as kernels
+
+    q = torch.randn(1, 2, 16)
+    cache = torch.zeros(4, 1, 16, dtype=FP8)
+    plan = kernels.plan_decode(1, 1, 1, 2, 8)
+    with pytest.raises(ValueError, match="k_scale"):
+        kernels.decode_attention(q, cache, cache, torch.tensor([0, 2]), torch.tensor([1, 2]),
+                                 0.25, plan)
