@@ -220,11 +220,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     _warn_if_cpu(cfg)
-    logging.getLogger("phaseflip.threads").info("%s", plan_for(cfg).describe())
     args.served_model_name = served_model_name(args)
-    if cfg.node_rank > 0:  # another host's ranks: no HTTP, no scheduler
+    if cfg.node_rank > 0:  # another host's ranks: no HTTP, no scheduler, no ready line
         from phaseflip.distributed.rank_set import run_node_workers
 
+        logging.getLogger("phaseflip.threads").info("%s", plan_for(cfg).describe())
         return run_node_workers(cfg)
     return serve(cfg, config_from_args(args, ServerConfig))
 
