@@ -296,7 +296,14 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return (self.scheduler.has_work() or bool(self.outputs.text_pending)
-                or self._inflight is not None)
+                or self._inflight is not None or self._idle_flip_due())
+
+    def _idle_flip_due(self) -> bool:
+        """Under --flip-policy auto, an engine idle in the prefill layout has one step to run
+        once idle a dwell: the policy, asked only at a step, flips it back to the decode
+        layout (else it sat in PP until a request waited out a flip back)."""
+        policy = self.flip_policy
+        return policy is not None and policy.idle_flip_due()
 
     def check_alive(self) -> None:
         """Raises if a worker rank of a multi-rank layout has died (checked when idle)."""
