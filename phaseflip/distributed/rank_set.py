@@ -25,6 +25,7 @@ import torch.distributed as dist
 from phaseflip.cache.hicache.frames import HostFrames
 from phaseflip.config import EngineConfig
 from phaseflip.distributed.group import DistSpec
+from phaseflip.distributed.plan_channel import plan_channel
 from phaseflip.distributed.worker import (
     RELEASE,
     STOP,
@@ -69,6 +70,7 @@ class RankSet:
         try:
             self.rank0 = RankProcess(0, spec, self.run_dir, None, hicache_frames, weight_image,
                                      peers_failed=self.exited_workers)
+            self.plans = plan_channel(0, spec.world_size, spec.ranks_per_node, self.plan_group)
         except BaseException:
             self._terminate()  # none of them may outlive a group that did not form
             shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -84,7 +86,7 @@ class RankSet:
 
     def broadcast(self, msg: object) -> None:
         """One message to every rank (they wait for it without a deadline)."""
-        dist.broadcast_object_list([msg], src=0, group=self.plan_group)
+        self.plans.send(msg)  # shared memory on one node (distributed/plan_channel.py)
 
     def relayout(self, cfg: EngineConfig) -> RankLayout:
         """Every rank drops its layout and builds `cfg`'s; returns rank 0's."""
@@ -169,6 +171,7 @@ class RankSet:
             for w in self.workers:
                 w.join(timeout=10)
         self._terminate()
+        self.plans.close()
         self.tracker.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)
 

@@ -24,6 +24,7 @@ from phaseflip.cache.hicache.frames import HostFrames, page_geometry
 from phaseflip.cache.hicache.transfer import KVTransferEngine, rank_slice
 from phaseflip.config import EngineConfig
 from phaseflip.distributed.group import DistSpec, RankGroups, join, rank_device
+from phaseflip.distributed.plan_channel import plan_channel
 from phaseflip.distributed.plan_codec import PlanDecoder
 from phaseflip.distributed.stage import StageExecutor, StepMessage
 from phaseflip.distributed.watchdog import PositionTracker
@@ -198,12 +199,11 @@ def worker_main(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | Non
     proc = RankProcess(rank, spec, run_dir, parent_pid)
     tracker = proc.tracker
     plans = PlanDecoder()
+    channel = plan_channel(rank, spec.world_size, spec.ranks_per_node, proc.fabric.plan_group)
     try:
         while True:
-            box = [None]
             with tracker.at("waiting for the next message from rank 0"):
-                dist.broadcast_object_list(box, src=0, group=proc.fabric.plan_group)
-            msg = box[0]
+                msg = channel.recv()
             if msg == STOP:
                 break
             if msg == RELEASE:

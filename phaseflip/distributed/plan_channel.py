@@ -1,0 +1,282 @@
+"""How rank 0's messages (plans, HiCache orders, relayouts) reach the other ranks.
+
+The plan used to travel by `dist.broadcast_object_list` on the gloo plan group: a pickle turned
+into a tensor, two broadcasts (its size, then its bytes) over TCP, and an unpickle on every
+rank, on the critical path of every step (CPU, null forward: +0.8 ms a step at tp2, batch 1).
+On one node it now goes through a ring in shared memory (`ShmPlanChannel`): rank 0 pickles the
+message once and copies it into the ring; every other rank copies it out. Multi-node groups
+keep the gloo broadcast (`GlooPlanChannel`), as /dev/shm does not span hosts.
+
+What stays as it was: rank 0 is the only writer and every rank reads every message in order
+(law 1: the plan is data from the one decider; the mirror check of `plan_codec` runs on what
+was read, law 4). A rank waits for the next message without a deadline (an idle server sends
+nothing), yet notices the driver's death at once: it sleeps in a read of its doorbell, a FIFO
+whose only writer is rank 0, so the read ends (end of file) when rank 0's process is gone.
+
+Ring protocol (one writer, R readers, byte offsets that only grow): the writer copies a frame
+(8-byte length, then the pickle) at `head % capacity`, then stores the new `head`; reader i
+copies from its `tail_i` up to `head` and stores its new `tail_i`. The writer never overwrites
+bytes a reader has not passed (it waits for the slowest reader, with a deadline), and a frame
+larger than the ring streams through it in pieces. A reader that finds nothing spins for
+`spin_s`, then sets its `waiting` flag and sleeps on its doorbell; the writer rings the bell
+of every waiting reader after it publishes. Both sides put a full memory fence between their
+store and their load of the other's word (a Dekker handshake), so a reader never sleeps past
+a published message. The fence is an uncontended lock's acquire and release (a locked
+instruction on x86-64, which is also what makes the aligned 8-byte stores atomic here).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import shutil
+import struct
+import tempfile
+import threading
+import time
+from typing import Protocol
+
+import numpy as np
+import torch.distributed as dist
+
+RING_BYTES = 8 << 20  # a decode plan at batch 256 is ~40 KiB; a checked one ~2 MiB at 1k ctx
+SPIN_S = 50e-6  # a reader's busy wait before it sleeps on its doorbell
+FULL_RING_STALL_S = 300.0  # how long rank 0 waits for a reader that does not read
+_LINE = 64  # each reader's words on their own cache line
+_LEN = struct.Struct("<Q")
+
+
+class DriverGoneError(RuntimeError):
+    """Rank 0 closed the plan channel (its process ended) while this rank waited on it."""
+
+
+class PlanChannel(Protocol):
+    """Rank 0 sends; every other rank receives every message, in order."""
+
+    def send(self, msg: object) -> None: ...
+
+    def recv(self) -> object: ...
+
+    def close(self) -> None: ...
+
+
+def plan_channel(rank: int, world_size: int, ranks_per_node: int,
+                 group: dist.ProcessGroup) -> PlanChannel:
+    """The channel for this group: shared memory when every rank is on this node, else the
+    gloo broadcast on `group` (the plan group, which has no deadline). Nothing is exchanged
+    before the first message."""
+    if world_size == ranks_per_node:
+        return ShmPlanChannel(rank, world_size, group)
+    return GlooPlanChannel(group)
+
+
+class GlooPlanChannel:
+    """The broadcast on the plan group (multi-node groups)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def send(self, msg: object) -> None:
+        dist.broadcast_object_list([msg], src=0, group=self.group)
+
+    def recv(self) -> object:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def close(self) -> None:
+        pass
+
+
+class ShmPlanChannel:
+    """The ring in shared memory, set up at the first message: rank 0 makes the ring file and
+    one doorbell FIFO per reader in a private /dev/shm directory, sends its path over the plan
+    group, waits for every rank to open them (a barrier) and unlinks them, so nothing is left
+    on the file system even if a process is killed later."""
+
+    def __init__(self, rank: int, world_size: int, group: dist.ProcessGroup,
+                 capacity: int = RING_BYTES, spin_s: float = SPIN_S,
+                 full_stall_s: float = FULL_RING_STALL_S) -> None:
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.capacity, self.spin_s, self.full_stall_s = capacity, spin_s, full_stall_s
+        self.ring: ShmRing | None = None
+
+    def send(self, msg: object) -> None:
+        if self.ring is None:
+            self.ring = self._create()
+        self.ring.write(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def recv(self) -> object:
+        if self.ring is None:
+            self.ring = self._attach()
+        return pickle.loads(self.ring.read())
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+
+    def _create(self) -> ShmRing:
+        where = tempfile.mkdtemp(prefix="phaseflip-plans-", dir=_shm_dir())
+        try:
+            readers = self.world_size - 1
+            ring = ShmRing.create(where, readers, self.capacity, self.full_stall_s)
+            dist.broadcast_object_list([(where, readers, self.capacity)], src=0,
+                                       group=self.group)
+            dist.barrier(group=self.group)  # every reader has opened the ring and its bell
+        finally:
+            shutil.rmtree(where, ignore_errors=True)
+        return ring
+
+    def _attach(self) -> ShmRing:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.group)  # no deadline: may be idle
+        where, readers, capacity = box[0]
+        ring = ShmRing.attach(where, self.rank - 1, readers, capacity, self.spin_s)
+        dist.barrier(group=self.group)
+        return ring
+
+
+def _shm_dir() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
+class ShmRing:
+    """The ring's memory and one side of it: the writer (reader=None) or reader `reader`.
+
+    Control words (uint64, each side's on its own cache line): word 0 is `head` (bytes
+    published); reader i's line holds `tail_i` (bytes it consumed) and `waiting_i`."""
+
+    def __init__(self, path: str, readers: int, reader: int | None, bells: list[int],
+                 capacity: int, spin_s: float = SPIN_S,
+                 full_stall_s: float = FULL_RING_STALL_S) -> None:
+        self.readers, self.reader, self.bells = readers, reader, bells
+        self.capacity, self.spin_s, self.full_stall_s = capacity, spin_s, full_stall_s
+        header = _header_bytes(readers)
+        with open(path, "r+b") as f:
+            self.mm = mmap.mmap(f.fileno(), header + capacity)
+        self.ctl = np.frombuffer(self.mm, dtype=np.uint64, count=header // 8)
+        self.data = memoryview(self.mm)[header:]
+        self._fence_lock = threading.Lock()
+        self.pos = 0  # the writer's unpublished head, or this reader's tail
+        self.head_seen = 0  # a reader's last read of `head`
+
+    @classmethod
+    def create(cls, where: str, readers: int, capacity: int,
+               full_stall_s: float = FULL_RING_STALL_S) -> ShmRing:
+        path = os.path.join(where, "ring")
+        with open(path, "wb") as f:
+            f.truncate(_header_bytes(readers) + capacity)
+        bells = []
+        for i in range(readers):
+            bell = os.path.join(where, f"bell{i}")
+            os.mkfifo(bell, 0o600)
+            # read-write: opening never blocks, and this process stays the FIFO's writer
+            bells.append(os.open(bell, os.O_RDWR | os.O_NONBLOCK))
+        return cls(path, readers, None, bells, capacity, full_stall_s=full_stall_s)
+
+    @classmethod
+    def attach(cls, where: str, reader: int, readers: int, capacity: int,
+               spin_s: float = SPIN_S) -> ShmRing:
+        # read only: when rank 0's process ends, the bell has no writer and a read ends
+        bell = os.open(os.path.join(where, f"bell{reader}"), os.O_RDONLY)
+        return cls(os.path.join(where, "ring"), readers, reader, [bell], capacity, spin_s)
+
+    def fence(self) -> None:
+        with self._fence_lock:
+            pass
+
+    # ---------------------------------------------------------------- the writer
+    def write(self, payload: bytes) -> None:
+        """Copies one frame in and publishes it (waiting only if the ring is full)."""
+        self._copy_in(_LEN.pack(len(payload)))
+        self._copy_in(payload)
+        self._publish()
+
+    def _copy_in(self, buf: bytes) -> None:
+        mv, off, cap = memoryview(buf), 0, self.capacity
+        while off < len(mv):
+            free = cap - (self.pos - self._slowest_tail())
+            if free == 0:
+                self._publish()  # let the readers drain what is written so far
+                self._wait_for_space()
+                continue
+            at = self.pos % cap
+            k = min(free, len(mv) - off, cap - at)
+            self.data[at : at + k] = mv[off : off + k]
+            self.pos += k
+            off += k
+
+    def _slowest_tail(self) -> int:
+        return int(min(self.ctl[_LINE // 8 * (i + 1)] for i in range(self.readers)))
+
+    def _publish(self) -> None:
+        self.ctl[0] = self.pos
+        self.fence()  # the head store before the loads of the waiting flags
+        for i in range(self.readers):
+            if self.ctl[_LINE // 8 * (i + 1) + 1]:
+                try:
+                    os.write(self.bells[i], b"\x01")
+                except BlockingIOError:  # its pipe is full of rings: it is awake anyway
+                    pass
+
+    def _wait_for_space(self) -> None:
+        deadline, nap = time.monotonic() + self.full_stall_s, 20e-6
+        while self.capacity - (self.pos - self._slowest_tail()) == 0:
+            if time.monotonic() > deadline:
+                behind = [i + 1 for i in range(self.readers)
+                          if int(self.ctl[_LINE // 8 * (i + 1)]) < self.pos - self.capacity + 1]
+                raise TimeoutError(f"the plan channel is full: rank(s) {behind} read nothing "
+                                   f"for {self.full_stall_s:g} s")
+            time.sleep(nap)
+            nap = min(2 * nap, 1e-3)
+
+    # ---------------------------------------------------------------- a reader
+    def read(self) -> bytearray:
+        """The next frame's payload (waits for it without a deadline)."""
+        (n,) = _LEN.unpack(self._copy_out(_LEN.size))
+        return self._copy_out(n)
+
+    def _copy_out(self, n: int) -> bytearray:
+        out, off, cap = bytearray(n), 0, self.capacity
+        tail_word = _LINE // 8 * (self.reader + 1)
+        while off < n:
+            if self.head_seen == self.pos:
+                self._wait_for_data()
+            at = self.pos % cap
+            k = min(self.head_seen - self.pos, n - off, cap - at)
+            out[off : off + k] = self.data[at : at + k]
+            self.pos += k
+            off += k
+            self.ctl[tail_word] = self.pos  # free it at once: a large frame streams through
+        return out
+
+    def _wait_for_data(self) -> None:
+        waiting = _LINE // 8 * (self.reader + 1) + 1
+        spin_end = time.perf_counter() + self.spin_s
+        while True:
+            head = int(self.ctl[0])
+            if head > self.pos:
+                self.head_seen = head
+                return
+            if time.perf_counter() < spin_end:
+                continue
+            self.ctl[waiting] = 1
+            self.fence()  # the flag store before the head load
+            head = int(self.ctl[0])
+            if head <= self.pos and not os.read(self.bells[0], 4096):
+                raise DriverGoneError("rank 0 closed the plan channel: the driver is gone")
+            self.ctl[waiting] = 0
+
+    def close(self) -> None:
+        for fd in self.bells:
+            os.close(fd)
+        self.bells = []
+        del self.ctl
+        self.data.release()
+        self.mm.close()
+
+
+def _header_bytes(readers: int) -> int:
+    return -(-_LINE * (readers + 1) // 4096) * 4096  # page-aligned data

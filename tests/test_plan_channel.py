@@ -1,0 +1,159 @@
+"""The shared-memory plan channel between real processes (gloo for the handshake): every rank
+gets every message in order whatever its size, waits without a deadline when rank 0 is idle,
+notices rank 0's death at once, and a reader that stops reading is a named error, not a hang.
+
+Every test runs under a deadline: a lost wake-up fails instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from phaseflip.distributed.plan_channel import (
+    GlooPlanChannel,
+    ShmPlanChannel,
+    plan_channel,
+)
+
+pytestmark = pytest.mark.timeout(120, method="thread")
+GROUP_TIMEOUT_S = 1.0  # the idle test waits past it
+
+
+def _messages() -> list[object]:
+    big = np.arange(10_000, dtype=np.int64)  # 80 KB: streams through a 4 KiB ring
+    return ([{"step": i, "ids": list(range(i % 7))} for i in range(300)]
+            + [big, "x" * 5000, ("relayout", 2, 1)])
+
+
+def _rank_main(rank: int, world: int, port: int, scenario: str, out) -> None:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    group = dist.new_group(backend="gloo",
+                           timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    spin = 0.0 if rank == 1 else 50e-6  # rank 1 always sleeps on its doorbell
+    chan = ShmPlanChannel(rank, world, group, capacity=4096, spin_s=spin, full_stall_s=1.0)
+    try:
+        globals()[f"_{scenario}"](rank, chan, out)
+    except Exception as e:  # noqa: BLE001 — the test inspects it
+        out.put((rank, "error", f"{type(e).__name__}: {e}"))
+    out.put((rank, "done", None))
+    out.close()
+    out.join_thread()  # flushed before the exit below
+    os._exit(0)  # no teardown: a killed peer must not hang it
+
+
+def _order(rank: int, chan: ShmPlanChannel, out) -> None:
+    msgs = _messages()
+    if rank == 0:
+        for m in msgs[:-1]:
+            chan.send(m)
+        time.sleep(3 * GROUP_TIMEOUT_S)  # idle: the readers wait past the group timeout
+        chan.send(msgs[-1])
+        out.put((rank, "dir", sorted(os.listdir("/dev/shm"))))
+        return
+    got = [chan.recv() for _ in msgs]
+    same = all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
+               for a, b in zip(got, msgs))
+    out.put((rank, "same", same))
+
+
+def _death(rank: int, chan: ShmPlanChannel, out) -> None:
+    if rank == 0:
+        chan.send("hello")
+        time.sleep(60)  # killed by the test
+        return
+    out.put((rank, "first", chan.recv()))
+    chan.recv()  # rank 0 is killed while this rank waits
+
+
+def _full(rank: int, chan: ShmPlanChannel, out) -> None:
+    if rank == 0:
+        for _ in range(4):
+            chan.send(b"y" * 3000)
+        return
+    chan.recv()
+    time.sleep(10)  # reads nothing more
+
+
+def _spawn(world: int, scenario: str):
+    from phaseflip.distributed.group import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, scenario, out), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    return procs, out
+
+
+def _collect(out, want: int, timeout_s: float = 60) -> list[tuple]:
+    got, end = [], time.monotonic() + timeout_s
+    while len([g for g in got if g[1] == "done"]) < want:
+        try:
+            got.append(out.get(timeout=max(0.1, end - time.monotonic())))
+        except queue.Empty:
+            pytest.fail(f"ranks did not finish: {got}")
+    return got
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(timeout=5)
+
+
+def test_every_rank_gets_every_message_in_order_and_waits_when_idle():
+    procs, out = _spawn(3, "order")
+    try:
+        got = _collect(out, 3)
+    finally:
+        _stop(procs)
+    assert not [g for g in got if g[1] == "error"], got
+    assert sorted(g[0] for g in got if g[1] == "same" and g[2]) == [1, 2]
+    left = next(g[2] for g in got if g[1] == "dir")
+    assert not [n for n in left if n.startswith("phaseflip-plans-")], left  # unlinked
+
+
+def test_a_waiting_rank_notices_rank_0_dying_at_once():
+    procs, out = _spawn(2, "death")
+    try:
+        first = out.get(timeout=60)
+        assert first == (1, "first", "hello")
+        time.sleep(0.5)  # rank 1 is asleep on its doorbell now
+        os.kill(procs[0].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        err = out.get(timeout=30)
+        assert time.monotonic() - killed < 5
+    finally:
+        _stop(procs)
+    assert err[:2] == (1, "error") and "DriverGoneError" in err[2], err
+
+
+def test_a_reader_that_stops_reading_is_a_named_error():
+    procs, out = _spawn(2, "full")
+    try:
+        got = _collect(out, 1)
+    finally:
+        _stop(procs)
+    errors = [g for g in got if g[1] == "error"]
+    assert errors and errors[0][0] == 0 and "rank(s) [1] read nothing" in errors[0][2], got
+
+
+def test_multi_node_groups_keep_the_gloo_broadcast():
+    assert isinstance(plan_channel(0, 4, 2, None), GlooPlanChannel)
+    assert isinstance(plan_channel(0, 2, 2, None), ShmPlanChannel)
