@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 FP8_KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -31,7 +32,7 @@ def kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    return dtype in FP8_DTYPES
 
 
 class KVPool:
@@ -72,8 +73,12 @@ class KVPool:
 
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         i = layer_id - self.start_layer
-        if self.k_scale is not None:
-            k, v = self._quantize(k, self.k_scale[i]), self._quantize(v, self.v_scale[i])
+        if self.k_scale is not None:  # written as bytes: index_put has no FP8 kernel on CPU
+            self.k[i].view(torch.uint8)[slots] = self._quantize(k, self.k_scale[i]).view(
+                torch.uint8)
+            self.v[i].view(torch.uint8)[slots] = self._quantize(v, self.v_scale[i]).view(
+                torch.uint8)
+            return
         self.k[i][slots] = k.to(self.dtype)
         self.v[i][slots] = v.to(self.dtype)
 

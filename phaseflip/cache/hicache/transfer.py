@@ -29,7 +29,7 @@ import torch
 
 from phaseflip.cache.hicache.frames import HostFrames
 from phaseflip.cache.hicache.page import PageGeometry, checked_range, payload_tensor
-from phaseflip.cache.kv_pool import KVPool
+from phaseflip.cache.kv_pool import FP8_DTYPES, KVPool
 from phaseflip.layout import Layout
 
 
@@ -85,12 +85,17 @@ class PoolPages:
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
         stacked = getattr(pool, "kv", None)
+        # an FP8 pool is indexed as its bytes (torch has no FP8 index_copy on CPU)
+        self.fp8 = None
+        if isinstance(stacked, torch.Tensor) and stacked.dtype in FP8_DTYPES:
+            self.fp8, stacked = stacked.dtype, stacked.view(torch.uint8)
         # one indexed op per direction over the stacked buffer; per layer otherwise
         self.kv_t = stacked.transpose(2, 3) if isinstance(stacked, torch.Tensor) else None
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         if self.kv_t is not None:
-            return torch.index_select(self.kv_t, 3, slots)
+            out = torch.index_select(self.kv_t, 3, slots)
+            return out if self.fp8 is None else out.view(self.fp8)
         return torch.stack([
             torch.stack((k.index_select(0, slots).transpose(0, 1),
                          v.index_select(0, slots).transpose(0, 1)))
@@ -98,6 +103,9 @@ class PoolPages:
         ])
 
     def scatter(self, slots: torch.Tensor, src: torch.Tensor) -> None:
+        if self.fp8 is not None:
+            self.kv_t.index_copy_(3, slots, src.to(self.fp8).view(torch.uint8))
+            return
         if self.kv_t is not None:
             self.kv_t.index_copy_(3, slots, src.to(self.kv_t.dtype))
             return
