@@ -32,6 +32,7 @@ from phaseflip.distributed.worker import (
     RankLayout,
     RankProcess,
     Relayout,
+    allocator_for_flips,
     worker_main,
 )
 from phaseflip.model.weight_image import WeightImage
@@ -67,6 +68,7 @@ class RankSet:
         ]
         for w in self.workers:
             w.start()
+        allocator_for_flips(cfg)
         try:
             self.rank0 = RankProcess(0, spec, self.run_dir, None, hicache_frames, weight_image,
                                      peers_failed=self.exited_workers)
