@@ -261,3 +261,37 @@ def test_engine_runs_fp8_checkpoints_close_to_float(make_engine, fp8_dirs):
         lp, _ = _logprobs(make_engine(path))
         diffs = [abs(a - b) for r1, r2 in zip(lp_ref, lp) for a, b in zip(r1, r2)]
         assert 0 < sum(diffs) / len(diffs) < 0.06, fmt
+
+
+def test_pp2_matches_one_process_exactly(make_engine):
+    """Pipeline stages hold whole rows, so FP8 under pp2 computes one process's numbers: each
+    stage converts only its own layers' tensors (the loader's stage filter) and finds them
+    all (the completeness check)."""
+    lp1, tok1 = _logprobs(make_engine(EMBEDDED_MODEL, quantization="fp8"))
+    lp2, tok2 = _logprobs(make_engine(EMBEDDED_MODEL, quantization="fp8", pp_size=2,
+                                      dist_timeout_s=60))
+    assert tok1 == tok2
+    assert max(abs(a - b) for r1, r2 in zip(lp1, lp2) for a, b in zip(r1, r2)) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["block", "compressed-tensors-tensor"])
+def test_host_weight_image_of_an_fp8_checkpoint(fmt, fp8_dirs, tmp_path):
+    """A flip's ranks load from the host image of the checkpoint as stored (FP8 tensors and
+    their scales, weight_scale_inv included): the same parameters as from disk, for each TP
+    rank's shard."""
+    from phaseflip.model.weight_image import WeightImage, load_model_weights
+
+    path = fp8_dirs[fmt]
+    quant = resolve_quantization(None, path)
+    image = WeightImage.build(path, tmp_path / "image", register=False)
+    try:
+        for rank in range(2):
+            disk = _model(path, quant, Layout(rank, 2))
+            cfg = ModelConfig.from_dir(path)
+            model = LlamaForCausalLM(cfg, Layout(rank, 2), torch.float32, quant)
+            load_model_weights(model, EngineConfig(model=str(path), device="cpu"), str(path),
+                               torch.device("cpu"), image)
+            for (n, a), (_, b) in zip(disk.named_parameters(), model.named_parameters()):
+                assert torch.equal(a.float(), b.float()), n
+    finally:
+        image.close()

@@ -5,7 +5,8 @@ Weights are held as `float8_e4m3fn` with one float32 scale per output channel (r
 `x ≈ x_q * sx[:, None]`, and a linear is `y = (x_q @ W_q^T) * sx[:, None] * scale[None, :]`.
 
 On CUDA that product is one `torch._scaled_mm` with row-wise scales (cuBLASLt, FP8 tensor
-cores, Hopper and later). Everywhere else — CPU, and shapes or dtypes the CUDA kernel does not
+cores, Hopper and later; not run on a GPU in this repository's CI: the H200 numbers are
+unmeasured). Everywhere else — CPU, and shapes or dtypes the CUDA kernel does not
 take — the same product is computed in float32 from the FP8 values (`scaled_linear_ref`): it
 rounds x and W exactly as the GPU path does and differs from it only by accumulation order, so
 it is the oracle the accuracy tests measure.
@@ -78,19 +79,29 @@ def scaled_linear_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
 
 
 def _scaled_mm_ok(x: torch.Tensor, w_q: torch.Tensor) -> bool:
-    """What cuBLASLt's row-wise FP8 GEMM takes: CUDA, bf16 output, dims multiples of 16."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_scaled_mm")
-            and x.shape[-1] % 16 == 0 and w_q.shape[0] % 16 == 0)
+    """What cuBLASLt's row-wise FP8 GEMM takes: a Hopper-or-later GPU (sm_90+), K and N
+    multiples of 16 (M is free: decode batches of any size qualify)."""
+    return (x.is_cuda and hasattr(torch, "_scaled_mm") and x.shape[-1] % 16 == 0
+            and w_q.shape[0] % 16 == 0
+            and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
 def scaled_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T for an FP8 weight (per-row `w_scale`) with per-token dynamic activation
-    scales: `torch._scaled_mm` on CUDA where it applies, else `scaled_linear_ref`."""
+    scales: `torch._scaled_mm` on CUDA where it applies, else `scaled_linear_ref`.
+
+    Row-wise scaling produces bf16 only: fp16/fp32 models get the bf16 product cast to their
+    dtype (its 8 bits of mantissa are not what limits an FP8 GEMM). The bias is added after
+    the GEMM. Every op is capturable in a CUDA graph (no host sync, static shapes)."""
     if not _scaled_mm_ok(x, w_q):
         return scaled_linear_ref(x, w_q, w_scale, bias)
     shape = x.shape
     x_q, sx = quantize_tokens(x.reshape(-1, shape[-1]))
     y = torch._scaled_mm(x_q, w_q.t(), scale_a=sx, scale_b=w_scale.view(1, -1),
-                         bias=bias, out_dtype=x.dtype)
+                         out_dtype=torch.bfloat16)
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
+    if bias is not None:
+        y = y + bias
     return y.reshape(*shape[:-1], w_q.shape[0])
