@@ -125,10 +125,9 @@ class DistributedRunner:
         return self.hicache_channel
 
     def forward(self, plan: ForwardBatch, future: torch.Tensor | None = None) -> torch.Tensor:
-        """The `Runner` forward; `future` (an overlapped step's tokens) is one process's only."""
-        if future is not None:
-            raise ValueError("overlapped steps (future tokens) run in one process only")
-        logits = self._send(plan, fence=False)
+        """The `Runner` forward. `future`: a run-ahead step's previous sampled tokens, on rank
+        0's device, which the plan's placeholders name (`StepMessage.future_len`)."""
+        logits = self._send(plan, fence=False, future=future)
         if self.hicache_channel is not None:
             self.hicache_channel.completed = self.step_no - 1
         return logits.to(self.runner.device)
@@ -139,16 +138,19 @@ class DistributedRunner:
         if self.hicache_channel is not None:
             self.hicache_channel.completed = self.step_no
 
-    def _send(self, plan: ForwardBatch | None, fence: bool) -> torch.Tensor | None:
+    def _send(self, plan: ForwardBatch | None, fence: bool,
+              future: torch.Tensor | None = None) -> torch.Tensor | None:
         self.step_no += 1
         tracker = self.stage.tracker
         channel = self.hicache_channel
-        msg = StepMessage(self.step_no, plan, channel.take() if channel else None, fence)
+        n_future = 0 if future is None or plan is None else int(future.numel())
+        msg = StepMessage(self.step_no, plan, channel.take() if channel else None, fence,
+                          n_future)
         wire = dataclasses.replace(msg, plan=self.encoder.encode(plan)) if plan else msg
         try:
             with tracker.at("broadcasting the plan", self.step_no):
                 self.ranks.broadcast(wire)
-            return self.stage.run(msg)
+            return self.stage.run(msg, future if n_future else None)
         except Exception as e:
             err = self.ranks.stall_error(e)
             self.close(graceful=False)

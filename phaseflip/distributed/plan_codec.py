@@ -70,11 +70,12 @@ class PlanEncoder:
         take = _ranges(indptr[:-1] + starts, indptr[1:])
         delta = PlanDelta(seq_lens, reset, starts, kv[take],
                           kv.copy() if self.check else None)
-        # numpy on the wire: a torch tensor pickles ~10x slower than an array
+        # numpy on the wire: a torch tensor pickles ~10x slower than an array. A run-ahead
+        # plan's placeholders travel with where they are (future_pos/rows): stage 0's TP ranks
+        # fill them from the tokens rank 0 shares (`StageExecutor.run`)
         arrays = {f: getattr(plan, f).numpy() for f in TENSOR_FIELDS}
-        # placeholders never reach other ranks (multi-rank layouts do not run ahead)
         return dataclasses.replace(plan, **arrays, kv_indices=np.empty(0, dtype=np.int64),
-                                   delta=delta, future_pos=None, future_rows=None)
+                                   delta=delta)
 
 
 class PlanDecoder:

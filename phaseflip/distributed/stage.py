@@ -31,12 +31,17 @@ from phaseflip.model.runner import ModelRunner
 class StepMessage:
     """What rank 0 broadcasts for one step: the forward plan (None for a transfer-only fence),
     the HiCache transfer orders every rank executes first, and whether to fence (every rank
-    waits for all its copies, then all ranks meet in a barrier)."""
+    waits for all its copies, then all ranks meet in a barrier). `future_len`: a run-ahead
+    step's plan names the previous step's sampled tokens by placeholder (`ForwardBatch`
+    `future_pos`/`future_rows`); those `future_len` tokens are on rank 0's device only, and
+    reach the other TP ranks of stage 0 by a broadcast on their TP group (`StageExecutor.run`).
+    Later stages need no token ids."""
 
     step: int
     plan: ForwardBatch | None
     transfers: TransferOrders | None = None
     fence: bool = False
+    future_len: int = 0
 
 
 # Benchmarks only (`benchmarks/bench_host_step.py`): set in the environment of the engine
@@ -87,18 +92,21 @@ class StageExecutor:
         # what runs this rank's layers: the model, or nothing at all (benchmarks)
         self.model = NullStage(runner) if os.environ.get(NULL_FORWARD_ENV) else runner
 
-    def run(self, msg: StepMessage) -> torch.Tensor | None:
+    def run(self, msg: StepMessage, future: torch.Tensor | None = None) -> torch.Tensor | None:
         """Executes one message. The forward of message m starts only after this rank's copies
         of messages < m (a load of m-1 is read by m at the earliest; a store's slots may be
         reused from m+1 on). The copies of m itself overlap m's forward: they touch no slot the
-        forward reads or writes, which the driver guarantees."""
+        forward reads or writes, which the driver guarantees. `future`: rank 0's previous
+        sampled tokens, for a run-ahead step (`msg.future_len` of them)."""
         xfer = self.transfers
         if xfer is not None:
             if msg.plan is not None:
                 xfer.order_before_forward()
             if msg.transfers:
                 xfer.execute(msg.transfers)
-        out = self.execute(msg.step, msg.plan) if msg.plan is not None else None
+        if msg.future_len and self.first:
+            future = self._share_future(msg, future)
+        out = self.execute(msg.step, msg.plan, future) if msg.plan is not None else None
         if msg.fence:
             with self.tracker.at("HiCache fence: waiting for copies and every rank", msg.step):
                 if xfer is not None:
@@ -132,12 +140,30 @@ class StageExecutor:
         parts = tokens // self.runner.cfg.pp_min_micro_batch_tokens
         return plan.split(min(max(parts, p), 4 * p))
 
-    def execute(self, step: int, plan: ForwardBatch) -> torch.Tensor | None:
-        """Runs the plan; returns the float32 logits on the driver, None elsewhere."""
+    def _share_future(self, msg: StepMessage, future: torch.Tensor | None) -> torch.Tensor:
+        """Stage 0's TP ranks all get rank 0's `future` tokens (one small broadcast on their
+        TP group, before any all-reduce of the step: every one of them makes it here)."""
+        if self.spec.tp_size == 1:
+            return future
+        device = "cpu" if self.staged else self.runner.device
+        if self.groups.rank == 0:
+            buf = future.to(device, torch.int64).contiguous()
+        else:
+            buf = torch.empty(msg.future_len, dtype=torch.int64, device=device)
+        with self.tracker.at("share the run-ahead tokens of stage 0", msg.step):
+            dist.broadcast(buf, src=0, group=self.groups.tp_group)
+        return buf.to(self.runner.device)
+
+    def execute(self, step: int, plan: ForwardBatch,
+                future: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Runs the plan; returns the float32 logits on the driver, None elsewhere. `future`
+        (stage 0 of a run-ahead step): the tokens the plan's placeholders name."""
         tr, runner = self.tracker, self.runner
         pending, logits = [], []
         for i, mb in enumerate(self.micro_batches(plan)):
             hidden = residual = None
+            if future is not None:  # placeholders filled on the device, no host read
+                mb = mb.to(runner.device).with_future_tokens(future)
             if not self.first:
                 src = self.groups.stage_rank(self.groups.pp_rank - 1)
                 with tr.at(f"recv hidden of micro-batch {i} from rank {src}", step):

@@ -380,7 +380,7 @@ class EngineCore:
         self.sampling.prompt_logprobs(batch, logits)
         sampled = self.sampling.sample(batch, logits)
         self.scheduler.advance(batch)
-        if self.flip_telemetry is not None:  # (flips need HiCache: never a step ahead)
+        if self.flip_telemetry is not None:
             self.flip_telemetry.on_items(batch.items)
         return deltas + self.outputs.process(batch.items, sampled)
 
@@ -394,8 +394,9 @@ class EngineCore:
 
     # ------------------------------------------------------------------ overlapped steps
     def _can_step_ahead(self) -> bool:
-        cfg = self.cfg
-        if not cfg.overlap_schedule or cfg.world_size > 1 or self.hicache is not None:
+        # every layout runs ahead (a TP/PP runner shares the placeholders' tokens among its
+        # ranks), HiCache too: its copies are ordered by the messages, not by the host's sync
+        if not self.cfg.overlap_schedule:
             return False
         sched = self.scheduler
         return (all(r.overlappable for r in sched.running)
@@ -415,6 +416,8 @@ class EngineCore:
             if batch is not None:
                 logits = self.runner.forward(batch.plan, prev.tokens if prev else None)
                 self.scheduler.advance(batch)
+                if self.flip_telemetry is not None:
+                    self.flip_telemetry.on_items(batch.items)
         finally:
             if prev is not None:
                 self.outputs.take_tokens(prev)
