@@ -377,6 +377,33 @@ def test_queue_bound_counts_prompts_times_n(tmp_path):
     run(go())
 
 
+def test_queue_bound_holds_for_a_concurrent_burst(tmp_path):
+    """Requests arriving together are counted from admission, not from the engine's first
+    sight of them: with a bound of 2 a burst of 8 runs 2 (all 8 ran before: each passed the
+    check while the others were still on their way to the engine). Streams and clients that
+    left give their sequences back when their answer ends."""
+    from phaseflip.server.context import ServerConfig
+
+    async def go():
+        cfg = ServerConfig(max_queued_requests=2)
+        async with fake_server(tmp_path, cfg) as (ctx, app, engine), asgi(app) as c:
+            body = {"model": "tiny", "max_tokens": 20}
+            burst = await asyncio.gather(*(
+                c.post("/v1/completions", json=body | {"prompt": f"p{i}", "stream": i % 2 == 1})
+                for i in range(8)))
+            codes = sorted(r.status_code for r in burst)
+            assert codes == [200, 200] + [503] * 6, codes
+            assert len(engine.added) == 2 and ctx.admitted == 0
+            await call_and_hang_up(app, "/v1/completions", body | {"prompt": "x",
+                                                                   "max_tokens": 1000}, 0.3)
+            assert ctx.admitted == 0
+            again = await asyncio.gather(*(c.post("/v1/completions", json=body | {
+                "prompt": f"q{i}"}) for i in range(2)))
+            assert [r.status_code for r in again] == [200, 200]
+
+    run(go())
+
+
 # ------------------------------------------------------------------ 3: a real `phaseflip serve`
 def test_sigterm_on_a_real_server_mid_stream():
     """Streams cut by the drain end with an error event and [DONE], a non-streaming call gets a

@@ -33,16 +33,18 @@ class UnknownModelError(Exception):
 
 
 @dataclass
-class RequestTally:
-    """The tokens of one HTTP request's engine requests, for the request log."""
+class RequestRecord:
+    """One HTTP request as the gate follows it: the sequences it was admitted with (given
+    back when its answer ends, however it ends) and its tokens, for the request log."""
 
+    admitted: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
 
-CURRENT_REQUEST: ContextVar[RequestTally | None] = ContextVar("phaseflip_request", default=None)
-"""The tally of the HTTP request being served (set by the gate with --log-requests; the tasks
-a handler starts inherit it)."""
+CURRENT_REQUEST: ContextVar[RequestRecord | None] = ContextVar("phaseflip_request", default=None)
+"""The record of the HTTP request being served (set by the gate; the tasks a handler starts
+inherit it)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,10 @@ class ServerContext:
     # after the caller stopped waiting: 504, a client gone); the engine's own word on seams,
     # manual or automatic, is `engine.state.flipping_to`
     flipping_to: str | None = None
+    # sequences admitted by HTTP requests whose answer has not ended (the gate gives them
+    # back): counted from admission on, not from the engine's first sight of the request,
+    # so that concurrent requests cannot all pass the bound before any of them is running
+    admitted: int = 0
     shutting_down: str | None = None  # why new work is refused, once a shutdown began
     # tokenising a long prompt takes seconds: off the event loop, one at a time (the fast
     # tokenizer's Rust object is not safe to share between concurrent encodes)
@@ -161,11 +167,14 @@ class ServerContext:
             raise InvalidRequestError(
                 f"this request runs {width} sequences (prompts x n); this server takes at most "
                 f"{bound} at a time (--max-queued-requests)", "prompt")
-        busy = sum(self.engine.state.widths.values())
+        busy = max(self.admitted, sum(self.engine.state.widths.values()))
         if busy + width > bound:
             raise OverloadedError(
                 f"the server has {busy} sequences in flight and this request adds {width} "
                 f"(bound {bound}); retry later")
+        if (record := CURRENT_REQUEST.get()) is not None:  # (no gate: a direct call, tests)
+            record.admitted += width
+            self.admitted += width
 
     @cached_property
     def token_text(self) -> TokenText:
@@ -238,9 +247,9 @@ class ServerContext:
                     self.metrics.e2e.observe(now - start)
                     self.metrics.observe_usage(d.usage.prompt_tokens, d.usage.cached_tokens,
                                                d.usage.completion_tokens)
-                    if (tally := CURRENT_REQUEST.get()) is not None:
-                        tally.prompt_tokens += d.usage.prompt_tokens
-                        tally.completion_tokens += d.usage.completion_tokens
+                    if (record := CURRENT_REQUEST.get()) is not None:
+                        record.prompt_tokens += d.usage.prompt_tokens
+                        record.completion_tokens += d.usage.completion_tokens
                 yield d
         except ShutdownError:
             self.metrics.requests.labels("abort").inc(params.n - len(finished))

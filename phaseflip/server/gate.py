@@ -1,5 +1,6 @@
-"""The front door: request ids, the API key, readiness/shutdown refusals, the body limit and
-the request log (--log-requests).
+"""The front door: request ids, the API key, readiness/shutdown refusals, the body limit, the
+request's admitted sequences given back when its answer ends, and the request log
+(--log-requests).
 
 A plain ASGI middleware on purpose: Starlette's `BaseHTTPMiddleware` (what
 `@app.middleware("http")` installs) hands the endpoint a wrapped `receive` that never reports
@@ -16,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from phaseflip.server import protocol as p
-from phaseflip.server.context import CURRENT_REQUEST, RequestTally, ServerContext
+from phaseflip.server.context import CURRENT_REQUEST, RequestRecord, ServerContext
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
@@ -64,26 +65,26 @@ class Gate:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         rid = headers.get(b"x-request-id") or uuid.uuid4().hex.encode()
-        if not self.ctx.cfg.log_requests or scope["path"] in UNLOGGED_PATHS:
-            return await self._handle(scope, receive, send, headers, rid)
-        tally, status, start = RequestTally(), [None], time.perf_counter()
+        record, status, start = RequestRecord(), [None], time.perf_counter()
 
         async def send_seen(message: dict) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
             await send(message)
 
-        token = CURRENT_REQUEST.set(tally)
+        token = CURRENT_REQUEST.set(record)
         try:
             await self._handle(scope, receive, send_seen, headers, rid)
         finally:
             CURRENT_REQUEST.reset(token)
-            # (no status: the client left before an answer, or the app failed to send one)
-            request_log.info(
-                "request %s %s %s %s prompt_tokens=%d completion_tokens=%d %.3f s",
-                _escaped(rid.decode("latin-1")), scope["method"], _escaped(scope["path"]),
-                status[0] or "-",
-                tally.prompt_tokens, tally.completion_tokens, time.perf_counter() - start)
+            self.ctx.admitted -= record.admitted  # its answer ended: its sequences are free
+            if self.ctx.cfg.log_requests and scope["path"] not in UNLOGGED_PATHS:
+                # (no status: the client left before an answer, or the app sent none)
+                request_log.info(
+                    "request %s %s %s %s prompt_tokens=%d completion_tokens=%d %.3f s",
+                    _escaped(rid.decode("latin-1")), scope["method"],
+                    _escaped(scope["path"]), status[0] or "-", record.prompt_tokens,
+                    record.completion_tokens, time.perf_counter() - start)
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send, headers: dict,
                       rid: bytes) -> None:
