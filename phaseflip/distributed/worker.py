@@ -28,6 +28,7 @@ from phaseflip.distributed.plan_channel import plan_channel
 from phaseflip.distributed.plan_codec import PlanDecoder
 from phaseflip.distributed.stage import StageExecutor, StepMessage
 from phaseflip.distributed.watchdog import PositionTracker
+from phaseflip.heap import release_freed_heap
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.llama import LlamaForCausalLM
 from phaseflip.model.runner import ModelRunner, free_model
@@ -115,6 +116,7 @@ class RankProcess:
                 model = layout.release(keep_weights=keep)
             if model is not None:
                 self.parked[(cfg.tp_size, cfg.pp_size)] = model
+            release_freed_heap()
             device = layout.runner.device
             if device.type == "cuda":
                 log.info("rank %d released its layout: %.2f GiB allocated, %.2f GiB reserved "

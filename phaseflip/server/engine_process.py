@@ -16,7 +16,6 @@ image in /dev/shm) the normal way.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import faulthandler
 import logging
@@ -35,6 +34,7 @@ from phaseflip.distributed.watchdog import StepWatchdog
 from phaseflip.engine.core import EngineCore
 from phaseflip.errors import InvalidRequestError, PhaseflipError
 from phaseflip.flip.census import layout_name
+from phaseflip.heap import release_freed_heap
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.loader import load_tokenizer
 from phaseflip.scheduler.kv_cache import PoolAccounting
