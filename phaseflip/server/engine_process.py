@@ -64,18 +64,6 @@ class AnnouncingCore(EngineCore):
             self.announce(m.FlipState(None))
 
 
-def release_freed_heap() -> None:
-    """Gives the heap pages freed by a retired layout back to the OS. glibc keeps them: the
-    engine's RSS grew with every flip (417 -> 463 MiB over the 29 flips of a 10-minute soak,
-    ~1.3 MiB a flip, steadily), none of it live objects, all of it returned by a trim. A
-    no-op off glibc."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(0)
-
-
 class EngineServer:
     def __init__(self, cfg: EngineConfig, requests_addr: str, outputs_addr: str) -> None:
         self.cfg = cfg
