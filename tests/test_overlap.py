@@ -145,11 +145,13 @@ def test_placeholders_resolve_from_host_indices(ids, want):
 
 
 @pytest.mark.timeout(300, method="thread")  # gloo ranks: a deadlock fails, never hangs
-@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)])
-def test_run_ahead_on_tp_and_pp_with_hicache_equals_the_synchronous_path(make_engine,
-                                                                         llama_dir, tp, pp):
+@pytest.mark.parametrize("tp, pp, share", [(1, 1, "message"), (2, 1, "message"),
+                                           (2, 1, "broadcast"), (1, 2, "message")])
+def test_run_ahead_on_tp_and_pp_with_hicache_equals_the_synchronous_path(
+        make_engine, llama_dir, tp, pp, share):
     """Every layout runs ahead with HiCache on (issue 16 item 1): stage 0's TP ranks get the
-    placeholders' tokens from rank 0, HiCache orders ride the same messages. A small pool
+    placeholders' tokens from rank 0 (in the message on a CPU; "broadcast": as from a GPU,
+    by a broadcast on their TP group), HiCache orders ride the same messages. A small pool
     makes the device tree evict, so repeated prompts are served from the host tier; some
     requests end early on a stop id (their next row was already planned on every rank)."""
     prompts = prompts_for(300) * 3
@@ -171,6 +173,8 @@ def test_run_ahead_on_tp_and_pp_with_hicache_equals_the_synchronous_path(make_en
             return step_ahead(sink)
 
         core._step_ahead = counted
+        if share == "broadcast":
+            core.runner.tokens_on_host = lambda future: None
         outs[overlap] = []
         for batch in (prompts, evict, prompts):  # the last from the host tier
             got = engine.generate(batch, params[: len(batch)], use_tqdm=False)

@@ -144,8 +144,9 @@ class DistributedRunner:
         tracker = self.stage.tracker
         channel = self.hicache_channel
         n_future = 0 if future is None or plan is None else int(future.numel())
+        ids = self.tokens_on_host(future) if n_future else None
         msg = StepMessage(self.step_no, plan, channel.take() if channel else None, fence,
-                          n_future)
+                          n_future, ids)
         wire = dataclasses.replace(msg, plan=self.encoder.encode(plan)) if plan else msg
         try:
             with tracker.at("broadcasting the plan", self.step_no):
@@ -157,6 +158,13 @@ class DistributedRunner:
             raise err from e
         finally:
             tracker.set("idle")
+
+    @staticmethod
+    def tokens_on_host(future: torch.Tensor):
+        """A run-ahead step's tokens as host values when they are already (rank 0 on the CPU):
+        they ride the message. On a GPU they are still being sampled: None, and stage 0's
+        TP ranks get them by a broadcast queued on the device (`StageExecutor.run`)."""
+        return future.numpy() if future.device.type == "cpu" else None
 
     def report_ranks(self) -> list[str]:
         return self.ranks.report_ranks()

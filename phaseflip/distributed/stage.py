@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -42,6 +43,7 @@ class StepMessage:
     transfers: TransferOrders | None = None
     fence: bool = False
     future_len: int = 0
+    future_ids: np.ndarray | None = None  # the tokens themselves, when rank 0 runs on the CPU
 
 
 # Benchmarks only (`benchmarks/bench_host_step.py`): set in the environment of the engine
@@ -145,6 +147,8 @@ class StageExecutor:
         TP group, before any all-reduce of the step: every one of them makes it here)."""
         if self.spec.tp_size == 1:
             return future
+        if msg.future_ids is not None:  # host values already: they rode the message
+            return future if future is not None else torch.from_numpy(msg.future_ids)
         device = "cpu" if self.staged else self.runner.device
         if self.groups.rank == 0:
             buf = future.to(device, torch.int64).contiguous()
@@ -167,15 +171,15 @@ class StageExecutor:
             if not self.first:
                 src = self.groups.stage_rank(self.groups.pp_rank - 1)
                 with tr.at(f"recv hidden of micro-batch {i} from rank {src}", step):
-                    hidden = self._recv((mb.num_tokens, self.hidden_size), runner.dtype, src)
-                    residual = self._recv((mb.num_tokens, self.hidden_size), runner.dtype, src)
+                    hidden, residual = self._recv((2, mb.num_tokens, self.hidden_size),
+                                                  runner.dtype, src)
             with tr.at(f"forward micro-batch {i}", step):
                 h, r = self.model.run_stage(mb, hidden, residual)
             if self.last:
                 logits.append(self.model.logits(h))
             else:
                 dst = self.groups.stage_rank(self.groups.pp_rank + 1)
-                pending += [self._isend(h, dst), self._isend(r, dst)]
+                pending.append(self._isend(torch.stack((h, r)), dst))  # one message
         with tr.at("drain sends", step):
             for work, _keep in pending:
                 work.wait()
@@ -198,15 +202,16 @@ class StageExecutor:
 
     # -------------------------------------------------------------- point to point
     def _isend(self, t: torch.Tensor, dst: int):
-        # A copy: `t` may be a view of a decode graph's static output, which the next
-        # micro-batch's replay overwrites while NCCL's stream may still be reading it.
-        t = t.cpu() if self.staged else t.clone(memory_format=torch.contiguous_format)
+        # `t` is a new tensor (the stack): a decode graph's static output, which the next
+        # micro-batch's replay overwrites while NCCL's stream may still be reading it, is not
+        # sent itself
+        t = t.cpu() if self.staged else t
         return dist.isend(t, dst), t  # keep the buffer alive until the send completes
 
     def _send(self, t: torch.Tensor, dst: int) -> None:
         dist.send(t.contiguous().cpu() if self.staged else t.contiguous(), dst)
 
-    def _recv(self, shape: tuple[int, int], dtype: torch.dtype, src: int) -> torch.Tensor:
+    def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         device = "cpu" if self.staged else self.runner.device
         buf = torch.empty(shape, dtype=dtype, device=device)
         dist.recv(buf, src)
