@@ -18,11 +18,11 @@ Ring protocol (one writer, R readers, byte offsets that only grow): the writer c
 copies from its `tail_i` up to `head` and stores its new `tail_i`. The writer never overwrites
 bytes a reader has not passed (it waits for the slowest reader, with a deadline), and a frame
 larger than the ring streams through it in pieces. A reader that finds nothing spins for
-`spin_s`, then sets its `waiting` flag and sleeps on its doorbell; the writer rings the bell
-of every waiting reader after it publishes. Both sides put a full memory fence between their
-store and their load of the other's word (a Dekker handshake), so a reader never sleeps past
-a published message. The fence is an uncontended lock's acquire and release (a locked
-instruction on x86-64, which is also what makes the aligned 8-byte stores atomic here).
+`spin_s` (yielding its core), then sets its `waiting` flag and sleeps on its doorbell; the
+writer rings the bell of every waiting reader after it publishes. Both sides put a full
+memory fence between their store and their load of the other's word (a Dekker handshake), so
+a reader never sleeps past a published message. The fence is an uncontended lock's acquire
+and release (a locked instruction on x86-64, where aligned 8-byte stores are atomic).
 """
 
 from __future__ import annotations
@@ -41,7 +41,11 @@ import numpy as np
 import torch.distributed as dist
 
 RING_BYTES = 8 << 20  # a decode plan at batch 256 is ~40 KiB; a checked one ~2 MiB at 1k ctx
-SPIN_S = 50e-6  # a reader's busy wait before it sleeps on its doorbell
+# A reader's busy wait (yielding its core to anything runnable) before it sleeps on its
+# doorbell: longer than a step's host work, so a busy group never pays a wake-up (a sleeping
+# reader's doorbell cost rank 0 ~0.4 ms a step on a loaded 2-core box: the write hands the
+# core to the woken rank). Idle ranks still sleep after it.
+SPIN_S = 2e-3
 FULL_RING_STALL_S = 300.0  # how long rank 0 waits for a reader that does not read
 _LINE = 64  # each reader's words on their own cache line
 _LEN = struct.Struct("<Q")
@@ -261,6 +265,7 @@ class ShmRing:
                 self.head_seen = head
                 return
             if time.perf_counter() < spin_end:
+                os.sched_yield()
                 continue
             self.ctl[waiting] = 1
             self.fence()  # the flag store before the head load
