@@ -20,8 +20,8 @@ At the end, with the clients stopped, it checks:
   the clients read ended each choice exactly once; `/abort_request` aborts are counted as such;
 - accounting back to idle: /server_info says no request runs or waits, `pool.balanced`, and no
   slot is held by a request (private/protected 0);
-- memory flat: the private resident memory (VmRSS less RssShmem) of the front end and of the
-  engine process (its child; rank 0) at the end within ±`--rss-tolerance` of a sample taken
+- memory flat: the private resident memory (VmRSS less RssShmem) of the front end, of the
+  engine process (its child; rank 0) and of the worker ranks (the engine's children) at the end within ±`--rss-tolerance` of a sample taken
   after the warm-up (the first quarter of the
   run, and a flip round trip when flipping). Shared memory is reported apart: the HiCache
   host tier and the weight image are /dev/shm files the ranks map, resident as they are
@@ -458,7 +458,8 @@ class Soak:
         checks["a flush went through"] = (b.flushes["ok (quiet)"] >= 1, dict(b.flushes))
         warm, end = self.rss.get("warm", {}), self.rss.get("end", {})
         growth = {}
-        for proc in ("front_end", "engine"):
+        workers = ("worker_ranks",) if warm.get("worker_ranks") else ()  # tp/pp only
+        for proc in ("front_end", "engine", *workers):
             w, e = warm.get(proc), end.get(proc)
             growth[proc] = None if not w or not e else e / w - 1
             checks[f"{proc} RSS flat"] = (
@@ -467,8 +468,6 @@ class Soak:
                 else f"private {w / 2**20:.0f} -> {e / 2**20:.0f} MiB ({growth[proc]:+.1%}); "
                      f"shared {_mib(warm.get(proc + '_shmem'))} -> "
                      f"{_mib(end.get(proc + '_shmem'))} MiB")
-        w, e = warm.get("worker_ranks"), end.get("worker_ranks")
-        growth["worker_ranks"] = None if not w or not e else e / w - 1  # (reported only)
         return {
             "duration_s": load_s, "concurrency": self.args.concurrency,
             "sent": dict(b.sent), "requests": sum(b.sent.values()),

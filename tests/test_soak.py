@@ -32,7 +32,8 @@ def test_soak_tp1(tmp_path):
 
 
 def test_soak_tp2_with_flips(tmp_path):
-    r = soak(tmp_path, "--duration-s", "30", "--flush-every-s", "12", "--flip-every-s", "6",
+    r = soak(tmp_path, "--duration-s", "30", "--flush-every-s", "12", "--flip-every-s", "1",
              "--serve-args",
              "--tp-size 2 --enable-flip --enable-hicache --hicache-host-gb 0.05")
-    assert r["flips"]["ok"] >= 2, r["flips"]
+    assert r["flips"]["ok"] >= 10, r["flips"]
+    assert r["checks"]["worker_ranks RSS flat"]["ok"]
