@@ -24,8 +24,8 @@ measurement, or a sum of measured and seeded parts) or `unmeasured` (None).
 - Flip cost of a direction: an EMA of its seams' `SeamCensus.total_s` plus an EMA of the
   refill that follows the cutover (`observe_refill`, once the ledger closes the window): the
   tokens the retracted requests re-prefilled ÷ the new layout's measured prefill rate, plus
-  the host→device load seconds (bytes ÷ the loads' own rate; an upper bound, loads overlap
-  compute). Until a refill of that direction is measured, C is the seam alone, 'half-measured'
+  the host→device load seconds (bytes ÷ the loads' own rate, at most the window's wall
+  time: concurrent loads' seconds are summed; an upper bound, loads overlap compute). Until a refill of that direction is measured, C is the seam alone, 'half-measured'
   with a note (law 5: not a zero refill).
 
 Residency (law 8): pending work is priced by what it costs. A waiting request's tokens already
@@ -355,7 +355,10 @@ class FlipPolicy:
                 return
             seconds += census.refill_tokens_prefilled / rate.value
         if census.refill_bytes and census.refill_rate_gbps:
-            seconds += census.refill_bytes / (census.refill_rate_gbps * 1e9)
+            load_s = census.refill_bytes / (census.refill_rate_gbps * 1e9)
+            # the loads' own seconds are summed per load and overlap one another: the
+            # window's wall time bounds them (27 loads at once on CPU summed 1.4 s in 0.32 s)
+            seconds += min(load_s, census.refill_s if census.refill_s is not None else load_s)
         self.costs[key].observe_refill(seconds)
 
     def idle_flip_due(self) -> bool:
