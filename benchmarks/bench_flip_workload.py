@@ -1,0 +1,410 @@
+"""When the flip pays (issue 17): an agent-fleet workload served through the real server with
+static layouts and with `--flip-policy auto`, and the simulator checked against it.
+
+    python -m benchmarks.bench_flip_workload --runs tp2,pp2,auto --duration 60 \\
+        --out flip_workload.json --plot flip_workload.png
+
+The workload (`phaseflip/flip/workload.py`, seeded, or `--trace FILE`): bursts of long
+prompts on shared prefixes over a Poisson background of short-prompt decode traffic. Each run
+launches `phaseflip serve` (the embedded tiny model on CPU unless `--serve-args` says
+otherwise), replays the trace's arrivals as streaming `/v1/completions` (token-id prompts,
+`ignore_eos`), polls `/server_info` for the timeline (layout, queue, flips), and reports
+throughput (prompt + output tokens over first send to last token), TTFT and ITL p50/p99,
+flips and seam seconds. A run is a layout (`tp2`, `pp2`, `tp2xpp2` ...) or `auto` (between
+`--flip-layouts`), or `auto-prior` (auto told a wrong prior: `--prior-speedup`).
+
+`--calibrate` (default on) first steps an in-process engine through the trace's request
+shapes in each layout of `--flip-layouts` and records every step (prompt tokens, decode rows,
+context tokens, seconds) and both seams: the JSON's `calibration`, what `flip/sim.py` fits
+its step models to. The auto run is seeded with what calibration measured (the prefill
+speedup, each direction's seam), as an operator would from bench_latency and bench_flip.
+`--simulate` (default on) then replays the same trace through the simulator with those
+models and the server's own scheduler settings, and reports simulated vs measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import shlex
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bench_serving import (
+    _free_port,
+    launch_server,
+    make_client,
+    one_request,
+    stop_server,
+)
+from benchmarks.common import percentile, print_table, write_json
+from benchmarks.plot import pyplot, save
+from phaseflip.config import EngineConfig, parse_layout
+from phaseflip.flip import workload as wl
+from phaseflip.flip.policy import layout_name
+
+BASE_SERVE = ("--device cpu --dtype float32 --enable-hicache --hicache-host-gb 0.05 "
+              "--max-total-tokens 32768 --page-size 16 --max-running-requests 64 "
+              "--chunked-prefill-size 1024 --dist-timeout-s 120")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", default="tp2,pp2,auto",
+                    help="comma-separated layouts (tp2, pp2, tp2xpp2...) and/or auto")
+    ap.add_argument("--flip-layouts", default="tp2,pp2", help="auto's pair: decode,prefill")
+    ap.add_argument("--serve-args", default=BASE_SERVE)
+    ap.add_argument("--auto-args", default="--flip-min-dwell-s 1 --flip-min-dwell-steps 4",
+                    help="extra flags of the auto run")
+    ap.add_argument("--prior-speedup", type=float, default=2.0,
+                    help="the auto-prior run's --flip-seed-pp-speedup (a wrong prior the "
+                         "policy must unlearn where PP is not faster)")
+    ap.add_argument("--trace", default=None, help="replay this trace JSON (workload.py)")
+    spec = wl.WorkloadSpec()
+    for name, default in vars(spec).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(default, bool):
+            ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            ap.add_argument(flag, type=type(default), default=default)
+    ap.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--simulate", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--poll-s", type=float, default=0.25)
+    ap.add_argument("--timeout-s", type=float, default=900.0, help="per run")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--plot", default=None, help="write the timeline PNG here")
+    return ap.parse_args(argv)
+
+
+def make_trace(args: argparse.Namespace) -> list[wl.Arrival]:
+    if args.trace:
+        return wl.load_trace(args.trace)
+    fields = vars(wl.WorkloadSpec())
+    return wl.generate(wl.WorkloadSpec(**{k: getattr(args, k) for k in fields}))
+
+
+# ---------------------------------------------------------------------- calibration
+def calibrate(args: argparse.Namespace, trace: list[wl.Arrival]) -> dict[str, Any]:
+    """Steps of an in-process engine in each layout of the pair over the trace's shapes (its
+    first bursts and background requests, queued at once, in three batches), and both seams,
+    each taken under load (a few steps into a batch) so its refill is measured too."""
+    from phaseflip import Engine
+
+    decode, prefill = (parse_layout(x) for x in args.flip_layouts.split(","))
+    bursts = [a for a in trace if a.kind == "burst"][:12]
+    background = [a for a in trace if a.kind == "background"][:24]
+    batches = (bursts + background[:8], background, bursts[:4] + background[8:16])
+    steps: dict[str, list[dict[str, Any]]] = {}
+    seams: list[tuple[Any, int]] = []
+    with Engine(None, tp_size=decode[0], pp_size=decode[1], enable_flip=True,
+                **_engine_kwargs(args.serve_args)) as e:
+        core = e.core
+        for j, layout in enumerate((decode, prefill, decode)):
+            for k, batch in enumerate(batches):
+                _submit(core, batch, f"c{j}-{k}")
+                if j and not k:  # flip a few steps into the first batch: under load
+                    _steps(core, steps, limit=4)
+                    held = sum(r.kv_len for r in core.scheduler.running)
+                    seams.append((core.flip(*layout)[0], held))
+                _steps(core, steps)
+    return {"steps": steps, "seams": [c.as_dict() | {"seconds": c.total_s,
+                                                      "retracted_tokens": held}
+                                      for c, held in seams]}
+
+
+def _submit(core: Any, batch: list[wl.Arrival], prefix: str) -> None:
+    from phaseflip.sampling.params import SamplingParams
+
+    for i, a in enumerate(batch):
+        params = SamplingParams(max_new_tokens=a.max_new_tokens, ignore_eos=True)
+        core.add_request(f"{prefix}-{i}", list(a.prompt_ids), params)
+
+
+def _steps(core: Any, out: dict[str, list[dict[str, Any]]], limit: int | None = None) -> None:
+    """Steps the core (to the end, or `limit` steps), recording each step that ran work
+    under its layout: prompt tokens, decode rows, the decode rows' context, seconds."""
+    sched, n = core.scheduler, 0
+    while core.has_work() and (limit is None or n < limit):
+        stats, name = sched.stats, layout_name((core.cfg.tp_size, core.cfg.pp_size))
+        p0, d0 = stats.prefill_tokens, stats.decode_tokens
+        ctx = sum(r.kv_len for r in sched.running if r.remaining == 1)
+        t0 = time.perf_counter()
+        core.step()
+        dt, n = time.perf_counter() - t0, n + 1
+        p, d = stats.prefill_tokens - p0, stats.decode_tokens - d0
+        if p + d:
+            out.setdefault(name, []).append({"prompt_tokens": p, "decode_rows": d,
+                                             "ctx_tokens": ctx, "seconds": dt})
+
+
+def _engine_kwargs(serve_args: str) -> dict[str, Any]:
+    """The engine options `serve_args` sets, parsed by the server's own flags."""
+    from phaseflip.cli import add_config_flags
+
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    ns, _ = parser.parse_known_args(shlex.split(serve_args))
+    defaults = vars(parser.parse_args([]))
+    return {k: v for k, v in vars(ns).items() if v != defaults[k]}
+
+
+def seeds(calib: dict[str, Any], decode: str, prefill: str) -> str:
+    """--flip-seed-* flags from the calibration: the prefill rates' ratio (steps that are
+    mostly prefill) and each direction's seam plus its refill, priced as the policy does."""
+    def rate(name: str) -> float:
+        s = [x for x in calib["steps"][name] if x["prompt_tokens"] >= 64
+             and x["prompt_tokens"] >= 0.9 * (x["prompt_tokens"] + x["decode_rows"])]
+        return sum(x["prompt_tokens"] for x in s) / sum(x["seconds"] for x in s)
+
+    def cost(target: str) -> float:
+        out = []
+        for s in calib["seams"]:
+            if s["target"] != target:
+                continue
+            load = 0.0
+            if s.get("refill_bytes") and s.get("refill_rate_gbps"):
+                load = min(s["refill_bytes"] / (s["refill_rate_gbps"] * 1e9), s["refill_s"])
+            out.append(s["seconds"] + load + (s.get("refill_tokens_prefilled") or 0)
+                       / rate(target))
+        return statistics.median(out)
+
+    return (f"--flip-seed-pp-speedup {rate(prefill) / rate(decode):.4f} "
+            f"--flip-seed-to-pp-s {cost(prefill):.4f} --flip-seed-to-tp-s {cost(decode):.4f}")
+
+
+# ---------------------------------------------------------------------- one server run
+def serve_flags(run: str, args: argparse.Namespace, calib: dict[str, Any] | None) -> str:
+    if run in ("auto", "auto-prior"):
+        decode, prefill = (parse_layout(x) for x in args.flip_layouts.split(","))
+        extra = (f" --tp-size {decode[0]} --pp-size {decode[1]} --enable-flip --flip-policy auto"
+                 f" --flip-layouts {args.flip_layouts} {args.auto_args}")
+        if calib is not None:
+            extra += " " + seeds(calib, layout_name(decode), layout_name(prefill))
+        if run == "auto-prior":  # the last --flip-seed-pp-speedup wins
+            extra += f" --flip-seed-pp-speedup {args.prior_speedup}"
+        return args.serve_args + extra
+    tp, pp = parse_layout(run)
+    return args.serve_args + f" --tp-size {tp} --pp-size {pp}"
+
+
+async def replay(base: str, trace: list[wl.Arrival], poll_s: float) -> dict[str, Any]:
+    """Sends each arrival at its time; polls /server_info meanwhile for the timeline."""
+    import httpx
+
+    url = base + "/v1/completions"
+    timeline: list[dict[str, Any]] = []
+    done = asyncio.Event()
+    async with httpx.AsyncClient(timeout=60) as info_client:
+        model = (await info_client.get(base + "/v1/models")).json()["data"][0]["id"]
+        start = time.perf_counter()
+
+        async def poll() -> None:
+            while not done.is_set():
+                try:
+                    info = (await info_client.get(base + "/server_info")).json()
+                    timeline.append(_sample(info, time.perf_counter() - start))
+                except (httpx.HTTPError, ValueError):
+                    pass
+                await asyncio.sleep(poll_s)
+
+        poller = asyncio.create_task(poll())
+        async with make_client("httpx", 3600, {}) as client:
+            async def fire(a: wl.Arrival) -> Any:
+                await asyncio.sleep(max(0.0, a.t_s - (time.perf_counter() - start)))
+                sent = time.perf_counter() - start
+                res = await one_request(client, url, model, list(a.prompt_ids),
+                                        a.max_new_tokens, 0.0)
+                return sent, res
+
+            results = await asyncio.gather(*(fire(a) for a in trace))
+        done.set()
+        await poller
+        final = (await info_client.get(base + "/server_info")).json()
+    return {"results": results, "timeline": timeline, "final": final}
+
+
+def _sample(info: dict[str, Any], t: float) -> dict[str, Any]:
+    pol = info.get("flip_policy") or {}
+    cfg = info.get("config") or info.get("server_config") or {}
+    return {"t_s": round(t, 3), "running": info.get("running"), "waiting": info.get("waiting"),
+            "layout": pol.get("layout") or layout_name((cfg.get("tp_size", 1),
+                                                        cfg.get("pp_size", 1))),
+            "flips": pol.get("flips", 0),
+            "prefill_tokens": (info.get("scheduler") or {}).get("prefill_tokens"),
+            "decode_tokens": (info.get("scheduler") or {}).get("decode_tokens")}
+
+
+def summarize_run(run: str, got: dict[str, Any], trace: list[wl.Arrival]) -> dict[str, Any]:
+    results = got["results"]
+    ok = [r for _, r in results if r.ok]
+    ends = [s + r.e2e for s, r in results if r.ok]
+    first = min(s for s, _ in results)
+    seconds = max(ends) - first if ends else math.nan
+    tokens = sum(len(a.prompt_ids) + a.max_new_tokens for a in trace)
+    ttft = [r.ttft for r in ok]
+    itl = [x for r in ok for x in r.itls]
+    pol = got["final"].get("flip_policy") or {}
+    censuses = got["final"].get("flip_censuses") or []
+    return {"run": run, "requests": len(results), "ok": len(ok),
+            "errors": sorted({r.error for _, r in results if r.error})[:3],
+            "seconds": seconds, "throughput_tps": tokens / seconds,
+            "e2e_mean_s": statistics.fmean(r.e2e for r in ok) if ok else math.nan,
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
+            "flips": pol.get("flips", 0), "auto_flips": pol.get("auto_flips", 0),
+            "seam_s_recent": sum(c.get("total_s") or 0.0 for c in censuses),
+            "censuses": censuses, "policy": pol, "timeline": got["timeline"],
+            "kv_capacity_tokens": (got["final"].get("pool") or {}).get("total"),
+            "config": got["final"].get("config")}
+
+
+def serve_run(run: str, args: argparse.Namespace, trace: list[wl.Arrival],
+              calib: dict[str, Any] | None) -> dict[str, Any]:
+    port = _free_port()
+    flags = serve_flags(run, args, calib)
+    proc = launch_server(flags, port, deadline_s=300)
+    try:
+        got = asyncio.run(asyncio.wait_for(replay(f"http://127.0.0.1:{port}", trace,
+                                                  args.poll_s), args.timeout_s))
+    finally:
+        stop_server(proc)
+    return summarize_run(run, got, trace) | {"serve_args": flags}
+
+
+# ---------------------------------------------------------------------- the simulator's view
+def _parse_name(name: str) -> tuple[int, int]:
+    tp, pp = name.removeprefix("tp").split("×pp")
+    return int(tp), int(pp)
+
+
+def simulate_run(run: dict[str, Any], calib: dict[str, Any], trace: list[wl.Arrival]
+                 ) -> dict[str, Any] | None:
+    """The measured run replayed by `flip/sim.py`: step models fitted to the calibration,
+    seams at the calibration's median per direction, the server's own config and pool."""
+    from phaseflip.flip.sim import LinearStepModel, simulate
+
+    models = {_parse_name(n): LinearStepModel.fit(
+        [(s["prompt_tokens"], s["decode_rows"], s["ctx_tokens"], s["seconds"]) for s in st])
+        for n, st in calib["steps"].items()}
+    known = set(EngineConfig.__dataclass_fields__)
+    cfg = EngineConfig(**{k: v for k, v in (run["config"] or {}).items() if k in known})
+    if (cfg.tp_size, cfg.pp_size) not in models:
+        return None
+    seam = {(_parse_name(s["source"]), _parse_name(s["target"])): s["seconds"]
+            for s in calib["seams"]}
+    res = simulate(trace, cfg, models, kv_slots=run["kv_capacity_tokens"],
+                   seam_s=lambda a, b: seam[(a, b)],
+                   refill_s_per_token=refill_per_token(calib["seams"], models))
+    out = res.summary()
+    out["models"] = {layout_name(k): vars(m) for k, m in models.items()}
+    out["flip_times_s"] = [round(f["at_s"], 3) for f in res.flips]
+    out["layout_timeline"] = _sim_timeline(res)
+    return out
+
+
+def refill_per_token(seams: list[dict[str, Any]], models: dict[tuple[int, int], Any]
+                     ) -> float:
+    """Seconds per retracted token of the calibration seams' refills, priced as the policy
+    prices them: re-prefilled tokens at the target's fitted per-token cost, plus the loads'
+    seconds bounded by the window's wall time."""
+    cost = held = 0.0
+    for s in seams:
+        if s.get("refill_state") != "done" or not s.get("retracted_tokens"):
+            continue
+        load = 0.0
+        if s.get("refill_bytes") and s.get("refill_rate_gbps"):
+            load = min(s["refill_bytes"] / (s["refill_rate_gbps"] * 1e9), s["refill_s"])
+        step = models[_parse_name(s["target"])]
+        cost += s["refill_tokens_prefilled"] * step.prompt_token_s + load
+        held += s["retracted_tokens"]
+    return cost / held if held else 0.0
+
+
+def _sim_timeline(res: Any) -> list[tuple[float, str]]:
+    """(time, layout) at each change of the simulated run (the first step's layout first)."""
+    out: list[tuple[float, str]] = []
+    for t, dt, name, _, _ in res.steps:
+        if not out or out[-1][1] != name:
+            out.append((round(t - dt, 3), name))
+    return out
+
+
+# ---------------------------------------------------------------------- report
+def print_report(result: dict[str, Any]) -> None:
+    rows = []
+    for r in result["runs"]:
+        sim = r.get("sim") or {}
+        rows.append([r["run"], f"{r['ok']}/{r['requests']}", r["seconds"], r["throughput_tps"],
+                     1e3 * r["ttft_p50_s"], 1e3 * r["ttft_p99_s"], 1e3 * r["itl_p50_s"],
+                     1e3 * r["itl_p99_s"], 1e3 * r["e2e_mean_s"], r["flips"],
+                     r["seam_s_recent"], sim.get("throughput_tps"),
+                     None if sim.get("e2e_mean_s") is None else 1e3 * sim["e2e_mean_s"],
+                     sim.get("flips")])
+    print_table(["run", "ok", "s", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+                 "ITL p99 ms", "E2E mean ms", "flips", "seam s (last 4)", "sim tok/s",
+                 "sim E2E ms", "sim flips"], rows,
+                title=f"flip workload: {result['workload']}")
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """One row per run: queued + running requests over time, the layout as the background
+    colour, flips as lines; the simulated auto run's layouts as a strip on top."""
+    plt = pyplot()
+    runs = result["runs"]
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 2.4 * len(runs)), sharex=True,
+                             squeeze=False)
+    names = sorted({s["layout"] for r in runs for s in r["timeline"]})
+    colours = dict(zip(names, ("tab:blue", "tab:orange", "tab:green", "tab:purple")))
+    for ax, r in zip(axes[:, 0], runs):
+        tl = r["timeline"]
+        t = [s["t_s"] for s in tl]
+        ax.plot(t, [(s["waiting"] or 0) + (s["running"] or 0) for s in tl], "k-", lw=1,
+                label="requests in the engine")
+        for a, b in zip(tl, tl[1:]):
+            ax.axvspan(a["t_s"], b["t_s"], color=colours.get(a["layout"], "grey"), alpha=0.15,
+                       lw=0)
+        for a, b in zip(tl, tl[1:]):
+            if b["flips"] != a["flips"]:
+                ax.axvline(b["t_s"], color="tab:red", lw=0.8)
+        sim = (r.get("sim") or {}).get("layout_timeline") or []
+        top = ax.get_ylim()[1]
+        for (ta, la), (tb, _) in zip(sim, sim[1:] + [(r["seconds"], "")]):
+            ax.plot([ta, tb], [top, top], color=colours.get(la, "grey"), lw=4)
+        ax.set_ylabel(r["run"])
+        ax.text(0.01, 0.85, f"{r['throughput_tps']:.0f} tok/s, {r['flips']} flips",
+                transform=ax.transAxes, fontsize=8)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c, alpha=0.4) for c in colours.values()]
+    axes[0, 0].legend(handles, list(colours), loc="upper right", fontsize=7)
+    axes[-1, 0].set_xlabel("seconds (background: layout; red: flips; top strip: simulated)")
+    save(fig, Path(path))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    trace = make_trace(args)
+    print("workload:", wl.summary(trace))
+    calib = calibrate(args, trace) if args.calibrate else None
+    runs = []
+    for run in args.runs.split(","):
+        r = serve_run(run, args, trace, calib)
+        if calib is not None and args.simulate:
+            r["sim"] = simulate_run(r, calib, trace)
+        runs.append(r)
+    result = {"benchmark": "flip_workload", "workload": wl.summary(trace),
+              "spec": None if args.trace else vars(wl.WorkloadSpec(
+                  **{k: getattr(args, k) for k in vars(wl.WorkloadSpec())})),
+              "runs": runs, "calibration": calib["steps"] if calib else None,
+              "seams": calib["seams"] if calib else None}
+    if calib is None:
+        del result["calibration"]
+    print_report(result)
+    if args.plot:
+        plot(result, args.plot)
+    return write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
