@@ -19,6 +19,10 @@ class Communicator:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Element-wise maximum over the group, in place (FP8 activation scales of a row)."""
+        return x
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
@@ -41,6 +45,14 @@ class ProcessGroupCommunicator(Communicator):
             dist.all_reduce(host, group=self.group)
             return x.copy_(host)
         dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        if self.staged and x.is_cuda:
+            host = x.cpu()
+            dist.all_reduce(host, op=dist.ReduceOp.MAX, group=self.group)
+            return x.copy_(host)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:

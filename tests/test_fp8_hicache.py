@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phaseflip import SamplingParams
+from phaseflip import Engine, SamplingParams
 from phaseflip.cache.hicache.frames import HostFrames, page_geometry
 from phaseflip.cache.hicache.page import (
     ForeignPageError,
@@ -89,3 +89,23 @@ def test_engine_fp8_kv_pages_through_host_and_disk(llama_dir, make_engine, tmp_p
     second = make_engine(llama_dir, **HC, **disk, **fp8)  # a restart: the disk tier
     got = [o.token_ids for o in second.generate(prompts, GREEDY, use_tqdm=False)]
     assert got == want and second.core.hicache.stats.disk_hit_tokens > 0
+
+
+@pytest.mark.timeout(240, method="thread")  # gloo ranks: signals cannot interrupt them
+def test_flips_with_fp8_weights_and_kv(model_dirs):
+    """tp2 -> pp2 -> tp2 mid-generation with FP8 weights and FP8 KV: the host tier carries FP8
+    pages from one layout's ranks (their heads) to the other's (their layers), every request
+    finishes once, and the greedy tokens are the unflipped tp2 run's."""
+    from tests.test_flip import CFG, PAGED, _drive
+
+    fp8 = {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}
+    prompts = prompts_for(300)
+    with Engine(str(model_dirs["llama"]), tp_size=2, **PAGED, **CFG, **fp8) as e:
+        want, _ = _drive(e, prompts, {})
+    with Engine(str(model_dirs["llama"]), tp_size=2, **PAGED, **CFG, **fp8) as e:
+        got, censuses = _drive(e, prompts, {3: (1, 2), 7: (2, 1)})
+        assert e.core.hicache.geometry.dtype == FP8
+        assert e.core.hicache.stats.host_hit_tokens > 0  # re-admissions read FP8 pages
+    assert len(censuses) == 2 and censuses[0].retracted > 0
+    assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in want.items()}
+    assert all(v[2] == ["length"] for v in got.values())

@@ -235,23 +235,17 @@ def _logprobs(engine, prompts=PROMPTS):
 
 
 def test_tp2_on_gloo_matches_one_process(make_engine):
-    """tp2 (two gloo ranks) FP8 vs one FP8 process. The weights are the same numbers (above);
-    what differs is the row-parallel layers' per-token activation scale, which each rank takes
-    over its own slice of the row (as vLLM and SGLang do: no extra collective), so the
-    activations round differently: the gap is of the order of FP8's own error (docs/
-    quantization.md), not of the float32 reduction order. Held: same greedy tokens, and tp2
-    no farther from one process than FP8 is from float32 on these prompts (x 1.5)."""
-    lp_ref, _ = _logprobs(make_engine(EMBEDDED_MODEL))
+    """tp2 (two gloo ranks) FP8 = one FP8 process up to the float32 reduction order: the same
+    weights (above), and a row-parallel layer's per-token activation scale is the whole row's
+    (a max-reduce over the group), not each rank's slice's. Without that reduce the ranks
+    round activations differently: 0.018-0.028 mean |dlogprob| from one process, the order of
+    FP8's own error, and a phase flip between TP and PP changed greedy tokens."""
     lp1, tok1 = _logprobs(make_engine(EMBEDDED_MODEL, quantization="fp8"))
     two = make_engine(EMBEDDED_MODEL, quantization="fp8", tp_size=2, dist_timeout_s=60)
     lp2, tok2 = _logprobs(two)
-
-    def mean_gap(x, y):
-        d = [abs(a - b) for r1, r2 in zip(x, y) for a, b in zip(r1, r2)]
-        return sum(d) / len(d)
-
+    diffs = [abs(a - b) for r1, r2 in zip(lp1, lp2) for a, b in zip(r1, r2)]
     assert tok1 == tok2
-    assert 0 < mean_gap(lp1, lp2) < 1.5 * mean_gap(lp_ref, lp1)
+    assert sum(diffs) / len(diffs) < 1e-3, sum(diffs) / len(diffs)
 
 
 def test_engine_runs_fp8_checkpoints_close_to_float(make_engine, fp8_dirs):

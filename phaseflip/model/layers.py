@@ -20,6 +20,7 @@ from torch import nn
 
 from phaseflip.layout import Layout
 from phaseflip.model.quant import FP8_DTYPE, Fp8Config, scaled_linear
+from phaseflip.model.quant.fp8 import token_amax
 
 WeightLoader = Callable[..., None]
 
@@ -226,7 +227,14 @@ class RowParallelLinear(nn.Module):
         default_weight_loader(param, loaded.narrow(1, self.in_start, self.in_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.layout.tp_comm.all_reduce(linear(x, self.weight, None, self.weight_scale))
+        if self.weight_scale is not None and self.layout.tp_size > 1:
+            # FP8: each rank holds a slice of every token's row; its activation scale is the
+            # WHOLE row's (one small max-reduce), so TP rounds exactly as one process and PP do
+            amax = self.layout.tp_comm.all_reduce_max(token_amax(x))
+            part = scaled_linear(x, self.weight, self.weight_scale, None, amax)
+        else:
+            part = linear(x, self.weight, None, self.weight_scale)
+        y = self.layout.tp_comm.all_reduce(part)
         return y + self.bias if self.bias is not None else y
 
 

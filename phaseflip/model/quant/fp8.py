@@ -59,19 +59,30 @@ def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int
     return q.float() * s
 
 
-def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token activation quantization: (x_q [T, K] fp8, scale [T, 1] float32)."""
+def token_amax(x: torch.Tensor) -> torch.Tensor:
+    """|x| maximum of each token row, float32 [T, 1]: what a per-token scale is taken from (a
+    tensor-parallel row-parallel layer reduces it over the group first: the whole row's)."""
+    return x.reshape(-1, x.shape[-1]).float().abs().amax(dim=-1, keepdim=True)
+
+
+def quantize_tokens(x: torch.Tensor, amax: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token activation quantization: (x_q [T, K] fp8, scale [T, 1] float32).
+    `amax`: the rows' maxima when they cover more than `x` (a TP rank's slice of a row)."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(_MIN_SCALE)
+    if amax is None:
+        amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = (amax / FP8_MAX).clamp_min(_MIN_SCALE)
     return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 def scaled_linear_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
+                      bias: torch.Tensor | None = None, amax: torch.Tensor | None = None
+                      ) -> torch.Tensor:
     """The FP8 linear in float32 from the FP8 values (the CPU path and the oracle)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    x_q, sx = quantize_tokens(x2)
+    x_q, sx = quantize_tokens(x2, amax)
     y = (x_q.float() @ w_q.float().t()) * sx * w_scale.float()[None, :]
     if bias is not None:
         y = y + bias.float()
@@ -87,17 +98,19 @@ def _scaled_mm_ok(x: torch.Tensor, w_q: torch.Tensor) -> bool:
 
 
 def scaled_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
+                  bias: torch.Tensor | None = None, amax: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """y = x W^T for an FP8 weight (per-row `w_scale`) with per-token dynamic activation
     scales: `torch._scaled_mm` on CUDA where it applies, else `scaled_linear_ref`.
 
     Row-wise scaling produces bf16 only: fp16/fp32 models get the bf16 product cast to their
     dtype (its 8 bits of mantissa are not what limits an FP8 GEMM). The bias is added after
-    the GEMM. Every op is capturable in a CUDA graph (no host sync, static shapes)."""
+    the GEMM. Every op is capturable in a CUDA graph (no host sync, static shapes). `amax`:
+    the token rows' maxima ([T, 1] float32) when `x` is a slice of the rows (`token_amax`)."""
     if not _scaled_mm_ok(x, w_q):
-        return scaled_linear_ref(x, w_q, w_scale, bias)
+        return scaled_linear_ref(x, w_q, w_scale, bias, amax)
     shape = x.shape
-    x_q, sx = quantize_tokens(x.reshape(-1, shape[-1]))
+    x_q, sx = quantize_tokens(x.reshape(-1, shape[-1]), amax)
     y = torch._scaled_mm(x_q, w_q.t(), scale_a=sx, scale_b=w_scale.view(1, -1),
                          out_dtype=torch.bfloat16)
     if y.dtype != x.dtype:
