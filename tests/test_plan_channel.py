@@ -20,6 +20,7 @@ import pytest
 from phaseflip.distributed.plan_channel import (
     GlooPlanChannel,
     ShmPlanChannel,
+    StagePipes,
     plan_channel,
 )
 
@@ -87,6 +88,27 @@ def _full(rank: int, chan: ShmPlanChannel, out) -> None:
     time.sleep(10)  # reads nothing more
 
 
+def _pipes(rank: int, chan: ShmPlanChannel, out) -> None:
+    """Hidden states one way, logits back, as a two-stage step does; then a hand-off that
+    never comes."""
+    import torch
+
+    pipes = StagePipes(None, timeout_s=1.0, capacity=4096)
+    shapes = [((2, 3, 5), torch.float32), ((2, 700, 8), torch.bfloat16), ((0, 4), torch.float32)]
+    if rank == 0:
+        for i, (shape, dtype) in enumerate(shapes):
+            pipes.send(torch.full(shape, float(i), dtype=dtype), 1)
+        back = pipes.recv((64, 100), torch.float32, 1)  # 25.6 KB through a 4 KiB ring
+        out.put((rank, "same", bool((back == torch.arange(100.0)).all())))
+        return
+    got = [pipes.recv(shape, dtype, 0) for shape, dtype in shapes]
+    ok = all(g.dtype == d and g.shape == s and bool((g == i).all())
+             for i, (g, (s, d)) in enumerate(zip(got, shapes)))
+    pipes.send(torch.arange(100.0).repeat(64, 1), 0)
+    out.put((rank, "same", ok))
+    pipes.recv((4,), torch.float32, 0)  # never sent: a named error after the deadline
+
+
 def _spawn(world: int, scenario: str):
     from phaseflip.distributed.group import free_port
 
@@ -152,6 +174,17 @@ def test_a_reader_that_stops_reading_is_a_named_error():
         _stop(procs)
     errors = [g for g in got if g[1] == "error"]
     assert errors and errors[0][0] == 0 and "rank(s) [1] read nothing" in errors[0][2], got
+
+
+def test_stage_pipes_hand_tensors_over_and_a_missing_one_is_a_timeout():
+    procs, out = _spawn(2, "pipes")
+    try:
+        got = _collect(out, 2)
+    finally:
+        _stop(procs)
+    assert sorted(g[0] for g in got if g[1] == "same" and g[2]) == [0, 1], got
+    errors = [g for g in got if g[1] == "error"]
+    assert len(errors) == 1 and errors[0][0] == 1 and "TimeoutError" in errors[0][2], got
 
 
 def test_multi_node_groups_keep_the_gloo_broadcast():

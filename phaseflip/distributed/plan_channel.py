@@ -38,6 +38,7 @@ import time
 from typing import Protocol
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 RING_BYTES = 8 << 20  # a decode plan at batch 256 is ~40 KiB; a checked one ~2 MiB at 1k ctx
@@ -154,9 +155,12 @@ class ShmRing:
 
     def __init__(self, path: str, readers: int, reader: int | None, bells: list[int],
                  capacity: int, spin_s: float = SPIN_S,
-                 full_stall_s: float = FULL_RING_STALL_S) -> None:
+                 full_stall_s: float = FULL_RING_STALL_S, wait_s: float | None = None) -> None:
+        """`bells`: the writer's doorbell per reader, or a reader's own; none: a reader naps
+        between its checks and gives up after `wait_s` (a step's hand-off, `StagePipes`)."""
         self.readers, self.reader, self.bells = readers, reader, bells
         self.capacity, self.spin_s, self.full_stall_s = capacity, spin_s, full_stall_s
+        self.wait_s = wait_s
         header = _header_bytes(readers)
         with open(path, "r+b") as f:
             self.mm = mmap.mmap(f.fileno(), header + capacity)
@@ -168,12 +172,12 @@ class ShmRing:
 
     @classmethod
     def create(cls, where: str, readers: int, capacity: int,
-               full_stall_s: float = FULL_RING_STALL_S) -> ShmRing:
+               full_stall_s: float = FULL_RING_STALL_S, doorbells: bool = True) -> ShmRing:
         path = os.path.join(where, "ring")
         with open(path, "wb") as f:
             f.truncate(_header_bytes(readers) + capacity)
         bells = []
-        for i in range(readers):
+        for i in range(readers if doorbells else 0):
             bell = os.path.join(where, f"bell{i}")
             os.mkfifo(bell, 0o600)
             # read-write: opening never blocks, and this process stays the FIFO's writer
@@ -267,12 +271,24 @@ class ShmRing:
             if time.perf_counter() < spin_end:
                 os.sched_yield()
                 continue
+            if not self.bells:
+                return self._nap_for_data()
             self.ctl[waiting] = 1
             self.fence()  # the flag store before the head load
             head = int(self.ctl[0])
             if head <= self.pos and not os.read(self.bells[0], 4096):
                 raise DriverGoneError("rank 0 closed the plan channel: the driver is gone")
             self.ctl[waiting] = 0
+
+    def _nap_for_data(self) -> None:
+        """A reader without a doorbell: naps of growing length, up to `wait_s` in all."""
+        deadline, nap = time.monotonic() + (self.wait_s or FULL_RING_STALL_S), 20e-6
+        while (head := int(self.ctl[0])) <= self.pos:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no data from the peer in {self.wait_s:g} s")
+            time.sleep(nap)
+            nap = min(2 * nap, 1e-3)
+        self.head_seen = head
 
     def close(self) -> None:
         for fd in self.bells:
@@ -285,3 +301,66 @@ class ShmRing:
 
 def _header_bytes(readers: int) -> int:
     return -(-_LINE * (readers + 1) // 4096) * 4096  # page-aligned data
+
+
+PIPE_BYTES = 16 << 20  # a ring per (sender, receiver) pair that hands tensors over
+_PATH_BYTES = 256
+
+
+class StagePipes:
+    """Tensors staged on the host (gloo groups: hidden states to the next stage, logits to
+    rank 0) between ranks of one node, through a ring per (sender, receiver) pair instead of
+    gloo's TCP send/receive: one copy in, one copy out, no socket or gloo thread hop. A pair's
+    ring is made by its sender at its first hand-off (the path goes over `group` by a gloo
+    send, the receiver acknowledges, the file is unlinked) and lives as long as this object.
+
+    A hand-off belongs to a step, so both sides wait with the group's deadline (law 3: a
+    peer that never sends is a named stall, never a hang), and a receiver naps rather than
+    sleeps on a doorbell. A sender only waits when the ring is full of what the receiver has
+    not read yet, which the receiver reads without waiting on the sender (stages form a
+    chain; the logits go back only after every micro-batch was handed on)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, timeout_s: float,
+                 capacity: int = PIPE_BYTES) -> None:
+        self.group, self.timeout_s, self.capacity = group, timeout_s, capacity
+        self.out: dict[int, ShmRing] = {}
+        self.inp: dict[int, ShmRing] = {}
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        ring = self.out.get(dst) or self._open_out(dst)
+        ring.write(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        ring = self.inp.get(src) or self._open_in(src)
+        raw = ring.read()
+        if not raw:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(raw, dtype=dtype).view(shape)
+
+    def _open_out(self, dst: int) -> ShmRing:
+        where = tempfile.mkdtemp(prefix="phaseflip-pipe-", dir=_shm_dir())
+        try:
+            ring = ShmRing.create(where, 1, self.capacity, self.timeout_s, doorbells=False)
+            path = torch.zeros(_PATH_BYTES, dtype=torch.uint8)
+            path[: len(where)] = torch.tensor(list(where.encode()), dtype=torch.uint8)
+            dist.send(path, dst, group=self.group)
+            dist.recv(torch.zeros(_PATH_BYTES, dtype=torch.uint8), dst, group=self.group)
+        finally:
+            shutil.rmtree(where, ignore_errors=True)
+        self.out[dst] = ring
+        return ring
+
+    def _open_in(self, src: int) -> ShmRing:
+        path = torch.zeros(_PATH_BYTES, dtype=torch.uint8)
+        dist.recv(path, src, group=self.group)
+        where = bytes(path.tolist()).rstrip(b"\0").decode()
+        ring = ShmRing(os.path.join(where, "ring"), 1, 0, [], self.capacity, SPIN_S,
+                       wait_s=self.timeout_s)
+        dist.send(torch.ones(_PATH_BYTES, dtype=torch.uint8), src, group=self.group)
+        self.inp[src] = ring
+        return ring
+
+    def close(self) -> None:
+        for ring in [*self.out.values(), *self.inp.values()]:
+            ring.close()
+        self.out, self.inp = {}, {}

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from phaseflip.cache.hicache.transfer import KVTransferEngine, TransferOrders
 from phaseflip.distributed.group import RankGroups
+from phaseflip.distributed.plan_channel import StagePipes
 from phaseflip.distributed.watchdog import PositionTracker
 from phaseflip.forward_batch import ForwardBatch
 from phaseflip.model.runner import ModelRunner
@@ -93,6 +94,9 @@ class StageExecutor:
         self.hidden_size = runner.model_cfg.hidden_size
         # what runs this rank's layers: the model, or nothing at all (benchmarks)
         self.model = NullStage(runner) if os.environ.get(NULL_FORWARD_ENV) else runner
+        # host-staged hand-offs between ranks of one node go through shared memory
+        self.pipes = (StagePipes(None, self.spec.timeout_s) if self.staged
+                      and self.spec.world_size == self.spec.ranks_per_node else None)
 
     def run(self, msg: StepMessage, future: torch.Tensor | None = None) -> torch.Tensor | None:
         """Executes one message. The forward of message m starts only after this rank's copies
@@ -206,13 +210,33 @@ class StageExecutor:
         # micro-batch's replay overwrites while NCCL's stream may still be reading it, is not
         # sent itself
         t = t.cpu() if self.staged else t
+        if self.pipes is not None:
+            self.pipes.send(t, dst)  # copied into the ring: done
+            return _DONE, t
         return dist.isend(t, dst), t  # keep the buffer alive until the send completes
 
     def _send(self, t: torch.Tensor, dst: int) -> None:
-        dist.send(t.contiguous().cpu() if self.staged else t.contiguous(), dst)
+        t = t.contiguous().cpu() if self.staged else t.contiguous()
+        if self.pipes is not None:
+            self.pipes.send(t, dst)
+        else:
+            dist.send(t, dst)
 
     def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        if self.pipes is not None:
+            return self.pipes.recv(shape, dtype, src).to(self.runner.device)
         device = "cpu" if self.staged else self.runner.device
         buf = torch.empty(shape, dtype=dtype, device=device)
         dist.recv(buf, src)
         return buf.to(self.runner.device)
+
+
+class _Done:
+    """A hand-off already complete (copied into a shared-memory pipe)."""
+
+    @staticmethod
+    def wait() -> None:
+        pass
+
+
+_DONE = _Done()
