@@ -146,7 +146,8 @@ def test_placeholders_resolve_from_host_indices(ids, want):
 
 @pytest.mark.timeout(300, method="thread")  # gloo ranks: a deadlock fails, never hangs
 @pytest.mark.parametrize("tp, pp, share", [(1, 1, "message"), (2, 1, "message"),
-                                           (2, 1, "broadcast"), (1, 2, "message")])
+                                           (2, 1, "broadcast"), (1, 2, "message"),
+                                           (2, 2, "broadcast")])
 def test_run_ahead_on_tp_and_pp_with_hicache_equals_the_synchronous_path(
         make_engine, llama_dir, tp, pp, share):
     """Every layout runs ahead with HiCache on (issue 16 item 1): stage 0's TP ranks get the
