@@ -91,8 +91,10 @@ def scaled_linear_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
 
 def _scaled_mm_ok(x: torch.Tensor, w_q: torch.Tensor) -> bool:
     """What cuBLASLt's row-wise FP8 GEMM takes: a Hopper-or-later GPU (sm_90+), K and N
-    multiples of 16 (M is free: decode batches of any size qualify)."""
-    return (x.is_cuda and hasattr(torch, "_scaled_mm") and x.shape[-1] % 16 == 0
+    multiples of 16 (M is free: decode batches of any size qualify; an empty batch is not
+    sent to it)."""
+    return (x.is_cuda and x.numel() > 0 and hasattr(torch, "_scaled_mm")
+            and x.shape[-1] % 16 == 0
             and w_q.shape[0] % 16 == 0
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
