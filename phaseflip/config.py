@@ -59,8 +59,8 @@ class EngineConfig:
     overlap_schedule: bool = True
     """Schedule and launch step k+1 before step k's sampled tokens reach the host (they are
     fed to the GPU as device-side placeholders), so the host's scheduling and output work
-    overlaps the GPU. One process, no HiCache, and only for steps whose requests need nothing
-    of the sampled ids on the host: no logprobs, penalties, stop strings, min_new_tokens or
+    overlaps the GPU. Every layout (stage 0's TP ranks get the tokens from rank 0), HiCache
+    on or off; only for steps whose requests need nothing of the sampled ids on the host: no logprobs, penalties, stop strings, min_new_tokens or
     seeds (other steps run synchronously). On the H200: batch-1 decode 95 percent GPU-busy
     (88 without), offline 1000 requests +11 percent."""
     cuda_graph_max_bs: int = 1024
