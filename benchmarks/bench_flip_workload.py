@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import shlex
 import statistics
@@ -72,6 +73,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.add_argument(flag, type=type(default), default=default)
     ap.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--simulate", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--resimulate", default=None, metavar="JSON",
+                    help="no server: simulate again the runs of this result (same trace flags)")
     ap.add_argument("--poll-s", type=float, default=0.25)
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per run")
     ap.add_argument("--out", default=None)
@@ -384,22 +387,29 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.resimulate:  # the simulator again over a result's own runs and calibration
+        result = json.loads(Path(args.resimulate).read_text())
+        trace = make_trace(args)
+        return finish(result, trace, {"steps": result["calibration"],
+                                      "seams": result["seams"]}, args)
     trace = make_trace(args)
     print("workload:", wl.summary(trace))
     calib = calibrate(args, trace) if args.calibrate else None
-    runs = []
-    for run in args.runs.split(","):
-        r = serve_run(run, args, trace, calib)
-        if calib is not None and args.simulate:
-            r["sim"] = simulate_run(r, calib, trace)
-        runs.append(r)
+    runs = [serve_run(run, args, trace, calib) for run in args.runs.split(",")]
     result = {"benchmark": "flip_workload", "workload": wl.summary(trace),
               "spec": None if args.trace else vars(wl.WorkloadSpec(
                   **{k: getattr(args, k) for k in vars(wl.WorkloadSpec())})),
               "runs": runs, "calibration": calib["steps"] if calib else None,
               "seams": calib["seams"] if calib else None}
-    if calib is None:
-        del result["calibration"]
+    write_json(args.out, result)  # the measured runs are kept whatever the simulator does
+    return finish(result, trace, calib, args)
+
+
+def finish(result: dict[str, Any], trace: list[wl.Arrival], calib: dict[str, Any] | None,
+           args: argparse.Namespace) -> dict[str, Any]:
+    if calib is not None and args.simulate:
+        for r in result["runs"]:
+            r["sim"] = simulate_run(r, calib, trace)
     print_report(result)
     if args.plot:
         plot(result, args.plot)

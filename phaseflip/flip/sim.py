@@ -368,7 +368,7 @@ class Simulator:
             self.policy.observe_refill(SimpleNamespace(
                 source=layout_name(source), target=layout_name(target),
                 refill_tokens_prefilled=0, refill_bytes=int(refill * 1e9),
-                refill_rate_gbps=1.0))
+                refill_rate_gbps=1.0, refill_s=refill))
 
     def _step(self) -> None:
         sched, stats = self.scheduler, self.scheduler.stats
