@@ -135,6 +135,26 @@ def test_padding_rows_write_only_the_padding_slot(runner):
     assert k0.shape == k_before.shape
 
 
+def test_a_seams_graphs_are_captured_each_on_first_use(runner):
+    """A phase flip's new layout only prepares its graphs: each size is captured by the first
+    replay that needs it (over the padding batch, before the plan is copied in), and the
+    replay's output is the eager forward's all the same."""
+    graphs = DecodeGraphs(runner.model, runner.pool, TritonAttention(decode_min_chunk=16),
+                          max_bs=8, max_context=256, max_kv_tokens=runner.num_slots,
+                          record=CUDA)
+    graphs.prepare()
+    assert graphs.graphs == {}
+    for lengths, seed, bucket in (([5, 9, 2], 21, {4}), ([4] * 7, 22, {4, 8}),
+                                  ([6, 3, 8], 23, {4, 8})):
+        ctx = _contexts(lengths, seed=seed, first_slot=1 + 250 * (seed % 2))
+        runner.forward(_plan([(t[:-1], s[:-1], 0) for t, s in ctx], decode=False))
+        decode = _plan([(t[-1:], s, len(t) - 1) for t, s in ctx], decode=True)
+        want = runner.forward(decode)
+        got = runner.logits(graphs.replay(decode)[0])
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert set(graphs.graphs) == bucket
+
+
 def test_plans_the_buffers_cannot_hold_run_eagerly(runner):
     graphs = _graphs(runner, max_bs=4)
     ctx = _contexts([3] * 5, seed=3)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -82,6 +83,7 @@ class DistributedRunner:
         self.encoder = PlanEncoder(check=cfg.check_accounting)
         self.hicache_frames = hicache_frames
         self.hicache_channel = DistributedChannel(self) if hicache_frames is not None else None
+        self._awaited: _AwaitedLogits | None = None  # a launched step's logits, not received
         self.closed = False
         try:
             layout = self.ranks.relayout(cfg)
@@ -118,6 +120,10 @@ class DistributedRunner:
         """Rank 0's decode graphs (each rank captures its own)."""
         return self.runner.graphs
 
+    @property
+    def graph_capture(self) -> str | None:
+        return self.runner.graph_capture
+
     def transfer_channel(self, frames: HostFrames, geometry: object) -> DistributedChannel:
         """HiCache's channel to every rank: orders ride the plan broadcast (`Runner`)."""
         if self.hicache_channel is None or frames is not self.hicache_frames:
@@ -128,9 +134,38 @@ class DistributedRunner:
         """The `Runner` forward. `future`: a run-ahead step's previous sampled tokens, on rank
         0's device, which the plan's placeholders name (`StepMessage.future_len`)."""
         logits = self._send(plan, fence=False, future=future)
+        return self._arrived(logits, self.step_no)
+
+    def launch(self, plan: ForwardBatch, future: torch.Tensor | None = None
+               ) -> Callable[[], torch.Tensor]:
+        """`forward` for a run-ahead step, handing back a wait for the logits: when they come
+        from another rank (PP), the driver makes the previous step's outputs while the later
+        stages run, and waits only when it samples. The receive is the step's own hand-off,
+        so anything else rank 0 sends first completes it (`_send`; law 3)."""
+        out = self._send(plan, fence=False, future=future, defer=True)
+        if not callable(out):  # rank 0 is the last stage: the logits are here
+            logits = self._arrived(out, self.step_no)
+            return lambda: logits
+        self._awaited = _AwaitedLogits(self, out, self.step_no)
+        return self._awaited
+
+    def _arrived(self, logits: torch.Tensor, step: int) -> torch.Tensor:
+        """Step `step`'s logits are on rank 0: every rank ran its part of that forward."""
         if self.hicache_channel is not None:
-            self.hicache_channel.completed = self.step_no - 1
+            self.hicache_channel.completed = max(self.hicache_channel.completed, step - 1)
         return logits.to(self.runner.device)
+
+    def _collect(self, receive: Callable[[], torch.Tensor], step: int) -> torch.Tensor:
+        self._awaited = None
+        try:
+            logits = receive()
+        except Exception as e:
+            err = self.ranks.stall_error(e)
+            self.close(graceful=False)
+            raise err from e
+        finally:
+            self.stage.tracker.set("idle")
+        return self._arrived(logits, step)
 
     def fence(self) -> None:
         """Deliver pending HiCache orders and wait until every rank has done all its copies."""
@@ -138,8 +173,10 @@ class DistributedRunner:
         if self.hicache_channel is not None:
             self.hicache_channel.completed = self.step_no
 
-    def _send(self, plan: ForwardBatch | None, fence: bool,
-              future: torch.Tensor | None = None) -> torch.Tensor | None:
+    def _send(self, plan: ForwardBatch | None, fence: bool, future: torch.Tensor | None = None,
+              defer: bool = False) -> torch.Tensor | Callable[[], torch.Tensor] | None:
+        if self._awaited is not None:  # a launched step's logits first (law 3)
+            self._awaited()
         self.step_no += 1
         tracker = self.stage.tracker
         channel = self.hicache_channel
@@ -151,7 +188,7 @@ class DistributedRunner:
         try:
             with tracker.at("broadcasting the plan", self.step_no):
                 self.ranks.broadcast(wire)
-            return self.stage.run(msg, future if n_future else None)
+            return self.stage.run(msg, future if n_future else None, defer)
         except Exception as e:
             err = self.ranks.stall_error(e)
             self.close(graceful=False)
@@ -187,3 +224,17 @@ class DistributedRunner:
             self.ranks.release()
         else:
             self.ranks.close(graceful)
+
+
+class _AwaitedLogits:
+    """A launched step's logits, received at the first call (then kept)."""
+
+    def __init__(self, runner: DistributedRunner, receive: Callable[[], torch.Tensor],
+                 step: int) -> None:
+        self.runner, self.receive, self.step = runner, receive, step
+        self.logits: torch.Tensor | None = None
+
+    def __call__(self) -> torch.Tensor:
+        if self.logits is None:
+            self.logits = self.runner._collect(self.receive, self.step)
+        return self.logits

@@ -59,6 +59,7 @@ class RankSet:
             spec = dataclasses.replace(spec, weight_image=str(weight_image.path))
         self.spec, self.hicache_frames = spec, hicache_frames
         self.closed = False
+        self.serving = False  # set once the launch layout is built
         self.run_dir = tempfile.mkdtemp(prefix="phaseflip-ranks-")
         spawn = mp.get_context("spawn")
         self.workers = [
@@ -91,9 +92,18 @@ class RankSet:
         self.plans.send(msg)  # shared memory on one node (distributed/plan_channel.py)
 
     def relayout(self, cfg: EngineConfig) -> RankLayout:
-        """Every rank drops its layout and builds `cfg`'s; returns rank 0's."""
-        self._guarded(lambda: self.broadcast(Relayout(cfg)), "ordering a relayout")
-        return self._guarded(lambda: self.rank0.relayout(cfg), "building the layout")
+        """Every rank drops its layout and builds `cfg`'s; returns rank 0's. Once the ranks
+        serve (the launch layout is built), a relayout is a seam's: its decode graphs are
+        captured on first use rather than all before the cutover."""
+        layout = self._relayout(cfg, lazy_graphs=self.serving)
+        self.serving = True
+        return layout
+
+    def _relayout(self, cfg: EngineConfig, lazy_graphs: bool) -> RankLayout:
+        msg = Relayout(cfg, lazy_graphs)
+        self._guarded(lambda: self.broadcast(msg), "ordering a relayout")
+        return self._guarded(lambda: self.rank0.relayout(cfg, lazy_graphs),
+                             "building the layout")
 
     def warm_up(self, cfg: EngineConfig) -> None:
         """Builds every other layout the ranks may flip to once, then releases it: the kernels
@@ -106,8 +116,9 @@ class RankSet:
                 # a small KV pool: the kernels and graphs are the same, the launch layout's
                 # pool is sized after it (on the H200 a warmed 8B layout's freed pool once
                 # stayed reserved by its rank, and the launch pool got 57 % of its budget)
-                layout = self.relayout(dataclasses.replace(
-                    cfg, tp_size=tp, pp_size=pp, max_total_tokens=WARM_UP_KV_TOKENS))
+                layout = self._relayout(dataclasses.replace(
+                    cfg, tp_size=tp, pp_size=pp, max_total_tokens=WARM_UP_KV_TOKENS),
+                    lazy_graphs=False)
                 log.info("warmed up layout tp%d×pp%d at launch (rank 0: %s)", tp, pp,
                          ", ".join(f"{k} {v:.2f} s" for k, v in layout.runner.build_s.items()))
                 self.release()

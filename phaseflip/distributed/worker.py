@@ -47,6 +47,7 @@ class Relayout:
     or the first layout after launch). The processes and communicators stay."""
 
     cfg: EngineConfig
+    lazy_graphs: bool = False  # a seam's build: graphs captured on first use, not all now
 
 
 @dataclass
@@ -91,7 +92,7 @@ class RankProcess:
         self.parked: dict[tuple[int, int], LlamaForCausalLM] = {}
         self.tracker.set("idle")
 
-    def relayout(self, cfg: EngineConfig) -> RankLayout:
+    def relayout(self, cfg: EngineConfig, lazy_graphs: bool = False) -> RankLayout:
         """Drops the current layout, builds `cfg`'s (every rank at once: the KV slot space is
         agreed over the group). No rank builds before every rank has released: ranks that
         share a device would otherwise size their pools around each other's old layout."""
@@ -99,7 +100,7 @@ class RankProcess:
         with self.tracker.at("waiting for every rank to release its layout"):
             dist.barrier(group=self.fabric.cpu_group)
         with self.tracker.at(f"building layout tp{cfg.tp_size}×pp{cfg.pp_size}"):
-            self.layout = self._build(cfg)
+            self.layout = self._build(cfg, lazy_graphs)
         parts = ", ".join(f"{k} {v:.3f} s" for k, v in self.layout.runner.build_s.items())
         log.info("rank %d built tp%d×pp%d: %s", self.rank, cfg.tp_size, cfg.pp_size, parts)
         self.tracker.set("idle")
@@ -133,7 +134,7 @@ class RankProcess:
             self.frames.close()
         self.tracker.close()
 
-    def _build(self, cfg: EngineConfig) -> RankLayout:
+    def _build(self, cfg: EngineConfig, lazy_graphs: bool) -> RankLayout:
         groups = self.fabric.groups(cfg.tp_size, cfg.pp_size)
         model_cfg = ModelConfig.from_dir(cfg.model)
         if cfg.pp_size > model_cfg.num_layers:
@@ -166,7 +167,7 @@ class RankProcess:
                                      agree_slots=agree, weights=image, before_sizing=settle,
                                      device_share=_device_share(self.spec, device),
                                      resident=self.parked.pop((cfg.tp_size, cfg.pp_size),
-                                                              None))
+                                                              None), lazy_graphs=lazy_graphs)
         finally:
             if mapped is not None:
                 mapped.close()  # the parameters are copies: the mapping is not needed after
@@ -230,7 +231,7 @@ def worker_main(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | Non
             if msg == RELEASE:
                 proc.release()
             elif isinstance(msg, Relayout):
-                proc.relayout(msg.cfg)
+                proc.relayout(msg.cfg, msg.lazy_graphs)
                 plans = PlanDecoder()  # it mirrors one layout's slot space
             else:
                 _run_step(proc, plans, msg)

@@ -42,6 +42,9 @@ class SeamCensus:
     # rank 0's relayout by part (weights, wait_for_ranks, kv_pool, graphs), seconds; the
     # ranks are the same processes before and after (none start or join at a seam)
     relayout_parts: dict[str, float] | None = None
+    # the new layout's decode graphs: "on first use" (a seam captures none: each size is
+    # captured by the first step that needs it), "at build", None (eager)
+    graph_capture: str | None = None
     kv_slots_before: int | None = None  # the KV slot space of the old layout and the new
     kv_slots_after: int | None = None
     # device memory this process still had allocated once the old layout was torn down
@@ -77,10 +80,12 @@ class SeamCensus:
             f"{k} {v:.3f} s" for k, v in self.relayout_parts.items()) + ")")
         kv = ("" if self.kv_slots_after is None else
               f", KV slots {_or_unmeasured(self.kv_slots_before)} → {self.kv_slots_after}")
+        graphs = "" if self.graph_capture is None else f", graphs {self.graph_capture}"
         return (f"flip {self.source} → {self.target} DONE in {self.total_s:.3f} s: worst "
                 f"segment {name} {self.segments[name]:.3f} s ({100 * share:.0f} %){parts}; "
                 f"retracted {self.retracted}, rows moved {_or_unmeasured(self.rows_moved)}, "
-                f"fence {fence}, weights {self.weights}{self._weights_detail()}{kv}{held}")
+                f"fence {fence}, weights {self.weights}{self._weights_detail()}{kv}{held}"
+                f"{graphs}")
 
     def _weights_detail(self) -> str:
         if self.weights_load_s is None:

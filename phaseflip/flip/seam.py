@@ -2,8 +2,8 @@
 
 Design law 6, in order: fence (HiCache persists every cached prefix to its tiers) → retract
 every resident request → drop the device prefix tree, evicting first so its slots return to the
-allocator → re-layout (the old ranks are stopped, new ones start with the new layout and their
-own KV pool) → cutover → re-admit. Nothing of the KV pool is carried across (`rows_moved`, read
+allocator → re-layout (every rank releases its layout and builds the new one on the same
+processes and the communicators made at launch, with a new KV pool) → cutover → re-admit. Nothing of the KV pool is carried across (`rows_moved`, read
 off the new pool before anything is re-admitted, is 0): retracted requests sit at the front of
 the waiting queue, in their admission order, and the next steps re-admit them, their prompt and
 output so far read through from the host tier (re-prefilled only past the last full page it
@@ -20,15 +20,15 @@ unbound from the old layout once nothing is in flight and the tree is gone (it r
 otherwise), and bound to the new one; only the ranks, their KV pools and the transfer channel
 are new.
 
-Weights strategy (`--flip-weights`, `model/weight_image.py`): `host-image` — the engine
-holds an image of the checkpoint in shared host memory (built once at launch; it crosses the
-seam like the host frames), and the new ranks copy their shards from it, checksummed, instead
-of reading the checkpoint from disk; `reload` — they load as at start (from the checkpoint, or
-re-initialised for dummy weights, which have no checkpoint). The census reports which, with
-rank 0's load timings (`weights_read_s`, `weights_h2d_wait_s`, `weights_drain_s`; the other
-ranks load alike and log theirs; `flip/weights.py`). The dual-resident and device-to-device
-strategies of MISSION C6, and a planner choosing among them, are not built yet. Each
-segment is timed (the seam census); the DONE line names the worst segment and its share.
+Weights strategy (`--flip-weights`, chosen at launch by `flip/weights.py`): `resident` — every
+layout's shards stay on the devices and the new layout builds on the ones parked at launch
+(nothing moves); `host-image` — the engine holds an image of the checkpoint in shared host
+memory (built once at launch; it crosses the seam like the host frames), and the ranks copy
+their shards from it, checksummed, instead of reading the checkpoint from disk; `reload` —
+they load as at start (from the checkpoint, or re-initialised for dummy weights). The census
+reports which, with rank 0's load timings and bytes moved (the other ranks log theirs). The
+device-to-device strategy of MISSION C6 is not built. The new layout's decode graphs are
+captured each on its first use, not in the seam (`graph_capture`). Each segment is timed (the seam census); the DONE line names the worst segment and its share.
 What follows the cutover (the refill of the retracted requests, the warm-up of served
 latency) is measured by `flip/ledger.py`, which completes the census's refill fields
 in place.
@@ -144,6 +144,7 @@ def _mutate(host: LayoutHost, census: SeamCensus, segment, target_cfg) -> None:
         runner = host.install_layout(target_cfg)
         record_weights(census, runner.weights_load)
         census.relayout_parts = dict(runner.build_s)
+        census.graph_capture = runner.graph_capture
         acc = host.check_pool()
         census.kv_slots_after = acc.total
         census.rows_moved = acc.total - acc.free  # nothing is re-admitted yet (law 6)

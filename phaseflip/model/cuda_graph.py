@@ -17,8 +17,12 @@ engine admits (the kernels cut each sequence's split-K chunks from its own devic
 so one graph serves every mix of context lengths. A plan the buffers cannot hold (more context
 slots than the static `kv_indices`, a batch above the largest size) runs eagerly instead.
 
-Sizes are captured largest first into one shared memory pool: graphs never run concurrently,
-so each smaller graph reuses the larger ones' intermediate memory.
+Sizes are captured into one shared memory pool: graphs never run concurrently, so each graph
+reuses the others' intermediate memory. At launch every size is captured, largest first
+(`capture`); a phase flip's new layout only prepares (`prepare`) and captures each size on its
+first replay, so the seam does not wait for sizes the next steps may never use (an 8B pp2
+stage took 0.38-0.57 s to capture all of them on the H200). A first-use capture runs over the
+padding batch, before the plan is copied in, and every TP rank reaches it at the same step.
 
 With `record=False` nothing is captured and a replay runs the same forward eagerly over the
 same static buffers: the CPU tests use it to check the buffer filling, the padding and the
@@ -106,6 +110,16 @@ class DecodeGraphs:
             self.in_residual = torch.zeros(n, width, dtype=dtype, device=device)
         self.graphs: dict[int, _Captured] = {}
         self._rope_table: torch.Tensor | None = None
+        self._mempool = self._side = None  # set by `prepare`
+
+    def _reset_buffers(self) -> None:
+        """The static buffers as a valid padding batch (every sequence one token over slot
+        0), what the warm-up runs of a capture execute."""
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.out_cache_loc.fill_(PAD_SLOT)
+        torch.arange(self.max_bs + 1, out=self.kv_indptr)
+        self.kv_indices.fill_(PAD_SLOT)
 
     # ------------------------------------------------------------------ capture
     def _static_batch(self, bs: int) -> ForwardBatch:
@@ -141,38 +155,50 @@ class DecodeGraphs:
             skinny.warmup(shapes, weights[0].dtype, self.device, m_values=m_values)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Captures every size (largest first). The static buffers hold a valid padding batch
-        (every sequence one token over slot 0) for the warm-up runs that compile kernels."""
+    def prepare(self) -> None:
+        """What every capture needs: the rope table at full length, the skinny GEMMs compiled
+        with their workspace sized, the graphs' memory pool and capture stream. Sizes are then
+        captured all at once (`capture`) or each on its first replay (`replay`)."""
         self.model.rope.ensure_capacity(self.max_context)
         self._rope_table = self.model.rope.cos_cache  # the table the graphs will read
         self._warm_linears()
-        if not self.record:
-            for bs in self.sizes:
-                batch = self._static_batch(bs)
-                self.graphs[bs] = _Captured(batch, None, None, None, None)
-            return
-        mempool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.device)
-        torch.cuda.synchronize(self.device)
+        if self.record:
+            self._mempool = torch.cuda.graph_pool_handle()
+            self._side = torch.cuda.Stream(self.device)
+
+    def capture(self) -> None:
+        """Captures every size (largest first: the smaller ones reuse its pool memory)."""
+        self.prepare()
         for bs in tqdm(sorted(self.sizes, reverse=True), desc="capturing CUDA graphs",
-                       unit="graph", leave=False):
-            batch = self._static_batch(bs)
-            state = self.backend.bind_graph_batch(batch, self.max_context)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):  # compile/autotune outside the capture
-                    self._run(batch)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: other threads' CUDA calls (the NCCL watchdog querying its events,
-            # HiCache copies) may not invalidate this capture
-            with torch.cuda.graph(graph, pool=mempool, stream=side,
-                                  capture_error_mode="thread_local"):
-                hidden, residual = self._run(batch)
-            self.graphs[bs] = _Captured(batch, graph, hidden, residual, state)
-        torch.cuda.synchronize(self.device)
+                       unit="graph", leave=False, disable=not self.record):
+            self._capture_one(bs)
         log.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+
+    @torch.inference_mode()
+    def _capture_one(self, bs: int) -> None:
+        """Captures one size over the padding batch in the static buffers. Every TP rank
+        captures a size at the same step (they replay the same plans), so the all-reduces
+        inside the captures pair up."""
+        batch = self._static_batch(bs)
+        if not self.record:
+            self.graphs[bs] = _Captured(batch, None, None, None, None)
+            return
+        side = self._side
+        torch.cuda.synchronize(self.device)
+        state = self.backend.bind_graph_batch(batch, self.max_context)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compile/autotune outside the capture
+                self._run(batch)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads' CUDA calls (the NCCL watchdog querying its events,
+        # HiCache copies) may not invalidate this capture
+        with torch.cuda.graph(graph, pool=self._mempool, stream=side,
+                              capture_error_mode="thread_local"):
+            hidden, residual = self._run(batch)
+        self.graphs[bs] = _Captured(batch, graph, hidden, residual, state)
+        torch.cuda.synchronize(self.device)
 
     def release(self) -> None:
         """Frees the graphs. Under TP this must happen before the NCCL communicator is
@@ -204,6 +230,9 @@ class DecodeGraphs:
         into the static ids, so a run-ahead step moves no other copy of its plan."""
         b = plan.batch_size
         bs = self.sizes[bisect.bisect_left(self.sizes, b)]
+        if bs not in self.graphs:  # captured on first use (a phase flip's new layout)
+            self._reset_buffers()
+            self._capture_one(bs)
         if self.in_hidden is not None:
             self.in_hidden[:b].copy_(hidden)
             self.in_residual[:b].copy_(residual)

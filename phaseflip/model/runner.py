@@ -118,6 +118,9 @@ class Runner(Protocol):
     @property
     def graphs(self) -> object | None: ...  # rank 0's decode graphs, None when eager
 
+    @property
+    def graph_capture(self) -> str | None: ...  # "at build", "on first use"; None: eager
+
     def forward(self, plan: ForwardBatch, future: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [len(plan.logits_indices), vocab]. `future`: the previous step's
         sampled tokens on the device, which placeholder ids in `plan` name (overlap; one
@@ -146,14 +149,15 @@ class ModelRunner:
     memory (a group's barrier: every rank's weights are in, every old layout is gone);
     `device_share`: how many ranks share this device, each sized to its part of the budget.
     `resident`: this layout's model, weights loaded, parked on the device by an earlier build
-    (the dual-resident flip strategy): nothing is loaded."""
+    (the dual-resident flip strategy): nothing is loaded. `lazy_graphs`: decode graphs are
+    captured each on its first use instead of all at build (a phase flip's seam)."""
 
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, layout: Layout | None = None,
                  device: torch.device | None = None,
                  agree_slots: Callable[[int], int] | None = None,
                  weights: WeightImage | None = None,
                  before_sizing: Callable[[], None] | None = None, device_share: int = 1,
-                 resident: LlamaForCausalLM | None = None):
+                 resident: LlamaForCausalLM | None = None, lazy_graphs: bool = False):
         t0 = time.perf_counter()
         self.cfg, self.model_cfg = cfg, model_cfg
         self.layout = layout or Layout()
@@ -195,14 +199,18 @@ class ModelRunner:
         log.info("KV pool: %d slots on %s (%s)", self.num_slots, self.device, self.kv_dtype)
         self._workspace_held = _gemm_workspace(self.device, hold=True)
         t_pool = time.perf_counter()
-        self.graphs = self._capture_graphs()
+        self.graphs = self._capture_graphs(lazy_graphs)
+        # how the decode graphs came: None (eager), "at build" or "on first use"
+        self.graph_capture = (None if self.graphs is None else
+                              "on first use" if lazy_graphs else "at build")
         # how long building this rank took, by part (a flip's census reads rank 0's)
         self.build_s = {"weights": t_weights - t0, "wait_for_ranks": t_sizing - t_weights,
                         "kv_pool": t_pool - t_sizing, "graphs": time.perf_counter() - t_pool}
         self.closed = False
 
-    def _capture_graphs(self):
-        """Decode CUDA graphs of this rank's stage. TP collectives are captured with the layers
+    def _capture_graphs(self, lazy: bool):
+        """Decode CUDA graphs of this rank's stage (`lazy`: prepared, each size captured on
+        its first replay). TP collectives are captured with the layers
         when they run on NCCL; a TP group on gloo staging through the host (several ranks on one
         GPU, for correctness runs) cannot be captured and runs eagerly."""
         cfg = self.cfg
@@ -219,7 +227,10 @@ class ModelRunner:
             max_context=cfg.max_model_len or self.model_cfg.max_position_embeddings,
             max_kv_tokens=self.num_slots,
         )
-        graphs.capture()
+        if lazy:
+            graphs.prepare()
+        else:
+            graphs.capture()
         return graphs
 
     def release_graphs(self) -> None:
