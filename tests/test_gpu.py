@@ -100,3 +100,25 @@ def test_cuda_graph_decode_matches_eager(arch, model_dirs, make_engine):
         torch.testing.assert_close(torch.tensor(a.outputs[0].logprobs),
                                    torch.tensor(b.outputs[0].logprobs),
                                    rtol=0, atol=1e-4)
+
+
+@pytest.mark.timeout(300, method="thread")
+@pytest.mark.parametrize("strategy", ["resident", "reload"])
+def test_live_flips_on_one_gpu_match_single_process(strategy, model_dirs):
+    """Two ranks sharing one GPU flip tp2 → pp2 → tp2 → pp2 mid-generation (fp32 greedy):
+    the tokens equal the single-process GPU engine's, the pp2 layout's graphs are captured on
+    first use (none in the seam), and the KV slot space is the same after every flip."""
+    from phaseflip import Engine
+    from tests.test_flip import FLIP, _drive
+
+    prompts = prompts_for(300)
+    cfg = {"device": "cuda", "dtype": "float32", "max_total_tokens": 4096}
+    with Engine(str(model_dirs["llama"]), **cfg) as e:
+        want, _ = _drive(e, prompts, {})
+    with Engine(str(model_dirs["llama"]), tp_size=2, dist_timeout_s=120, dist_backend="gloo",
+                flip_weights=strategy, **FLIP, **cfg) as e:
+        got, censuses = _drive(e, prompts, {2: (1, 2), 6: (2, 1), 9: (1, 2)})
+    assert [c.graph_capture for c in censuses] == ["on first use", None, "on first use"]
+    assert {c.kv_slots_after for c in censuses} == {censuses[0].kv_slots_before}
+    for rid, (ids, _, _) in got.items():
+        assert ids == want[rid][0], rid
