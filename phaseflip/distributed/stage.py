@@ -15,6 +15,7 @@ every EARLIER message (see `run`), and a fence message waits for all copies on e
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,12 +99,15 @@ class StageExecutor:
         self.pipes = (StagePipes(None, self.spec.timeout_s) if self.staged
                       and self.spec.world_size == self.spec.ranks_per_node else None)
 
-    def run(self, msg: StepMessage, future: torch.Tensor | None = None) -> torch.Tensor | None:
+    def run(self, msg: StepMessage, future: torch.Tensor | None = None,
+            defer: bool = False) -> torch.Tensor | Callable[[], torch.Tensor] | None:
         """Executes one message. The forward of message m starts only after this rank's copies
         of messages < m (a load of m-1 is read by m at the earliest; a store's slots may be
         reused from m+1 on). The copies of m itself overlap m's forward: they touch no slot the
         forward reads or writes, which the driver guarantees. `future`: rank 0's previous
-        sampled tokens, for a run-ahead step (`msg.future_len` of them)."""
+        sampled tokens, for a run-ahead step (`msg.future_len` of them). `defer` (rank 0):
+        when the logits come from another rank, return the receive to call instead of
+        waiting (`DistributedRunner.launch`)."""
         xfer = self.transfers
         if xfer is not None:
             if msg.plan is not None:
@@ -112,7 +116,7 @@ class StageExecutor:
                 xfer.execute(msg.transfers)
         if msg.future_len and self.first:
             future = self._share_future(msg, future)
-        out = self.execute(msg.step, msg.plan, future) if msg.plan is not None else None
+        out = self.execute(msg.step, msg.plan, future, defer) if msg.plan is not None else None
         if msg.fence:
             with self.tracker.at("HiCache fence: waiting for copies and every rank", msg.step):
                 if xfer is not None:
@@ -162,8 +166,8 @@ class StageExecutor:
             dist.broadcast(buf, src=0, group=self.groups.tp_group)
         return buf.to(self.runner.device)
 
-    def execute(self, step: int, plan: ForwardBatch,
-                future: torch.Tensor | None = None) -> torch.Tensor | None:
+    def execute(self, step: int, plan: ForwardBatch, future: torch.Tensor | None = None,
+                defer: bool = False) -> torch.Tensor | Callable[[], torch.Tensor] | None:
         """Runs the plan; returns the float32 logits on the driver, None elsewhere. `future`
         (stage 0 of a run-ahead step): the tokens the plan's placeholders name."""
         tr, runner = self.tracker, self.runner
@@ -188,9 +192,9 @@ class StageExecutor:
             for work, _keep in pending:
                 work.wait()
         out = torch.cat(logits) if logits else None
-        return self._logits_to_driver(step, plan, out)
+        return self._logits_to_driver(step, plan, out, defer)
 
-    def _logits_to_driver(self, step: int, plan: ForwardBatch, logits) -> torch.Tensor | None:
+    def _logits_to_driver(self, step: int, plan: ForwardBatch, logits, defer: bool = False):
         rank, last_rank0 = self.groups.rank, (self.spec.pp_size - 1) * self.spec.tp_size
         if rank == 0 and self.last:
             return logits
@@ -199,9 +203,13 @@ class StageExecutor:
                 self._send(logits, 0)
         elif rank == 0:
             rows = int(plan.logits_indices.numel())
-            with self.tracker.at(f"recv logits from rank {last_rank0}", step):
-                return self._recv((rows, self.runner.model_cfg.vocab_size), torch.float32,
-                                  last_rank0)
+
+            def receive() -> torch.Tensor:
+                with self.tracker.at(f"recv logits from rank {last_rank0}", step):
+                    return self._recv((rows, self.runner.model_cfg.vocab_size),
+                                      torch.float32, last_rank0)
+
+            return receive if defer else receive()
         return None
 
     # -------------------------------------------------------------- point to point

@@ -414,7 +414,7 @@ class EngineCore:
         logits = None
         try:
             if batch is not None:
-                logits = self.runner.forward(batch.plan, prev.tokens if prev else None)
+                logits = self._launch(batch.plan, prev.tokens if prev else None)
                 self.scheduler.advance(batch)
                 if self.flip_telemetry is not None:
                     self.flip_telemetry.on_items(batch.items)
@@ -431,6 +431,14 @@ class EngineCore:
             if not it.samples and it.req.prompt_only_done:
                 deltas.append(self.outputs.end(it.req, "length"))
         return deltas
+
+    def _launch(self, plan, future):
+        """A run-ahead step's forward. A TP/PP runner hands back a wait for logits that come
+        from another rank (PP): the previous step's outputs are made while the later stages
+        run, and `sample_ahead` waits (`DistributedRunner.launch`)."""
+        if self._ranks is not None:
+            return self.runner.launch(plan, future)
+        return self.runner.forward(plan, future)
 
     def _drain(self) -> list[StreamDelta]:
         """Takes an in-flight step's tokens (before a synchronous step or a flip)."""

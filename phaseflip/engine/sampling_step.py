@@ -9,6 +9,7 @@ requests whose token is still on the device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -76,14 +77,19 @@ class SamplingStep:
             result[it] = (out.token_ids[i], lp, top)
         return result
 
-    def sample_ahead(self, batch: ScheduledBatch, logits: torch.Tensor) -> InFlight | None:
+    def sample_ahead(self, batch: ScheduledBatch,
+                     logits: torch.Tensor | Callable[[], torch.Tensor]) -> InFlight | None:
         """Samples on the device without waiting; the tokens start their way to the host.
         The previous step's tokens are on the host already (`OutputProcessor.take_tokens`),
-        so grammar masks are filled here, on the host, while the device runs this step."""
+        so grammar masks are filled here, on the host, while the device runs this step.
+        `logits` may be a wait for them (a PP runner's last stage is another rank): called
+        after the masks, as late as possible."""
         items = [it for it in batch.items if it.samples]
         if not items:
             return None
         mask = None if self.grammars is None else self.grammars.masks([it.req for it in items])
+        if callable(logits):
+            logits = logits()
         tokens = self.sampler.sample_on_device(logit_rows(items, logits), _inputs(items), mask)
         for i, it in enumerate(items):
             it.req.pending, it.req.future_row = 1, i
