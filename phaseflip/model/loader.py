@@ -177,6 +177,23 @@ def checkpoint_tensor_names(model_dir: str | os.PathLike[str]) -> set[str]:
     return {name for plan in _plan(model_dir) for name in plan.names}
 
 
+def read_checkpoint_tensors(model_dir: str | os.PathLike[str], names: set[str]
+                            ) -> dict[str, torch.Tensor]:
+    """The tensors of `names` the checkpoint holds (others are absent from the result), read
+    without the rest: for a few small tensors, such as KV cache scales."""
+    out: dict[str, torch.Tensor] = {}
+    for plan in _plan(model_dir):
+        wanted = [n for n in plan.names if n in names]
+        if not wanted:
+            continue
+        try:
+            with safe_open(str(plan.path), framework="pt", device="cpu") as f:
+                out.update({n: f.get_tensor(n) for n in wanted})
+        except SafetensorError as exc:
+            raise ModelLoadError(f"cannot read safetensors file ({exc}): {plan.path}") from exc
+    return out
+
+
 def checkpoint_tensor_specs(
     model_dir: str | os.PathLike[str],
 ) -> list[tuple[str, str, list[int], int]]:

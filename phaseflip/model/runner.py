@@ -32,6 +32,7 @@ from phaseflip.model.config import ModelConfig
 from phaseflip.model.layers import HAS_TRITON
 from phaseflip.model.llama import LlamaForCausalLM
 from phaseflip.model.quant import resolve_quantization
+from phaseflip.model.quant.kv_scales import load_kv_scales
 from phaseflip.model.weight_image import WeightImage, WeightsLoad, load_model_weights
 
 log = logging.getLogger(__name__)
@@ -196,6 +197,7 @@ class ModelRunner:
             self.num_slots, (self.model.start_layer, self.model.end_layer), kv_heads,
             model_cfg.head_dim, self.kv_dtype, self.device,
         )
+        load_kv_scales(self.pool, self.model, model_cfg.model_dir, cfg.load_format)  # FP8
         log.info("KV pool: %d slots on %s (%s)", self.num_slots, self.device, self.kv_dtype)
         self._workspace_held = _gemm_workspace(self.device, hold=True)
         t_pool = time.perf_counter()
