@@ -32,7 +32,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "schedule_policy": ("fcfs", "lpm"),
     "hicache_write_policy": ("write_through", "write_back"),
     "dist_backend": ("auto", "gloo", "nccl"),
-    "flip_weights": ("auto", "resident", "host-image", "reload"),
+    "flip_weights": ("auto", "resident", "peer", "host-image", "reload"),
     "flip_policy": ("manual", "auto"),
     "log_level": LOG_LEVELS,
 }

@@ -13,10 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from phaseflip import Engine, SamplingParams
 from phaseflip.cache.hicache import page_keys
 from phaseflip.errors import InvalidRequestError
+from phaseflip.flip.weights import shard_bytes
+from phaseflip.model.config import ModelConfig
 from tests.conftest import prompts_for
 
 pytestmark = pytest.mark.timeout(240, method="thread")  # signals cannot interrupt gloo
@@ -486,7 +489,7 @@ def test_a_target_outside_flip_layouts_is_refused_before_the_seam(model_dirs):
         check_target(cfg, ModelConfig.from_dir(model_dirs["llama"]), 2, 2)
 
 
-@pytest.mark.parametrize("strategy", ["resident", "host-image", "reload"])
+@pytest.mark.parametrize("strategy", ["resident", "peer", "host-image", "reload"])
 def test_each_weights_strategy_matches_the_unflipped_run(model_dirs, strategy):
     """tp2 → pp2 → tp2 → pp2 with each weights strategy forced, flips mid-prefill and
     mid-decode, with n = 2 beside n = 1: every output equals the single-process run, and the
@@ -508,9 +511,13 @@ def test_each_weights_strategy_matches_the_unflipped_run(model_dirs, strategy):
         assert e.core.cfg.flip_weights == strategy
         got, censuses = run(e, flips)
     assert [c.weights for c in censuses] == [strategy] * 3
-    for c in censuses:
+    model_cfg = ModelConfig.from_dir(str(model_dirs["llama"]))
+    for c, target in zip(censuses, flips.values(), strict=True):
         if strategy == "resident":
             assert c.weights_bytes_moved == 0 and c.relayout_parts["weights"] < 0.05
+        elif strategy == "peer":  # only the slices rank 0 lacked, less than its shard
+            shard = shard_bytes(model_cfg, *target, torch.float32)[0]
+            assert 0 < c.weights_bytes_moved < shard, (c.weights_bytes_moved, shard)
         else:
             assert c.weights_bytes_moved > 0
     assert set(got) == set(want)

@@ -44,6 +44,11 @@ def test_auto_parks_the_other_layout_when_it_fits(model_dirs):
     assert fits.strategy == "resident" and fits.parked_bytes == parked
     tight = plan_weights(cfg, m, LAYOUTS, torch.float32, int(parked / RESIDENT_MAX_SHARE) - 1)
     assert tight.strategy == "host-image" and "over 25 %" in tight.reason
+    nccl = plan_weights(cfg, m, LAYOUTS, torch.float32, int(parked / RESIDENT_MAX_SHARE) - 1,
+                        "nccl")
+    assert nccl.strategy == "peer" and "NCCL" in nccl.reason
+    fp8 = EngineConfig(quantization="fp8", **FLIP)
+    assert plan_weights(fp8, m, LAYOUTS, torch.float32, 1, "nccl").strategy == "host-image"
     dummy = EngineConfig(load_format="dummy", **FLIP)
     assert plan_weights(dummy, m, LAYOUTS, torch.float32, parked).strategy == "reload"
     assert plan_weights(cfg, m, LAYOUTS, torch.float32, None).strategy == "host-image"
@@ -51,7 +56,7 @@ def test_auto_parks_the_other_layout_when_it_fits(model_dirs):
 
 def test_a_forced_strategy_is_kept_and_no_flips_reload(model_dirs):
     m = _model(model_dirs)
-    for forced in ("resident", "host-image", "reload"):
+    for forced in ("resident", "peer", "host-image", "reload"):
         cfg = EngineConfig(flip_weights=forced, **FLIP)
         assert plan_weights(cfg, m, LAYOUTS, torch.float32, 1).strategy == forced
     one = EngineConfig(device="cpu")
@@ -68,3 +73,12 @@ def test_the_engine_resolves_auto_once_for_every_rank(model_dirs):
         assert e.core.cfg.flip_weights == "resident"
         assert e.core.weights_plan.strategy == "resident"
         assert "% of its" in e.core.weights_plan.line()
+
+
+def test_peer_is_refused_for_weights_quantized_at_load():
+    import pytest
+
+    from phaseflip.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="quantized at load"):
+        EngineConfig(flip_weights="peer", quantization="fp8", **FLIP)

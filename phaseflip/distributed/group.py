@@ -61,13 +61,9 @@ class DistSpec:
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> DistSpec:
         addr = cfg.dist_init_addr or f"127.0.0.1:{free_port()}"
-        backend = cfg.dist_backend
         per_node = cfg.world_size // cfg.nnodes
-        if backend == "auto":
-            gpus = torch.cuda.device_count() if cfg.device != "cpu" else 0
-            backend = "nccl" if gpus >= per_node and cfg.device != "cpu" else "gloo"
-        return cls(cfg.world_size, cfg.tp_size, cfg.pp_size, addr, backend, cfg.dist_timeout_s,
-                   per_node, cfg.node_rank, layouts=runnable_layouts(cfg))
+        return cls(cfg.world_size, cfg.tp_size, cfg.pp_size, addr, dist_backend(cfg),
+                   cfg.dist_timeout_s, per_node, cfg.node_rank, layouts=runnable_layouts(cfg))
 
     def with_layout(self, tp_size: int, pp_size: int) -> DistSpec:
         return dataclasses.replace(self, tp_size=tp_size, pp_size=pp_size)
@@ -75,6 +71,16 @@ class DistSpec:
     def local_ranks(self) -> range:
         start = self.node_rank * self.ranks_per_node
         return range(start, start + self.ranks_per_node)
+
+
+def dist_backend(cfg: EngineConfig) -> str:
+    """--dist-backend resolved: NCCL when every local rank has a GPU of its own, else gloo
+    (CPU ranks, or several ranks sharing a GPU, staging their tensors through the host)."""
+    if cfg.dist_backend != "auto":
+        return cfg.dist_backend
+    per_node = cfg.world_size // cfg.nnodes
+    gpus = torch.cuda.device_count() if cfg.device != "cpu" else 0
+    return "nccl" if gpus >= per_node and cfg.device != "cpu" else "gloo"
 
 
 def runnable_layouts(cfg: EngineConfig) -> tuple[tuple[int, int], ...]:

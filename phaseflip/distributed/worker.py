@@ -26,6 +26,7 @@ from phaseflip.config import EngineConfig
 from phaseflip.distributed.group import DistSpec, RankGroups, join, rank_device
 from phaseflip.distributed.plan_channel import plan_channel
 from phaseflip.distributed.plan_codec import PlanDecoder
+from phaseflip.distributed.reshard import PeerWeights
 from phaseflip.distributed.stage import StageExecutor, StepMessage
 from phaseflip.distributed.watchdog import PositionTracker
 from phaseflip.heap import release_freed_heap
@@ -90,6 +91,8 @@ class RankProcess:
         self.layout: RankLayout | None = None
         # resident weights: the shards of the layouts this rank does not run now, by (tp, pp)
         self.parked: dict[tuple[int, int], LlamaForCausalLM] = {}
+        # peer weights: the released layout's config and model, until the next build
+        self.handover: tuple[EngineConfig, LlamaForCausalLM] | None = None
         self.tracker.set("idle")
 
     def relayout(self, cfg: EngineConfig, lazy_graphs: bool = False) -> RankLayout:
@@ -97,14 +100,27 @@ class RankProcess:
         agreed over the group). No rank builds before every rank has released: ranks that
         share a device would otherwise size their pools around each other's old layout."""
         self.release()
+        peer = self._take_handover(cfg)
         with self.tracker.at("waiting for every rank to release its layout"):
             dist.barrier(group=self.fabric.cpu_group)
         with self.tracker.at(f"building layout tp{cfg.tp_size}×pp{cfg.pp_size}"):
-            self.layout = self._build(cfg, lazy_graphs)
+            self.layout = self._build(cfg, lazy_graphs, peer)
         parts = ", ".join(f"{k} {v:.3f} s" for k, v in self.layout.runner.build_s.items())
         log.info("rank %d built tp%d×pp%d: %s", self.rank, cfg.tp_size, cfg.pp_size, parts)
         self.tracker.set("idle")
         return self.layout
+
+    def _take_handover(self, cfg: EngineConfig) -> PeerWeights | None:
+        """The peer strategy: the released layout's model, kept for the next build to take
+        its slices from (and freed once it has)."""
+        if self.handover is None:
+            return None
+        (old, model), self.handover = self.handover, None
+        device = next(model.parameters()).device
+        staged = self.spec.backend == "gloo" and device.type == "cuda"
+        return PeerWeights.between(self.rank, model, (old.tp_size, old.pp_size),
+                                   (cfg.tp_size, cfg.pp_size), ModelConfig.from_dir(cfg.model),
+                                   staged)
 
     def release(self, park: bool = True) -> None:
         """Drops the running layout; with resident weights (and `park`) its model stays on
@@ -112,11 +128,13 @@ class RankProcess:
         if self.layout is not None:
             layout, self.layout = self.layout, None
             cfg = layout.runner.cfg
-            keep = park and cfg.flip_weights == "resident"
+            keep = park and cfg.flip_weights in ("resident", "peer")
             with self.tracker.at("releasing the layout"):
                 model = layout.release(keep_weights=keep)
-            if model is not None:
+            if model is not None and cfg.flip_weights == "resident":
                 self.parked[(cfg.tp_size, cfg.pp_size)] = model
+            elif model is not None:  # peer: the next build takes its slices, then frees it
+                self.handover = (cfg, model)
             release_freed_heap()
             device = layout.runner.device
             if device.type == "cuda":
@@ -130,11 +148,15 @@ class RankProcess:
         for model in self.parked.values():
             free_model(model)
         self.parked.clear()
+        if self.handover is not None:
+            free_model(self.handover[1])
+            self.handover = None
         if self._own_frames and self.frames is not None:
             self.frames.close()
         self.tracker.close()
 
-    def _build(self, cfg: EngineConfig, lazy_graphs: bool) -> RankLayout:
+    def _build(self, cfg: EngineConfig, lazy_graphs: bool,
+               peer: PeerWeights | None = None) -> RankLayout:
         groups = self.fabric.groups(cfg.tp_size, cfg.pp_size)
         model_cfg = ModelConfig.from_dir(cfg.model)
         if cfg.pp_size > model_cfg.num_layers:
@@ -167,7 +189,8 @@ class RankProcess:
                                      agree_slots=agree, weights=image, before_sizing=settle,
                                      device_share=_device_share(self.spec, device),
                                      resident=self.parked.pop((cfg.tp_size, cfg.pp_size),
-                                                              None), lazy_graphs=lazy_graphs)
+                                                              None), lazy_graphs=lazy_graphs,
+                                     weights_from=peer)
         finally:
             if mapped is not None:
                 mapped.close()  # the parameters are copies: the mapping is not needed after

@@ -118,14 +118,14 @@ class EngineCore:
         self.weights_plan = None
         if not cfg.enable_flip or cfg.world_size < 2:
             return cfg
-        from phaseflip.distributed.group import runnable_layouts
+        from phaseflip.distributed.group import dist_backend, runnable_layouts
         from phaseflip.flip.weights import plan_weights, rank_budget
         from phaseflip.model.runner import resolve_device, resolve_dtype
 
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, self.model_cfg, device)
         plan = plan_weights(cfg, self.model_cfg, runnable_layouts(cfg), dtype,
-                            rank_budget(cfg, device))
+                            rank_budget(cfg, device), dist_backend(cfg))
         log.info(plan.line())
         self.weights_plan = plan
         return replace(cfg, flip_weights=plan.strategy)

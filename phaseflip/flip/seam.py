@@ -3,14 +3,14 @@
 Design law 6, in order: fence (HiCache persists every cached prefix to its tiers) → retract
 every resident request → drop the device prefix tree, evicting first so its slots return to the
 allocator → re-layout (every rank releases its layout and builds the new one on the same
-processes and the communicators made at launch, with a new KV pool) → cutover → re-admit. Nothing of the KV pool is carried across (`rows_moved`, read
-off the new pool before anything is re-admitted, is 0): retracted requests sit at the front of
-the waiting queue, in their admission order, and the next steps re-admit them, their prompt and
-output so far read through from the host tier (re-prefilled only past the last full page it
-holds). Retraction comes strictly before the tree reset: a reset first would orphan the nodes
-the requests still lock. The pool accounting (`total = free + evictable + locked`) is checked
-after the drop and after the re-layout, the host tier's own (every frame free, mapped or
-reserved) after the re-layout.
+processes and the communicators made at launch, with a new KV pool) → cutover → re-admit.
+Nothing of the KV pool is carried across (`rows_moved`, read off the new pool before anything
+is re-admitted, is 0): retracted requests sit at the front of the waiting queue, in their
+admission order, and the next steps re-admit them, their prompt and output so far read through
+from the host tier (re-prefilled only past the last full page it holds). Retraction comes
+strictly before the tree reset: a reset first would orphan the nodes the requests still lock.
+The pool accounting (`total = free + evictable + locked`) is checked after the drop and after
+the re-layout, the host tier's own (every frame free, mapped or reserved) after the re-layout.
 
 The seam talks to the engine only through `LayoutHost` (`flip/host.py`): it retracts, drops the
 device tree, retires the old layout bundle and installs a new one, and never assigns an
@@ -22,17 +22,17 @@ are new.
 
 Weights strategy (`--flip-weights`, chosen at launch by `flip/weights.py`): `resident` — every
 layout's shards stay on the devices and the new layout builds on the ones parked at launch
-(nothing moves); `host-image` — the engine holds an image of the checkpoint in shared host
-memory (built once at launch; it crosses the seam like the host frames), and the ranks copy
-their shards from it, checksummed, instead of reading the checkpoint from disk; `reload` —
-they load as at start (from the checkpoint, or re-initialised for dummy weights). The census
-reports which, with rank 0's load timings and bytes moved (the other ranks log theirs). The
-device-to-device strategy of MISSION C6 is not built. The new layout's decode graphs are
-captured each on its first use, not in the seam (`graph_capture`). Each segment is timed (the seam census); the DONE line names the worst segment and its share.
-What follows the cutover (the refill of the retracted requests, the warm-up of served
-latency) is measured by `flip/ledger.py`, which completes the census's refill fields
-in place.
-"""
+(nothing moves); `peer` — each rank keeps the slices it holds and receives the rest from the
+ranks holding them (`distributed/reshard.py`); `host-image` — the engine holds an image of the
+checkpoint in shared host memory (built once at launch; it crosses the seam like the host
+frames), and the ranks copy their shards from it, checksummed, instead of reading the
+checkpoint from disk; `reload` — they load as at start (from the checkpoint, or re-initialised
+for dummy weights). The census reports which, with rank 0's load timings and bytes moved (the
+other ranks log theirs). The new layout's decode graphs are captured each on its first use, not
+in the seam (`graph_capture`). Each segment is timed (the seam census); the DONE line names the
+worst segment and its share. What follows the cutover (the refill of the retracted requests,
+the warm-up of served latency) is measured by `flip/ledger.py`, which completes the census's
+refill fields in place."""
 
 from __future__ import annotations
 

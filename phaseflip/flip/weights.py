@@ -5,14 +5,18 @@ the planner that picks one at launch.
   a flip releases only the old layout's KV pool and graphs and builds the new layout on the
   weights it parked at launch. No bytes move at the seam; the price is device memory, taken
   from the KV budget of every layout alike (so a flip's pool equals a fresh launch's).
+- `peer` (device-to-device): every rank keeps the checkpoint slices it already holds and
+  receives the rest from the ranks that hold them, at the seam, after the old KV pool is
+  gone (`distributed/reshard.py`); over NCCL between GPUs, through the host on gloo.
 - `host-image`: the checkpoint in a shared, page-locked host image, checksummed per tensor
   (`model/weight_image.py`); the new ranks copy their shards from it.
 - `reload`: as at launch, from the checkpoint (or re-initialised dummy weights).
 
 `--flip-weights auto` asks `plan_weights`: resident when the parked shards cost at most
-`RESIDENT_MAX_SHARE` of a rank's memory budget, else the host image for a real checkpoint,
-else reload. The device-to-device strategy (a rank keeps the slices it holds and receives the
-rest from its peers) is not built. Whatever the strategy, rank 0's `WeightsLoad` is what the
+`RESIDENT_MAX_SHARE` of a rank's memory budget; else peer when every rank has its own GPU
+(NCCL) and the weights are the checkpoint's (not quantized at load); else the host image for
+a real checkpoint; else reload. The planner weighs memory and the link kind, not measured
+link rates. Whatever the strategy, rank 0's `WeightsLoad` is what the
 census reports (None where unmeasured, law 5).
 """
 
@@ -32,7 +36,7 @@ from phaseflip.model.weight_image import param_bytes
 
 log = logging.getLogger("phaseflip.engine.flip")
 
-STRATEGIES = ("resident", "host-image", "reload")
+STRATEGIES = ("resident", "peer", "host-image", "reload")
 # resident when the other layouts' shards take at most this share of a rank's memory budget:
 # beyond it the KV pool (the cache every layout serves from) pays more than a seam's copy
 RESIDENT_MAX_SHARE = 0.25
@@ -91,8 +95,9 @@ def rank_budget(cfg: EngineConfig, device: torch.device) -> int | None:
 
 
 def plan_weights(cfg: EngineConfig, model_cfg: ModelConfig, layouts: tuple, dtype: torch.dtype,
-                 budget: int | None) -> WeightsPlan:
-    """The weights strategy of this engine's flips (see the module docstring)."""
+                 budget: int | None, backend: str = "gloo") -> WeightsPlan:
+    """The weights strategy of this engine's flips (see the module docstring). `backend`:
+    the ranks' (NCCL: every rank has its own GPU, peers exchange slices device to device)."""
     if not cfg.enable_flip or cfg.world_size < 2 or len(layouts) < 2:
         return WeightsPlan("reload", 0, budget, "no flips")
     parked = parked_bytes(model_cfg, layouts, dtype)
@@ -107,6 +112,9 @@ def plan_weights(cfg: EngineConfig, model_cfg: ModelConfig, layouts: tuple, dtyp
     why = ("the rank's budget is unknown" if budget is None else
            f"parking the other layouts would take {gib:.2f} GiB per rank, over "
            f"{100 * RESIDENT_MAX_SHARE:.0f} % of its {budget / 2**30:.1f} GiB")
+    if backend == "nccl" and cfg.quantization is None:
+        return WeightsPlan("peer", 0, budget, f"{why}; the ranks' GPUs exchange the slices "
+                           "they lack over NCCL")
     if cfg.load_format == "dummy":
         return WeightsPlan("reload", 0, budget, f"{why}; dummy weights have no checkpoint "
                            "to image")
@@ -115,7 +123,7 @@ def plan_weights(cfg: EngineConfig, model_cfg: ModelConfig, layouts: tuple, dtyp
 
 def strategy_of(load: Any) -> str:
     """The strategy a `WeightsLoad` used."""
-    return {"host-image": "host-image", "resident": "resident"}.get(load.source, "reload")
+    return load.source if load.source in ("host-image", "resident", "peer") else "reload"
 
 
 def record_weights(census: Any, load: Any) -> None:

@@ -151,14 +151,17 @@ class ModelRunner:
     `device_share`: how many ranks share this device, each sized to its part of the budget.
     `resident`: this layout's model, weights loaded, parked on the device by an earlier build
     (the dual-resident flip strategy): nothing is loaded. `lazy_graphs`: decode graphs are
-    captured each on its first use instead of all at build (a phase flip's seam)."""
+    captured each on its first use instead of all at build (a phase flip's seam).
+    `weights_from`: fills the new (empty) model instead of the checkpoint (the peer strategy:
+    slices kept from the old layout and received from the other ranks)."""
 
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, layout: Layout | None = None,
                  device: torch.device | None = None,
                  agree_slots: Callable[[int], int] | None = None,
                  weights: WeightImage | None = None,
                  before_sizing: Callable[[], None] | None = None, device_share: int = 1,
-                 resident: LlamaForCausalLM | None = None, lazy_graphs: bool = False):
+                 resident: LlamaForCausalLM | None = None, lazy_graphs: bool = False,
+                 weights_from: Callable[[LlamaForCausalLM], WeightsLoad] | None = None):
         t0 = time.perf_counter()
         self.cfg, self.model_cfg = cfg, model_cfg
         self.layout = layout or Layout()
@@ -175,8 +178,9 @@ class ModelRunner:
                 self.model = LlamaForCausalLM(model_cfg, self.layout, self.dtype, self.quant)
             # one load path: dummy init, the checkpoint, or the host image a phase flip's
             # ranks copy their shards from (`weights`); timed (`WeightsLoad`, the census's)
-            self.weights_load = load_model_weights(self.model, cfg, model_cfg.model_dir,
-                                                   self.device, weights)
+            self.weights_load = (weights_from(self.model) if weights_from is not None else
+                                 load_model_weights(self.model, cfg, model_cfg.model_dir,
+                                                    self.device, weights))
         log.info("tp rank %d, stage %d: %s", self.layout.tp_rank, self.layout.pp_rank,
                  self.weights_load.line())
         self.model.eval()

@@ -105,6 +105,9 @@ class WeightsLoad:
 
         if self.source == "resident":
             return "weights resident on the device (parked at launch): nothing moved"
+        if self.source == "peer":
+            return (f"weights from the old layout and its peers in {self.load_s:.3f} s "
+                    f"({(self.bytes_moved or 0) / 2**30:.3f} GiB received)")
         if self.source != "host-image":
             return f"weights from the {self.source} in {self.load_s:.3f} s"
         return (f"weights from the host image in {self.load_s:.3f} s: read {s(self.read_s)} "
@@ -320,7 +323,7 @@ def flip_weights_strategy(cfg: EngineConfig) -> str:
     if (not cfg.enable_flip or cfg.world_size < 2 or cfg.load_format == "dummy"
             or cfg.flip_weights == "reload"):
         return "reload"
-    return "resident" if cfg.flip_weights == "resident" else "host-image"
+    return cfg.flip_weights if cfg.flip_weights in ("resident", "peer") else "host-image"
 
 
 def image_for_engine(cfg: EngineConfig) -> WeightImage | None:
