@@ -42,6 +42,9 @@ def _fix_interpreter() -> None:
     4. A block mask `&` a scalar condition (`(offs < n) & (pos >= 0)`) holds int32 data under an
        int1 type in 3.9, and masked loads/stores then refuse it ("mask has unsupported dtype");
        a mask is a truth value, so it is made boolean first.
+    5. Casts to float8e4nv (e4m3) drop the carry of a mantissa rounded up into the exponent
+       (3.9: 124.5 -> 64 instead of 128); in-range values are converted by torch instead
+       (round to nearest even, as the GPU's cvt.rn does).
     """
     try:
         import numpy as np
@@ -95,6 +98,21 @@ def _fix_interpreter() -> None:
 
         cast_impl._phaseflip_fixed = True  # type: ignore[attr-defined]
         builder.cast_impl = cast_impl
+
+    fp_to_fp = builder.create_fp_to_fp
+    if not getattr(fp_to_fp, "_phaseflip_fixed", False):
+
+        def create_fp_to_fp(self, src, dst_type, rounding_mode):
+            if dst_type.scalar == tl.float8e4nv and src.dtype.scalar in (tl.float32,
+                                                                            tl.bfloat16):
+                data = src.data if src.dtype.scalar == tl.float32 else bf16_to_fp32(src.data)
+                t = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+                bits = t.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+                return interpreter.TensorHandle(bits, dst_type.scalar)
+            return fp_to_fp(self, src, dst_type, rounding_mode)
+
+        create_fp_to_fp._phaseflip_fixed = True  # type: ignore[attr-defined]
+        builder.create_fp_to_fp = create_fp_to_fp
 
     load, store = builder.create_masked_load, builder.create_masked_store
     if not getattr(load, "_phaseflip_fixed", False):

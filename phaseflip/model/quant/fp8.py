@@ -14,11 +14,14 @@ it is the oracle the accuracy tests measure.
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 _MIN_SCALE = 1e-12  # an all-zero row keeps a finite scale (its values quantize to 0)
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,6 +102,17 @@ def _scaled_mm_ok(x: torch.Tensor, w_q: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
+def _quantize_on_gpu(x: torch.Tensor, amax: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_tokens`, bitwise, as one Triton kernel when triton is installed (the torch
+    ops are eight launches per linear: `kernels/fp8_quant.py`)."""
+    if not _HAS_TRITON:
+        return quantize_tokens(x, amax)
+    from phaseflip.kernels.fp8_quant import per_token_quant  # defined on first use
+
+    return per_token_quant(x if x.stride(-1) == 1 else x.contiguous(), amax)
+
+
 def scaled_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                   bias: torch.Tensor | None = None, amax: torch.Tensor | None = None
                   ) -> torch.Tensor:
@@ -112,7 +126,7 @@ def scaled_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     if not _scaled_mm_ok(x, w_q):
         return scaled_linear_ref(x, w_q, w_scale, bias, amax)
     shape = x.shape
-    x_q, sx = quantize_tokens(x.reshape(-1, shape[-1]), amax)
+    x_q, sx = _quantize_on_gpu(x.reshape(-1, shape[-1]), amax)
     y = torch._scaled_mm(x_q, w_q.t(), scale_a=sx, scale_b=w_scale.view(1, -1),
                          out_dtype=torch.bfloat16)
     if y.dtype != x.dtype:
