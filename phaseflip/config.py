@@ -235,9 +235,6 @@ class EngineConfig:
                 not self.enable_flip or self.world_size < 2):
             raise bad("flip_weights", f"{self.flip_weights} serves phase flips only: add "
                       "--enable-flip with at least 2 ranks, or use --flip-weights auto")
-        if self.flip_weights == "peer" and self.quantization is not None:
-            raise bad("flip_weights", "peer moves the checkpoint's slices, and weights "
-                      "quantized at load are not those; use resident, host-image or reload")
         if self.flip_weights == "host-image" and self.load_format == "dummy":
             raise bad("flip_weights", "host-image copies the checkpoint, and --load-format "
                       "dummy has none; use --flip-weights auto or reload, or a real checkpoint")

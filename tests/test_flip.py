@@ -525,3 +525,17 @@ def test_each_weights_strategy_matches_the_unflipped_run(model_dirs, strategy):
         assert reasons == want[rid][2] and set(reasons) == {"length"}, rid
         assert ids == want[rid][0], rid
         assert lps == pytest.approx(want[rid][1], abs=1e-4), rid
+
+
+def test_peer_weights_move_fp8_slices_as_they_are(model_dirs):
+    """FP8 weights (quantized at load) through three flips: the peer exchange's outputs equal
+    a reload's token for token and logprob for logprob (the same FP8 values and row scales)."""
+    prompts = prompts_for(300)
+    flips = {1: (1, 2), 4: (2, 1), 8: (1, 2)}
+    runs = {}
+    for strategy in ("reload", "peer"):
+        with Engine(str(model_dirs["llama"]), tp_size=2, flip_weights=strategy,
+                    quantization="fp8", **FLIP, **CFG) as e:
+            runs[strategy], censuses = _drive(e, prompts, flips)
+        assert [c.weights for c in censuses] == [strategy] * 3
+    assert runs["peer"] == runs["reload"]

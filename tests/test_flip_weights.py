@@ -47,8 +47,6 @@ def test_auto_parks_the_other_layout_when_it_fits(model_dirs):
     nccl = plan_weights(cfg, m, LAYOUTS, torch.float32, int(parked / RESIDENT_MAX_SHARE) - 1,
                         "nccl")
     assert nccl.strategy == "peer" and "NCCL" in nccl.reason
-    fp8 = EngineConfig(quantization="fp8", **FLIP)
-    assert plan_weights(fp8, m, LAYOUTS, torch.float32, 1, "nccl").strategy == "host-image"
     dummy = EngineConfig(load_format="dummy", **FLIP)
     assert plan_weights(dummy, m, LAYOUTS, torch.float32, parked).strategy == "reload"
     assert plan_weights(cfg, m, LAYOUTS, torch.float32, None).strategy == "host-image"
@@ -74,11 +72,3 @@ def test_the_engine_resolves_auto_once_for_every_rank(model_dirs):
         assert e.core.weights_plan.strategy == "resident"
         assert "% of its" in e.core.weights_plan.line()
 
-
-def test_peer_is_refused_for_weights_quantized_at_load():
-    import pytest
-
-    from phaseflip.errors import InvalidRequestError
-
-    with pytest.raises(InvalidRequestError, match="quantized at load"):
-        EngineConfig(flip_weights="peer", quantization="fp8", **FLIP)

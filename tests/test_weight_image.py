@@ -78,7 +78,8 @@ def test_host_image_refused_with_dummy_weights():
     with pytest.raises(InvalidRequestError, match="--flip-weights auto or reload") as exc:
         EngineConfig(load_format="dummy", flip_weights="host-image", tp_size=2, **FLIP)
     assert exc.value.param == "flip_weights"
-    with pytest.raises(InvalidRequestError, match="expected auto, resident, peer, host-image or reload"):
+    with pytest.raises(InvalidRequestError,
+                       match="expected auto, resident, peer, host-image or reload"):
         EngineConfig(flip_weights="disk")
     # dummy weights have no checkpoint to image: auto means reload, the census says so
     assert flip_weights_strategy(EngineConfig(load_format="dummy", tp_size=2, **FLIP)) == "reload"

@@ -14,8 +14,9 @@ released: local slices are copied on the device; each ordered pair of ranks exch
 slices as one packed buffer per chunk of at most `CHUNK_BYTES`, pairs in one global order (the
 blocking sends and receives of gloo cannot cross). NCCL moves device tensors; gloo moves host
 tensors (a CPU run, or ranks sharing one GPU, whose slices are staged through the host). The
-old model is freed right after, before the new pool is sized. Weights quantized at load (FP8
-with scales not in the checkpoint) are not covered: such engines use the other strategies.
+old model is freed right after, before the new pool is sized. FP8 weights move as they are:
+every tensor is quantized before it is sliced, so a rank's FP8 slices and row scales are the
+new layout's too (a row-parallel scale covers the whole row and is kept whole).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from phaseflip.model.layers import (
     VocabParallelEmbedding,
 )
 from phaseflip.model.llama import _FUSED, LlamaForCausalLM
+from phaseflip.model.quant import Fp8Config
 from phaseflip.model.runner import free_model
 from phaseflip.model.weight_image import WeightsLoad
 
@@ -102,11 +104,13 @@ def pieces(model: LlamaForCausalLM, names: Iterable[str]) -> dict[str, list[Piec
     return out
 
 
-def checkpoint_names(model_cfg: ModelConfig, dtype: torch.dtype) -> list[str]:
+def checkpoint_names(model_cfg: ModelConfig, dtype: torch.dtype,
+                     quant: Fp8Config | None = None) -> list[str]:
     """The checkpoint tensor names of the model, as the loader maps them (read off the whole
-    model on the meta device: the same list for a real checkpoint and for dummy weights)."""
+    model on the meta device: the same list for a real checkpoint and for dummy weights; FP8
+    weights' row scales included, which shard along the rows as their weights do)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(model_cfg, Layout(), dtype)
+        model = LlamaForCausalLM(model_cfg, Layout(), dtype, quant)
     names = []
     for pname, _ in model.named_parameters():
         fused = next(((src, dst) for src, dst, _ in _FUSED if f".{dst}." in pname), None)
@@ -117,12 +121,14 @@ def checkpoint_names(model_cfg: ModelConfig, dtype: torch.dtype) -> list[str]:
 
 
 def layout_pieces(model_cfg: ModelConfig, tp: int, pp: int, dtype: torch.dtype,
-                  names: list[str]) -> list[dict[str, list[Piece]]]:
+                  names: list[str], quant: Fp8Config | None = None
+                  ) -> list[dict[str, list[Piece]]]:
     """`pieces` of every rank of a tp × pp layout (rank = pp_rank * tp + tp_rank)."""
     out = []
     for rank in range(tp * pp):
         with torch.device("meta"):
-            model = LlamaForCausalLM(model_cfg, Layout(rank % tp, tp, rank // tp, pp), dtype)
+            model = LlamaForCausalLM(model_cfg, Layout(rank % tp, tp, rank // tp, pp), dtype,
+                                     quant)
         out.append(pieces(model, names))
     return out
 
@@ -163,10 +169,10 @@ class PeerWeights:
     def between(cls, rank: int, old_model: LlamaForCausalLM, old: tuple[int, int],
                 new: tuple[int, int], model_cfg: ModelConfig, staged: bool) -> PeerWeights:
         """The exchange from layout `old` (tp, pp) to `new`, planned alike on every rank."""
-        dtype = next(old_model.parameters()).dtype
-        names = checkpoint_names(model_cfg, dtype)
-        moves = plan_moves(layout_pieces(model_cfg, *old, dtype, names),
-                           layout_pieces(model_cfg, *new, dtype, names))
+        dtype, quant = old_model.dtype, old_model.quant
+        names = checkpoint_names(model_cfg, dtype, quant)
+        moves = plan_moves(layout_pieces(model_cfg, *old, dtype, names, quant),
+                           layout_pieces(model_cfg, *new, dtype, names, quant))
         return cls(rank, old_model, moves, staged)
 
     def __call__(self, model: LlamaForCausalLM) -> WeightsLoad:

@@ -14,7 +14,7 @@ the planner that picks one at launch.
 
 `--flip-weights auto` asks `plan_weights`: resident when the parked shards cost at most
 `RESIDENT_MAX_SHARE` of a rank's memory budget; else peer when every rank has its own GPU
-(NCCL) and the weights are the checkpoint's (not quantized at load); else the host image for
+(NCCL); else the host image for
 a real checkpoint; else reload. The planner weighs memory and the link kind, not measured
 link rates. Whatever the strategy, rank 0's `WeightsLoad` is what the
 census reports (None where unmeasured, law 5).
@@ -32,6 +32,7 @@ import torch
 from phaseflip.config import EngineConfig
 from phaseflip.layout import Layout
 from phaseflip.model.config import ModelConfig
+from phaseflip.model.quant import Fp8Config, resolve_quantization
 from phaseflip.model.weight_image import param_bytes
 
 log = logging.getLogger("phaseflip.engine.flip")
@@ -55,26 +56,27 @@ class WeightsPlan:
         return f"flip weights: {self.strategy} ({self.reason})"
 
 
-def shard_bytes(model_cfg: ModelConfig, tp_size: int, pp_size: int,
-                dtype: torch.dtype) -> list[int]:
+def shard_bytes(model_cfg: ModelConfig, tp_size: int, pp_size: int, dtype: torch.dtype,
+                quant: Fp8Config | None = None) -> list[int]:
     """Parameter bytes of every rank's shard of a tp × pp layout (rank order: tp fastest),
-    counted on the meta device: exactly what the layout allocates, nothing read."""
+    counted on the meta device: exactly what the layout allocates (FP8 projections at one
+    byte), nothing read."""
     out = []
     from phaseflip.model.llama import LlamaForCausalLM
 
     for rank in range(tp_size * pp_size):
         layout = Layout(rank % tp_size, tp_size, rank // tp_size, pp_size)
         with torch.device("meta"):
-            model = LlamaForCausalLM(model_cfg, layout, dtype)
+            model = LlamaForCausalLM(model_cfg, layout, dtype, quant)
         out.append(param_bytes(model))
     return out
 
 
 def parked_bytes(model_cfg: ModelConfig, layouts: tuple[tuple[int, int], ...],
-                 dtype: torch.dtype) -> int:
+                 dtype: torch.dtype, quant: Fp8Config | None = None) -> int:
     """The worst rank's bytes of the layouts it keeps parked beside the one it runs (the
-    largest running shard is counted as running)."""
-    per_rank = [shard_bytes(model_cfg, tp, pp, dtype) for tp, pp in layouts]
+    smallest running shard is counted as running)."""
+    per_rank = [shard_bytes(model_cfg, tp, pp, dtype, quant) for tp, pp in layouts]
     totals = [sum(col) - min(col) for col in zip(*per_rank, strict=True)]
     return max(totals) if totals else 0
 
@@ -100,7 +102,8 @@ def plan_weights(cfg: EngineConfig, model_cfg: ModelConfig, layouts: tuple, dtyp
     the ranks' (NCCL: every rank has its own GPU, peers exchange slices device to device)."""
     if not cfg.enable_flip or cfg.world_size < 2 or len(layouts) < 2:
         return WeightsPlan("reload", 0, budget, "no flips")
-    parked = parked_bytes(model_cfg, layouts, dtype)
+    quant = resolve_quantization(cfg.quantization, model_cfg.model_dir, cfg.load_format)
+    parked = parked_bytes(model_cfg, layouts, dtype, quant)
     gib = parked / 2**30
     if cfg.flip_weights != "auto":
         return WeightsPlan(cfg.flip_weights, parked if cfg.flip_weights == "resident" else 0,
@@ -112,7 +115,7 @@ def plan_weights(cfg: EngineConfig, model_cfg: ModelConfig, layouts: tuple, dtyp
     why = ("the rank's budget is unknown" if budget is None else
            f"parking the other layouts would take {gib:.2f} GiB per rank, over "
            f"{100 * RESIDENT_MAX_SHARE:.0f} % of its {budget / 2**30:.1f} GiB")
-    if backend == "nccl" and cfg.quantization is None:
+    if backend == "nccl":
         return WeightsPlan("peer", 0, budget, f"{why}; the ranks' GPUs exchange the slices "
                            "they lack over NCCL")
     if cfg.load_format == "dummy":

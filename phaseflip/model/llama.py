@@ -126,6 +126,7 @@ class LlamaForCausalLM(nn.Module):
                  quant: Fp8Config | None = None) -> None:
         super().__init__()
         self.cfg, self.layout, self.quant = cfg, layout, quant
+        self.dtype = dtype  # the float dtype (FP8 projections aside)
         self.start_layer, self.end_layer = layout.layer_range(cfg.num_layers)
         if layout.is_first_stage:
             self.embed_tokens = VocabParallelEmbedding(
