@@ -137,12 +137,20 @@ def _print(result: dict[str, Any]) -> None:
     rows = [[f"{f['source']}→{f['target']}", f["step"], f["retracted"], f["wall_s"],
              *(f["segments"].get(n, 0.0) for n in names),
              *((f.get("relayout_parts") or {}).get(n, "") for n in parts),
+             f.get("weights"), _gib(f.get("weights_bytes_moved")),
+             "-" if f.get("weights_gbps") is None else f"{f['weights_gbps']:.2f}",
+             f.get("graph_capture") or "eager",
              f"{f.get('kv_slots_before')}→{f.get('kv_slots_after')}", f["first_step_after_s"]]
             for f in flips]
     print_table(["flip", "at step", "retracted", "seam s", *(f"{n} s" for n in names),
-                 *(f"relayout: {n} s" for n in parts), "KV slots", "next step s"], rows,
+                 *(f"relayout: {n} s" for n in parts), "weights", "GiB moved", "GB/s",
+                 "graphs", "KV slots", "next step s"], rows,
                 title=f"phase flips: {result['output_tokens']} output tokens in "
                       f"{result['seconds']:.1f} s")
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.3f}"
 
 
 if __name__ == "__main__":

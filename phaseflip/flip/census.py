@@ -32,6 +32,9 @@ class SeamCensus:
     # how the new ranks got their weights: "resident", "host-image" or "reload"
     weights: str = "reload"
     weights_bytes_moved: int | None = None  # rank 0's shard bytes moved onto its device
+    # those bytes over rank 0's whole load, GB/s (None: nothing moved, or unmeasured); the
+    # link it ran on is the strategy's (host image: host to device; peer: the ranks' group)
+    weights_gbps: float | None = None
     # rank 0's load of its shard inside the relayout (`WeightsLoad`): the whole load; the
     # image's checksum pass (the read), the copies into the device parameters, the final
     # synchronize. None when unmeasured (law 5): the split on reload, h2d and drain off CUDA

@@ -134,4 +134,5 @@ def record_weights(census: Any, load: Any) -> None:
     census.weights = strategy_of(load)
     census.weights_load_s, census.weights_read_s = load.load_s, load.read_s
     census.weights_h2d_wait_s, census.weights_drain_s = load.h2d_wait_s, load.drain_s
-    census.weights_bytes_moved = load.bytes_moved
+    census.weights_bytes_moved = moved = load.bytes_moved
+    census.weights_gbps = (moved / load.load_s / 1e9 if moved and load.load_s else None)
