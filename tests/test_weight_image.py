@@ -69,6 +69,14 @@ def test_a_corrupted_byte_fails_the_checksum_naming_its_tensor(llama_dir, tmp_pa
                            r".*checksum"):
             image.verify()
         image.verify([n for n in image.entries if n != name])  # the others are intact
+        # the pipelined load's stream: every tensor before it comes out, checked; it raises
+        before = list(image.entries)[:list(image.entries).index(name)]
+        seen = []
+        with pytest.raises(WeightImageError, match="down_proj.*checksum"):
+            for n, t in image.verified(image.entries, threads=2):
+                seen.append(n)
+                assert torch.equal(t, other.tensor(n))
+        assert seen == before
     finally:
         other.close()
         image.close()

@@ -25,8 +25,9 @@ zlib's crc32 speed (about 3 GB/s per core with zlib 1.2.13 on the dev box), spre
 threads (zlib releases the GIL). Under TP every rank of a stage checks its stage's tensors
 whole, though it copies 1/tp of each.
 
-Not built: the chunked, pipelined read/copy of MISSION C6 (c): the read pass and the copies
-run one after the other (`read_s`, then `h2d_wait_s`, then `drain_s`).
+The read and the copies are pipelined tensor by tensor (`WeightImage.verified`): the checks
+of the next tensors run on threads while the current one is copied; `read_s` is what the
+copies waited for them, `h2d_wait_s` the copies, `drain_s` the final synchronize.
 """
 
 from __future__ import annotations
@@ -91,8 +92,11 @@ class WeightsLoad:
 
     source: str
     load_s: float  # the whole load, read and copies included
-    read_s: float | None = None  # checksumming (reading) the image bytes this rank's shard uses
-    h2d_wait_s: float | None = None  # the weight loaders' copies into the device parameters
+    # host image: the read (checksum) of tensor k+1 runs while tensor k is copied; `read_s` is
+    # how long the copies waited for the read (storage-bound when it dominates), `h2d_wait_s`
+    # the rest of the loop (the weight loaders' copies into the device parameters: link-bound)
+    read_s: float | None = None
+    h2d_wait_s: float | None = None
     drain_s: float | None = None  # the final device synchronize
     bytes_read: int | None = None  # image bytes checked and read by this rank
     # parameter bytes written into this rank's shard from outside the device (checkpoint or
@@ -229,12 +233,23 @@ class WeightImage:
         finally:
             view.release()
         for e, c in zip(todo, got):
-            if c != e.crc32:
-                raise WeightImageError(
-                    f"host weight image {self.path}: tensor {e.name!r} fails its checksum "
-                    f"(crc32 {c:08x}, built as {e.crc32:08x}): the shared memory was "
-                    "overwritten; restart the engine (or use --flip-weights reload)")
+            self.check(e, c)
         return sum(e.nbytes for e in todo)
+
+    def verified(self, names: Iterable[str], threads: int | None = None) -> VerifiedStream:
+        """(name, CPU view) of `names` in checkpoint order, each yielded once its crc32 is
+        checked; the checks of the tensors after it run ahead on `threads` threads (zlib
+        releases the GIL), so the reading of tensor k+1 overlaps the copy of tensor k."""
+        keep = set(names)
+        return VerifiedStream(self, [n for n in self.entries if n in keep],
+                              threads or min(8, os.cpu_count() or 1))
+
+    def check(self, entry: ImageEntry, crc: int) -> None:
+        if crc != entry.crc32:
+            raise WeightImageError(
+                f"host weight image {self.path}: tensor {entry.name!r} fails its checksum "
+                f"(crc32 {crc:08x}, built as {entry.crc32:08x}): the shared memory was "
+                "overwritten; restart the engine (or use --flip-weights reload)")
 
     def close(self) -> None:
         """Unregisters and unmaps; the creator also unlinks the file. Views must be dropped."""
@@ -250,6 +265,40 @@ class WeightImage:
             with contextlib.suppress(BufferError):  # a live view elsewhere: unmapped at exit
                 self._mm.close()
             self._mm = None
+
+
+class VerifiedStream:
+    """The tensors of `WeightImage.verified`, iterated once. `wait_s`: how long the consumer
+    waited for a check (the read: storage-bound when it dominates), `nbytes`: bytes checked."""
+
+    def __init__(self, image: WeightImage, names: list[str], threads: int) -> None:
+        self.image, self.names, self.threads = image, names, threads
+        self.wait_s, self.nbytes = 0.0, 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        image = self.image
+        view = memoryview(image._mm)
+        try:
+            with ThreadPoolExecutor(self.threads) as pool:
+                futures = [(n, pool.submit(_crc, view, image.entries[n])) for n in self.names]
+                try:
+                    for name, future in futures:
+                        t0 = time.perf_counter()
+                        crc = future.result()
+                        self.wait_s += time.perf_counter() - t0
+                        entry = image.entries[name]
+                        image.check(entry, crc)
+                        self.nbytes += entry.nbytes
+                        yield name, image.tensor(name)
+                finally:
+                    for _, future in futures:
+                        future.cancel()
+        finally:
+            view.release()
+
+
+def _crc(view: memoryview, e: ImageEntry) -> int:
+    return zlib.crc32(view[e.offset:e.offset + e.nbytes])
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -363,17 +412,16 @@ def load_model_weights(model, cfg: EngineConfig, model_dir: str, device: torch.d
     params = dict(model.named_parameters(remove_duplicate=False))
     wanted = [n for n in image.entries
               if (target := model._param_name(n)) is not None and target[0] in params]
-    nbytes = image.verify(wanted)
-    t1 = time.perf_counter()
-    model.load_weights(image.tensors(wanted))  # raises naming any parameter left unloaded
+    stream = image.verified(wanted)  # checks run ahead of the copies
+    model.load_weights(stream)  # raises naming any parameter left unloaded
     t2 = time.perf_counter()
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
     t3 = time.perf_counter()
-    return WeightsLoad("host-image", t3 - t0, read_s=t1 - t0,
-                       h2d_wait_s=t2 - t1 if cuda else None,
-                       drain_s=t3 - t2 if cuda else None, bytes_read=nbytes,
+    return WeightsLoad("host-image", t3 - t0, read_s=stream.wait_s,
+                       h2d_wait_s=t2 - t0 - stream.wait_s if cuda else None,
+                       drain_s=t3 - t2 if cuda else None, bytes_read=stream.nbytes,
                        bytes_moved=param_bytes(model))
 
 
