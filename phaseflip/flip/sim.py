@@ -280,7 +280,7 @@ class Simulator:
     def __init__(self, cfg: EngineConfig, models: dict[Layout, StepModel], *,
                  kv_slots: int, seam_s: Callable[[Layout, Layout], float],
                  refill_s_per_token: float = 0.0, schedule: Schedule | None = None,
-                 max_context: int = 1 << 20) -> None:
+                 max_context: int = 32768) -> None:
         self.cfg, self.models, self.seam_s = cfg, models, seam_s
         self.refill_s_per_token, self.schedule = refill_s_per_token, schedule
         self.t = 0.0
@@ -405,5 +405,8 @@ def _page_keys(page_size: int) -> Callable[[list[int]], list[bytes]]:
 
 def simulate(trace: Sequence[Arrival], cfg: EngineConfig, models: dict[Layout, StepModel],
              **kw: Any) -> SimResult:
-    """One replay of `trace` (see `Simulator`)."""
+    """One replay of `trace` (see `Simulator`); the request table is sized to its longest
+    request (a row per running request of max_context slots: 1M of them took 2 GiB)."""
+    kw.setdefault("max_context", max((len(a.prompt_ids) + a.max_new_tokens for a in trace),
+                                     default=1) + 1)
     return Simulator(cfg, models, **kw).run(trace)
