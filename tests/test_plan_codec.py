@@ -76,3 +76,37 @@ def test_a_mirror_that_disagrees_stops_the_rank():
     table.table[r, 2] = 99  # a rewrite that bypasses the epoch: the mirror is now stale
     with pytest.raises(RuntimeError, match="plan disagreement"):
         _roundtrip(enc, dec, _plan(table, [r], [6], [1]))
+
+
+def test_random_steps_rebuild_every_plan():
+    """Rows come and go, grow, get rewritten (new epoch) and skip steps, in random order; the
+    rebuilt `kv_indices` always equals the driver's (the mirror check raises otherwise)."""
+    rng = np.random.default_rng(1)
+    table = ReqToTokenTable(40, 256)
+    enc, dec = PlanEncoder(check=True), PlanDecoder()
+    lens: dict[int, int] = {}
+    for _ in range(300):
+        if len(lens) < 30 and rng.random() < 0.3:
+            r = table.alloc()
+            lens[r] = int(rng.integers(1, 40))
+            table.write(r, 0, torch.from_numpy(rng.integers(1, 999, lens[r])))
+        live = sorted(lens)
+        if live and rng.random() < 0.1:  # one finishes, its row is reused later
+            r = live[int(rng.integers(len(live)))]
+            table.free(r)
+            del lens[r]
+            continue
+        if live and rng.random() < 0.1:  # a prefix rewritten from position 0: a new epoch
+            r = live[int(rng.integers(len(live)))]
+            table.write(r, 0, torch.from_numpy(rng.integers(1, 999, 3)))
+        step = [r for r in live if r in lens and lens[r] < 250 and rng.random() < 0.8]
+        if not step:
+            continue
+        rng.shuffle(step)
+        for r in step:
+            table.write(r, lens[r], torch.tensor([int(rng.integers(1, 999))]))
+        plan = _plan(table, step, [lens[r] for r in step], [1] * len(step))
+        for r in step:
+            lens[r] += 1
+        got = _roundtrip(enc, dec, plan)
+        assert torch.equal(got.kv_indices, plan.kv_indices)

@@ -43,10 +43,12 @@ import torch.distributed as dist
 
 RING_BYTES = 8 << 20  # a decode plan at batch 256 is ~40 KiB; a checked one ~2 MiB at 1k ctx
 # A reader's busy wait (yielding its core to anything runnable) before it sleeps on its
-# doorbell: longer than a step's host work, so a busy group never pays a wake-up (a sleeping
-# reader's doorbell cost rank 0 ~0.4 ms a step on a loaded 2-core box: the write hands the
-# core to the woken rank). Idle ranks still sleep after it.
+# doorbell: at least SPIN_S, and twice the last gap between messages up to SPIN_MAX_S, so a
+# busy group never pays a wake-up (a sleeping reader's doorbell cost rank 0 0.4-2 ms a step
+# on a loaded 2-core box: the write hands the core to the woken rank). A rank left idle
+# sleeps SPIN_MAX_S after the last message at the latest.
 SPIN_S = 2e-3
+SPIN_MAX_S = 50e-3
 FULL_RING_STALL_S = 300.0  # how long rank 0 waits for a reader that does not read
 _LINE = 64  # each reader's words on their own cache line
 _LEN = struct.Struct("<Q")
@@ -169,6 +171,7 @@ class ShmRing:
         self._fence_lock = threading.Lock()
         self.pos = 0  # the writer's unpublished head, or this reader's tail
         self.head_seen = 0  # a reader's last read of `head`
+        self.gap_s = 0.0  # a reader's last wait for a message
 
     @classmethod
     def create(cls, where: str, readers: int, capacity: int,
@@ -262,11 +265,13 @@ class ShmRing:
 
     def _wait_for_data(self) -> None:
         waiting = _LINE // 8 * (self.reader + 1) + 1
-        spin_end = time.perf_counter() + self.spin_s
+        start = time.perf_counter()
+        spin_end = start + max(self.spin_s, min(2 * self.gap_s, SPIN_MAX_S))
         while True:
             head = int(self.ctl[0])
             if head > self.pos:
                 self.head_seen = head
+                self.gap_s = time.perf_counter() - start
                 return
             if time.perf_counter() < spin_end:
                 os.sched_yield()

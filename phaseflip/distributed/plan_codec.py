@@ -45,28 +45,30 @@ class PlanEncoder:
 
     def __init__(self, check: bool = False) -> None:
         self.check = check
-        self._sent: dict[int, tuple[int, int]] = {}  # row -> (epoch, length sent)
+        # by request-table row: the epoch last sent (-1: never) and the length sent
+        self._epoch = np.full(0, -1, dtype=np.int64)
+        self._sent = np.zeros(0, dtype=np.int64)
 
     def encode(self, plan: ForwardBatch) -> ForwardBatch:
         """The plan to send: `kv_indices` emptied, its content in `plan.delta`-style fields
-        (returned as a copy; `plan` itself is left whole for rank 0's own use)."""
+        (returned as a copy; `plan` itself is left whole for rank 0's own use). Array
+        operations only (a per-row Python loop cost ~0.2 ms at batch 256 on the critical
+        path); a plan's rows are distinct (one per sequence)."""
         if plan.rows is None or plan.row_epochs is None:
             return plan  # not from the request table: send it whole
         indptr = plan.kv_indptr.numpy()
         kv = plan.kv_indices.numpy()
         seq_lens = np.diff(indptr)
-        b = len(seq_lens)
-        reset = np.zeros(b, dtype=bool)
-        starts = np.zeros(b, dtype=np.int64)
-        sent = self._sent
-        for i, (row, epoch, n) in enumerate(zip(plan.rows.tolist(), plan.row_epochs.tolist(),
-                                                 seq_lens.tolist())):
-            last = sent.get(row)
-            if last is None or last[0] != epoch:
-                reset[i] = True
-            else:
-                starts[i] = min(last[1], n)
-            sent[row] = (epoch, n)
+        rows = np.asarray(plan.rows, dtype=np.int64)
+        epochs = np.asarray(plan.row_epochs, dtype=np.int64)
+        if len(rows) and rows.max() >= len(self._epoch):
+            grow = max(int(rows.max()) + 1, 2 * len(self._epoch))
+            self._epoch = np.concatenate([self._epoch, np.full(grow - len(self._epoch), -1)])
+            self._sent = np.concatenate([self._sent, np.zeros(grow - len(self._sent), np.int64)])
+        reset = self._epoch[rows] != epochs
+        starts = np.where(reset, 0, np.minimum(self._sent[rows], seq_lens))
+        self._epoch[rows] = epochs
+        self._sent[rows] = seq_lens
         take = _ranges(indptr[:-1] + starts, indptr[1:])
         delta = PlanDelta(seq_lens, reset, starts, kv[take],
                           kv.copy() if self.check else None)
@@ -79,30 +81,30 @@ class PlanEncoder:
 
 
 class PlanDecoder:
-    """A receiving rank's side: the mirror of every row, and the plan rebuilt from it."""
+    """A receiving rank's side: the mirror of every row, and the plan rebuilt from it.
+
+    The mirrors live in one array (`_store`), row r at [_off[r], _off[r] + _cap[r]), so a
+    plan is rebuilt by one scatter and one gather (a per-row Python loop cost ~0.35 ms at
+    batch 256 before a rank could start its part). A row that outgrows its region moves to a
+    new one of twice the size at the end; when the store is full, the live regions are packed
+    into a new one of twice their size (what moves leave behind is dropped then)."""
 
     def __init__(self) -> None:
-        self._rows: dict[int, np.ndarray] = {}
+        self._store = np.zeros(0, dtype=np.int64)
+        self._off = np.zeros(0, dtype=np.int64)
+        self._cap = np.zeros(0, dtype=np.int64)
+        self._end = 0  # the store's used part
 
     def decode(self, plan: ForwardBatch) -> ForwardBatch:
         delta: PlanDelta | None = plan.delta
         if delta is None:
             return plan
-        parts, at = [], 0
-        for i, (row, n, start) in enumerate(zip(plan.rows.tolist(), delta.seq_lens.tolist(),
-                                                 delta.starts.tolist())):
-            mirror = self._rows.get(row)
-            if mirror is None or mirror.shape[0] < n:
-                grown = np.zeros(max(n, 2 * (0 if mirror is None else mirror.shape[0]), 64),
-                                 dtype=np.int64)
-                if mirror is not None and not delta.reset[i]:
-                    grown[: mirror.shape[0]] = mirror
-                mirror = self._rows[row] = grown
-            k = n - start
-            mirror[start:n] = delta.slots[at : at + k]
-            at += k
-            parts.append(mirror[:n])
-        kv = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+        rows = np.asarray(plan.rows, dtype=np.int64)
+        n = delta.seq_lens
+        self._reserve(rows, n)
+        off = self._off[rows]
+        self._store[_ranges(off + delta.starts, off + n)] = delta.slots
+        kv = self._store[_ranges(off, off + n)]
         if delta.full is not None and not np.array_equal(kv, delta.full):
             bad = int(np.flatnonzero(kv != delta.full)[0]) if kv.shape == delta.full.shape \
                 else -1
@@ -111,6 +113,35 @@ class PlanDecoder:
                 f"(first difference at {bad}; {kv.shape[0]} vs {delta.full.shape[0]} slots)")
         tensors = {f: torch.from_numpy(getattr(plan, f)) for f in TENSOR_FIELDS}
         return dataclasses.replace(plan, **tensors, kv_indices=torch.from_numpy(kv), delta=None)
+
+
+    def _reserve(self, rows: np.ndarray, lens: np.ndarray) -> None:
+        """Every row of `rows` has room for its length in `lens` (content kept)."""
+        if len(rows) and rows.max() >= len(self._off):
+            grow = max(int(rows.max()) + 1, 2 * len(self._off)) - len(self._off)
+            self._off = np.concatenate([self._off, np.zeros(grow, dtype=np.int64)])
+            self._cap = np.concatenate([self._cap, np.zeros(grow, dtype=np.int64)])
+        short = lens > self._cap[rows]
+        for r, m in zip(rows[short].tolist(), lens[short].tolist()):  # rare: doubling
+            cap, old, old_cap = max(m, 2 * int(self._cap[r]), 64), self._off[r], self._cap[r]
+            if self._end + cap > len(self._store):
+                self._compact(cap)
+                old = self._off[r]
+            self._store[self._end : self._end + old_cap] = self._store[old : old + old_cap]
+            self._off[r], self._cap[r] = self._end, cap
+            self._end += cap
+
+    def _compact(self, extra: int) -> None:
+        """A new store holding every row's region back to back, with room for `extra`."""
+        live = int(self._cap.sum())
+        store = np.zeros(max(2 * (live + extra), 4096), dtype=np.int64)
+        at = 0
+        for r in np.flatnonzero(self._cap).tolist():
+            c, o = int(self._cap[r]), int(self._off[r])
+            store[at : at + c] = self._store[o : o + c]
+            self._off[r] = at
+            at += c
+        self._store, self._end = store, at
 
 
 def _ranges(begin: np.ndarray, end: np.ndarray) -> np.ndarray:

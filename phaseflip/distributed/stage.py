@@ -191,7 +191,8 @@ class StageExecutor:
         with tr.at("drain sends", step):
             for work, _keep in pending:
                 work.wait()
-        out = torch.cat(logits) if logits else None
+        # one part (TP, or a step too small to cut): its logits as they are, not a copy
+        out = (logits[0] if len(logits) == 1 else torch.cat(logits)) if logits else None
         return self._logits_to_driver(step, plan, out, defer)
 
     def _logits_to_driver(self, step: int, plan: ForwardBatch, logits, defer: bool = False):
