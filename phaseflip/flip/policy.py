@@ -10,9 +10,11 @@ the round trip). So the flip pays once U exceeds the break-even
 and the prefill layout flips back once the backlog is served (U ≤ f·N, f =
 --flip-backlog-served-fraction: what is left would save less than f of a round trip), or when
 its decode steps exceed --flip-decode-slo-ms. Both flips wait out a dwell (seconds and steps in
-the layout), so the policy cannot thrash. An engine left idle in the prefill layout flips back
-once it has been idle --flip-min-dwell-s (`idle_flip_due`: the engine loop steps only when it
-has work, so the policy is otherwise never asked), ready for the decode traffic that comes next.
+the layout since the last flip; the launch layout owes none: a burst at start waited 4 steps
+of 1.7 s in the simulated 70B tp4 at 25 GB/s), so the policy cannot thrash. An engine left
+idle in the prefill layout flips back once it has been idle --flip-min-dwell-s
+(`idle_flip_due`: the engine loop steps only when it has work, so the policy is otherwise never
+asked), ready for the decode traffic that comes next.
 
 Estimates (law 5): a value that nothing measured is None, never 0, and every estimate says
 where it comes from: `measured`, `seed` (a config prior), `half-measured` (a seed applied to a
@@ -25,8 +27,9 @@ measurement, or a sum of measured and seeded parts) or `unmeasured` (None).
   refill that follows the cutover (`observe_refill`, once the ledger closes the window): the
   tokens the retracted requests re-prefilled ÷ the new layout's measured prefill rate, plus
   the host→device load seconds (bytes ÷ the loads' own rate, at most the window's wall
-  time: concurrent loads' seconds are summed; an upper bound, loads overlap compute). Until a refill of that direction is measured, C is the seam alone, 'half-measured'
-  with a note (law 5: not a zero refill).
+  time: concurrent loads' seconds are summed; an upper bound, loads overlap compute). Until
+  a refill of that direction is measured, C is the seam alone, 'half-measured' with a note
+  (law 5: not a zero refill).
 
 Residency (law 8): pending work is priced by what it costs. A waiting request's tokens already
 in the device prefix tree, in the HiCache host tier, or computed first by an earlier pending
@@ -308,6 +311,7 @@ class FlipPolicy:
             (self.prefill, self.decode): CostEstimator(cfg.flip_seed_to_tp_s)}
         self.decode_ms: deque[float] = deque(maxlen=DECODE_WINDOW)
         self.since_s, self.steps_in_layout = clock(), 0
+        self.dwelling = False  # a dwell follows a flip (or an abandoned one), not the launch
         self.busy_s = self.since_s  # when a step last ran work (idle flips count from it)
         self._idle_asked: float | None = None  # busy_s of the idle spell last asked about
         self.flips = self.auto_flips = 0  # seams seen; those of them this policy decided
@@ -379,6 +383,7 @@ class FlipPolicy:
 
     def _entered(self, layout: Layout) -> None:
         self.layout = layout
+        self.dwelling = True
         self.since_s, self.steps_in_layout = self.clock(), 0
         self.busy_s = max(self.busy_s, self.since_s)
         self.decode_ms.clear()
@@ -448,8 +453,8 @@ class FlipPolicy:
                                 "break_even_tokens": n.as_dict()}
         age_s = self.clock() - self.since_s
         idle = not waiting and not running  # no steps to count: the seconds alone dwell
-        if age_s < self.min_dwell_s or (self.steps_in_layout < self.min_dwell_steps
-                                        and not idle):
+        if self.dwelling and (age_s < self.min_dwell_s or (
+                self.steps_in_layout < self.min_dwell_steps and not idle)):
             return Decision(None, f"dwell: {age_s:.1f}/{self.min_dwell_s:g} s and "
                             f"{self.steps_in_layout}/{self.min_dwell_steps} steps in {here}",
                             nums)
