@@ -34,11 +34,12 @@ import torch
 
 from benchmarks.bench_scheduler import install_null_forward
 from benchmarks.common import print_table, random_prompts, summarize, write_json
-from phaseflip.config import EngineConfig, parse_layout, resolve_model
+from phaseflip.config import EngineConfig, parse_layout
 from phaseflip.distributed.stage import NULL_FORWARD_ENV
 from phaseflip.engine.core import EngineCore
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.loader import load_tokenizer
+from phaseflip.model.resolve import resolve_model
 from phaseflip.sampling.params import SamplingParams
 
 

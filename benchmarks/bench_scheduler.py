@@ -42,10 +42,11 @@ from typing import Any
 import torch
 
 from benchmarks.common import add_model_args, print_table, random_prompts, summarize, write_json
-from phaseflip.config import EngineConfig, resolve_model
+from phaseflip.config import EngineConfig
 from phaseflip.engine.core import EngineCore
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.loader import load_tokenizer
+from phaseflip.model.resolve import resolve_model
 from phaseflip.sampling.params import SamplingParams
 
 PHASES = ("schedule", "forward", "sample", "text", "output", "total")

@@ -21,8 +21,8 @@ At the end, with the clients stopped, it checks:
 - accounting back to idle: /server_info says no request runs or waits, `pool.balanced`, and no
   slot is held by a request (private/protected 0);
 - memory flat: the private resident memory (VmRSS less RssShmem) of the front end, of the
-  engine process (its child; rank 0) and of the worker ranks (the engine's children) at the end within ±`--rss-tolerance` of a sample taken
-  after the warm-up (the first quarter of the
+  engine process (its child; rank 0) and of the worker ranks (the engine's children) at the
+  end within ±`--rss-tolerance` of a sample taken after the warm-up (the first quarter of the
   run, and a flip round trip when flipping). Shared memory is reported apart: the HiCache
   host tier and the weight image are /dev/shm files the ranks map, resident as they are
   touched, up to their fixed sizes (--hicache-host-gb), so they grow by design until full.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from phaseflip.versions import __version__ as __version__
 
 # Public names, imported on first use: `phaseflip --help` and `--version` need none of them
 # (importing torch and transformers takes seconds).

@@ -21,6 +21,7 @@ import types
 import typing
 
 from phaseflip.config import LOG_LEVELS, EngineConfig
+from phaseflip.versions import version_info
 
 # Values an enumerated flag accepts (EngineConfig checks them again).
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -180,7 +181,7 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type = EngineConfig,
 
 
 def config_from_args(args: argparse.Namespace, cls: type = EngineConfig):
-    from phaseflip.config import resolve_model
+    from phaseflip.model.resolve import resolve_model
 
     cfg = cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
     return resolve_model(cfg) if isinstance(cfg, EngineConfig) else cfg
@@ -268,23 +269,6 @@ def _bench(args: argparse.Namespace) -> int:
         sys.argv = [f"phaseflip bench {args.benchmark}", *args.bench_args]
         main()
     return 0
-
-
-def version_info() -> dict[str, str | None]:
-    """Versions of phaseflip and what it runs on (None: not installed); what `GET /version`
-    answers."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from phaseflip import __version__
-
-    info: dict[str, str | None] = {"version": __version__}
-    for dist in ("torch", "transformers", "triton"):
-        try:
-            info[dist] = version(dist)
-        except PackageNotFoundError:
-            info[dist] = None
-    info["python"] = sys.version.split()[0]
-    return info
 
 
 def version_text() -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from phaseflip.errors import InvalidRequestError
@@ -60,8 +60,9 @@ class EngineConfig:
     """Schedule and launch step k+1 before step k's sampled tokens reach the host (they are
     fed to the GPU as device-side placeholders), so the host's scheduling and output work
     overlaps the GPU. Every layout (stage 0's TP ranks get the tokens from rank 0), HiCache
-    on or off; only for steps whose requests need nothing of the sampled ids on the host: no logprobs, penalties, stop strings, min_new_tokens or
-    seeds (other steps run synchronously). On the H200: batch-1 decode 95 percent GPU-busy
+    on or off; only for steps whose requests need nothing of the sampled ids on the host: no
+    logprobs, penalties, stop strings, min_new_tokens or seeds (other steps run
+    synchronously). On the H200: batch-1 decode 95 percent GPU-busy
     (88 without), offline 1000 requests +11 percent."""
     cuda_graph_max_bs: int = 1024
     """Largest decode batch captured in a CUDA graph (capped by max_running_requests); larger
@@ -321,28 +322,3 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
-
-
-def resolve_model(cfg: EngineConfig) -> EngineConfig:
-    """The config with `model` turned into a directory: bundled shape names → their dir,
-    ORG/NAME → its snapshot in the local Hugging Face cache, and with --tokenizer or
-    --chat-template a directory that reads as the model with those (ModelLoadError on a miss)."""
-    from phaseflip.model import loader
-
-    if loader.is_overlay(cfg.model):  # resolved already
-        return cfg
-    model = Path(cfg.model)
-    if not model.is_dir():
-        try:
-            from phaseflip.model.dummy import resolve_model_dir
-        except ImportError:  # bundled shapes not installed: the loader names the missing dir
-            resolve_model_dir = Path
-        model = resolve_model_dir(cfg.model)
-        if not model.is_dir():
-            model = loader.resolve_model_path(cfg.model, cfg.revision)
-    if cfg.load_format != "dummy":
-        loader.check_remote_code(model, cfg.trust_remote_code)
-    if cfg.tokenizer is not None or cfg.chat_template is not None:
-        tokenizer = cfg.tokenizer and loader.resolve_model_path(cfg.tokenizer, None)
-        model = loader.overlay_model_dir(model, tokenizer, cfg.chat_template)
-    return cfg if str(model) == cfg.model else replace(cfg, model=str(model))

@@ -104,7 +104,7 @@ def test_bench_lists_the_benchmarks_and_passes_flags_through(capsys):
 
 def test_version_info_is_what_get_version_answers():
     from phaseflip import __version__
-    from phaseflip.cli import version_info
+    from phaseflip.versions import version_info
 
     info = version_info()
     assert info["version"] == __version__ and info["torch"] and info["python"]

@@ -15,10 +15,10 @@ import shutil
 
 import pytest
 
+from benchmarks.fp8_accuracy import VARIANTS, compare, embedded_prompts, id_prompts
 from phaseflip.config import EMBEDDED_MODEL
 from phaseflip.model.dummy import TOKENIZER_DIR, TOKENIZER_FILES, resolve_model_dir
 from phaseflip.model.loader import load_tokenizer
-from phaseflip.model.quant.accuracy import VARIANTS, compare, embedded_prompts, id_prompts
 
 pytestmark = pytest.mark.timeout(600, method="thread")
 

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from phaseflip.config import EMBEDDED_MODEL, EngineConfig, resolve_model
+from phaseflip.config import EMBEDDED_MODEL, EngineConfig
 from phaseflip.errors import ModelLoadError
 from phaseflip.model.loader import is_overlay, load_tokenizer
+from phaseflip.model.resolve import resolve_model
 
 MAIN = "a" * 40
 V1 = "b" * 40

@@ -17,10 +17,10 @@ import sys
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from phaseflip.cli import version_info
 from phaseflip.config import EngineConfig
 from phaseflip.server.context import ServerConfig
 from phaseflip.threads import plan_for
+from phaseflip.versions import version_info
 from tests.fake_engine import fake_server
 from tests.server_process import start_server, stop_server
 

@@ -14,12 +14,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from phaseflip.config import EngineConfig, resolve_model
+from phaseflip.config import EngineConfig
 from phaseflip.engine.core import EngineCore
 from phaseflip.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
 from phaseflip.errors import InvalidRequestError
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.loader import load_tokenizer
+from phaseflip.model.resolve import resolve_model
 from phaseflip.sampling.params import SamplingParams
 
 Prompt = str | list[int]

@@ -11,8 +11,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import phaseflip
-from phaseflip.cli import version_info
 from phaseflip.errors import ContextLengthError, InvalidRequestError
 from phaseflip.server import protocol as p
 from phaseflip.server.context import OverloadedError, ServerContext, UnknownModelError
@@ -31,6 +29,7 @@ from phaseflip.server.openai_api import (
 )
 from phaseflip.server.openapi import ERRORS, Aborted, FreedTokens, Health, Versions, ok, streams
 from phaseflip.server.openapi import install as install_openapi
+from phaseflip.versions import __version__, version_info
 
 log = logging.getLogger("phaseflip.server")
 
@@ -79,7 +78,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def build_app(ctx: ServerContext) -> FastAPI:
-    app = FastAPI(title="phaseflip", version=phaseflip.__version__, responses=ERRORS)
+    app = FastAPI(title="phaseflip", version=__version__, responses=ERRORS)
     install_openapi(app)
     _install_error_handlers(app)
 

@@ -10,7 +10,7 @@ them. Reported:
 * `greedy_agreement`: the share of generated tokens before the two greedy continuations first
   differ (1.0: every continuation identical to the end).
 
-`python -m phaseflip.model.quant.accuracy` prints the table of docs/quantization.md.
+`python -m benchmarks.fp8_accuracy` prints the table of docs/quantization.md.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-EMBEDDED_HELDOUT = Path(__file__).resolve().parents[2] / "assets" / "tiny-llama" / \
-    "heldout_sample.txt"
+from phaseflip.config import EMBEDDED_MODEL
+
+EMBEDDED_HELDOUT = EMBEDDED_MODEL / "heldout_sample.txt"
 
 
 @dataclass(frozen=True)
