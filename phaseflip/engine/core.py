@@ -17,6 +17,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 from phaseflip.config import EngineConfig
 from phaseflip.engine.layout_bundle import LayoutBundle, build_layout_bundle
@@ -308,6 +309,19 @@ class EngineCore:
     def check_alive(self) -> None:
         """Raises if a worker rank of a multi-rank layout has died (checked when idle)."""
         self.runner.check_alive()
+
+    def rank_positions(self) -> list[str]:
+        """Every rank's last position, each live local worker dumping its stacks to its log
+        (a stall report; safe from another thread). Empty for one process."""
+        return [] if self._ranks is None else self._ranks.report_ranks()
+
+    def node_files(self) -> list[Path]:
+        """The node's shared-memory files this engine made (the weight image, HiCache's host
+        tier): what a dying engine unlinks so none outlives it."""
+        files = [self.weight_image.path] if self.weight_image is not None else []
+        if self._hicache is not None and self._hicache.host.frames.path is not None:
+            files.append(self._hicache.host.frames.path)
+        return files
 
     def close(self) -> None:
         """The engine's end, giving back everything it took: the layout bundle (ranks stopped,

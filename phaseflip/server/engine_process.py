@@ -25,7 +25,6 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 
 import zmq
 
@@ -203,13 +202,13 @@ class EngineServer:
         reason = (f"no engine step finished in {waited_s:.0f} s while {len(sched.running)} "
                   f"requests ran and {len(sched.waiting)} waited (--watchdog-timeout-s "
                   f"{self.cfg.watchdog_timeout_s:g})")
-        positions = _rank_positions(self.core)
+        positions = self.core.rank_positions()
         log.error("watchdog: %s; stopping the engine\n  %s", reason,
                   "\n  ".join(positions) or "(one process: no ranks)")
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         self.report_unhealthy(reason)
         time.sleep(1.0)  # the ranks' stack dumps (SIGUSR1) reach the log before we go
-        for path in _node_files(self.core):
+        for path in self.core.node_files():
             path.unlink(missing_ok=True)
         logging.shutdown()
         os._exit(EXIT_STALLED)
@@ -220,22 +219,6 @@ def pool_accounting(core: EngineCore) -> PoolAccounting:
     (without them /server_info reported 'balanced: false' whenever loads were in flight)."""
     withheld = core.hicache.in_flight_slots if core.hicache is not None else 0
     return core.kv.accounting(core.scheduler.running, withheld)
-
-
-def _rank_positions(core: EngineCore) -> list[str]:
-    """Every rank's last position (each local rank also dumps its stacks to its log)."""
-    from phaseflip.distributed.driver import DistributedRunner
-
-    runner = core.runner
-    return runner.report_ranks() if isinstance(runner, DistributedRunner) else []
-
-
-def _node_files(core: EngineCore) -> list[Path]:
-    """The node's shared-memory files this engine made: the weight image, HiCache's tier."""
-    files = [core.weight_image.path] if core.weight_image is not None else []
-    if core.hicache is not None and core.hicache.host.frames.path is not None:
-        files.append(core.hicache.host.frames.path)
-    return files
 
 
 def engine_main(cfg: EngineConfig, requests_addr: str, outputs_addr: str) -> None:
