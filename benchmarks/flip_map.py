@@ -227,6 +227,7 @@ def plot_map(rows: list[dict[str, Any]], figs: Path) -> list[Path]:
         ax.axhline(1.0, color="grey", lw=0.6)
         ax.axhline(1.3, color="tab:red", lw=0.6, ls=":")
         ax.set_xscale("log")
+        ax.minorticks_off()
         ax.set_xticks([25, 50, 100, 200, 400], ["25", "50", "100", "200", "400"])
         ax.set_title(f"{model}, {gpus} GPUs")
         ax.set_xlabel("link GB/s")
