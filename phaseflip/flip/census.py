@@ -42,8 +42,9 @@ class SeamCensus:
     weights_read_s: float | None = None
     weights_h2d_wait_s: float | None = None
     weights_drain_s: float | None = None
-    # rank 0's relayout by part (weights, wait_for_ranks, kv_pool, graphs), seconds; the
-    # ranks are the same processes before and after (none start or join at a seam)
+    # rank 0's relayout by part (weights, wait_for_ranks, kv_pool, graphs, other), seconds;
+    # the ranks are the same processes before and after (none start or join at a seam) and
+    # their communicators were all made at launch (no part for them)
     relayout_parts: dict[str, float] | None = None
     # the new layout's decode graphs: "on first use" (a seam captures none: each size is
     # captured by the first step that needs it), "at build", None (eager)

@@ -150,3 +150,7 @@ def _mutate(host: LayoutHost, census: SeamCensus, segment, target_cfg) -> None:
         census.rows_moved = acc.total - acc.free  # nothing is re-admitted yet (law 6)
         if host.hicache is not None:
             host.hicache.host.check()
+    # what rank 0's build parts do not cover: the order to the ranks, the KV manager and the
+    # HiCache binding, the checks above (no communicator is made at a seam: all are launch's)
+    parts = census.relayout_parts
+    parts["other"] = max(0.0, census.segments["relayout"] - sum(parts.values()))
