@@ -51,7 +51,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-running-requests", type=int, default=64)
     ap.add_argument("--hicache-host-gb", type=float, default=8.0)
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--plot", default=None, help="write the step timeline PNG here")
+    ap.add_argument("--plot", default=None, help="write the step timeline PNG here (and the "
+                    "seams' breakdown beside it, NAME_breakdown.png)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if len(args.layouts) < 2:
@@ -87,6 +88,27 @@ def run(core: Any, args: argparse.Namespace, total_out: int) -> tuple[list, list
         step += 1
     bar.close()
     return steps, flips, produced
+
+
+def plot_breakdown(flips: list[dict], path: Path) -> None:
+    """One stacked bar per flip: the seam's segments, the relayout split into rank 0's build
+    parts (weights, waiting for the ranks, KV pool, graphs, other)."""
+    fig, ax = pyplot().subplots(figsize=(max(5, 1.4 * len(flips) + 3), 4))
+    labels = [f"{i + 1}: {f['source']}→{f['target']}" for i, f in enumerate(flips)]
+    names = list(dict.fromkeys(n for f in flips for n in f["segments"] if n != "relayout"))
+    parts = list(dict.fromkeys(k for f in flips for k in (f.get("relayout_parts") or {})))
+    bottom = [0.0] * len(flips)
+    for name, get in [(n, lambda f, n=n: f["segments"].get(n, 0.0)) for n in names] + [
+            (f"relayout: {p}", lambda f, p=p: (f.get("relayout_parts") or {}).get(p, 0.0))
+            for p in parts]:
+        heights = [1e3 * get(f) for f in flips]
+        ax.bar(labels, heights, bottom=bottom, label=name)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_ylabel("ms")
+    ax.set_title("seam breakdown")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.tick_params(axis="x", labelsize=7)
+    save(fig, path)
 
 
 def plot_timeline(steps: list[dict], flips: list[dict], path: str) -> None:
@@ -127,6 +149,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     _print(result)
     if args.plot:
         plot_timeline(steps, flips, args.plot)
+        if flips:
+            plot = Path(args.plot)
+            plot_breakdown(flips, plot.with_name(plot.stem + "_breakdown" + plot.suffix))
     return write_json(args.out, result)
 
 

@@ -157,6 +157,15 @@ def plan_moves(old: list[dict[str, list[Piece]]], new: list[dict[str, list[Piece
     return moves
 
 
+def plan_between(model_cfg: ModelConfig, old: tuple[int, int], new: tuple[int, int],
+                 dtype: torch.dtype, quant: Fp8Config | None = None) -> list[Move]:
+    """The moves from layout `old` (tp, pp) to `new`, planned alike on every rank (~40 ms
+    for an 8B model on the CPU box: worth caching per pair of layouts)."""
+    names = checkpoint_names(model_cfg, dtype, quant)
+    return plan_moves(layout_pieces(model_cfg, *old, dtype, names, quant),
+                      layout_pieces(model_cfg, *new, dtype, names, quant))
+
+
 class PeerWeights:
     """This rank's part of a seam's weight exchange (see the module docstring): called with
     the new layout's (empty) model, it fills it and frees the old one."""
@@ -165,15 +174,6 @@ class PeerWeights:
                  staged: bool) -> None:
         self.rank, self.old, self.moves, self.staged = rank, old_model, moves, staged
 
-    @classmethod
-    def between(cls, rank: int, old_model: LlamaForCausalLM, old: tuple[int, int],
-                new: tuple[int, int], model_cfg: ModelConfig, staged: bool) -> PeerWeights:
-        """The exchange from layout `old` (tp, pp) to `new`, planned alike on every rank."""
-        dtype, quant = old_model.dtype, old_model.quant
-        names = checkpoint_names(model_cfg, dtype, quant)
-        moves = plan_moves(layout_pieces(model_cfg, *old, dtype, names, quant),
-                           layout_pieces(model_cfg, *new, dtype, names, quant))
-        return cls(rank, old_model, moves, staged)
 
     def __call__(self, model: LlamaForCausalLM) -> WeightsLoad:
         try:

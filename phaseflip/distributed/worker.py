@@ -26,7 +26,7 @@ from phaseflip.config import EngineConfig
 from phaseflip.distributed.group import DistSpec, RankGroups, join, rank_device
 from phaseflip.distributed.plan_channel import plan_channel
 from phaseflip.distributed.plan_codec import PlanDecoder
-from phaseflip.distributed.reshard import PeerWeights
+from phaseflip.distributed.reshard import PeerWeights, plan_between
 from phaseflip.distributed.stage import StageExecutor, StepMessage
 from phaseflip.distributed.watchdog import PositionTracker
 from phaseflip.heap import release_freed_heap
@@ -93,6 +93,7 @@ class RankProcess:
         self.parked: dict[tuple[int, int], LlamaForCausalLM] = {}
         # peer weights: the released layout's config and model, until the next build
         self.handover: tuple[EngineConfig, LlamaForCausalLM] | None = None
+        self.peer_plans: dict[tuple, list] = {}  # its moves by (old layout, new layout)
         self.tracker.set("idle")
 
     def relayout(self, cfg: EngineConfig, lazy_graphs: bool = False) -> RankLayout:
@@ -118,9 +119,11 @@ class RankProcess:
         (old, model), self.handover = self.handover, None
         device = next(model.parameters()).device
         staged = self.spec.backend == "gloo" and device.type == "cuda"
-        return PeerWeights.between(self.rank, model, (old.tp_size, old.pp_size),
-                                   (cfg.tp_size, cfg.pp_size), ModelConfig.from_dir(cfg.model),
-                                   staged)
+        key = ((old.tp_size, old.pp_size), (cfg.tp_size, cfg.pp_size))
+        if key not in self.peer_plans:  # the same every time for a pair of layouts
+            self.peer_plans[key] = plan_between(ModelConfig.from_dir(cfg.model), *key,
+                                                model.dtype, model.quant)
+        return PeerWeights(self.rank, model, self.peer_plans[key], staged)
 
     def release(self, park: bool = True) -> None:
         """Drops the running layout; with resident weights (and `park`) its model stays on
