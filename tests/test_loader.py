@@ -213,3 +213,20 @@ def test_broken_tokenizer_is_wrapped(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text("{broken")
     with pytest.raises(ModelLoadError, match="cannot load the tokenizer"):
         load_tokenizer(tmp_path)
+
+
+def test_the_load_bar_follows_the_log_level():
+    """`--log-level warning` silences the checkpoint's progress bar with the INFO lines; with
+    logging left unconfigured (a notebook, a script) the bar shows."""
+    import subprocess
+    import sys
+
+    code = ("import logging, sys\n"
+            "from phaseflip.config import EMBEDDED_MODEL\n"
+            "from phaseflip.model.loader import iter_checkpoint_tensors\n"
+            "if sys.argv[1] != 'none': logging.basicConfig(level=sys.argv[1])\n"
+            "list(iter_checkpoint_tensors(EMBEDDED_MODEL))\n")
+    for level, bar in (("none", True), ("INFO", True), ("WARNING", False)):
+        err = subprocess.run([sys.executable, "-c", code, level], capture_output=True,
+                             text=True, timeout=120).stderr
+        assert ("tensor/s" in err or "tensor]" in err) == bar, (level, err[-500:])

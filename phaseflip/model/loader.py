@@ -10,6 +10,7 @@ minutes of loading.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import struct
@@ -26,6 +27,8 @@ from phaseflip.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -242,7 +245,11 @@ def _iter_plans(
     plans: list[_FilePlan], *, progress: bool, desc: str
 ) -> Iterator[tuple[str, torch.Tensor]]:
     total = sum(len(p.names) for p in plans)
-    with tqdm(total=total, desc=desc, unit="tensor", disable=not progress) as bar:
+    # the bar is INFO-level chatter: a server at --log-level warning (or quieter) silences it
+    # too; where nobody configured logging (a notebook, a script) it shows
+    configured = bool(logging.getLogger().handlers)
+    quiet = not progress or (configured and not log.isEnabledFor(logging.INFO))
+    with tqdm(total=total, desc=desc, unit="tensor", disable=quiet) as bar:
         for plan in plans:
             try:
                 with safe_open(str(plan.path), framework="pt", device="cpu") as f:
