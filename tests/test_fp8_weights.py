@@ -306,3 +306,15 @@ def test_every_architecture_runs_fp8(arch, model_dirs, make_engine):
                                    kv_cache_dtype="fp8_e4m3"), prompts)
     diffs = [abs(a - b) for r1, r2 in zip(ref, got) for a, b in zip(r1, r2)]
     assert 0 < sum(diffs) / len(diffs) < 0.4, sum(diffs) / len(diffs)
+
+
+def test_the_runner_says_what_it_runs_in():
+    """/server_info's `numerics`: the resolved dtypes and scheme, not only the flags."""
+    from phaseflip import Engine
+    from phaseflip.config import EMBEDDED_MODEL
+
+    with Engine(str(EMBEDDED_MODEL), device="cpu", quantization="fp8",
+                kv_cache_dtype="fp8_e4m3", max_total_tokens=1024) as e:
+        assert e.core.runner.numerics == {"dtype": "float32",
+                                          "kv_cache_dtype": "float8_e4m3fn",
+                                          "quantization": "fp8 (float)"}

@@ -186,6 +186,9 @@ def test_native_endpoints(server):
         assert name in metrics
     info = httpx.get(server + "/server_info").json()
     assert info["pool"]["balanced"] and info["versions"]["phaseflip"]
+    # what the weights and the cache run in, as resolved (not only the flags)
+    assert info["numerics"] == {"dtype": "float32", "kv_cache_dtype": "float32",
+                                "quantization": None}
 
 
 def test_disconnect_aborts_and_frees_kv(server):

@@ -124,6 +124,10 @@ class DistributedRunner:
     def graph_capture(self) -> str | None:
         return self.runner.graph_capture
 
+    @property
+    def numerics(self) -> dict[str, str | None]:
+        return self.runner.numerics
+
     def transfer_channel(self, frames: HostFrames, geometry: object) -> DistributedChannel:
         """HiCache's channel to every rank: orders ride the plan broadcast (`Runner`)."""
         if self.hicache_channel is None or frames is not self.hicache_frames:

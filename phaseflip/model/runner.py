@@ -122,6 +122,9 @@ class Runner(Protocol):
     @property
     def graph_capture(self) -> str | None: ...  # "at build", "on first use"; None: eager
 
+    @property
+    def numerics(self) -> dict[str, str | None]: ...  # dtypes and quantization, as run
+
     def forward(self, plan: ForwardBatch, future: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [len(plan.logits_indices), vocab]. `future`: the previous step's
         sampled tokens on the device, which placeholder ids in `plan` name (overlap; one
@@ -213,6 +216,14 @@ class ModelRunner:
         self.build_s = {"weights": t_weights - t0, "wait_for_ranks": t_sizing - t_weights,
                         "kv_pool": t_pool - t_sizing, "graphs": time.perf_counter() - t_pool}
         self.closed = False
+
+    @property
+    def numerics(self) -> dict[str, str | None]:
+        """What the weights and the KV cache run in (a pre-quantized FP8 checkpoint runs FP8
+        without --quantization: this says so)."""
+        return {"dtype": str(self.dtype).removeprefix("torch."),
+                "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
+                "quantization": None if self.quant is None else f"fp8 ({self.quant.source})"}
 
     def _capture_graphs(self, lazy: bool):
         """Decode CUDA graphs of this rank's stage (`lazy`: prepared, each size captured on

@@ -175,6 +175,7 @@ class EngineServer:
                 "scheduler": dataclasses.asdict(sched.stats),
                 "running": len(sched.running), "waiting": len(sched.waiting),
                 "config": dataclasses.asdict(self.cfg),
+                "numerics": self.core.runner.numerics,
                 "hicache": (dataclasses.asdict(self.core.hicache.stats)
                             if self.core.hicache else None),
                 "flip_policy": (self.core.flip_policy.snapshot()
