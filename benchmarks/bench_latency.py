@@ -137,17 +137,22 @@ class CostModel:
     attn_flops_per_pair: int  # 4 · layers · heads · head_dim
 
     @classmethod
-    def of(cls, m: ModelConfig, dtype: torch.dtype) -> CostModel:
+    def of(cls, m: ModelConfig, dtype: torch.dtype, fp8_linears: bool = False,
+           kv_dtype: torch.dtype | None = None) -> CostModel:
+        """`fp8_linears`: the decoder projections are FP8 (one byte a weight; their row
+        scales are negligible); `kv_dtype`: the KV cache's element type (default `dtype`)."""
         item = torch.empty((), dtype=dtype).element_size()
+        kv_item = torch.empty((), dtype=kv_dtype or dtype).element_size()
         h, q, kv = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
         per_layer = h * q + 2 * h * kv + q * h + 3 * h * m.intermediate_size
         embed = m.vocab_size * h
         read_params = num_parameters(m) - (0 if m.tie_word_embeddings else embed)
+        linears = per_layer * m.num_layers
         return cls(
-            layer_linear_params=per_layer * m.num_layers,
+            layer_linear_params=linears,
             lm_head_params=embed,
-            weight_bytes=read_params * item,
-            kv_bytes_per_token=2 * m.num_layers * m.num_kv_heads * m.head_dim * item,
+            weight_bytes=(read_params - linears) * item + linears * (1 if fp8_linears else item),
+            kv_bytes_per_token=2 * m.num_layers * m.num_kv_heads * m.head_dim * kv_item,
             attn_flops_per_pair=4 * m.num_layers * m.num_heads * m.head_dim,
         )
 
@@ -360,7 +365,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     engine = build_engine(args, max(batch_sizes))
     m, dtype = engine.model_config, engine_dtype(engine)
     device = engine.core.runner.device
-    cost = CostModel.of(m, dtype)
+    numerics = engine.core.runner.numerics
+    cost = CostModel.of(m, dtype, fp8_linears=numerics["quantization"] is not None,
+                        kv_dtype=getattr(torch, numerics["kv_cache_dtype"]))
     vocab = m.vocab_size
     tp, pp = engine.config.tp_size, engine.config.pp_size
     # MBU and MFU of a multi-GPU layout are against the ceilings of all its GPUs together
