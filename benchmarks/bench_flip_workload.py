@@ -19,7 +19,11 @@ context tokens, seconds) and both seams: the JSON's `calibration`, what `flip/si
 its step models to. The auto run is seeded with what calibration measured (the prefill
 speedup, each direction's seam), as an operator would from bench_latency and bench_flip.
 `--simulate` (default on) then replays the same trace through the simulator with those
-models and the server's own scheduler settings, and reports simulated vs measured.
+models and the server's own scheduler settings, and reports simulated vs measured: `sim`
+with the calibration's models as they are, `sim*` with each layout's model scaled by its
+calibration prefill rate over the one its static server run measured (its per-prompt-token
+cost only; static runs of the pair carry the manual policy's telemetry for it; the auto runs
+stay out of the fit).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import math
 import shlex
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -154,13 +159,19 @@ def _engine_kwargs(serve_args: str) -> dict[str, Any]:
     return {k: v for k, v in vars(ns).items() if v != defaults[k]}
 
 
+def calib_rate(calib: dict[str, Any], name: str) -> float:
+    """Prefill tokens/s of a layout's calibration steps that are mostly prefill (as the
+    policy measures it)."""
+    s = [x for x in calib["steps"][name] if x["prompt_tokens"] >= 64
+         and x["prompt_tokens"] >= 0.9 * (x["prompt_tokens"] + x["decode_rows"])]
+    return sum(x["prompt_tokens"] for x in s) / sum(x["seconds"] for x in s)
+
+
 def seeds(calib: dict[str, Any], decode: str, prefill: str) -> str:
     """--flip-seed-* flags from the calibration: the prefill rates' ratio (steps that are
     mostly prefill) and each direction's seam plus its refill, priced as the policy does."""
     def rate(name: str) -> float:
-        s = [x for x in calib["steps"][name] if x["prompt_tokens"] >= 64
-             and x["prompt_tokens"] >= 0.9 * (x["prompt_tokens"] + x["decode_rows"])]
-        return sum(x["prompt_tokens"] for x in s) / sum(x["seconds"] for x in s)
+        return calib_rate(calib, name)
 
     def cost(target: str) -> float:
         out = []
@@ -190,7 +201,12 @@ def serve_flags(run: str, args: argparse.Namespace, calib: dict[str, Any] | None
             extra += f" --flip-seed-pp-speedup {args.prior_speedup}"
         return args.serve_args + extra
     tp, pp = parse_layout(run)
-    return args.serve_args + f" --tp-size {tp} --pp-size {pp}"
+    pair = [parse_layout(x) for x in args.flip_layouts.split(",")]
+    # a layout of the pair runs with the manual policy's telemetry (no flips): its measured
+    # prefill rate scales the simulator's step models to this server (`server_scales`)
+    watch = (f" --enable-flip --flip-policy manual --flip-layouts {args.flip_layouts}"
+             if (tp, pp) in pair else "")
+    return args.serve_args + f" --tp-size {tp} --pp-size {pp}" + watch
 
 
 async def replay(base: str, trace: list[wl.Arrival], poll_s: float) -> dict[str, Any]:
@@ -283,15 +299,37 @@ def _parse_name(name: str) -> tuple[int, int]:
     return int(tp), int(pp)
 
 
-def simulate_run(run: dict[str, Any], calib: dict[str, Any], trace: list[wl.Arrival]
-                 ) -> dict[str, Any] | None:
-    """The measured run replayed by `flip/sim.py`: step models fitted to the calibration,
-    seams at the calibration's median per direction, the server's own config and pool."""
+def server_scales(runs: list[dict[str, Any]], calib: dict[str, Any]
+                  ) -> dict[tuple[int, int], float]:
+    """Per layout: its calibration prefill rate over the one its *static* server run
+    measured (the manual policy's X or P): how much slower the server's steps ran (its front
+    end shares the cores). The auto runs are not used: they are what the simulator is
+    checked against."""
+    out = {}
+    for r in runs:
+        pol, cfg = r.get("policy") or {}, r.get("config") or {}
+        if r["run"].startswith("auto") or not pol.get("layouts"):
+            continue
+        lay = (cfg["tp_size"], cfg["pp_size"])
+        est = pol["estimates"]["prefill_tps"][
+            "X" if pol["layouts"]["decode"] == layout_name(lay) else "P"]
+        if est["provenance"] == "measured" and est["value"]:
+            out[lay] = calib_rate(calib, layout_name(lay)) / est["value"]
+    return out
+
+
+def simulate_run(run: dict[str, Any], calib: dict[str, Any], trace: list[wl.Arrival],
+                 scales: dict[tuple[int, int], float] | None = None) -> dict[str, Any] | None:
+    """The measured run replayed by `flip/sim.py`: step models fitted to the calibration
+    (each scaled by `scales`, if given), seams at the calibration's median per direction,
+    the server's own config and pool."""
     from phaseflip.flip.sim import LinearStepModel, simulate
 
     models = {_parse_name(n): LinearStepModel.fit(
         [(s["prompt_tokens"], s["decode_rows"], s["ctx_tokens"], s["seconds"]) for s in st])
         for n, st in calib["steps"].items()}
+    for lay, k in (scales or {}).items():  # the prefill coefficient: what X and P measure
+        models[lay] = replace(models[lay], prompt_token_s=k * models[lay].prompt_token_s)
     known = set(EngineConfig.__dataclass_fields__)
     cfg = EngineConfig(**{k: v for k, v in (run["config"] or {}).items() if k in known})
     if (cfg.tp_size, cfg.pp_size) not in models:
@@ -339,17 +377,20 @@ def _sim_timeline(res: Any) -> list[tuple[float, str]]:
 def print_report(result: dict[str, Any]) -> None:
     rows = []
     for r in result["runs"]:
-        sim = r.get("sim") or {}
+        sims = []
+        for sim in (r.get("sim") or {}, r.get("sim_scaled") or {}):
+            sims += [sim.get("throughput_tps"),
+                     None if sim.get("e2e_mean_s") is None else 1e3 * sim["e2e_mean_s"],
+                     sim.get("flips")]
         rows.append([r["run"], f"{r['ok']}/{r['requests']}", r["seconds"], r["throughput_tps"],
                      1e3 * r["ttft_p50_s"], 1e3 * r["ttft_p99_s"], 1e3 * r["itl_p50_s"],
                      1e3 * r["itl_p99_s"], 1e3 * r["e2e_mean_s"], r["flips"],
-                     r["seam_s_recent"], sim.get("throughput_tps"),
-                     None if sim.get("e2e_mean_s") is None else 1e3 * sim["e2e_mean_s"],
-                     sim.get("flips")])
+                     r["seam_s_recent"], *sims])
     print_table(["run", "ok", "s", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
                  "ITL p99 ms", "E2E mean ms", "flips", "seam s (last 4)", "sim tok/s",
-                 "sim E2E ms", "sim flips"], rows,
-                title=f"flip workload: {result['workload']}")
+                 "sim E2E ms", "sim flips", "sim* tok/s", "sim* E2E ms", "sim* flips"], rows,
+                title=f"flip workload: {result['workload']} (sim*: step models scaled to "
+                      f"the static runs' measured prefill rates {result.get('server_scales')})")
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -372,7 +413,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         for a, b in zip(tl, tl[1:]):
             if b["flips"] != a["flips"]:
                 ax.axvline(b["t_s"], color="tab:red", lw=0.8)
-        sim = (r.get("sim") or {}).get("layout_timeline") or []
+        sim = (r.get("sim_scaled") or r.get("sim") or {}).get("layout_timeline") or []
         top = ax.get_ylim()[1]
         for (ta, la), (tb, _) in zip(sim, sim[1:] + [(r["seconds"], "")]):
             ax.plot([ta, tb], [top, top], color=colours.get(la, "grey"), lw=4)
@@ -408,8 +449,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def finish(result: dict[str, Any], trace: list[wl.Arrival], calib: dict[str, Any] | None,
            args: argparse.Namespace) -> dict[str, Any]:
     if calib is not None and args.simulate:
+        scales = server_scales(result["runs"], calib)
+        result["server_scales"] = {layout_name(k): v for k, v in scales.items()}
         for r in result["runs"]:
             r["sim"] = simulate_run(r, calib, trace)
+            r["sim_scaled"] = simulate_run(r, calib, trace, scales) if scales else None
     print_report(result)
     if args.plot:
         plot(result, args.plot)
