@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from benchmarks.common import print_table, write_json
 from benchmarks.plot import pyplot, save
 from phaseflip.config import EngineConfig
@@ -236,6 +238,44 @@ def plot_map(rows: list[dict[str, Any]], figs: Path) -> list[Path]:
     return [save(fig, figs / "flip_map.png")]
 
 
+def plot_timeline(pt: Point, gpu: sim.GpuCalib, load: float, seed: int, path: Path) -> Path:
+    """One point's replays over time: tokens served (cumulative, steps' prompt tokens and
+    decode rows) by each static layout, auto and the all-bursts schedule, with the layout of
+    auto and of the schedule as strips below."""
+    plt = pyplot()
+    b = Bench(pt, gpu)
+    base = wl.generate(gpu_spec(pt.share, seed))
+    probe = b.run(base, pt.decode)
+    trace = scaled(base, sum(probe.busy_s.values()) / (load * base[-1].t_s))
+    groups = {a.group for a in trace if a.kind == "burst"}
+    runs = {layout_name(lay): b.run(trace, lay) for lay in pt.layouts()}
+    runs["auto"] = b.run(trace, None)
+    runs["burst schedule"] = b.run(trace, None, BurstSchedule(trace, groups, pt.decode,
+                                                                pt.prefill))
+    fig, (ax, strip) = plt.subplots(2, 1, figsize=(10, 4.6), sharex=True,
+                                    gridspec_kw={"height_ratios": [4, 1]})
+    for name, r in runs.items():
+        t = [s[0] for s in r.steps]
+        done = np.cumsum([s[3] + s[4] for s in r.steps]) / 1e6
+        ax.plot(t, done, label=f"{name} ({busy_tps(r):.0f} tok/s busy)",
+                lw=2 if name == "auto" else 1)
+    for a in trace:
+        if a.kind == "burst":
+            ax.axvline(a.t_s, color="grey", lw=0.2)
+    colours = {layout_name(pt.decode): "tab:blue", layout_name(pt.prefill): "tab:orange"}
+    for y, name in ((1, "auto"), (0, "burst schedule")):
+        for t, dt, lay, _, _ in runs[name].steps:
+            strip.barh(y, dt, left=t - dt, color=colours.get(lay, "grey"), lw=0)
+    strip.set_yticks([0, 1], ["schedule", "auto"])
+    ax.set_ylabel("M tokens served")
+    ax.legend(fontsize=7)
+    ax.set_title(f"{pt.model}, {pt.gpus} GPUs, {pt.gbps:g} GB/s, share {pt.share} "
+                 f"(grey: burst arrivals; strips: blue {layout_name(pt.decode)}, orange "
+                 f"{layout_name(pt.prefill)})", fontsize=9)
+    strip.set_xlabel("simulated seconds")
+    return save(fig, path)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="8B,70B")
@@ -249,7 +289,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--figs", default=None, help="write flip_map.png here")
     ap.add_argument("--merge", default=None, metavar="JSON,JSON",
                     help="no simulation: report and plot these results' points together")
+    ap.add_argument("--timeline", default=None, metavar="MODEL,GPUS,GBPS,SHARE",
+                    help="only plot this point's replays over time (flip_map_timeline.png)")
     args = ap.parse_args(argv)
+    if args.timeline:
+        m, g, bw, share = args.timeline.split(",")
+        measured = [json.loads(Path(p).read_text()) for p in args.calib.split(",")]
+        gpu = sim.calibrate_gpu(measured, sim.LLAMA_8B, REF_LINK)
+        plot_timeline(Point(m, int(g), float(bw), share), gpu, args.load, args.seed,
+                      Path(args.figs or ".") / "flip_map_timeline.png")
+        return {}
     if args.merge:
         parts = [json.loads(Path(p).read_text()) for p in args.merge.split(",")]
         rows = [r for d in parts for r in d["points"]]
