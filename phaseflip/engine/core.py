@@ -293,7 +293,11 @@ class EngineCore:
         return self.outputs.groups
 
     def abort(self, rid: str) -> list[StreamDelta]:
-        return self.outputs.abort(rid)
+        deltas = self.outputs.abort(rid)
+        step = self._inflight
+        if step is not None and all(it.req.finished for it in step.items):
+            self._inflight = None  # a run-ahead step that no request is owed anything of
+        return deltas
 
     def has_work(self) -> bool:
         return (self.scheduler.has_work() or bool(self.outputs.text_pending)

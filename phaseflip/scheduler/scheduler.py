@@ -114,8 +114,11 @@ class Scheduler:
                 prefill = True  # more than one token, or (n == 1) not yet sampling
                 budget -= n
         self._admit(items, budget, prefill)
-        if not items and self.hicache is not None and self.hicache.busy:
-            self.hicache.quiesce()  # nothing else can run: waiting on the transfers is free
+        # nothing else can run: waiting on the transfers is free, unless a run-ahead step's
+        # tokens are still to be turned into outputs (a request they finish would wait)
+        if not items and self.hicache is not None and self.hicache.busy \
+                and not any(r.pending for r in self.running):
+            self.hicache.quiesce()
             self._admit(items, budget, False)
         if not items:
             return None
