@@ -380,7 +380,9 @@ def test_the_engine_flips_by_itself_and_outputs_match_the_unflipped_run(model_di
     assert 1 <= snap["flips"] == snap["auto_flips"] <= 3, snap
     first = snap["recent_flips"][0]
     assert first["target"] == "tp1×pp2" and "break-even" in first["reason"]
-    assert snap["estimates"]["flip_cost_s"]["to_prefill"]["provenance"] == MEASURED
+    there = snap["estimates"]["flip_cost_s"]["to_prefill"]  # the seam measured; its refill
+    assert there["samples"] >= 1 and there["provenance"] in (MEASURED, HALF)  # (maybe cut
+    # short by the flip back: then C is the seam alone, half-measured)
     for rid, (ids, lps, reasons) in got.items():
         assert reasons == ["length"], rid  # finished exactly once: none lost, none doubled
         assert ids == want[rid][0], rid
