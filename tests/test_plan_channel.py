@@ -101,7 +101,8 @@ def _pipes(rank: int, chan: ShmPlanChannel, out) -> None:
         back = pipes.recv((64, 100), torch.float32, 1)  # 25.6 KB through a 4 KiB ring
         out.put((rank, "same", bool((back == torch.arange(100.0)).all())))
         return
-    got = [pipes.recv(shape, dtype, 0) for shape, dtype in shapes]
+    # a received tensor may lie in the ring, valid until the next receive from its sender
+    got = [pipes.recv(shape, dtype, 0).clone() for shape, dtype in shapes]
     ok = all(g.dtype == d and g.shape == s and bool((g == i).all())
              for i, (g, (s, d)) in enumerate(zip(got, shapes)))
     pipes.send(torch.arange(100.0).repeat(64, 1), 0)

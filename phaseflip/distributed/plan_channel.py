@@ -172,6 +172,7 @@ class ShmRing:
         self.pos = 0  # the writer's unpublished head, or this reader's tail
         self.head_seen = 0  # a reader's last read of `head`
         self.gap_s = 0.0  # a reader's last wait for a message
+        self.held = 0  # a reader's tail still to publish, past a payload read in place
 
     @classmethod
     def create(cls, where: str, readers: int, capacity: int,
@@ -244,10 +245,25 @@ class ShmRing:
             nap = min(2 * nap, 1e-3)
 
     # ---------------------------------------------------------------- a reader
-    def read(self) -> bytearray:
-        """The next frame's payload (waits for it without a deadline)."""
+    def read(self, view: bool = False) -> bytearray | memoryview:
+        """The next frame's payload (waits for it without a deadline). `view` (a ring's only
+        reader): the payload in place when it lies in one piece, valid until this reader's
+        next `read` (its bytes are released to the writer only then); else a copy."""
+        self._release()
         (n,) = _LEN.unpack(self._copy_out(_LEN.size))
-        return self._copy_out(n)
+        at = self.pos % self.capacity
+        if not view or self.readers != 1 or n == 0 or at + n > self.capacity:
+            return self._copy_out(n)
+        while self.head_seen < self.pos + n:  # the whole frame fits: it is published whole
+            self._wait_for_data()
+        self.pos += n
+        self.held = self.pos
+        return self.data[at : at + n]
+
+    def _release(self) -> None:
+        if self.held:
+            self.ctl[_LINE // 8 * (self.reader + 1)] = self.held
+            self.held = 0
 
     def _copy_out(self, n: int) -> bytearray:
         out, off, cap = bytearray(n), 0, self.capacity
@@ -300,8 +316,11 @@ class ShmRing:
             os.close(fd)
         self.bells = []
         del self.ctl
-        self.data.release()
-        self.mm.close()
+        try:
+            self.data.release()
+            self.mm.close()
+        except BufferError:  # a payload read in place is still referenced: unmapped with it
+            pass
 
 
 def _header_bytes(readers: int) -> int:
@@ -336,9 +355,13 @@ class StagePipes:
         ring.write(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        """The tensor in place in the ring (no copy) when it lies in one piece: valid until
+        the next `recv` from `src`, by when the caller has used it (a stage's micro-batch
+        runs before the next one is received; rank 0 samples a step's logits before the
+        next step's arrive)."""
         ring = self.inp.get(src) or self._open_in(src)
-        raw = ring.read()
-        if not raw:
+        raw = ring.read(view=True)
+        if not len(raw):
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(raw, dtype=dtype).view(shape)
 
