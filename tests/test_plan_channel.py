@@ -79,6 +79,20 @@ def _death(rank: int, chan: ShmPlanChannel, out) -> None:
     chan.recv()  # rank 0 is killed while this rank waits
 
 
+def _idle(rank: int, chan: ShmPlanChannel, out) -> None:
+    if rank == 0:
+        for i in range(50):  # a busy spell: the reader learns to spin between messages
+            chan.send(i)
+            time.sleep(0.004)
+        out.put((rank, "sent", None))
+        time.sleep(60)  # then idle (killed by the test)
+        return
+    chan.spin_s = 2e-3  # the default, whatever the scenario's spawner set
+    for _ in range(50):
+        chan.recv()
+    chan.recv()  # never comes: this rank must fall asleep
+
+
 def _full(rank: int, chan: ShmPlanChannel, out) -> None:
     if rank == 0:
         for _ in range(4):
@@ -186,6 +200,27 @@ def test_stage_pipes_hand_tensors_over_and_a_missing_one_is_a_timeout():
     assert sorted(g[0] for g in got if g[1] == "same" and g[2]) == [0, 1], got
     errors = [g for g in got if g[1] == "error"]
     assert len(errors) == 1 and errors[0][0] == 1 and "TimeoutError" in errors[0][2], got
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_idle_rank_sleeps():
+    """Readers spin between messages of a busy spell (no doorbell to pay), but an idle rank
+    stops spinning within SPIN_MAX_S and uses no CPU (C10: idle is idle)."""
+    procs, out = _spawn(2, "idle")
+    try:
+        assert out.get(timeout=60) == (0, "sent", None)
+        time.sleep(0.5)  # past the longest spin
+        before = _cpu_s(procs[1].pid)
+        time.sleep(1.0)
+        used = _cpu_s(procs[1].pid) - before
+    finally:
+        _stop(procs)
+    assert used < 0.1, f"an idle rank used {used:.2f} s of CPU in 1 s"
 
 
 def test_multi_node_groups_keep_the_gloo_broadcast():
