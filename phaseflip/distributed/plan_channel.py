@@ -200,12 +200,10 @@ class ShmRing:
             pass
 
     # ---------------------------------------------------------------- the writer
-    def write(self, *payloads: bytes) -> None:
-        """Copies one frame in (`payloads` back to back: parts are not joined first) and
-        publishes it, waiting only if the ring is full."""
-        self._copy_in(_LEN.pack(sum(memoryview(b).nbytes for b in payloads)))
-        for payload in payloads:
-            self._copy_in(payload)
+    def write(self, payload: bytes) -> None:
+        """Copies one frame in and publishes it (waiting only if the ring is full)."""
+        self._copy_in(_LEN.pack(len(payload)))
+        self._copy_in(payload)
         self._publish()
 
     def _copy_in(self, buf: bytes) -> None:
@@ -352,13 +350,9 @@ class StagePipes:
         self.out: dict[int, ShmRing] = {}
         self.inp: dict[int, ShmRing] = {}
 
-    def send(self, t: torch.Tensor | list[torch.Tensor], dst: int) -> None:
-        """One tensor, or parts received as their concatenation along dim 0 (written one
-        after the other: no joined copy is made)."""
+    def send(self, t: torch.Tensor, dst: int) -> None:
         ring = self.out.get(dst) or self._open_out(dst)
-        parts = t if isinstance(t, list) else [t]
-        ring.write(*(p.detach().reshape(-1).contiguous().view(torch.uint8).numpy()
-                     for p in parts))
+        ring.write(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         """The tensor in place in the ring (no copy) when it lies in one piece: valid until

@@ -191,20 +191,17 @@ class StageExecutor:
         with tr.at("drain sends", step):
             for work, _keep in pending:
                 work.wait()
-        return self._logits_to_driver(step, plan, logits, defer)
+        # one part (TP, or a step too small to cut): its logits as they are, not a copy
+        out = (logits[0] if len(logits) == 1 else torch.cat(logits)) if logits else None
+        return self._logits_to_driver(step, plan, out, defer)
 
-    def _logits_to_driver(self, step: int, plan: ForwardBatch, logits: list[torch.Tensor],
-                          defer: bool = False):
-        """`logits`: the last stage's, one part per micro-batch (none elsewhere)."""
+    def _logits_to_driver(self, step: int, plan: ForwardBatch, logits, defer: bool = False):
         rank, last_rank0 = self.groups.rank, (self.spec.pp_size - 1) * self.spec.tp_size
         if rank == 0 and self.last:
-            return _joined(logits)
+            return logits
         if self.last and rank == last_rank0:
             with self.tracker.at("send logits to rank 0", step):
-                if self.pipes is not None:  # the parts go in one after the other: no join
-                    self.pipes.send([t.cpu() for t in logits], 0)
-                else:
-                    self._send(_joined(logits), 0)
+                self._send(logits, 0)
         elif rank == 0:
             rows = int(plan.logits_indices.numel())
 
@@ -241,13 +238,6 @@ class StageExecutor:
         buf = torch.empty(shape, dtype=dtype, device=device)
         dist.recv(buf, src)
         return buf.to(self.runner.device)
-
-
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor | None:
-    """The parts' concatenation; one part (TP, or a step too small to cut) as it is."""
-    if not parts:
-        return None
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class _Done:
