@@ -272,7 +272,11 @@ class DiskPageStore:
             fd = os.open(path, os.O_RDONLY)
         except OSError as exc:
             with self._lock:
-                self._forget(key)
+                # a put may have brought the page back since the open failed (its write is
+                # unlocked, its indexing follows): forgetting it then would leave a file no
+                # entry counts. Unlinks happen under the lock, so absence here is current.
+                if not path.exists():
+                    self._forget(key)
                 self._stats.misses += count
             if not isinstance(exc, FileNotFoundError):
                 log.warning("hicache: cannot open page %s: %s", path, exc)
