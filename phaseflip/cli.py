@@ -189,6 +189,8 @@ def config_from_args(args: argparse.Namespace, cls: type = EngineConfig):
 
 def _setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(message)s")
+    if logging.getLevelName(level.upper()) > logging.INFO:  # progress bars are INFO chatter
+        os.environ.setdefault("TQDM_DISABLE", "1")  # the engine and its ranks inherit it
 
 
 def _warn_if_cpu(cfg: EngineConfig) -> None:

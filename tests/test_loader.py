@@ -4,6 +4,7 @@ all on tiny checkpoints written by transformers in the test."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -215,18 +216,24 @@ def test_broken_tokenizer_is_wrapped(tmp_path: Path) -> None:
         load_tokenizer(tmp_path)
 
 
-def test_the_load_bar_follows_the_log_level():
-    """`--log-level warning` silences the checkpoint's progress bar with the INFO lines; with
-    logging left unconfigured (a notebook, a script) the bar shows."""
+def test_the_load_bar_follows_the_log_level(monkeypatch):
+    """`serve --log-level warning` silences the checkpoint's progress bar with the INFO lines
+    (TQDM_DISABLE, which the explicit `disable=` had overridden; the engine and its ranks
+    inherit it); at info, or unset, the bar shows."""
     import subprocess
     import sys
 
-    code = ("import logging, sys\n"
-            "from phaseflip.config import EMBEDDED_MODEL\n"
+    from phaseflip import cli
+
+    code = ("from phaseflip.config import EMBEDDED_MODEL\n"
             "from phaseflip.model.loader import iter_checkpoint_tensors\n"
-            "if sys.argv[1] != 'none': logging.basicConfig(level=sys.argv[1])\n"
             "list(iter_checkpoint_tensors(EMBEDDED_MODEL))\n")
-    for level, bar in (("none", True), ("INFO", True), ("WARNING", False)):
-        err = subprocess.run([sys.executable, "-c", code, level], capture_output=True,
-                             text=True, timeout=120).stderr
-        assert ("tensor/s" in err or "tensor]" in err) == bar, (level, err[-500:])
+    for env, bar in (({}, True), ({"TQDM_DISABLE": "1"}, False)):
+        err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=120, env={**os.environ, **env}).stderr
+        assert ("tensor/s" in err or "tensor]" in err) == bar, (env, err[-500:])
+    monkeypatch.setattr(cli.logging, "basicConfig", lambda **kw: None)  # (this process's)
+    for level, quiet in (("info", False), ("warning", True)):
+        monkeypatch.delenv("TQDM_DISABLE", raising=False)
+        cli._setup_logging(level)
+        assert (os.environ.get("TQDM_DISABLE") == "1") == quiet, level

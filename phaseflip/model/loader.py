@@ -10,7 +10,6 @@ minutes of loading.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import struct
@@ -27,8 +26,6 @@ from phaseflip.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -245,10 +242,9 @@ def _iter_plans(
     plans: list[_FilePlan], *, progress: bool, desc: str
 ) -> Iterator[tuple[str, torch.Tensor]]:
     total = sum(len(p.names) for p in plans)
-    # the bar is INFO-level chatter: a server at --log-level warning (or quieter) silences it
-    # too; where nobody configured logging (a notebook, a script) it shows
-    configured = bool(logging.getLogger().handlers)
-    quiet = not progress or (configured and not log.isEnabledFor(logging.INFO))
+    # tqdm's own switch, which an explicit `disable=` would override: `phaseflip serve
+    # --log-level warning` (or quieter) sets it for the engine and its ranks
+    quiet = not progress or os.environ.get("TQDM_DISABLE", "").lower() in ("1", "true", "yes")
     with tqdm(total=total, desc=desc, unit="tensor", disable=quiet) as bar:
         for plan in plans:
             try:
