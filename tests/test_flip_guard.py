@@ -163,24 +163,25 @@ def test_a_real_flip_past_its_timeout_keeps_the_guard():
 
 
 def test_the_engine_announces_manual_and_automatic_seams(monkeypatch):
-    """`AnnouncingCore` (the engine process's core) sends FlipState at the start and the end of
-    every seam: a manual flip, and one the auto policy starts inside a step. Red if a flip path
-    stops going through `EngineCore.flip` (the front end would then wait behind the seam)."""
+    """The engine core's seam listener (the engine process sends FlipState through it) hears
+    the start and the end of every seam: a manual flip, and one the auto policy starts inside
+    a step. Red if a flip path stops going through `EngineCore.flip` (the front end would then
+    wait behind the seam)."""
     import pytest
 
     from phaseflip.config import EMBEDDED_MODEL, EngineConfig
+    from phaseflip.engine.core import EngineCore
     from phaseflip.flip.policy import Decision
     from phaseflip.model.config import ModelConfig
     from phaseflip.model.loader import load_tokenizer
     from phaseflip.sampling.params import SamplingParams
-    from phaseflip.server.engine_process import AnnouncingCore
 
     cfg = EngineConfig(model=EMBEDDED_MODEL, device="cpu", tp_size=2, enable_flip=True,
                        enable_hicache=True, hicache_host_gb=0.01, flip_policy="auto",
                        max_total_tokens=2048, check_accounting=True)
-    core = AnnouncingCore(cfg, ModelConfig.from_dir(EMBEDDED_MODEL), load_tokenizer(EMBEDDED_MODEL))
+    core = EngineCore(cfg, ModelConfig.from_dir(EMBEDDED_MODEL), load_tokenizer(EMBEDDED_MODEL))
     said: list[m.FlipState] = []
-    core.announce = said.append
+    core.seam_listener = lambda target: said.append(m.FlipState(target))
     try:
         core.flip(1, 2)
         assert said == [m.FlipState("tp1×pp2"), m.FlipState(None)]

@@ -26,9 +26,10 @@ from phaseflip.engine.outputs import StreamDelta
 from phaseflip.engine.sampling_step import InFlight, SamplingStep, overlappable
 from phaseflip.engine.validation import kv_tokens_needed, validate_request
 from phaseflip.errors import InvalidRequestError
-from phaseflip.flip.census import SeamCensus
+from phaseflip.flip.census import SeamCensus, layout_name
 from phaseflip.flip.seam import check_target, run_seam
 from phaseflip.flip.telemetry import FlipTelemetry
+from phaseflip.heap import release_freed_heap
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.runner import Runner
 from phaseflip.sampling.grammar import GrammarBook
@@ -46,6 +47,9 @@ class EngineCore:
         self.model_cfg, self.tokenizer = model_cfg, tokenizer
         self.max_context = cfg.max_model_len or model_cfg.max_position_embeddings
         self.dead: str | None = None  # set when a failed phase flip left no usable layout
+        # told a seam's target as it starts and None as it ends, however it ended (the engine
+        # process announces seams to the front end with it; manual and automatic alike)
+        self.seam_listener: Callable[[str | None], None] | None = None
         cfg = self._plan_flip_weights(cfg)  # `--flip-weights auto` resolved, once
         self._hicache = self._new_hicache(cfg)  # before the ranks: they map its host tier
         # the checkpoint in shared memory (flips' weights), the engine's until its end
@@ -222,6 +226,18 @@ class EngineCore:
         returned with the seam census."""
         if self.dead:
             raise RuntimeError(self.dead)
+        listener = self.seam_listener
+        if listener is not None:
+            listener(layout_name(tp_size, pp_size))
+        try:
+            return self._flip(tp_size, pp_size, sink)
+        finally:
+            if listener is not None:  # however the seam ended (a refused target included)
+                listener(None)
+
+    def _flip(self, tp_size: int, pp_size: int,
+              sink: Callable[[list[StreamDelta]], None] | None
+              ) -> tuple[SeamCensus, list[StreamDelta]]:
         check_target(self.cfg, self.model_cfg, tp_size, pp_size)
         deltas = self._drain() + self.outputs.emit_text()
         if sink is not None and deltas:
@@ -230,6 +246,7 @@ class EngineCore:
         source, observer = (self.cfg.tp_size, self.cfg.pp_size), self.flip_telemetry
         observer.before_seam(self.scheduler.running)
         census = run_seam(self, tp_size, pp_size)
+        release_freed_heap()  # glibc keeps the retired layout's pages (+1.3 MiB a flip)
         observer.on_seam(source, (tp_size, pp_size), census)
         unfit = self._end_unfit()
         observer.on_cutover(census, self._hicache)  # the refill window opens

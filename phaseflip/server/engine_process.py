@@ -24,7 +24,6 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
 
 import zmq
 
@@ -32,8 +31,6 @@ from phaseflip.config import EngineConfig
 from phaseflip.distributed.watchdog import StepWatchdog
 from phaseflip.engine.core import EngineCore
 from phaseflip.errors import InvalidRequestError, PhaseflipError
-from phaseflip.flip.census import layout_name
-from phaseflip.heap import release_freed_heap
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.loader import load_tokenizer
 from phaseflip.scheduler.kv_cache import PoolAccounting
@@ -43,24 +40,6 @@ from phaseflip.threads import apply_cpu_threads
 log = logging.getLogger("phaseflip.engine")
 IDLE_POLL_MS = 1000
 EXIT_FAILED, EXIT_STALLED = 1, 3  # the engine process's exit codes besides 0
-
-
-class AnnouncingCore(EngineCore):
-    """The engine core, telling `announce` when a flip's seam starts and when it has ended
-    (however it ended). Both kinds of flip go through `flip`: the control op calls it, and the
-    auto policy's `_auto_flip` inside `step` does. (Stands in for an on-seam-start hook that
-    EngineCore's flip observer does not have yet.)"""
-
-    announce: Callable[[m.Message], None] = staticmethod(lambda _msg: None)
-
-    def flip(self, tp_size: int, pp_size: int, sink=None):
-        self.announce(m.FlipState(layout_name(tp_size, pp_size)))
-        try:
-            result = super().flip(tp_size, pp_size, sink)
-            release_freed_heap()
-            return result
-        finally:
-            self.announce(m.FlipState(None))
 
 
 class EngineServer:
@@ -75,8 +54,9 @@ class EngineServer:
         self.outbox.connect(outputs_addr)
         self.parent = os.getppid()
         model_cfg = ModelConfig.from_dir(cfg.model)
-        self.core = AnnouncingCore(cfg, model_cfg, load_tokenizer(cfg.model))
-        self.core.announce = self.send  # (the loop's thread: flips run in it)
+        self.core = EngineCore(cfg, model_cfg, load_tokenizer(cfg.model))
+        # (the loop's thread: manual and automatic flips both run in it)
+        self.core.seam_listener = lambda target: self.send(m.FlipState(target))
         self.watchdog = StepWatchdog(cfg.watchdog_timeout_s, self._on_stall)
         self.send(self._ready())
 
