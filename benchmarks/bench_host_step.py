@@ -33,7 +33,13 @@ from typing import Any
 import torch
 
 from benchmarks.bench_scheduler import install_null_forward
-from benchmarks.common import print_table, random_prompts, summarize, write_json
+from benchmarks.common import (
+    print_table,
+    random_prompts,
+    step_until_decoding,
+    summarize,
+    write_json,
+)
 from phaseflip.config import EngineConfig, parse_layout
 from phaseflip.distributed.stage import NULL_FORWARD_ENV
 from phaseflip.engine.core import EngineCore
@@ -87,16 +93,7 @@ def fill_decode_batch(core: EngineCore, args: argparse.Namespace, n: int,
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
     for i, ids in enumerate(random_prompts([args.prompt_len] * n, vocab, args.seed)):
         core.add_request(f"r{i}", ids, params)
-    for _ in range(n + 16):
-        sched = core.scheduler
-        if (len(sched.running) == n and not sched.waiting
-                and all(r.remaining == 1 for r in sched.running)):
-            break
-        core.step()
-    else:
-        raise RuntimeError("requests did not all reach decoding")
-    for _ in range(args.warmup_steps):
-        core.step()
+    step_until_decoding(core, n, args.warmup_steps)
 
 
 def run_config(args: argparse.Namespace, layout: str, n: int) -> dict[str, Any]:

@@ -41,7 +41,14 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import add_model_args, print_table, random_prompts, summarize, write_json
+from benchmarks.common import (
+    add_model_args,
+    print_table,
+    random_prompts,
+    step_until_decoding,
+    summarize,
+    write_json,
+)
 from phaseflip.config import EngineConfig
 from phaseflip.engine.core import EngineCore
 from phaseflip.model.config import ModelConfig
@@ -185,17 +192,7 @@ def run_config(args: argparse.Namespace, num_requests: int, preset: str,
     for i, ids in enumerate(prompts):
         core.add_request(f"r{i}", ids, params)
 
-    # Prefill until the batch is all decode steps of all N requests.
-    for _ in range(num_requests + 16):
-        running = core.scheduler.running
-        if (len(running) == num_requests and not core.scheduler.waiting
-                and all(r.remaining == 1 for r in running)):
-            break
-        core.step()
-    else:
-        raise RuntimeError("requests did not all reach decoding")
-    for _ in range(args.warmup_steps):
-        core.step()
+    step_until_decoding(core, num_requests, args.warmup_steps)
 
     timer = StepTimer(core).install()
     samples: dict[str, list[tuple[float, float]]] = {p: [] for p in PHASES}

@@ -223,6 +223,21 @@ def random_prompts(lengths: Sequence[int], vocab_size: int, seed: int,
     return [rng.integers(low, vocab_size, size=n).tolist() for n in lengths]
 
 
+def step_until_decoding(core: Any, n: int, warmup_steps: int) -> None:
+    """Steps an engine core until all `n` submitted requests are decoding (one token a step
+    each, nothing waiting), then `warmup_steps` more: a steady decode batch to time."""
+    for _ in range(n + 16):
+        sched = core.scheduler
+        if (len(sched.running) == n and not sched.waiting
+                and all(r.remaining == 1 for r in sched.running)):
+            break
+        core.step()
+    else:
+        raise RuntimeError("requests did not all reach decoding")
+    for _ in range(warmup_steps):
+        core.step()
+
+
 def make_workload(dataset: str, n: int, input_len: int, output_len: int, vocab_size: int,
                   seed: int, max_context: int | None = None) -> Workload:
     ins, outs = sample_lengths(dataset, n, input_len, output_len, seed, max_context)
