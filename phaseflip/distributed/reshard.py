@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phaseflip.layout import Layout
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.layers import (
     MergedColumnParallelLinear,
@@ -37,7 +36,7 @@ from phaseflip.model.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from phaseflip.model.llama import _FUSED, LlamaForCausalLM
+from phaseflip.model.llama import _FUSED, LlamaForCausalLM, meta_shards
 from phaseflip.model.quant import Fp8Config
 from phaseflip.model.runner import free_model
 from phaseflip.model.weight_image import WeightsLoad
@@ -109,8 +108,7 @@ def checkpoint_names(model_cfg: ModelConfig, dtype: torch.dtype,
     """The checkpoint tensor names of the model, as the loader maps them (read off the whole
     model on the meta device: the same list for a real checkpoint and for dummy weights; FP8
     weights' row scales included, which shard along the rows as their weights do)."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(model_cfg, Layout(), dtype, quant)
+    (model,) = meta_shards(model_cfg, 1, 1, dtype, quant)
     names = []
     for pname, _ in model.named_parameters():
         fused = next(((src, dst) for src, dst, _ in _FUSED if f".{dst}." in pname), None)
@@ -124,13 +122,7 @@ def layout_pieces(model_cfg: ModelConfig, tp: int, pp: int, dtype: torch.dtype,
                   names: list[str], quant: Fp8Config | None = None
                   ) -> list[dict[str, list[Piece]]]:
     """`pieces` of every rank of a tp × pp layout (rank = pp_rank * tp + tp_rank)."""
-    out = []
-    for rank in range(tp * pp):
-        with torch.device("meta"):
-            model = LlamaForCausalLM(model_cfg, Layout(rank % tp, tp, rank // tp, pp), dtype,
-                                     quant)
-        out.append(pieces(model, names))
-    return out
+    return [pieces(model, names) for model in meta_shards(model_cfg, tp, pp, dtype, quant)]
 
 
 def plan_moves(old: list[dict[str, list[Piece]]], new: list[dict[str, list[Piece]]]

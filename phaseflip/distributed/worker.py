@@ -138,7 +138,8 @@ class RankProcess:
                 self.parked[(cfg.tp_size, cfg.pp_size)] = model
             elif model is not None:  # peer: the next build takes its slices, then frees it
                 self.handover = (cfg, model)
-            release_freed_heap()
+            if self.rank != 0:  # (rank 0's engine trims after the whole seam: EngineCore)
+                release_freed_heap()
             device = layout.runner.device
             if device.type == "cuda":
                 log.info("rank %d released its layout: %.2f GiB allocated, %.2f GiB reserved "

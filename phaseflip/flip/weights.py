@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from phaseflip.config import EngineConfig
-from phaseflip.layout import Layout
 from phaseflip.model.config import ModelConfig
+from phaseflip.model.llama import meta_shards
 from phaseflip.model.quant import Fp8Config, resolve_quantization
 from phaseflip.model.weight_image import param_bytes
 
@@ -61,15 +61,7 @@ def shard_bytes(model_cfg: ModelConfig, tp_size: int, pp_size: int, dtype: torch
     """Parameter bytes of every rank's shard of a tp × pp layout (rank order: tp fastest),
     counted on the meta device: exactly what the layout allocates (FP8 projections at one
     byte), nothing read."""
-    out = []
-    from phaseflip.model.llama import LlamaForCausalLM
-
-    for rank in range(tp_size * pp_size):
-        layout = Layout(rank % tp_size, tp_size, rank // tp_size, pp_size)
-        with torch.device("meta"):
-            model = LlamaForCausalLM(model_cfg, layout, dtype, quant)
-        out.append(param_bytes(model))
-    return out
+    return [param_bytes(m) for m in meta_shards(model_cfg, tp_size, pp_size, dtype, quant)]
 
 
 def parked_bytes(model_cfg: ModelConfig, layouts: tuple[tuple[int, int], ...],

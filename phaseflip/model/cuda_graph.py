@@ -96,12 +96,12 @@ class DecodeGraphs:
         device = pool.k[0].device
         self.device = device
         n = self.max_bs
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.out_cache_loc = torch.full((n,), PAD_SLOT, dtype=torch.int64, device=device)
-        self.kv_indptr = torch.arange(n + 1, dtype=torch.int64, device=device)
-        self.kv_indices = torch.full((max_kv_tokens + n,), PAD_SLOT, dtype=torch.int64,
-                                     device=device)
+        def ints(size: int) -> torch.Tensor:
+            return torch.empty(size, dtype=torch.int64, device=device)
+
+        self.input_ids, self.positions, self.out_cache_loc = ints(n), ints(n), ints(n)
+        self.kv_indptr, self.kv_indices = ints(n + 1), ints(max_kv_tokens + n)
+        self._reset_buffers()  # the padding batch the warm-up runs of a capture execute
         self.rows = torch.arange(n, dtype=torch.int64, device=device)
         self.in_hidden = self.in_residual = None
         if model.start_layer > 0:  # a later pipeline stage: its input arrives from the previous

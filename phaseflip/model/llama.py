@@ -6,7 +6,7 @@ the layers of its pipeline stage and only its tensor-parallel shard of each (`La
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -228,3 +228,13 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(
                 f"checkpoint in {self.cfg.model_dir} lacks {len(missing)} tensors: {shown}"
             )
+
+
+def meta_shards(cfg: ModelConfig, tp_size: int, pp_size: int, dtype: torch.dtype,
+                quant: Fp8Config | None = None) -> Iterator[LlamaForCausalLM]:
+    """Every rank's model of a tp × pp layout (rank order: tp fastest) on the meta device:
+    the shapes a layout allocates, nothing allocated or read."""
+    for rank in range(tp_size * pp_size):
+        layout = Layout(rank % tp_size, tp_size, rank // tp_size, pp_size)
+        with torch.device("meta"):
+            yield LlamaForCausalLM(cfg, layout, dtype, quant)
