@@ -91,9 +91,9 @@ def test_reference_attention_reads_fp8_scaled():
     num_slots = int(batch.kv_indices.max()) + 4
     (fp8,) = _fp8_pools(num_slots, 1, 2, 16, 1, gen)
     f32 = KVPool(num_slots, (0, 1), 2, 16, torch.float32, DEVICE)
-    q = torch.randn(batch.num_tokens, 4, 16, generator=gen)
-    k = torch.randn(batch.num_tokens, 2, 16, generator=gen)
-    v = torch.randn(batch.num_tokens, 2, 16, generator=gen)
+    q = torch.randn(batch.num_tokens, 4, 16, generator=gen).to(DEVICE)
+    k = torch.randn(batch.num_tokens, 2, 16, generator=gen).to(DEVICE)
+    v = torch.randn(batch.num_tokens, 2, 16, generator=gen).to(DEVICE)
     ref = TorchRefAttention()
     got = ref.forward(0, q, k, v, batch, fp8, 0.25)
     all_slots = torch.arange(num_slots)
