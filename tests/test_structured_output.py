@@ -129,6 +129,14 @@ def test_min_tokens_with_a_grammar_is_refused() -> None:
         params.validate(VOCAB)
 
 
+def test_ignore_eos_with_a_grammar_is_refused() -> None:
+    # a complete output allows only EOS; ignored, the next EOS broke the grammar and the
+    # engine process exited (one request with both took the server down)
+    params = SamplingParams(grammar=GrammarSpec("json_object"), ignore_eos=True)
+    with pytest.raises(InvalidRequestError, match="ignore_eos"):
+        params.validate(VOCAB)
+
+
 # ------------------------------------------------------------------ the engine
 def _valid(text: str) -> bool:
     try:

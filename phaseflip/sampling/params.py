@@ -200,6 +200,11 @@ class SamplingParams:
                     "min_new_tokens cannot be combined with a grammar (response_format, tools, "
                     "regex/ebnf/json_schema): the grammar decides where the output ends",
                     param="min_new_tokens")
+            if self.ignore_eos:  # a complete output allows only EOS: it would be sampled again
+                raise InvalidRequestError(  # and break the grammar (the engine process died)
+                    "ignore_eos cannot be combined with a grammar (response_format, tools, "
+                    "regex/ebnf/json_schema): the grammar decides where the output ends",
+                    param="ignore_eos")
 
     def _validate_logprobs(self, max_logprobs: int) -> None:
         for name in ("logprobs", "prompt_logprobs"):
