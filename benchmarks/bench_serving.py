@@ -11,6 +11,13 @@ with mean 1/rate (seeded); `--request-rate inf` sends everything at once. Measur
 TTFT (send → first token event), ITL (gaps between token events), E2E (send → last event);
 reported as mean/p50/p90/p99, with request and token throughput over the run's wall time.
 
+`--json-schema FILE` sends every request with `response_format` json_schema (strict) instead of
+`ignore_eos` (the grammar decides where an answer ends; the server refuses both at once), after
+one warm-up request that compiles the grammar (its time is `structured.warmup_s`). Finished
+answers are parsed and checked against the schema (benchmarks/schema_check.py); answers cut at
+`max_tokens` are counted under their finish reason, not checked. `--compare-unconstrained` runs
+the same workload without, then with the schema against one server and reports the ratios.
+
 aiohttp is used where installed (the GPU image has it), httpx otherwise: the same protocol, so
 the figures are comparable, but record which one ran (`client` in the JSON).
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -28,6 +36,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -35,6 +44,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from benchmarks import schema_check
 from benchmarks.common import make_workload, print_table, summarize, write_json
 
 
@@ -48,6 +58,9 @@ class RequestResult:
     e2e: float = math.nan
     itls: list[float] = field(default_factory=list)
     error: str | None = None
+    finish_reason: str | None = None
+    text: str | None = None  # constrained requests only (its JSON is checked)
+    schema_problems: list[str] | None = None  # None: not checked (unconstrained, or cut short)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,16 +160,22 @@ def make_client(kind: str, timeout_s: float, headers: dict[str, str]) -> _Client
 
 
 async def one_request(client: _Client, url: str, model: str, prompt: list[int], max_tokens: int,
-                      temperature: float) -> RequestResult:
+                      temperature: float, response_format: dict[str, Any] | None = None
+                      ) -> RequestResult:
     """Streams one completion; a token event is any chunk with a choice (the engine emits one
-    per sampled token, with empty text when the token decodes to nothing)."""
+    per sampled token, with empty text when the token decodes to nothing). Unconstrained, it
+    must produce exactly `max_tokens` (`ignore_eos`); with a `response_format` it must finish
+    ("stop", or "length" when the budget cut the answer) and its text is kept."""
     res = RequestResult(prompt_len=len(prompt), target_len=max_tokens)
     payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-               "temperature": temperature, "ignore_eos": True,
-               "stream_options": {"include_usage": True}}
+               "temperature": temperature, "stream_options": {"include_usage": True}}
+    if response_format is None:
+        payload["ignore_eos"] = True
+    else:
+        payload["response_format"] = response_format
     t0 = time.perf_counter()
     last = t0
-    events = 0
+    events, parts = 0, []
     try:
         async for data in client.lines(url, payload):
             if data == "[DONE]":
@@ -169,6 +188,9 @@ async def one_request(client: _Client, url: str, model: str, prompt: list[int], 
                 res.output_tokens = msg["usage"]["completion_tokens"]
             if not msg.get("choices"):
                 continue
+            choice = msg["choices"][0]
+            parts.append(choice.get("text") or "")
+            res.finish_reason = choice.get("finish_reason") or res.finish_reason
             if events == 0:
                 res.ttft = now - t0
             else:
@@ -176,15 +198,36 @@ async def one_request(client: _Client, url: str, model: str, prompt: list[int], 
             last, events = now, events + 1
         res.e2e = last - t0
         res.output_tokens = res.output_tokens or events
-        res.ok = res.output_tokens == max_tokens
-        if not res.ok:
-            res.error = f"got {res.output_tokens} tokens, expected {max_tokens}"
+        _judge(res, max_tokens, response_format is not None, "".join(parts))
     except Exception as exc:  # noqa: BLE001 - recorded per request, the run goes on
         res.error = f"{type(exc).__name__}: {exc}"
     return res
 
 
-async def run_benchmark(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
+def _judge(res: RequestResult, max_tokens: int, constrained: bool, text: str) -> None:
+    if not constrained:
+        res.ok = res.output_tokens == max_tokens
+        if not res.ok:
+            res.error = f"got {res.output_tokens} tokens, expected {max_tokens}"
+        return
+    res.text = text
+    res.ok = res.finish_reason in ("stop", "length")
+    if not res.ok:
+        res.error = f"finish_reason {res.finish_reason!r}"
+
+
+def response_format_of(path: str) -> dict[str, Any]:
+    """The `response_format` body for the schema in `path` (its name: the file's stem)."""
+    with open(path) as f:
+        schema = json.load(f)
+    if not isinstance(schema, dict):
+        raise SystemExit(f"{path}: a JSON schema must be a JSON object")
+    return {"type": "json_schema", "json_schema": {
+        "name": os.path.splitext(os.path.basename(path))[0], "schema": schema, "strict": True}}
+
+
+async def run_benchmark(args: argparse.Namespace, base_url: str,
+                        response_format: dict[str, Any] | None = None) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = args.served_model_name or await _model_name(base_url, headers)
     work = make_workload(args.dataset, args.num_prompts, args.input_len, args.output_len,
@@ -195,17 +238,19 @@ async def run_benchmark(args: argparse.Namespace, base_url: str) -> dict[str, An
             else rng.exponential(1.0 / rate, size=len(work.prompts)).tolist())
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     url = base_url.rstrip("/") + "/v1/completions"
-    bar = tqdm(total=len(work.prompts), desc="requests", unit="req")
 
     async with make_client(args.client, args.timeout, headers) as client:
+        warmup = None
+        if args.json_schema:  # compiles the grammar (when constrained) outside the measured run
+            prompt = [1 + (7 * i) % (args.vocab_size - 1) for i in range(8)]  # in no workload
+            warmup = await one_request(client, url, model, prompt, 1, args.temperature,
+                                       response_format)
+        bar = tqdm(total=len(work.prompts), desc="requests", unit="req")
+
         async def fire(i: int) -> RequestResult:
-            if limit is None:
+            async with limit or contextlib.nullcontext():
                 res = await one_request(client, url, model, work.prompts[i],
-                                        work.output_lens[i], args.temperature)
-            else:
-                async with limit:
-                    res = await one_request(client, url, model, work.prompts[i],
-                                            work.output_lens[i], args.temperature)
+                                        work.output_lens[i], args.temperature, response_format)
             bar.update(1)
             return res
 
@@ -219,8 +264,77 @@ async def run_benchmark(args: argparse.Namespace, base_url: str) -> dict[str, An
         duration = time.perf_counter() - start
     bar.close()
     result = _metrics(args, model, client.name, results, duration)
+    if warmup is not None:
+        result["warmup_s"] = warmup.e2e if warmup.ok else None
+        result["warmup_error"] = warmup.error
+    if response_format is not None:
+        result["structured"] = structured_summary(args.json_schema, response_format, results)
     result.update(await _server_info(base_url, headers))
     return result
+
+
+def structured_summary(path: str, response_format: dict[str, Any],
+                       results: list[RequestResult]) -> dict[str, Any]:
+    """Checks each answer that finished ("stop") against the schema: it must parse as JSON and
+    validate. Answers cut by `max_tokens` are prefixes: counted, not checked."""
+    schema = response_format["json_schema"]["schema"]
+    parsed = valid = 0
+    for r in results:
+        if r.finish_reason != "stop" or r.text is None:
+            continue
+        try:
+            value = json.loads(r.text)
+        except json.JSONDecodeError as e:
+            r.schema_problems = [f"not JSON: {e}"]
+            continue
+        parsed += 1
+        r.schema_problems = schema_check.problems(value, schema)
+        valid += not r.schema_problems
+    reasons = Counter(r.finish_reason or "none" for r in results)
+    return {
+        "schema": path, "schema_name": response_format["json_schema"]["name"],
+        "finish_reasons": dict(sorted(reasons.items())), "finished": reasons.get("stop", 0),
+        "parsed": parsed, "valid": valid,
+        "unchecked_keywords": schema_check.unchecked_keywords(schema),
+        "problems": sorted({p for r in results for p in r.schema_problems or ()})[:10],
+    }
+
+
+async def run_compare(args: argparse.Namespace, base_url: str,
+                      response_format: dict[str, Any]) -> dict[str, Any]:
+    """The same workload without, then with the schema, each on a flushed prefix cache (the
+    second run would otherwise find every prompt cached); ratios are constrained/unconstrained."""
+    runs = {}
+    for name, fmt in (("unconstrained", None), ("constrained", response_format)):
+        flushed = await _flush_cache(base_url, args.api_key)
+        runs[name] = await run_benchmark(args, base_url, fmt)
+        runs[name]["flushed_tokens"] = flushed
+    u, c = runs["unconstrained"], runs["constrained"]
+
+    def ratio(a: float, b: float) -> float | None:
+        return a / b if b and math.isfinite(a) and math.isfinite(b) else None
+
+    return {
+        "benchmark": "serving-structured-compare", "model": c["model"],
+        "schema": args.json_schema, **runs,
+        "itl_p50_ratio": ratio(c["itl_s"]["p50"], u["itl_s"]["p50"]),
+        "itl_p99_ratio": ratio(c["itl_s"]["p99"], u["itl_s"]["p99"]),
+        "tpot_p50_ratio": ratio(c["tpot_s"]["p50"], u["tpot_s"]["p50"]),
+        "output_tokens_per_s_ratio": ratio(c["output_tokens_per_s"], u["output_tokens_per_s"]),
+    }
+
+
+async def _flush_cache(base_url: str, api_key: str | None) -> int | None:
+    """Empties the server's prefix cache; None if it refused (the figures then say so)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with httpx.AsyncClient(headers=headers, timeout=60) as c:
+            r = await c.post(base_url.rstrip("/") + "/flush_cache")
+        return r.json()["freed_tokens"] if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
 
 
 async def _model_name(base_url: str, headers: dict[str, str]) -> str:
@@ -352,8 +466,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="start `phaseflip serve --serve-args ...` on a free port, stop it after")
     ap.add_argument("--serve-args", default="", help="flags for phaseflip serve (with --launch)")
     ap.add_argument("--launch-timeout", type=float, default=900.0)
+    ap.add_argument("--json-schema", default=None, metavar="FILE",
+                    help="constrain every answer to this JSON schema (response_format "
+                         "json_schema, strict); finished answers are validated against it")
+    ap.add_argument("--compare-unconstrained", action="store_true",
+                    help="with --json-schema: run the workload without, then with the schema, "
+                         "and report both and the ITL p50 ratio")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.compare_unconstrained and not args.json_schema:
+        ap.error("--compare-unconstrained needs --json-schema")
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -363,15 +486,48 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         port = _free_port()
         args.base_url = f"http://127.0.0.1:{port}"
         proc = launch_server(args.serve_args, port, args.launch_timeout)
+    fmt = response_format_of(args.json_schema) if args.json_schema else None
     try:
-        result = asyncio.run(run_benchmark(args, args.base_url))
+        if args.compare_unconstrained:
+            result = asyncio.run(run_compare(args, args.base_url, fmt))
+        else:
+            result = asyncio.run(run_benchmark(args, args.base_url, fmt))
     finally:
         if proc is not None:
             stop_server(proc)
     if args.launch:
         result["serve_args"] = args.serve_args
-    _print(result)
+    if args.compare_unconstrained:
+        _print_compare(result)
+    else:
+        _print(result)
     return write_json(args.out, result)
+
+
+def _print_compare(r: dict[str, Any]) -> None:
+    rows = []
+    for name in ("unconstrained", "constrained"):
+        x = r[name]
+        rows.append([name, x["completed"], x["output_tokens"] / max(x["completed"], 1),
+                     x["output_tokens_per_s"], *(1e3 * x[k]["p50"] for k in
+                                                 ("ttft_s", "itl_s", "e2e_s")),
+                     1e3 * x["itl_s"]["p99"]])
+    print_table(["run", "requests", "out tok/req", "out tok/s", "TTFT p50 ms", "ITL p50 ms",
+                 "E2E p50 ms", "ITL p99 ms"], rows,
+                title=f"structured output cost: {r['model']}, schema {r['schema']}")
+    ratio = r["itl_p50_ratio"]
+    print(f"ITL p50 constrained/unconstrained: {'n/a' if ratio is None else f'{ratio:.3f}'}")
+    _print_structured(r["constrained"])
+
+
+def _print_structured(r: dict[str, Any]) -> None:
+    s = r["structured"]
+    print(f"schema {s['schema']}: finish reasons {s['finish_reasons']}; of {s['finished']} "
+          f"finished, {s['parsed']} parsed as JSON, {s['valid']} valid against the schema"
+          + (f" (unchecked keywords: {', '.join(s['unchecked_keywords'])})"
+             if s["unchecked_keywords"] else ""))
+    for problem in s["problems"]:
+        print("schema problem:", problem)
 
 
 def _print(r: dict[str, Any]) -> None:
@@ -387,6 +543,8 @@ def _print(r: dict[str, Any]) -> None:
     print_table(["ms", "mean", "p50", "p90", "p99"], rows)
     for err in r["errors"]:
         print("error:", err)
+    if "structured" in r:
+        _print_structured(r)
 
 
 if __name__ == "__main__":
