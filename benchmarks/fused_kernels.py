@@ -11,6 +11,10 @@ as the torch code the CPU path runs (`forward_native`, `apply_rotary`):
                   with cos/sin gathered in the kernel, vs `apply_rotary` on q and k given cos/sin
                   (the torch path gathers those once per forward: `gather us`, not in `torch us`)
 - `head_rms_norm` Qwen3's per-head q_norm on the [T, 32, 128] view (not a Llama op)
+- `rotary+kv_store` (`... fp8`: into an FP8 pool with per-head scales) `rotary_store_kv`: q
+                  rotated in place, rotated k and v written into pool slots (shuffled), in one
+                  launch; its "torch" column is the UNFUSED CUDA path it replaces (the rotary
+                  kernel, then `KVPool.store`'s index_put), its check the pool rows and q
 
 Times are `triton.testing.do_bench` medians (it flushes the L2 between runs). GB/s counts the
 bytes the fused kernel must move (each input read once, each output written once) over kernel
@@ -143,7 +147,53 @@ def run_token_count(t: int, args, dev: torch.device) -> list[dict]:
         lambda: head_norm.forward_native(q),
         compare(rms_norm(q, head_norm.weight, EPS), head_norm.forward_native(q)),
         2 * t * HEADS * HEAD_DIM * e)
+    for pool_dtype in (DTYPE, torch.float8_e4m3fn):
+        kv_store_rows(t, qkv, positions, rope, pool_dtype, row)
     return rows
+
+
+def kv_store_rows(t: int, qkv: torch.Tensor, positions: torch.Tensor, rope, pool_dtype,
+                  row: Callable[..., None]) -> None:
+    """The `rotary+kv_store` row: fused kernel vs rotary kernel + `KVPool.store`."""
+    from phaseflip.cache.kv_pool import KVPool
+    from phaseflip.kernels.rope import apply_rotary_inplace, rotary_store_kv
+
+    dev = qkv.device
+    slots = torch.randperm(2 * t + 16, device=dev)[:t] + 1
+
+    def views(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = buf[:, : HEADS * HEAD_DIM].view(t, HEADS, HEAD_DIM)
+        k, v = buf[:, HEADS * HEAD_DIM :].view(t, 2 * KV_HEADS, HEAD_DIM).split(KV_HEADS, 1)
+        return q, k, v
+
+    def pool() -> KVPool:
+        p = KVPool(2 * t + 17, (0, 1), KV_HEADS, HEAD_DIM, pool_dtype, dev)
+        if p.k_scale is not None:
+            p.k_scale.copy_(torch.linspace(0.01, 0.05, KV_HEADS))
+            p.v_scale.copy_(torch.linspace(0.02, 0.01, KV_HEADS))
+        return p
+
+    def fused(p: KVPool, q, k, v) -> torch.Tensor:
+        return rotary_store_kv(q, k, v, positions, rope.cos_cache, rope.sin_cache, slots,
+                               *p.layer(0), *(p.scales(0) or (None, None)))
+
+    def unfused(p: KVPool, q, k, v) -> torch.Tensor:
+        apply_rotary_inplace(q, k, positions, rope.cos_cache, rope.sin_cache)
+        p.store(0, slots, k, v)
+        return q
+
+    results = []
+    for fn in (fused, unfused):
+        p = pool()
+        q_out = fn(p, *views(qkv.clone()))
+        results.append((q_out.float(), p.k[0][slots].float(), p.v[0][slots].float()))
+    p_f, p_u = pool(), pool()
+    buf_f, buf_u = views(qkv.clone()), views(qkv.clone())
+    name = "rotary+kv_store" + (" fp8" if pool_dtype != DTYPE else "")
+    row(name, lambda: fused(p_f, *buf_f), lambda: unfused(p_u, *buf_u),
+        compare(results[0], results[1]),
+        t * (HEADS + 2 * KV_HEADS) * HEAD_DIM * DTYPE.itemsize + t * HEADS * HEAD_DIM
+        * DTYPE.itemsize + 2 * t * KV_HEADS * HEAD_DIM * pool_dtype.itemsize)
 
 
 def measure_copy_TBps(dev: torch.device, quick: bool) -> float:

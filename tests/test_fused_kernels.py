@@ -286,11 +286,15 @@ def _tiny_qwen3(tmp_path, dtype: torch.dtype):
     return model.eval()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decoder_forward_kernel_path_matches_torch_path(tmp_path, monkeypatch, dtype):
+@pytest.mark.parametrize("dtype,pool_dtype", [(torch.float32, torch.float32),
+                                              (torch.bfloat16, torch.bfloat16),
+                                              (torch.bfloat16, torch.float8_e4m3fn)])
+def test_decoder_forward_kernel_path_matches_torch_path(tmp_path, monkeypatch, dtype,
+                                                        pool_dtype):
     """Whole-model forward with every fused kernel forced on (also on CPU tensors, through the
-    interpreter) against the torch path: in-place residual/rotary, q/k norm on strided views,
-    partial rotary and a position beyond the initial rope cache (growth on the host). Bound on
+    interpreter) against the torch path: in-place residual, rotary fused with the KV store
+    (float and FP8 pools, random per-head scales), q/k norm on strided views, partial rotary
+    and a position beyond the initial rope cache (growth on the host). Bound on
     ||kernel - torch|| / ||torch|| of the final hidden states: fp32 1e-6, bf16 1e-2 (a flipped
     bf16 rounding may cascade); measured on the CPU interpreter: fp32 2.5e-7, bf16 0."""
     from phaseflip.attention.torch_ref import TorchRefAttention
@@ -317,10 +321,13 @@ def test_decoder_forward_kernel_path_matches_torch_path(tmp_path, monkeypatch, d
     ).to(DEVICE)
 
     def forward() -> torch.Tensor:
-        pool = KVPool(96, (0, 2), 2, 32, dtype, DEVICE)
+        pool = KVPool(96, (0, 2), 2, 32, pool_dtype, DEVICE)
         for i in range(2):  # the second sequence's cached prefix
             pool.k[i].copy_(torch.randn(pool.k[i].shape, generator=_gen(10 + i)))
             pool.v[i].copy_(torch.randn(pool.v[i].shape, generator=_gen(20 + i)))
+        if pool.k_scale is not None:
+            pool.k_scale.copy_(torch.rand(2, 2, generator=_gen(30)) + 0.05)
+            pool.v_scale.copy_(torch.rand(2, 2, generator=_gen(31)) + 0.05)
         with torch.inference_mode():
             return model(batch, pool, TorchRefAttention())[0]
 
@@ -343,12 +350,12 @@ def test_decoder_forward_kernel_path_matches_torch_path(tmp_path, monkeypatch, d
     counted(norm, "rms_norm", "norm")
     counted(norm, "fused_add_rms_norm", "add_norm")
     counted(activation, "silu_and_mul", "silu")
-    counted(rope, "apply_rotary_inplace", "rope")
+    counted(rope, "rotary_store_kv", "rope")
     monkeypatch.setattr(layers, "use_fused_kernels", lambda x: True)
     monkeypatch.setattr(RotaryEmbedding, "uses_kernel", lambda self, x: True)
     got = forward()
     # per layer: q_norm + k_norm (+ input_layernorm of layer 0), 2 add+norm (1 in layer 0),
-    # rotary, silu; plus the final add+norm
+    # rotary + KV store, silu; plus the final add+norm
     assert calls == {"norm": 5, "add_norm": 4, "silu": 2, "rope": 2}
     rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
     assert rel < (1e-6 if dtype == torch.float32 else 1e-2), rel

@@ -23,6 +23,7 @@ class AttentionBackend(Protocol):
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch, pool: KVPool, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
-        """Stores the new K/V at `batch.out_cache_loc`, returns attention output [T, H*D]."""
+                sliding_window: int | None = None, *, kv_stored: bool = False) -> torch.Tensor:
+        """Stores the new K/V at `batch.out_cache_loc` (unless `kv_stored`: the caller already
+        wrote them, e.g. fused with rotary), returns attention output [T, H*D]."""
         ...

@@ -29,9 +29,13 @@ class TorchRefAttention:
         pool: KVPool,
         scale: float,
         sliding_window: int | None = None,
+        *,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens. Returns [T, H*D] in q's dtype."""
-        pool.store(layer_id, batch.out_cache_loc, k, v)
+        """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens, stored at `out_cache_loc` here
+        unless `kv_stored` (already in the pool). Returns [T, H*D] in q's dtype."""
+        if not kv_stored:
+            pool.store(layer_id, batch.out_cache_loc, k, v)
         num_heads, head_dim = q.shape[1], q.shape[2]
         group = num_heads // k.shape[1]
         out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype, device=q.device)

@@ -1,9 +1,10 @@
 """Triton attention backend: same contract as `TorchRefAttention`, fused GPU kernels.
 
-`forward` stores the new tokens' K/V at `batch.out_cache_loc` (a torch index_put: it is a
-scatter of T rows, noise next to the attention itself), then runs the split-K decode kernel when
-every sequence has one new token, else the tiled extend kernel (prefill, chunked prefill and
-mixed decode+prefill batches alike). See `phaseflip.kernels.attention` for the kernels.
+`forward` stores the new tokens' K/V at `batch.out_cache_loc` (a torch index_put; the model
+skips it with `kv_stored=True`, its rotary kernel having written the rows), then runs the
+split-K decode kernel when every sequence has one new token, else the tiled extend kernel
+(prefill, chunked prefill and mixed decode+prefill batches alike). See
+`phaseflip.kernels.attention` for the kernels.
 
 Per-batch metadata. A model forward calls `forward` once per layer with the same
 `ForwardBatch`, and the metadata (query offsets, the extend tile list, the decode split plan and
@@ -115,12 +116,15 @@ class TritonAttention:
         sliding_window: int | None = None,
         *,
         out: torch.Tensor | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens. Returns [T, H*D] in q's dtype.
 
         `out` (optional, [T, H*D] in q's dtype) receives the result instead of a fresh tensor.
+        `kv_stored`: the new K/V are already in the pool (the model's fused rotary + store).
         """
-        pool.store(layer_id, batch.out_cache_loc, k, v)
+        if not kv_stored:
+            pool.store(layer_id, batch.out_cache_loc, k, v)
         k_cache, v_cache = pool.layer(layer_id)
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k_cache.shape[1]

@@ -20,6 +20,12 @@ q and k of a token share the cos/sin row it loads once. q and k may be strided v
 fused qkv output. Positions are read on the device; the caller keeps the tables covering them
 (`RotaryEmbedding.ensure_capacity`, on the host), so the launch is sync-free and capturable in
 a CUDA graph. A position outside the tables yields NaN rows rather than reading out of bounds.
+
+`rotary_store_kv` is the same rotation fused with the KV-cache store (`KVPool.store`): its
+K/V programs write the rotated k and v straight into the pool rows of `out_cache_loc` (cast,
+or quantized for an FP8 pool exactly as `KVPool._quantize` does) instead of back into k, so the
+decode step has one launch and no separate scatter. The pool rows are bit-identical to rotating
+then storing.
 """
 
 from __future__ import annotations
@@ -32,6 +38,22 @@ _TILE = 2048  # elements of one (heads x half) tile
 
 
 @triton.jit
+def _rotated(ptr, mask, c, s, half):
+    """The rotated halves (x1', x2') of the rows at `ptr`, in their dtype, rounded as the torch
+    path rounds them (module docstring); c, s: the fp32 cos/sin row."""
+    x1 = tl.load(ptr, mask=mask, other=0.0)
+    x2 = tl.load(ptr + half, mask=mask, other=0.0)
+    dt = x1.dtype
+    c = c.to(dt).to(tl.float32)[None, :]
+    s = s.to(dt).to(tl.float32)[None, :]
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    o1 = (x1f * c).to(dt).to(tl.float32) - (x2f * s).to(dt).to(tl.float32)
+    o2 = (x2f * c).to(dt).to(tl.float32) + (x1f * s).to(dt).to(tl.float32)
+    return o1.to(dt), o2.to(dt)
+
+
+@triton.jit
 def _rotate_heads(
     X, t, blk, num_heads, stride_t, stride_h, c, s, half,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -40,17 +62,20 @@ def _rotate_heads(
     offs = tl.arange(0, BLOCK_HALF)
     mask = (heads < num_heads)[:, None] & (offs < half)[None, :]
     ptr = X + t * stride_t + heads.to(tl.int64)[:, None] * stride_h + offs[None, :]
-    x1 = tl.load(ptr, mask=mask, other=0.0)
-    x2 = tl.load(ptr + half, mask=mask, other=0.0)
-    dt = X.dtype.element_ty
-    c = c.to(dt).to(tl.float32)[None, :]
-    s = s.to(dt).to(tl.float32)[None, :]
-    x1f = x1.to(tl.float32)
-    x2f = x2.to(tl.float32)
-    o1 = (x1f * c).to(dt).to(tl.float32) - (x2f * s).to(dt).to(tl.float32)
-    o2 = (x2f * c).to(dt).to(tl.float32) + (x1f * s).to(dt).to(tl.float32)
-    tl.store(ptr, o1.to(dt), mask=mask)
-    tl.store(ptr + half, o2.to(dt), mask=mask)
+    o1, o2 = _rotated(ptr, mask, c, s, half)
+    tl.store(ptr, o1, mask=mask)
+    tl.store(ptr + half, o2, mask=mask)
+
+
+@triton.jit
+def _cos_sin_row(POS, COS, SIN, t, half, cache_len, stride_cache, BLOCK_HALF: tl.constexpr):
+    """The fp32 cos/sin row of token t's position; NaN past the tables (never out of bounds)."""
+    pos = tl.load(POS + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK_HALF)
+    ok = (offs < half) & (pos >= 0) & (pos < cache_len)
+    c = tl.load(COS + pos * stride_cache + offs, mask=ok, other=float("nan"))
+    s = tl.load(SIN + pos * stride_cache + offs, mask=ok, other=float("nan"))
+    return c, s
 
 
 @triton.jit
@@ -62,11 +87,7 @@ def _rotary_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
-    pos = tl.load(POS + t).to(tl.int64)
-    offs = tl.arange(0, BLOCK_HALF)
-    ok = (offs < half) & (pos >= 0) & (pos < cache_len)
-    c = tl.load(COS + pos * stride_cache + offs, mask=ok, other=float("nan"))
-    s = tl.load(SIN + pos * stride_cache + offs, mask=ok, other=float("nan"))
+    c, s = _cos_sin_row(POS, COS, SIN, t, half, cache_len, stride_cache, BLOCK_HALF)
     if blk < q_blocks:
         _rotate_heads(Q, t, blk, num_q_heads, stride_qt, stride_qh, c, s, half,
                       BLOCK_HQ, BLOCK_HALF)
@@ -75,12 +96,88 @@ def _rotary_kernel(
                       BLOCK_HK, BLOCK_HALF)
 
 
+@triton.jit
+def _store_rows(ptr, x, mask, SCALE, heads, hmask, fp8_max, FP8: tl.constexpr):
+    """Writes rows x [heads, channels] into the pool at `ptr`: cast to the pool's dtype, or
+    for an FP8 pool `KVPool._quantize`'s ops (fp32 x / the head's scale, IEEE-rounded; the
+    clamp to the FP8 range, NaN kept as torch's clamp keeps it; round to nearest even)."""
+    if FP8:
+        scale = tl.load(SCALE + heads, mask=hmask, other=1.0)[:, None]
+        y = tl.math.div_rn(x.to(tl.float32), scale)
+        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -fp8_max), fp8_max))
+        tl.store(ptr, y.to(ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_store_kernel(
+    Q, K, V, POS, LOC, COS, SIN, K_CACHE, V_CACHE, K_SCALE, V_SCALE,
+    num_q_heads, num_kv_heads, q_blocks, half, head_dim, cache_len, stride_cache,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
+    fp8_max,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_D: tl.constexpr, PARTIAL: tl.constexpr, FP8: tl.constexpr,
+):
+    """q blocks rotate in place as `_rotary_kernel`'s do; a K/V block of token t rotates k
+    and writes it, its pass-through channels and v straight into pool slot LOC[t]."""
+    t = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    c, s = _cos_sin_row(POS, COS, SIN, t, half, cache_len, stride_cache, BLOCK_HALF)
+    if blk < q_blocks:
+        _rotate_heads(Q, t, blk, num_q_heads, stride_qt, stride_qh, c, s, half,
+                      BLOCK_HQ, BLOCK_HALF)
+    else:
+        heads = (blk - q_blocks) * BLOCK_HK + tl.arange(0, BLOCK_HK)
+        hmask = heads < num_kv_heads
+        rows = heads.to(tl.int64)[:, None]
+        slot = tl.load(LOC + t).to(tl.int64)
+        k_src = K + t * stride_kt + rows * stride_kh
+        k_dst = K_CACHE + slot * stride_cs + rows * stride_ch
+        offs = tl.arange(0, BLOCK_HALF)[None, :]
+        mask = hmask[:, None] & (offs < half)
+        o1, o2 = _rotated(k_src + offs, mask, c, s, half)
+        _store_rows(k_dst + offs, o1, mask, K_SCALE, heads, hmask, fp8_max, FP8)
+        _store_rows(k_dst + half + offs, o2, mask, K_SCALE, heads, hmask, fp8_max, FP8)
+        d = tl.arange(0, BLOCK_D)[None, :]
+        if PARTIAL:  # channels past rotary_dim: stored as they are
+            tail = hmask[:, None] & (d >= 2 * half) & (d < head_dim)
+            x = tl.load(k_src + d, mask=tail, other=0.0)
+            _store_rows(k_dst + d, x, tail, K_SCALE, heads, hmask, fp8_max, FP8)
+        full = hmask[:, None] & (d < head_dim)
+        x = tl.load(V + t * stride_vt + rows * stride_vh + d, mask=full, other=0.0)
+        v_dst = V_CACHE + slot * stride_cs + rows * stride_ch + d
+        _store_rows(v_dst, x, full, V_SCALE, heads, hmask, fp8_max, FP8)
+
+
 def _check_heads(x: torch.Tensor, name: str, rotary_dim: int) -> None:
     if x.dim() != 3 or x.stride(-1) != 1:
         raise ValueError(f"{name} must be [T, heads, head_dim] with a unit last stride, got "
                          f"shape {tuple(x.shape)} strides {x.stride()}")
     if rotary_dim > x.shape[-1]:
         raise ValueError(f"rotary_dim {rotary_dim} > {name} head_dim {x.shape[-1]}")
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                  cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> int:
+    """Validates the rotary inputs; returns half the rotary dim."""
+    if cos_cache.shape != sin_cache.shape or cos_cache.stride() != sin_cache.stride():
+        raise ValueError("cos and sin tables differ in shape or layout")
+    if cos_cache.dim() != 2 or cos_cache.stride(-1) != 1:
+        raise ValueError(f"cos/sin tables must be [max_pos, half] rows, got {cos_cache.shape}")
+    half = cos_cache.shape[1]
+    _check_heads(q, "q", 2 * half)
+    _check_heads(k, "k", 2 * half)
+    if k.shape[0] != q.shape[0] or positions.shape != (q.shape[0],):
+        raise ValueError(f"token counts differ: q {q.shape[0]}, k {k.shape[0]}, positions "
+                         f"{tuple(positions.shape)}")
+    return half
+
+
+def _head_blocks(half: int, *head_counts: int) -> list[int]:
+    """Heads per program for each head count: a tile of up to _TILE half-rows."""
+    rows = max(1, _TILE // triton.next_power_of_2(half))
+    return [min(triton.next_power_of_2(max(n, 1)), rows) for n in head_counts]
 
 
 def apply_rotary_inplace(
@@ -95,23 +192,12 @@ def apply_rotary_inplace(
     `cos_cache`/`sin_cache`: float32 half-width tables [max_pos, rotary_dim // 2] (as built by
     `RotaryEmbedding._build_cache`), covering every position; channels >= rotary_dim pass.
     """
-    if cos_cache.shape != sin_cache.shape or cos_cache.stride() != sin_cache.stride():
-        raise ValueError("cos and sin tables differ in shape or layout")
-    if cos_cache.dim() != 2 or cos_cache.stride(-1) != 1:
-        raise ValueError(f"cos/sin tables must be [max_pos, half] rows, got {cos_cache.shape}")
-    half = cos_cache.shape[1]
-    _check_heads(q, "q", 2 * half)
-    _check_heads(k, "k", 2 * half)
+    half = _check_inputs(q, k, positions, cos_cache, sin_cache)
     t = q.shape[0]
-    if k.shape[0] != t or positions.shape != (t,):
-        raise ValueError(f"token counts differ: q {q.shape[0]}, k {k.shape[0]}, positions "
-                         f"{tuple(positions.shape)}")
     if t == 0 or half == 0:
         return q, k
     block_half = triton.next_power_of_2(half)
-    rows = max(1, _TILE // block_half)
-    block_hq = min(triton.next_power_of_2(q.shape[1]), rows)
-    block_hk = min(triton.next_power_of_2(max(k.shape[1], 1)), rows)
+    block_hq, block_hk = _head_blocks(half, q.shape[1], k.shape[1])
     q_blocks = triton.cdiv(q.shape[1], block_hq)
     grid = (t, q_blocks + triton.cdiv(k.shape[1], block_hk))
     _rotary_kernel[grid](
@@ -122,3 +208,57 @@ def apply_rotary_inplace(
         num_warps=4, enable_fp_fusion=False,
     )
     return q, k
+
+
+def rotary_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rotates q [T, H, D] in place and writes rotated k and v [T, KVH, D] into pool rows
+    `slots` [T] of `k_cache`/`v_cache` ([slots, KVH, D], one layer of `KVPool`) in one launch;
+    returns q. k itself is left unrotated (the pool holds the rotated rows).
+
+    The pool rows equal `apply_rotary_inplace` then `KVPool.store` bit for bit: a float pool
+    gets the rotated k cast to its dtype, an FP8 pool (`k_scale`/`v_scale` [KVH] float32, both
+    required) the same quantization as `KVPool._quantize`. Sync-free and graph-capturable.
+    """
+    half = _check_inputs(q, k, positions, cos_cache, sin_cache)
+    t, kv_heads, head_dim = k.shape
+    if v.shape != k.shape or v.stride(-1) != 1 or slots.shape != (t,):
+        raise ValueError(f"v {tuple(v.shape)} / slots {tuple(slots.shape)} do not match k "
+                         f"{tuple(k.shape)} (or v has a non-unit last stride)")
+    if (k_cache.shape[1:] != k.shape[1:] or v_cache.shape != k_cache.shape
+            or v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1):
+        raise ValueError(f"pool rows {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not "
+                         f"hold k {tuple(k.shape)} as [slots, heads, head_dim] rows")
+    fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if fp8 != (k_scale is not None) or fp8 != (v_scale is not None):
+        raise ValueError("an FP8 pool needs k_scale and v_scale (and a float pool neither)")
+    if t == 0:
+        return q
+    block_half = triton.next_power_of_2(max(half, 1))
+    block_d = triton.next_power_of_2(head_dim)
+    block_hq, _ = _head_blocks(half, q.shape[1], kv_heads)
+    block_hk = _head_blocks(block_d, kv_heads)[0]  # v rows are a whole head wide
+    q_blocks = triton.cdiv(q.shape[1], block_hq)
+    grid = (t, q_blocks + triton.cdiv(kv_heads, block_hk))
+    _rotary_store_kernel[grid](
+        q, k, v, positions, slots, cos_cache, sin_cache, k_cache, v_cache,
+        k_scale if fp8 else k_cache, v_scale if fp8 else v_cache,
+        q.shape[1], kv_heads, q_blocks, half, head_dim, cos_cache.shape[0],
+        cos_cache.stride(0), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), k_cache.stride(0), k_cache.stride(1),
+        float(torch.finfo(k_cache.dtype).max) if fp8 else 0.0,
+        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, BLOCK_D=block_d,
+        PARTIAL=2 * half < head_dim, FP8=fp8, num_warps=4, enable_fp_fusion=False,
+    )
+    return q

@@ -76,9 +76,11 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary.rotate_(q, k)  # in place on CUDA: q, k are views of the qkv output
+        # one launch on CUDA: q rotated in place (a view of the qkv output), rotated k and v
+        # written into the pool; k itself is then stale, the backend reads the pool
+        q = rotary.rotate_and_store_(q, k, v, pool, self.layer_id, batch.out_cache_loc)
         o = backend.forward(
-            self.layer_id, q, k, v, batch, pool, self.scale, self.sliding_window
+            self.layer_id, q, k, v, batch, pool, self.scale, self.sliding_window, kv_stored=True
         )
         return self.o_proj(o)
 
@@ -163,7 +165,8 @@ class LlamaForCausalLM(nn.Module):
         idx = batch.logits_indices
         return self.norm(hidden[idx], residual[idx])[0], None
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits on the sampling rank (TP rank 0), None on the other TP ranks."""
         return self.lm_head.logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -21,11 +21,15 @@ from __future__ import annotations
 import importlib.util
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from phaseflip.model.config import SUPPORTED_ROPE_TYPES, RopeConfig
+
+if TYPE_CHECKING:
+    from phaseflip.cache.kv_pool import KVPool
 
 # Whether the fused in-place kernel (`phaseflip.kernels.rope`, imported on first use) can rotate
 # CUDA tensors; elsewhere the torch code below runs.
@@ -296,6 +300,35 @@ class RotaryEmbedding(nn.Module):
         cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions, q.dtype)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
+    def rotate_and_store_(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        pool: KVPool,
+        layer_id: int,
+        slots: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Rotates q and k and writes k, v into `pool` rows `slots` of `layer_id`; returns q.
+
+        On CUDA with triton one fused launch (`kernels.rope.rotary_store_kv`) rotates q IN
+        PLACE and writes the rotated k straight into the pool (k itself stays unrotated);
+        elsewhere `rotate_` then `KVPool.store` (the reference). The pool rows and q are
+        bit-identical either way, FP8 pools included.
+        """
+        if self.uses_kernel(q) and q.dim() == k.dim() == v.dim() == 3:
+            from phaseflip.kernels.rope import rotary_store_kv
+
+            k_cache, v_cache = pool.layer(layer_id)
+            k_scale, v_scale = pool.scales(layer_id) or (None, None)
+            return rotary_store_kv(q, k, v, positions, self.cos_cache, self.sin_cache, slots,
+                                   k_cache, v_cache, k_scale, v_scale)
+        q, k = self.rotate_(q, k, positions, cos_sin)
+        pool.store(layer_id, slots, k, v)
+        return q
+
     def forward(
         self,
         positions: torch.Tensor,
@@ -333,3 +366,9 @@ class RotaryBatch:
     def rotate_(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """See `RotaryEmbedding.rotate_`: in place on CUDA, new tensors otherwise."""
         return self.rope.rotate_(q, k, self.positions, self.cos_sin)
+
+    def rotate_and_store_(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          pool: KVPool, layer_id: int, slots: torch.Tensor) -> torch.Tensor:
+        """See `RotaryEmbedding.rotate_and_store_`: rotated q, the new K/V in the pool."""
+        return self.rope.rotate_and_store_(q, k, v, self.positions, pool, layer_id, slots,
+                                           self.cos_sin)
