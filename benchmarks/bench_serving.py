@@ -517,6 +517,9 @@ def _print_compare(r: dict[str, Any]) -> None:
                 title=f"structured output cost: {r['model']}, schema {r['schema']}")
     ratio = r["itl_p50_ratio"]
     print(f"ITL p50 constrained/unconstrained: {'n/a' if ratio is None else f'{ratio:.3f}'}")
+    for name in ("unconstrained", "constrained"):
+        for err in r[name]["errors"]:
+            print(f"error ({name}):", err)
     _print_structured(r["constrained"])
 
 
