@@ -41,11 +41,11 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _pool(pool_dtype: torch.dtype, head_dim: int, seed: int) -> KVPool:
+def _pool(pool_dtype: torch.dtype, head_dim: int, seed: int, kvh: int = KVH) -> KVPool:
     """A pool with random rows everywhere (so untouched rows are checkable) and, for FP8,
     random per-(layer, head) scales, some small enough that rotated values saturate."""
     gen = _gen(seed)
-    pool = KVPool(SLOTS, LAYERS, KVH, head_dim, pool_dtype, DEVICE)
+    pool = KVPool(SLOTS, LAYERS, kvh, head_dim, pool_dtype, DEVICE)
     pool.kv.view(torch.uint8).copy_(torch.randint(0, 120, pool.kv.view(torch.uint8).shape,
                                                   generator=gen, dtype=torch.uint8))
     if pool.k_scale is not None:
@@ -55,14 +55,15 @@ def _pool(pool_dtype: torch.dtype, head_dim: int, seed: int) -> KVPool:
     return pool
 
 
-def _case(rope_name: str, head_dim: int, dtype: torch.dtype, t: int, seed: int):
+def _case(rope_name: str, head_dim: int, dtype: torch.dtype, t: int, seed: int,
+          h: int = H, kvh: int = KVH):
     """(rope, qkv, q, k, v, positions, slots): q/k/v are strided views of one qkv buffer."""
     gen = _gen(seed)
     rope = RotaryEmbedding(ROPES[rope_name], head_dim, 256, device=DEVICE)
-    qkv = (torch.randn(t, (H + 2 * KVH) * head_dim, generator=gen) * 3).to(dtype).to(DEVICE)
-    q = qkv[:, : H * head_dim].view(t, H, head_dim)
-    k = qkv[:, H * head_dim : (H + KVH) * head_dim].view(t, KVH, head_dim)
-    v = qkv[:, (H + KVH) * head_dim :].view(t, KVH, head_dim)
+    qkv = (torch.randn(t, (h + 2 * kvh) * head_dim, generator=gen) * 3).to(dtype).to(DEVICE)
+    q = qkv[:, : h * head_dim].view(t, h, head_dim)
+    k = qkv[:, h * head_dim : (h + kvh) * head_dim].view(t, kvh, head_dim)
+    v = qkv[:, (h + kvh) * head_dim :].view(t, kvh, head_dim)
     positions = torch.randint(0, 256, (t,), generator=gen).to(DEVICE)
     slots = (torch.randperm(SLOTS - 1, generator=gen)[:t] + 1).to(DEVICE)
     return rope, qkv, q, k, v, positions, slots
@@ -105,6 +106,18 @@ def test_pool_and_q_bit_identical(dtype, pool_dtype, rope_name, head_dim):
     assert _same_bytes(got_pool, want_pool)
     width = H * head_dim
     assert torch.equal(qkv[:, width:], before[:, width:])  # k and v as given
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, FP8])
+def test_several_head_blocks_per_token(pool_dtype):
+    """head_dim 256 with 20 q / 10 KV heads: two q programs and two K/V programs a token, the
+    second of each partly masked (16 q heads and 8 K/V heads a program at this width)."""
+    rope, _, q, k, v, positions, slots = _case("default", 256, torch.bfloat16, 3, seed=8,
+                                               h=20, kvh=10)
+    want_pool, got_pool = _pool(pool_dtype, 256, 6, kvh=10), _pool(pool_dtype, 256, 6, kvh=10)
+    want_q = _reference(rope, q, k, v, positions, slots, want_pool, 2)
+    _fused(rope, q, k, v, positions, slots, got_pool, 2)
+    assert torch.equal(q, want_q) and _same_bytes(got_pool, want_pool)
 
 
 def test_float_pool_of_another_dtype_gets_the_cast_rows():
