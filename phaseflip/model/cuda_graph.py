@@ -105,7 +105,7 @@ class DecodeGraphs:
         self.rows = torch.arange(n, dtype=torch.int64, device=device)
         self.in_hidden = self.in_residual = None
         if model.start_layer > 0:  # a later pipeline stage: its input arrives from the previous
-            width, dtype = model.cfg.hidden_size, pool.k[0].dtype
+            width, dtype = model.cfg.hidden_size, model.dtype  # not the pool's (FP8 KV)
             self.in_hidden = torch.zeros(n, width, dtype=dtype, device=device)
             self.in_residual = torch.zeros(n, width, dtype=dtype, device=device)
         self.graphs: dict[int, _Captured] = {}
@@ -151,8 +151,13 @@ class DecodeGraphs:
         shapes = {(w.shape[0], w.shape[1]) for w in weights}
         m_values = [b for b in self.sizes if b <= cfgs.KERNEL_MAX_M
                     and any(cfgs.should_use_skinny(b, n, k) for n, k in shapes)]
-        if m_values:
-            skinny.warmup(shapes, weights[0].dtype, self.device, m_values=m_values)
+        for wdtype in {w.dtype for w in weights}:  # FP8 projections take every M <= the max
+            same = {(w.shape[0], w.shape[1]) for w in weights if w.dtype == wdtype}
+            ms = m_values if wdtype.itemsize > 1 else [
+                b for b in self.sizes if b <= cfgs.KERNEL_MAX_M]
+            if ms:
+                skinny.warmup(same, self.model.dtype, self.device, m_values=ms,
+                              weight_dtype=wdtype)
 
     @torch.inference_mode()
     def prepare(self) -> None:
