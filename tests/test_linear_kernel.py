@@ -311,3 +311,32 @@ def test_bundled_h200_table_loads(monkeypatch):
     table.load(linear_configs.BUNDLED_CONFIGS / "skinny_linear_nvidia_h200.json")
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
         assert table.get(1, n, k, torch.bfloat16) is not None
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("m,n,k", [(1, 17, 64), (3, 256, 100), (8, 17, 512), (16, 33, 128)])
+def test_fp8_weight_matches_dequantized_reference(variant, m, n, k):
+    """An FP8 weight with its row scales (bf16 x, no activation rounding) = F.linear on the
+    dequantized weight in fp32, to bf16's output rounding; the scale is applied per row."""
+    if not serves(variant, m):
+        pytest.skip("the ew loop serves M <= 8")
+    from phaseflip.model.quant.fp8 import quantize_rows
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, torch.bfloat16)
+    w_q, scale = quantize_rows(torch.randn(n, k, generator=gen) * 3)
+    w_q, scale = w_q.to(DEVICE), scale.to(DEVICE).float().reshape(n)
+    b = torch.randn(n, generator=gen).to(DEVICE, torch.bfloat16)
+    got = skinny_linear(x, w_q, b, weight_scale=scale, config=VARIANTS[variant])
+    want = F.linear(x.float(), w_q.float() * scale[:, None], b.float())
+    assert got.dtype == torch.bfloat16
+    assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_fp8_weight_needs_its_scale():
+    w_q = torch.zeros(16, 32, device=DEVICE).to(torch.float8_e4m3fn)
+    x = torch.zeros(1, 32, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="FP8 weight"):
+        skinny_linear(x, w_q)
+    with pytest.raises(ValueError, match="FP8 weight"):
+        skinny_linear(x.float(), w_q, weight_scale=torch.ones(16, device=DEVICE))

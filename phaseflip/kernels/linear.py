@@ -19,6 +19,12 @@ once); x (M x K, a few KB) is re-read from L1/L2 every chunk. The config picks t
   still far below their rate) and Triton's software pipeliner keeps `num_stages` W tiles in
   flight with cp.async (it does not pipeline the elementwise loop's loads).
 
+FP8 weights (e4m3, one float32 scale per row of W): the same loops read one byte per weight,
+convert it in registers (to fp32 for "ew", to x's dtype for "dot": exact, e4m3 fits in bf16)
+and scale the row's sum once at the store. x stays in its 16-bit dtype, so a small decode batch
+pays no activation quantization and streams half the bytes of bf16 (`model/quant/fp8.py` sends
+M <= KERNEL_MAX_M here instead of `torch._scaled_mm`, whose tiles are built for large M).
+
 Rows past N and x rows past M are clamped to the last valid row (duplicate reads, masked
 stores), so no load is masked when K is a multiple of BLOCK_K.
 
@@ -153,14 +159,17 @@ def _rows_dot(X, W, rows_x, rows_w, k_lo, k_hi, stride_xm, stride_wn,
             mask_k = (k0 + offs_k) < k_hi
             w = tl.load(w_ptrs, mask=mask_k[None, :], other=0.0, eviction_policy="evict_first")
             x = tl.load(x_ptrs, mask=mask_k[:, None], other=0.0)
-        acc = tl.dot(w, x, acc, input_precision=DOT_PREC)
+        acc = tl.dot(w.to(x.dtype), x, acc, input_precision=DOT_PREC)  # FP8 W: exact upcast
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     return tl.trans(acc)
 
 
 @triton.jit
-def _store_rows(acc, B, Y, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl.constexpr):
+def _store_rows(acc, B, S, Y, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl.constexpr,
+                HAS_SCALE: tl.constexpr):
+    if HAS_SCALE:  # FP8 W: its rows' scales, once per output element
+        acc = acc * tl.load(S + tl.minimum(offs_n, N - 1))[None, :]
     if HAS_BIAS:
         bias = tl.load(B + tl.minimum(offs_n, N - 1)).to(tl.float32)
         acc = acc + bias[None, :]
@@ -171,11 +180,11 @@ def _store_rows(acc, B, Y, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl.constex
 
 @triton.jit(do_not_specialize=["M", "num_splits"])
 def _skinny_kernel(
-    X, W, B, Y, PARTIALS, COUNTERS,
+    X, W, B, S, Y, PARTIALS, COUNTERS,
     M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, num_splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LOOP: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    VEC: tl.constexpr, DOT_PREC: tl.constexpr,
+    VEC: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):
     """Program (n tile, split): rows [pid_n*BLOCK_N, +BLOCK_N) of y over one K chunk."""
     pid_n = tl.program_id(0)
@@ -209,10 +218,10 @@ def _skinny_kernel(
             total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for s in range(0, num_splits):
                 total += tl.load(tile + s * tile_elems, cache_modifier=".cg")
-            _store_rows(total, B, Y, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
+            _store_rows(total, B, S, Y, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, HAS_SCALE)
             tl.store(COUNTERS + pid_n, 0)
     else:
-        _store_rows(acc, B, Y, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
+        _store_rows(acc, B, S, Y, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, HAS_SCALE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -297,9 +306,9 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             y2: torch.Tensor, n: int, cfg: SkinnyConfig, workspace: SplitKWorkspace | None,
-            reserve_n: int | None = None) -> None:
+            reserve_n: int | None = None, weight_scale: torch.Tensor | None = None) -> None:
     """Launch on 2-D x [M, K] / y [M, >=n]; `reserve_n` sizes the workspace for a larger N
-    than launched (warmup's proxy weights)."""
+    than launched (warmup's proxy weights); `weight_scale`: an FP8 weight's row scales."""
     m, k = x2.shape
     bm = cfg.block_m(m)
     if cfg.loop == "ew" and bm > 8:
@@ -315,12 +324,13 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     else:
         partials, counters = y2, y2  # unused
     _skinny_kernel[(tiles, num_splits)](
-        x2, weight, bias if bias is not None else weight, y2, partials, counters,
+        x2, weight, bias if bias is not None else weight,
+        weight_scale if weight_scale is not None else y2, y2, partials, counters,
         m, n, k, x2.stride(0), weight.stride(0), y2.stride(0), k_per_split, num_splits,
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LOOP=cfg.loop,
         SPLIT=split, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
-        VEC=16 // weight.element_size(), DOT_PREC=_dot_precision(weight.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        VEC=16 // weight.element_size(), DOT_PREC=_dot_precision(x2.dtype),
+        HAS_SCALE=weight_scale is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -330,11 +340,13 @@ def skinny_linear(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     *,
+    weight_scale: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
     workspace: SplitKWorkspace | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for few rows: x [..., K], weight [N, K] (K contiguous),
     bias [N]; fp32 accumulation, output in x's dtype (written into `out`, [..., N], when given).
+    An FP8 `weight` comes with `weight_scale` (float32 [N]): y = (x @ W^T) * scale (+ b).
 
     `config` pins a launch shape (tests, tuning); otherwise the tuned table or the heuristic
     picks one. No host syncs; allocates only `out` when it is omitted (and the split-K
@@ -344,9 +356,15 @@ def skinny_linear(
         raise ValueError("skinny_linear needs CUDA tensors (or TRITON_INTERPRET=1); "
                          "use torch.nn.functional.linear on the CPU")
     n, k = weight.shape
-    if x.shape[-1] != k or x.dtype != weight.dtype:
+    fp8 = weight.element_size() == 1
+    if x.shape[-1] != k or (x.dtype != weight.dtype and not fp8):
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not match weight "
                          f"{tuple(weight.shape)} {weight.dtype}")
+    if fp8 != (weight_scale is not None) or (fp8 and (
+            x.element_size() != 2 or weight_scale.shape != (n,)
+            or weight_scale.dtype != torch.float32)):
+        raise ValueError("an FP8 weight needs 16-bit x and its float32 row scales [N] "
+                         "(and only an FP8 weight takes weight_scale)")
     if weight.stride(1) != 1:
         raise ValueError("weight must be contiguous along K (row-major [N, K])")
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
@@ -373,8 +391,8 @@ def skinny_linear(
         return out
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
-    cfg = config or pick_config(m, n, k, x.dtype, x.device)
-    _launch(x2, weight, bias, y2, n, cfg, workspace)
+    cfg = config or pick_config(m, n, k, weight.dtype, x.device)
+    _launch(x2, weight, bias, y2, n, cfg, workspace, weight_scale=weight_scale)
     return out
 
 
@@ -393,10 +411,12 @@ def _proxy_rows(n: int) -> int:
 
 
 def warmup(shapes: Iterable[tuple[int, int]], dtype: torch.dtype, device: torch.device, *,
-           m_values: Sequence[int] = DEFAULT_M_VALUES, bias: bool = False) -> None:
+           m_values: Sequence[int] = DEFAULT_M_VALUES, bias: bool = False,
+           weight_dtype: torch.dtype | None = None) -> None:
     """Compile (and load) the kernel for every (N, K) in `shapes` x M bucket in `m_values`, and
     size the split-K workspace, so that later calls — in particular inside CUDA-graph capture —
-    compile and allocate nothing. Call it after loading/tuning configs (`TUNED`): it warms the
+    compile and allocate nothing (`dtype`: x's; `weight_dtype`: the weights' when they
+    differ, FP8). Call it after loading/tuning configs (`TUNED`): it warms the
     configs `pick_config` returns now (`linear_tune.tune` measures new ones).
 
     Launches use proxy weights of `_proxy_rows(N)` rows (same compiled variant as the real N),
@@ -407,12 +427,15 @@ def warmup(shapes: Iterable[tuple[int, int]], dtype: torch.dtype, device: torch.
     if device.type != "cuda":
         return
     ws = workspace_for(device)
+    wdtype = weight_dtype or dtype
     for n, k in shapes:
         rows = _proxy_rows(n)
-        w = torch.zeros(rows, k, dtype=dtype, device=device)
+        w = torch.zeros(rows, k, dtype=wdtype, device=device)
         b = torch.zeros(rows, dtype=dtype, device=device) if bias else None
+        scale = torch.ones(rows, device=device) if w.element_size() == 1 else None
         for m in m_values:
             x = torch.zeros(m, k, dtype=dtype, device=device)
             y = torch.empty(m, rows, dtype=dtype, device=device)
-            _launch(x, w, b, y, rows, pick_config(m, n, k, dtype, device), ws, reserve_n=n)
+            _launch(x, w, b, y, rows, pick_config(m, n, k, wdtype, device), ws, reserve_n=n,
+                    weight_scale=scale)
     torch.cuda.synchronize(device)
