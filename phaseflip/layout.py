@@ -23,8 +23,10 @@ class Communicator:
         """Element-wise maximum over the group, in place (FP8 activation scales of a row)."""
         return x
 
-    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+    def gather(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's `x` stacked as `[size, *x.shape]` on group rank 0; None on the other
+        ranks, which send theirs and receive nothing (the LM head: only one rank samples)."""
+        return x.unsqueeze(0)
 
 
 @dataclass(frozen=True)
@@ -55,11 +57,19 @@ class ProcessGroupCommunicator(Communicator):
         dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
         return x
 
-    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+    def gather(self, x: torch.Tensor) -> torch.Tensor | None:
+        """`dist.gather` to group rank 0. On NCCL it is captured in the decode graphs with the
+        LM head (NCCL's gather is a grouped send/recv on the group's communicator). Staged
+        through the host it cannot be (a graph records no host copy or gloo call; the runner
+        captures no graphs on a staged group), so there it runs eagerly."""
         src = x.contiguous().cpu() if self.staged and x.is_cuda else x.contiguous()
-        parts = [torch.empty_like(src) for _ in range(self.size)]
-        dist.all_gather(parts, src, group=self.group)
-        return torch.cat(parts, dim=-1).to(x.device)
+        root = dist.get_global_rank(self.group, 0)
+        if dist.get_rank(self.group) != 0:
+            dist.gather(src, None, dst=root, group=self.group)
+            return None
+        out = src.new_empty(self.size, *src.shape)
+        dist.gather(src, list(out.unbind(0)), dst=root, group=self.group)
+        return out.to(x.device)
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,30 @@ def test_replay_matches_the_eager_forward(runner, lengths):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_replay_runs_through_the_lm_head_into_one_shared_buffer(runner):
+    """On the last stage a replay goes on through the LM head: its logits are the eager
+    forward's, and every captured size writes the same static buffer (one per size would cost
+    gigabytes at a 128k vocabulary), so they live until the next replay; `keep` copies them."""
+    graphs = _graphs(runner, max_bs=8)
+    ctx = _contexts([5, 9, 2, 7, 3, 4, 6], seed=31)
+    runner.forward(_plan([(t[:-1], s[:-1], 0) for t, s in ctx], decode=False))
+    small = _plan([(t[-1:], s, len(t) - 1) for t, s in ctx[:3]], decode=True)  # size 4
+    large = _plan([(t[-1:], s, len(t) - 1) for t, s in ctx], decode=True)  # size 8
+    want_small, want_large = runner.forward(small), runner.forward(large)
+    got = graphs.replay_logits(small)
+    torch.testing.assert_close(got, want_small, rtol=1e-4, atol=1e-4)
+    assert got.data_ptr() == graphs.logits_out.data_ptr()
+    runner.graphs = graphs
+    try:
+        kept = runner.stage_logits(small, keep=True)
+        got = runner.stage_logits(large)
+    finally:
+        runner.graphs = None
+    assert kept.data_ptr() != graphs.logits_out.data_ptr() == got.data_ptr()
+    torch.testing.assert_close(got, want_large, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kept, want_small, rtol=1e-4, atol=1e-4)
+
+
 def test_pipeline_stages_replay_with_the_previous_stages_output(runner, llama_dir):
     """Two pipeline stages, each with its own graphs: stage 1's graphs read the (hidden,
     residual) stage 0 produced from their static input buffers. The batch (3 rows, padded to
@@ -181,7 +205,8 @@ def test_padded_replay_fills_its_buffers_without_host_reads(runner, monkeypatch)
     if CUDA:
         pytest.skip("the recorded graphs run the model; the CPU run checks the filling")
     monkeypatch.setattr(graphs.backend, "bind_graph_batch", lambda batch, n: None)
-    monkeypatch.setattr(graphs, "_run", lambda batch: (torch.zeros(batch.batch_size, 1), None))
+    monkeypatch.setattr(graphs, "_run",
+                        lambda batch: (torch.zeros(batch.batch_size, 1), None, None))
     ctx = _contexts([4, 9, 2], seed=3)
     plan = _plan([(t[-1:], s, len(t) - 1) for t, s in ctx], decode=True)
     # rows 0 and 2 are placeholders naming rows 1 and 0 of the previous step's tokens

@@ -77,6 +77,10 @@ class NullStage:
                                               self.zeros.shape[1])
         return self.zeros[:rows], self.zeros[:rows]
 
+    def stage_logits(self, mb: ForwardBatch, hidden=None, residual=None,
+                     keep: bool = False) -> torch.Tensor:
+        return self.logits(self.run_stage(mb)[0])
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         rows, off = hidden.shape[0], self.calls % self.SPARE
         self.calls += 1
@@ -172,7 +176,8 @@ class StageExecutor:
         (stage 0 of a run-ahead step): the tokens the plan's placeholders name."""
         tr, runner = self.tracker, self.runner
         pending, logits = [], []
-        for i, mb in enumerate(self.micro_batches(plan)):
+        parts = self.micro_batches(plan)
+        for i, mb in enumerate(parts):
             hidden = residual = None
             if future is not None:  # placeholders filled on the device, no host read
                 mb = mb.to(runner.device).with_future_tokens(future)
@@ -181,18 +186,21 @@ class StageExecutor:
                 with tr.at(f"recv hidden of micro-batch {i} from rank {src}", step):
                     hidden, residual = self._recv((2, mb.num_tokens, self.hidden_size),
                                                   runner.dtype, src)
+            if self.last:  # through the LM head: logits on TP rank 0, None on the others
+                with tr.at(f"forward micro-batch {i}", step):  # all but the last part kept
+                    logits.append(self.model.stage_logits(mb, hidden, residual,
+                                                          keep=i < len(parts) - 1))
+                continue
             with tr.at(f"forward micro-batch {i}", step):
                 h, r = self.model.run_stage(mb, hidden, residual)
-            if self.last:
-                logits.append(self.model.logits(h))
-            else:
-                dst = self.groups.stage_rank(self.groups.pp_rank + 1)
-                pending.append(self._isend(torch.stack((h, r)), dst))  # one message
+            dst = self.groups.stage_rank(self.groups.pp_rank + 1)
+            pending.append(self._isend(torch.stack((h, r)), dst))  # one message
         with tr.at("drain sends", step):
             for work, _keep in pending:
                 work.wait()
         # one part (TP, or a step too small to cut): its logits as they are, not a copy
-        out = (logits[0] if len(logits) == 1 else torch.cat(logits)) if logits else None
+        out = ((logits[0] if len(logits) == 1 else torch.cat(logits))
+               if logits and logits[0] is not None else None)
         return self._logits_to_driver(step, plan, out, defer)
 
     def _logits_to_driver(self, step: int, plan: ForwardBatch, logits, defer: bool = False):

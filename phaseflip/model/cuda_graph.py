@@ -9,8 +9,12 @@ How: for every captured batch size `bs`, the graph records the model's forward (
 layers, final norm) over views of static device buffers: token ids, positions, output slots,
 `kv_indptr` and `kv_indices`. A decode plan of `B <= bs` sequences is copied into those buffers
 and padded to `bs` with dummy sequences of length one that read and write slot 0 (the pool's
-reserved padding page), then the graph is replayed. The LM head and sampling run eagerly after
-it: their output is `[B, vocab]` floats, which per captured size would cost gigabytes.
+reserved padding page), then the graph is replayed. On the last stage the graph goes on
+through the LM head: under TP each rank's vocabulary shard is gathered to TP rank 0, the rank
+that samples (the others send and receive nothing), so a TP decode step replays one graph up to
+the logits. Every size writes its logits into ONE static float32 `[max_bs, vocab]` buffer (a
+buffer per size would cost gigabytes at a 128k vocabulary): logits a replay hands back are
+valid until the next replay. Sampling runs eagerly after it.
 
 The attention backend's capture hook plans the decode kernels once for the longest context the
 engine admits (the kernels cut each sequence's split-K chunks from its own device-side length),
@@ -32,6 +36,7 @@ longest-context attention plan without a GPU.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -65,14 +70,17 @@ class _Captured:
     # (residual None), the (hidden, residual) pair another stage receives elsewhere
     hidden: torch.Tensor | None
     residual: torch.Tensor | None
+    # [bs, vocab] float32 rows of the shared logits buffer: the last stage's sampling rank only
+    logits: torch.Tensor | None
     backend_state: object  # the attention backend's plans/workspaces the graph addresses
 
 
 class DecodeGraphs:
     """Captured decode graphs of one model stage and their static input buffers.
 
-    Under tensor parallelism the graphs contain the layers' NCCL all-reduces (every TP rank
-    captures the same sizes in the same order, so the collectives pair up). A pipeline stage
+    Under tensor parallelism the graphs contain the layers' NCCL all-reduces and, on the last
+    stage, the LM head's gather (every TP rank captures the same sizes in the same order, so
+    the collectives pair up). A pipeline stage
     after the first also gets static (hidden, residual) input buffers, filled from what the
     previous stage sent; the hand-off between stages stays outside the graphs.
     """
@@ -108,6 +116,12 @@ class DecodeGraphs:
             width, dtype = model.cfg.hidden_size, model.dtype  # not the pool's (FP8 KV)
             self.in_hidden = torch.zeros(n, width, dtype=dtype, device=device)
             self.in_residual = torch.zeros(n, width, dtype=dtype, device=device)
+        self.logits_out = None  # the sampling rank's logits, shared by every size
+        last = model.layout.is_last_stage
+        if last and model.layout.tp_rank == 0:
+            self.logits_out = torch.empty(n, model.lm_head.padded_vocab, dtype=torch.float32,
+                                          device=device)
+        self.with_logits = last
         self.graphs: dict[int, _Captured] = {}
         self._rope_table: torch.Tensor | None = None
         self._mempool = self._side = None  # set by `prepare`
@@ -130,12 +144,20 @@ class DecodeGraphs:
             logits_indices=self.rows[:bs], max_position=0,
         )
 
-    def _run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run(self, batch: ForwardBatch
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(hidden, residual, logits): the stage's forward, on the last stage through the LM
+        head into the shared logits buffer (logits None on the other TP ranks)."""
         bs = batch.batch_size
         if self.in_hidden is None:
-            return self.model(batch, self.pool, self.backend)
-        return self.model(batch, self.pool, self.backend, self.in_hidden[:bs],
-                          self.in_residual[:bs])
+            hidden, residual = self.model(batch, self.pool, self.backend)
+        else:
+            hidden, residual = self.model(batch, self.pool, self.backend, self.in_hidden[:bs],
+                                          self.in_residual[:bs])
+        if not self.with_logits:
+            return hidden, residual, None
+        out = None if self.logits_out is None else self.logits_out[:bs]
+        return hidden, residual, self.model.lm_head.logits(hidden, out)
 
     def _warm_linears(self) -> None:
         """Compiles the skinny-GEMM variants the captured sizes use and sizes its split-K
@@ -186,7 +208,7 @@ class DecodeGraphs:
         inside the captures pair up."""
         batch = self._static_batch(bs)
         if not self.record:
-            self.graphs[bs] = _Captured(batch, None, None, None, None)
+            self.graphs[bs] = _Captured(batch, None, None, None, None, None)
             return
         side = self._side
         torch.cuda.synchronize(self.device)
@@ -201,8 +223,8 @@ class DecodeGraphs:
         # HiCache copies) may not invalidate this capture
         with torch.cuda.graph(graph, pool=self._mempool, stream=side,
                               capture_error_mode="thread_local"):
-            hidden, residual = self._run(batch)
-        self.graphs[bs] = _Captured(batch, graph, hidden, residual, state)
+            hidden, residual, logits = self._run(batch)
+        self.graphs[bs] = _Captured(batch, graph, hidden, residual, logits, state)
         torch.cuda.synchronize(self.device)
 
     def release(self) -> None:
@@ -233,6 +255,38 @@ class DecodeGraphs:
         copied into the static buffers. `future`: the previous step's sampled tokens on the
         device, written over the plan's placeholders (`ForwardBatch.fill_future`) straight
         into the static ids, so a run-ahead step moves no other copy of its plan."""
+        captured, plan = self._replay(plan, hidden, residual, future)
+        b = plan.batch_size
+        if captured.residual is not None:  # not the last stage: every row travels on
+            return captured.hidden[:b], captured.residual[:b]
+        return self._rows(plan, captured.hidden, b), None
+
+    def replay_logits(self, plan: ForwardBatch, hidden: torch.Tensor | None = None,
+                      residual: torch.Tensor | None = None,
+                      future: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The last stage's replay up to the logits: float32 `[len(plan.logits_indices), vocab]`
+        on TP rank 0, None on the other TP ranks (they sent their shards inside the graph).
+        Rows of the shared logits buffer, valid until the next replay (arguments as in
+        `replay`)."""
+        if not self.with_logits:
+            raise ValueError("only the last pipeline stage's graphs compute logits")
+        captured, plan = self._replay(plan, hidden, residual, future)
+        b = plan.batch_size
+        return None if captured.logits is None else self._rows(plan, captured.logits, b)
+
+    def _rows(self, plan: ForwardBatch, out: torch.Tensor, b: int) -> torch.Tensor:
+        """The rows of `plan.logits_indices` among the first `b` of a last stage's output."""
+        if plan.logits_indices.numel() == b:  # one token per sequence: every row, in order
+            return out[:b]
+        rows = plan.logits_indices.to(self.device, non_blocking=True)  # pinned by _replay
+        return out[:b].index_select(0, rows)
+
+    def _replay(self, plan: ForwardBatch, hidden: torch.Tensor | None,
+                residual: torch.Tensor | None, future: torch.Tensor | None
+                ) -> tuple[_Captured, ForwardBatch]:
+        """Fills the static buffers from `plan` (padded to the captured size) and replays that
+        size's graph (eagerly when not recorded): (its capture, the plan as read: pinned when
+        on the host of a GPU)."""
         b = plan.batch_size
         bs = self.sizes[bisect.bisect_left(self.sizes, b)]
         if bs not in self.graphs:  # captured on first use (a phase flip's new layout)
@@ -266,13 +320,8 @@ class DecodeGraphs:
         if captured.graph is None:
             with torch.inference_mode():
                 self.backend.bind_graph_batch(captured.batch, self.max_context)
-                out, res = self._run(captured.batch)
+                out, res, logits = self._run(captured.batch)
+            captured = dataclasses.replace(captured, hidden=out, residual=res, logits=logits)
         else:
             captured.graph.replay()
-            out, res = captured.hidden, captured.residual
-        if res is not None:  # not the last stage: every row travels on
-            return out[:b], res[:b]
-        if plan.logits_indices.numel() == b:  # one token per sequence: every row, in order
-            return out[:b], None
-        rows = plan.logits_indices.to(self.device, non_blocking=True)  # (pinned above)
-        return out[:b].index_select(0, rows), None
+        return captured, plan

@@ -271,13 +271,29 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """The output projection, vocabulary split across TP ranks; logits are gathered in float32
-    and cut back to the true vocabulary size."""
+    """The output projection, vocabulary split across TP ranks. Only TP rank 0 samples, so only
+    it receives the other ranks' shards (a gather, not an all-gather: the others would hold
+    4 bytes × vocab per row for nothing); logits are float32, cut back to the true vocabulary."""
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = linear(hidden, self.weight).float()
-        full = self.layout.tp_comm.all_gather_last_dim(local)
-        return full[:, : self.vocab_size]
+    @property
+    def padded_vocab(self) -> int:
+        return (self.end - self.start) * self.layout.tp_size
+
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
+               ) -> torch.Tensor | None:
+        """float32 `[rows, vocab]` on TP rank 0, None on the other TP ranks. `out`: the float32
+        `[rows, padded_vocab]` to write (a decode graph's static buffer), else a new one. The
+        shards travel in the weights' dtype and are widened once, on rank 0 (the same values
+        as widening before the gather, half the bytes in bf16)."""
+        local = linear(hidden, self.weight)
+        shards = self.layout.tp_comm.gather(local)  # [tp, rows, vocab / tp]
+        if shards is None:
+            return None
+        rows, tp = hidden.shape[0], self.layout.tp_size
+        if out is None:
+            out = torch.empty(rows, self.padded_vocab, dtype=torch.float32, device=local.device)
+        out.view(rows, tp, self.end - self.start).copy_(shards.transpose(0, 1))
+        return out[:, : self.vocab_size]
 
 
 class SiluAndMul(nn.Module):

@@ -332,16 +332,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, plan: ForwardBatch, future: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 logits [len(plan.logits_indices), vocab] (single-stage layouts). `future`:
-        the previous step's sampled tokens on the device, which placeholder ids name."""
+        """float32 logits [len(plan.logits_indices), vocab] (one process: every layer, no TP
+        peers). `future`: the previous step's sampled tokens on the device, which placeholder
+        ids name. From a decode graph they are valid until the next forward: the engine samples
+        a step's logits before it launches the next."""
         if future is not None and plan.future_pos is not None and self.graphs is not None \
                 and self.graphs.can_run(plan):
-            hidden, _ = self.graphs.replay(plan, future=future)  # host plan, ids filled there
-            return self.logits(hidden)
+            return self.graphs.replay_logits(plan, future=future)  # host plan, ids filled there
         if future is not None:
             plan = plan.to(self.device).with_future_tokens(future)
-        hidden, _ = self.run_stage(plan)
-        return self.logits(hidden)
+        return self.stage_logits(plan)
 
     @torch.inference_mode()
     def run_stage(
@@ -355,7 +355,24 @@ class ModelRunner:
         return self.model(plan.to(self.device), self.pool, self.backend, hidden, residual)
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.shape[0] == 0:
-            return torch.empty(0, self.model_cfg.vocab_size, device=self.device)
+    def stage_logits(self, plan: ForwardBatch, hidden: torch.Tensor | None = None,
+                     residual: torch.Tensor | None = None, keep: bool = False
+                     ) -> torch.Tensor | None:
+        """The last stage's layers and LM head: float32 logits of `plan.logits_indices` on the
+        rank that samples (TP rank 0), None on the other TP ranks, which only send their
+        vocabulary shard. A decode plan the captured graphs can hold replays one graph up to
+        the logits, which are then rows of its static buffer, valid until the next replay;
+        `keep` (a micro-batch with more to come) copies them out."""
+        if self.graphs is not None and self.graphs.can_run(plan):
+            logits = self.graphs.replay_logits(plan, hidden, residual)
+            return logits.clone() if keep and logits is not None else logits
+        out, _ = self.model(plan.to(self.device), self.pool, self.backend, hidden, residual)
+        return self.logits(out)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The LM head over final-normed states: float32 logits on TP rank 0, else None."""
+        if hidden.shape[0] == 0:  # every TP rank sees the same empty plan: no gather
+            return (torch.empty(0, self.model_cfg.vocab_size, device=self.device)
+                    if self.layout.tp_rank == 0 else None)
         return self.model.compute_logits(hidden)
