@@ -123,6 +123,10 @@ class RankSet:
                          ", ".join(f"{k} {v:.2f} s" for k, v in layout.runner.build_s.items()))
                 self.release()
 
+    def kept_bytes(self) -> int:
+        """Rank 0's weights kept on purpose between layouts (`RankProcess.kept_bytes`)."""
+        return self.rank0.kept_bytes()
+
     def release(self) -> None:
         """Every rank drops its layout (weights, KV pool, graphs), so the next one sizes its
         pool from what is free; the processes stay."""

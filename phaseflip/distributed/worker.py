@@ -96,6 +96,15 @@ class RankProcess:
         self.peer_plans: dict[tuple, list] = {}  # its moves by (old layout, new layout)
         self.tracker.set("idle")
 
+    def kept_bytes(self) -> int:
+        """Device bytes of the weights this rank keeps on purpose between layouts (the parked
+        shards of resident weights, a handed-over model): what a teardown leaves allocated
+        without anything having leaked."""
+        models = [*self.parked.values(), *([self.handover[1]] if self.handover else [])]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for m in models for t in [*m.parameters(), *m.buffers()]}
+        return sum(storages.values())
+
     def relayout(self, cfg: EngineConfig, lazy_graphs: bool = False) -> RankLayout:
         """Drops the current layout, builds `cfg`'s (every rank at once: the KV slot space is
         agreed over the group). No rank builds before every rank has released: ranks that

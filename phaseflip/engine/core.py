@@ -176,10 +176,14 @@ class EngineCore:
 
     def retire_layout(self) -> int | None:
         """Ends the running bundle (HiCache unbound, ranks stopped, memory freed); returns
-        the device bytes still allocated (None off CUDA)."""
+        the device bytes still allocated beyond the weights kept on purpose (resident shards;
+        None off CUDA): what may have leaked."""
         bundle, self._bundle = self.layout, None
         self.scheduler.bind(None, None)
-        return bundle.retire()
+        held = bundle.retire()
+        if held is not None and self._ranks is not None:
+            held -= self._ranks.kept_bytes()
+        return held
 
     def layout_stopped(self) -> bool:
         return self.runner.closed

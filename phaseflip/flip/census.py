@@ -51,9 +51,9 @@ class SeamCensus:
     graph_capture: str | None = None
     kv_slots_before: int | None = None  # the KV slot space of the old layout and the new
     kv_slots_after: int | None = None
-    # device memory this process still had allocated once the old layout was torn down
-    # (None off CUDA): the old rank 0's weights and pool must be gone before the new ranks
-    # size their pools from what is free
+    # device memory this process still had allocated once the old layout was torn down,
+    # beyond the weights it keeps on purpose (resident shards; None off CUDA): the old rank
+    # 0's weights and pool must be gone before the new ranks size their pools from what is free
     held_after_teardown_bytes: int | None = None
     # After the cutover (`flip/ledger.py` completes these in place as steps run): what
     # refilling the retracted requests cost. None until the last of them is refilled (law 5);
