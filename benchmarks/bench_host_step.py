@@ -19,7 +19,9 @@ variable `PHASEFLIP_NULL_FORWARD` that the spawned ranks inherit. The engine ste
 Reported per decode step, median and p90 over `--steps` steps of a full batch of N decoding
 requests: the driver's wall time (`step()`), the driver's CPU time (all its threads), and each
 worker rank's CPU time (its whole process, from /proc, averaged over the window: its host work
-per step, since a null stage computes nothing).
+per step, since a null stage computes nothing). With `--pp-async-decode` a step decodes one of
+pp_size groups, so the table adds the wall time per decode round (every request one token:
+the window's wall time over its decode tokens / N), which compares across layouts.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--no-overlap", action="store_true", help="--overlap-schedule off")
     ap.add_argument("--hicache", action="store_true", help="--enable-hicache on")
+    ap.add_argument("--pp-async-decode", action="store_true",
+                    help="--pp-async-decode on (PP layouts: decode groups in flight)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run every configuration this many times, round robin, and keep the "
                          "run of the lowest driver wall p50 (a shared machine's load comes "
@@ -74,7 +78,7 @@ def build_core(args: argparse.Namespace, tp: int, pp: int, n: int, max_new: int)
         device="cpu", dtype="float32", tp_size=tp, pp_size=pp, cpu_threads=1,
         max_running_requests=n, max_total_tokens=n * (args.prompt_len + max_new + 2) + 64,
         overlap_schedule=not args.no_overlap, enable_hicache=args.hicache, seed=args.seed,
-        dist_timeout_s=120,
+        dist_timeout_s=120, pp_async_decode=args.pp_async_decode,
     ))
     return EngineCore(cfg, ModelConfig.from_dir(cfg.model), load_tokenizer(cfg.model))
 
@@ -108,6 +112,7 @@ def run_config(args: argparse.Namespace, layout: str, n: int) -> dict[str, Any]:
         wall, cpu = [], []
         gc.collect()
         w_cpu0 = [cpu_s(p) for p in workers]
+        tokens0 = core.scheduler.stats.decode_tokens
         t0 = time.perf_counter()
         for _ in range(args.steps):
             w, c = time.perf_counter(), time.process_time()
@@ -115,6 +120,7 @@ def run_config(args: argparse.Namespace, layout: str, n: int) -> dict[str, Any]:
             wall.append((time.perf_counter() - w) * 1e3)
             cpu.append((time.process_time() - c) * 1e3)
         window_s = time.perf_counter() - t0
+        rounds = (core.scheduler.stats.decode_tokens - tokens0) / n
         w_cpu = [(cpu_s(p) - c0) * 1e3 / args.steps for p, c0 in zip(workers, w_cpu0)]
         sched = core.scheduler
         if sched.stats.retractions or len(sched.running) != n:
@@ -123,7 +129,7 @@ def run_config(args: argparse.Namespace, layout: str, n: int) -> dict[str, Any]:
         core.close()
     return {"layout": layout, "num_requests": n, "driver_wall_ms": summarize(wall),
             "driver_cpu_ms": summarize(cpu), "worker_cpu_ms_per_step": w_cpu,
-            "steps_per_s": args.steps / window_s}
+            "steps_per_s": args.steps / window_s, "round_ms": window_s * 1e3 / rounds}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -151,16 +157,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         workers = " ".join(f"{x:.3f}" for x in r["worker_cpu_ms_per_step"]) or "-"
         rows.append([r["layout"], r["num_requests"], f"{d['p50']:.3f} / {d['p90']:.3f}",
                      "-" if extra is None else f"{extra:+.3f}",
-                     f"{c['p50']:.3f}", workers, f"{r['steps_per_s']:.0f}"])
+                     f"{c['p50']:.3f}", workers, f"{r['steps_per_s']:.0f}",
+                     f"{r['round_ms']:.3f}"])
     print_table(["layout", "N", "driver wall p50/p90", "vs tp1", "driver cpu p50",
-                 "worker cpu/step (mean)", "steps/s"], rows,
+                 "worker cpu/step (mean)", "steps/s", "round ms"], rows,
                 title=f"Host time per decode step, ms (null forward, CPU, {args.steps} steps, "
                       f"best of {args.repeat}, overlap {'off' if args.no_overlap else 'on'}, "
-                      f"HiCache {'on' if args.hicache else 'off'})")
+                      f"HiCache {'on' if args.hicache else 'off'}, pp async decode "
+                      f"{'on' if args.pp_async_decode else 'off'})")
     return write_json(args.out, {
         "benchmark": "host_step", "null_forward": True, "steps": args.steps,
         "warmup_steps": args.warmup_steps, "prompt_len": args.prompt_len,
         "overlap_schedule": not args.no_overlap, "hicache": args.hicache,
+        "pp_async_decode": args.pp_async_decode,
         "repeat": args.repeat, "results": results,
     })
 

@@ -225,11 +225,12 @@ def random_prompts(lengths: Sequence[int], vocab_size: int, seed: int,
 
 def step_until_decoding(core: Any, n: int, warmup_steps: int) -> None:
     """Steps an engine core until all `n` submitted requests are decoding (one token a step
-    each, nothing waiting), then `warmup_steps` more: a steady decode batch to time."""
+    each, or a step of their PP decode group in flight; nothing waiting), then
+    `warmup_steps` more: a steady decode batch to time."""
     for _ in range(n + 16):
         sched = core.scheduler
         if (len(sched.running) == n and not sched.waiting
-                and all(r.remaining == 1 for r in sched.running)):
+                and all(r.remaining == 1 or r.launched for r in sched.running)):
             break
         core.step()
     else:

@@ -130,6 +130,11 @@ class EngineConfig:
     micro-batches (at least pp_size, at most 4 * pp_size; one long prompt is cut too), so the
     pipeline bubble (p-1)/(m+p-1) shrinks while each micro-batch stays large enough for
     efficient matmuls. Decode-only steps always use pp_size micro-batches."""
+    pp_async_decode: bool = False
+    """With --pp-size > 1 (overlap scheduling on, one node, gloo stage pipes): the running
+    requests decode in pp_size groups, each its own step, kept in flight across steps so
+    every stage works on another group's step (no bubble at the end of a step); a group's
+    next step starts as soon as its tokens are sampled. Decode steps run whole, not cut."""
     dist_backend: str = "auto"
     """torch.distributed backend: gloo, nccl, or auto (nccl when every rank has its own GPU)."""
     dist_init_addr: str | None = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -83,7 +84,9 @@ class DistributedRunner:
         self.encoder = PlanEncoder(check=cfg.check_accounting)
         self.hicache_frames = hicache_frames
         self.hicache_channel = DistributedChannel(self) if hicache_frames is not None else None
-        self._awaited: _AwaitedLogits | None = None  # a launched step's logits, not received
+        # launched steps whose logits are not received yet, oldest first (received in order)
+        self._awaited: deque[_AwaitedLogits] = deque()
+        self._held_bytes = 0  # the last logits received in place: still in the pipe
         self.closed = False
         try:
             layout = self.ranks.relayout(cfg)
@@ -91,6 +94,7 @@ class DistributedRunner:
             self.closed = True
             raise
         self.groups, self.runner, self.stage = layout.groups, layout.runner, layout.stage
+        self.decode_depth = self._decode_depth(cfg)
 
     # the `Runner` protocol (model/runner.py), as rank 0 sees it
     @property
@@ -144,14 +148,70 @@ class DistributedRunner:
                ) -> Callable[[], torch.Tensor]:
         """`forward` for a run-ahead step, handing back a wait for the logits: when they come
         from another rank (PP), the driver makes the previous step's outputs while the later
-        stages run, and waits only when it samples. The receive is the step's own hand-off,
-        so anything else rank 0 sends first completes it (`_send`; law 3)."""
+        stages run, and waits only when it samples. With `decode_depth` > 1 up to that many
+        launched steps are in flight at once (the engine samples the oldest); else anything
+        rank 0 sends first completes the receive (`_send`; law 3)."""
         out = self._send(plan, fence=False, future=future, defer=True)
         if not callable(out):  # rank 0 is the last stage: the logits are here
             logits = self._arrived(out, self.step_no)
             return lambda: logits
-        self._awaited = _AwaitedLogits(self, out, self.step_no)
-        return self._awaited
+        rows = int(plan.logits_indices.numel())
+        awaited = _AwaitedLogits(self, out, self.step_no, rows * self._row_bytes + 8)
+        self._awaited.append(awaited)
+        return awaited
+
+    def _decode_depth(self, cfg: EngineConfig) -> int:
+        """How many launched PP steps may be in flight at once (`--pp-async-decode`): pp_size
+        when the logits come back through a shared-memory pipe that holds pp_size + 1 decode
+        groups' logits, else 1 (one step at a time, each cut into micro-batches).
+
+        Why the pipe must hold them: the last stage writes a step's logits before it reads
+        the next step's hidden states, and rank 0 reads logits only after it has sent a
+        step's hidden states. A last stage blocked on a full logits pipe while rank 0 is
+        blocked on a full hidden-state pipe is a deadlock; a pipe that holds every logits
+        message not yet read (and the one read in place) never blocks (`_may_overlap`).
+        NCCL point-to-point is not covered: a send each way between the same two ranks runs
+        on one NCCL stream, and two crossed sends of large messages wait for each other."""
+        self._row_bytes = 4 * self.runner.model_cfg.vocab_size  # float32 logits
+        p = cfg.pp_size
+        if not cfg.pp_async_decode or p == 1:
+            return 1
+        pipes = self.stage.pipes
+        if pipes is None:
+            log.warning("--pp-async-decode needs host-staged stage pipes (gloo, one node); "
+                        "on this group PP steps run one at a time")
+            return 1
+        group_rows = -(-cfg.max_running_requests // p)
+        if (p + 1) * group_rows * self._row_bytes > pipes.capacity:
+            log.warning("--pp-async-decode: %d decode groups of %d rows of logits do not fit "
+                        "the %d MiB stage pipe; PP steps run one at a time (lower "
+                        "--max-running-requests)", p + 1, group_rows, pipes.capacity >> 20)
+            return 1
+        return p
+
+    def _may_overlap(self, plan: ForwardBatch | None, fence: bool) -> bool:
+        """Whether this message may go out while launched steps' logits are not received:
+        only a plan, only with `decode_depth` > 1, and only while the logits pipe holds every
+        unread logits message with the one read in place (see `_decode_depth`)."""
+        if not self._awaited:
+            return True
+        if self.decode_depth == 1 or fence or plan is None:
+            return False
+        unread = sum(a.nbytes for a in self._awaited)
+        return unread + self._held_bytes <= self.stage.pipes.capacity
+
+    def _receive_until(self, target: _AwaitedLogits | None) -> None:
+        """Receives launched steps' logits in launch order, up to `target` (None: all). Each
+        but the last is copied out of the pipe: the next receive from the same rank hands
+        the pipe's bytes back to the writer."""
+        while self._awaited:
+            awaited = self._awaited.popleft()
+            logits = self._collect(awaited.receive, awaited.step)
+            self._held_bytes = awaited.nbytes
+            last = awaited is target or not self._awaited
+            awaited.logits = logits if last else logits.clone()
+            if awaited is target:
+                return
 
     def _arrived(self, logits: torch.Tensor, step: int) -> torch.Tensor:
         """Step `step`'s logits are on rank 0: every rank ran its part of that forward."""
@@ -160,7 +220,6 @@ class DistributedRunner:
         return logits.to(self.runner.device)
 
     def _collect(self, receive: Callable[[], torch.Tensor], step: int) -> torch.Tensor:
-        self._awaited = None
         try:
             logits = receive()
         except Exception as e:
@@ -179,15 +238,19 @@ class DistributedRunner:
 
     def _send(self, plan: ForwardBatch | None, fence: bool, future: torch.Tensor | None = None,
               defer: bool = False) -> torch.Tensor | Callable[[], torch.Tensor] | None:
-        if self._awaited is not None:  # a launched step's logits first (law 3)
-            self._awaited()
+        overlap = self._may_overlap(plan, fence)
+        if not overlap:  # launched steps' logits first (law 3)
+            self._receive_until(None)
+        # a decode group of a run-ahead step, with the others in flight: one micro-batch
+        whole = (defer and overlap and self.decode_depth > 1 and plan is not None
+                 and plan.num_tokens == plan.batch_size)
         self.step_no += 1
         tracker = self.stage.tracker
         channel = self.hicache_channel
         n_future = 0 if future is None or plan is None else int(future.numel())
         ids = self.tokens_on_host(future) if n_future else None
         msg = StepMessage(self.step_no, plan, channel.take() if channel else None, fence,
-                          n_future, ids)
+                          n_future, ids, whole)
         wire = dataclasses.replace(msg, plan=self.encoder.encode(plan)) if plan else msg
         try:
             with tracker.at("broadcasting the plan", self.step_no):
@@ -231,14 +294,15 @@ class DistributedRunner:
 
 
 class _AwaitedLogits:
-    """A launched step's logits, received at the first call (then kept)."""
+    """A launched step's logits, received at the first call (then kept); the steps launched
+    before it are received first, in order. `nbytes`: its message in the logits pipe."""
 
     def __init__(self, runner: DistributedRunner, receive: Callable[[], torch.Tensor],
-                 step: int) -> None:
-        self.runner, self.receive, self.step = runner, receive, step
+                 step: int, nbytes: int) -> None:
+        self.runner, self.receive, self.step, self.nbytes = runner, receive, step, nbytes
         self.logits: torch.Tensor | None = None
 
     def __call__(self) -> torch.Tensor:
         if self.logits is None:
-            self.logits = self.runner._collect(self.receive, self.step)
+            self.runner._receive_until(self)
         return self.logits

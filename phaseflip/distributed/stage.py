@@ -46,6 +46,9 @@ class StepMessage:
     fence: bool = False
     future_len: int = 0
     future_ids: np.ndarray | None = None  # the tokens themselves, when rank 0 runs on the CPU
+    # a decode group kept in flight across steps (--pp-async-decode): the pipeline is filled
+    # by the other groups' steps, so this step runs whole, as one micro-batch
+    whole: bool = False
 
 
 # Benchmarks only (`benchmarks/bench_host_step.py`): set in the environment of the engine
@@ -120,7 +123,8 @@ class StageExecutor:
                 xfer.execute(msg.transfers)
         if msg.future_len and self.first:
             future = self._share_future(msg, future)
-        out = self.execute(msg.step, msg.plan, future, defer) if msg.plan is not None else None
+        out = (self.execute(msg.step, msg.plan, future, defer, msg.whole)
+               if msg.plan is not None else None)
         if msg.fence:
             with self.tracker.at("HiCache fence: waiting for copies and every rank", msg.step):
                 if xfer is not None:
@@ -171,12 +175,14 @@ class StageExecutor:
         return buf.to(self.runner.device)
 
     def execute(self, step: int, plan: ForwardBatch, future: torch.Tensor | None = None,
-                defer: bool = False) -> torch.Tensor | Callable[[], torch.Tensor] | None:
+                defer: bool = False, whole: bool = False
+                ) -> torch.Tensor | Callable[[], torch.Tensor] | None:
         """Runs the plan; returns the float32 logits on the driver, None elsewhere. `future`
-        (stage 0 of a run-ahead step): the tokens the plan's placeholders name."""
+        (stage 0 of a run-ahead step): the tokens the plan's placeholders name. `whole`
+        (`StepMessage.whole`): one micro-batch."""
         tr, runner = self.tracker, self.runner
         pending, logits = [], []
-        parts = self.micro_batches(plan)
+        parts = ([plan] if whole else self.micro_batches(plan))
         for i, mb in enumerate(parts):
             hidden = residual = None
             if future is not None:  # placeholders filled on the device, no host read

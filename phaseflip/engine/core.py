@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -37,7 +38,7 @@ from phaseflip.sampling.params import SamplingParams
 from phaseflip.sampling.sampler import Sampler
 from phaseflip.scheduler.kv_cache import KVCacheManager, PoolAccounting
 from phaseflip.scheduler.request import Req
-from phaseflip.scheduler.scheduler import Scheduler
+from phaseflip.scheduler.scheduler import ScheduledBatch, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,9 @@ class EngineCore:
         self.outputs = OutputProcessor(tokenizer, self.max_context, self.scheduler.remove)
         self._arrivals = 0
         self._inflight: InFlight | None = None
+        # launched run-ahead steps not sampled yet, oldest first (more than one only with PP
+        # decode groups in flight: `_decode_depth`)
+        self._launched: deque[tuple[ScheduledBatch, object]] = deque()
         # the flip's observer (policy feeds, ledger): None unless flips are on (law 11)
         self.flip_telemetry = (FlipTelemetry.create(cfg, model_cfg, self._hicache)
                                if cfg.enable_flip else None)
@@ -322,7 +326,8 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return (self.scheduler.has_work() or bool(self.outputs.text_pending)
-                or self._inflight is not None or self._idle_flip_due())
+                or self._inflight is not None or bool(self._launched)
+                or self._idle_flip_due())
 
     def _idle_flip_due(self) -> bool:
         """Under --flip-policy auto, an engine idle in the prefill layout has one step to run
@@ -355,6 +360,7 @@ class EngineCore:
         bundle, self._bundle = self._bundle, None  # None already after a failed flip
         self.scheduler.bind(None, None)
         self._inflight = None
+        self._launched.clear()
         if bundle is not None:
             bundle.close()
         if self._ranks is not None:
@@ -447,9 +453,19 @@ class EngineCore:
         (they reach the GPU as placeholders naming rows of its device tensor), then turns the
         previous step into outputs while the GPU runs this one. A request finished by one of
         those tokens (EOS, a stop id) was already given a row here: the row is wasted, its
-        result ignored. Length finishes are known ahead and never scheduled."""
+        result ignored. Length finishes are known ahead and never scheduled.
+
+        The launched step is sampled in this step, or, with PP decode groups in flight
+        (`_decode_depth` D > 1), once D steps are launched: the oldest is sampled, and its
+        requests form the next step's group while the later stages run the other groups."""
         prev, self._inflight = self._inflight, None
-        batch = self.scheduler.schedule()
+        depth = self._decode_depth()
+        batch = self.scheduler.schedule(depth)
+        if batch is None and self._launched:  # every decoding request is in flight
+            if prev is not None:
+                self.outputs.take_tokens(prev)  # placeholders name one step's tokens
+            prev = self._sample_oldest()
+            batch = self.scheduler.schedule(depth)
         logits = None
         try:
             if batch is not None:
@@ -462,14 +478,30 @@ class EngineCore:
                 self.outputs.take_tokens(prev)
             deltas = self._owed_text(sink)
         if batch is None:
-            if self.cfg.check_accounting and prev is None:
+            if self.cfg.check_accounting and prev is None and not self._launched:
                 self.kv.check(self.scheduler.running)
             return deltas
-        self._inflight = self.sampling.sample_ahead(batch, logits)
+        self._launched.append((batch, logits))
         for it in batch.items:
-            if not it.samples and it.req.prompt_only_done:
+            if it.samples:
+                it.req.launched = True
+            elif it.req.prompt_only_done:
                 deltas.append(self.outputs.end(it.req, "length"))
+        if len(self._launched) >= depth:
+            self._inflight = self._sample_oldest()
         return deltas
+
+    def _sample_oldest(self) -> InFlight | None:
+        """Samples the oldest launched step on the device (its logits awaited here)."""
+        batch, logits = self._launched.popleft()
+        for it in batch.items:
+            it.req.launched = False
+        return self.sampling.sample_ahead(batch, logits)
+
+    def _decode_depth(self) -> int:
+        """Launched steps kept in flight: the runner's PP decode depth (1: each step is
+        sampled in the step that launched it)."""
+        return 1 if self._ranks is None else self.runner.decode_depth
 
     def _launch(self, plan, future):
         """A run-ahead step's forward. A TP/PP runner hands back a wait for logits that come
@@ -480,9 +512,14 @@ class EngineCore:
         return self.runner.forward(plan, future)
 
     def _drain(self) -> list[StreamDelta]:
-        """Takes an in-flight step's tokens (before a synchronous step or a flip)."""
-        step, self._inflight = self._inflight, None
-        if step is None:
+        """Takes the in-flight steps' tokens, every launched one sampled first (before a
+        synchronous step or a flip: a seam starts with no decode group in flight)."""
+        if self._inflight is None and not self._launched:
             return []
-        self.outputs.take_tokens(step)
-        return self.outputs.emit_text()
+        while True:
+            step, self._inflight = self._inflight, None
+            if step is not None:
+                self.outputs.take_tokens(step)
+            if not self._launched:
+                return self.outputs.emit_text()
+            self._inflight = self._sample_oldest()

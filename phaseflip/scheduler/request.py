@@ -59,6 +59,9 @@ class Req:
     pending: int = 0
     future_row: int = 0
     overlappable: bool = False  # its sampling needs nothing of the host (see EngineCore)
+    # its token is to be sampled from a launched step whose logits are not sampled yet (PP
+    # decode groups in flight, --pp-async-decode): nothing may schedule or re-admit it
+    launched: bool = False
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:

@@ -86,18 +86,20 @@ class Scheduler:
                 hc.quiesce()  # the last request left: nothing waits on the transfers now
 
     # ------------------------------------------------------------------ schedule
-    def schedule(self) -> ScheduledBatch | None:
+    def schedule(self, decode_groups: int = 1) -> ScheduledBatch | None:
+        """`decode_groups` > 1 (PP decode groups in flight, `EngineCore`): at most a
+        1/decode_groups share of the running requests decodes in this step."""
         hc = self.hicache
         if hc is None:
-            return self._schedule()
+            return self._schedule(decode_groups)
         hc.begin_step()
         try:
-            return self._schedule()
+            return self._schedule(decode_groups)
         finally:
             hc.end_step()
 
-    def _schedule(self) -> ScheduledBatch | None:
-        decoding = self._secure_decode_slots()
+    def _schedule(self, decode_groups: int = 1) -> ScheduledBatch | None:
+        decoding = self._secure_decode_slots(decode_groups)
         items: list[Scheduled] = []
         budget = self._prefill_budget()
         if not self.kv.allocate_decode(decoding):
@@ -117,7 +119,7 @@ class Scheduler:
         # nothing else can run: waiting on the transfers is free, unless a run-ahead step's
         # tokens are still to be turned into outputs (a request they finish would wait)
         if not items and self.hicache is not None and self.hicache.busy \
-                and not any(r.pending for r in self.running):
+                and not any(r.pending or r.launched for r in self.running):
             self.hicache.quiesce()
             self._admit(items, budget, False)
         if not items:
@@ -139,12 +141,15 @@ class Scheduler:
             return max(0, budget)
         return req.remaining if first else 0
 
-    def _secure_decode_slots(self) -> list[Req]:
-        """Ensures every decoding request gets its next slot, retracting newest-first; returns
-        the decoding requests."""
+    def _secure_decode_slots(self, groups: int = 1) -> list[Req]:
+        """Ensures every decoding request of this step gets its next slot, retracting
+        newest-first; returns them. (A request in a launched, unsampled step has
+        `remaining` 0: it is not decoding.)"""
         while True:
             decoding = [r for r in self.running
                         if r.remaining == 1 and not r.ends_with_pending(self.max_context)]
+            if groups > 1:
+                decoding = self._decode_group(decoding, groups)
             pages = sum(self.kv.pages_needed(r, 1) for r in decoding)
             if pages * self.kv.page_size <= self.kv.available() or not self.running:
                 return decoding
@@ -154,6 +159,16 @@ class Scheduler:
                     f"({self.kv.accounting(self.running)})"
                 )
             self._retract(self.running[-1])
+
+    def _decode_group(self, decoding: list[Req], groups: int) -> list[Req]:
+        """At most ceil(running / groups) of `decoding`, those whose last token is on the host
+        first (they were left out of an earlier step), in running order. The groups form by
+        themselves: the requests of a launched step are not decoding until it is sampled."""
+        cap = -(-len(self.running) // groups)
+        if len(decoding) <= cap:
+            return decoding
+        chosen = set(sorted(decoding, key=lambda r: r.pending)[:cap])
+        return [r for r in decoding if r in chosen]
 
     def _retract(self, req: Req) -> None:
         self.kv.release(req)
@@ -195,7 +210,7 @@ class Scheduler:
                 prefill or self.cfg.chunk_size
             ):
                 return
-            if self._waits_for_leader(req) or req.pending:
+            if self._waits_for_leader(req) or req.pending or req.launched:
                 continue  # (a retracted request whose last token is still on the device)
             limit = req.prompt_lp_next if req.wants_prompt_logprobs else req.num_tokens - 1
             if self.hicache is not None and self.kv.table.free_rows and not self._prefetch(

@@ -1,0 +1,229 @@
+"""PP decode groups in flight across steps (`--pp-async-decode`, issue 16 item 5).
+
+The running requests decode in pp_size groups, each its own step; rank 0 keeps up to pp_size
+launched steps in flight and samples the oldest, whose requests form the next step. The oracle
+is one process: greedy tokens and finish reasons equal, over prompts that mix lengths, shared
+prefixes, chunked prefill, early finishes on a stop id, n > 1 and retraction. Every test that
+spawns ranks runs under a deadline (a deadlock fails, never hangs).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from phaseflip import Engine, SamplingParams
+from phaseflip.distributed.driver import DistributedRunner, _AwaitedLogits
+from phaseflip.scheduler.request import Req
+from phaseflip.scheduler.scheduler import Scheduler
+from tests.conftest import build_model, prompts_for
+
+SPAWNS = pytest.mark.timeout(300, method="thread")  # signals cannot interrupt gloo
+
+
+@pytest.fixture(scope="module")
+def deep_dir(tmp_path_factory):
+    """5 layers, so pp=3 splits unevenly (2+2+1); 4 KV heads for tp=2."""
+    return build_model(tmp_path_factory.mktemp("deep") / "llama5", "llama",
+                       num_hidden_layers=5, num_key_value_heads=4)
+
+
+def _requests(stop: int | None) -> tuple[list[list[int]], list[SamplingParams]]:
+    prompts = prompts_for(300) * 2 + prompts_for(300, seed=1, shared=False)
+    params = [SamplingParams(temperature=0, max_new_tokens=5 + 3 * (i % 4), n=1 + (i % 5 == 0),
+                             stop_token_ids=[stop] if stop is not None and i % 3 == 1 else [])
+              for i in range(len(prompts))]
+    return prompts, params
+
+
+def _generate(model_dir, prompts, params, batches=None, **cfg):
+    """Outputs, the most steps seen in flight at once (sampled from `_launched`) and the
+    retractions; `batches`: several (prompts, params) one after the other on one engine."""
+    cfg = {"device": "cpu", "dtype": "float32", "max_total_tokens": 4096,
+           "dist_timeout_s": 60, "check_accounting": True} | cfg
+    with Engine(str(model_dir), **cfg) as e:
+        core, depth = e.core, [0]
+        sample_oldest = core._sample_oldest
+
+        def counted(sample_oldest=sample_oldest):
+            depth[0] = max(depth[0], len(core._launched))
+            return sample_oldest()
+
+        core._sample_oldest = counted
+        got = []
+        for batch_prompts, batch_params in batches or [(prompts, params)]:
+            outs = e.generate(batch_prompts, batch_params, use_tqdm=False)
+            got += [[(s.token_ids, s.finish_reason) for s in o.outputs] for o in outs]
+            e.pool_accounting()
+        assert not core._launched and core._inflight is None
+        if core.hicache is not None:
+            assert core.hicache.stats.host_hit_tokens > 0, "nothing came from the host tier"
+        return got, depth[0], core.scheduler.stats.retractions
+
+
+@pytest.fixture(scope="module")
+def oracle(deep_dir):
+    """One process's outputs, and a stop id that ends some requests early."""
+    prompts, params = _requests(None)
+    first, _, _ = _generate(deep_dir, prompts, params)
+    mids = [t for out in first for toks, _ in out for t in toks[2:6]]
+    stop = max(set(mids), key=mids.count)
+    prompts, params = _requests(stop)
+    cache = {}
+
+    def want(**cfg):
+        key = tuple(sorted(cfg.items()))
+        if key not in cache:
+            cache[key] = _generate(deep_dir, prompts, params, **cfg)[0]
+        return cache[key]
+
+    return prompts, params, want
+
+
+@SPAWNS
+@pytest.mark.parametrize("tp, pp, cfg", [
+    (1, 2, {}),
+    (1, 2, {"chunked_prefill_size": 8, "max_running_requests": 5}),
+    (1, 2, {"max_total_tokens": 96, "page_size": 4}),  # retraction of launched requests
+    (1, 3, {}),
+    (2, 2, {"max_running_requests": 6}),
+])
+def test_decode_groups_in_flight_equal_one_process(deep_dir, oracle, tp, pp, cfg):
+    prompts, params, want = oracle
+    got, depth, retractions = _generate(deep_dir, prompts, params, tp_size=tp, pp_size=pp,
+                                        pp_async_decode=True, **cfg)
+    assert got == want(**cfg)
+    assert any(r == "stop" for out in got for _, r in out)  # early finishes happened
+    assert depth == pp, f"at most {depth} steps in flight, want {pp}"
+    if cfg.get("max_total_tokens", 4096) < 200:
+        assert retractions > 0
+
+
+@SPAWNS
+def test_flag_off_keeps_one_step_in_flight(deep_dir, oracle):
+    """The default path: each launched step is sampled in the step that launched it."""
+    prompts, params, want = oracle
+    got, depth, _ = _generate(deep_dir, prompts[:4], params[:4], pp_size=2)
+    assert depth == 1
+
+
+@SPAWNS
+def test_decode_groups_with_hicache_equal_the_synchronous_path(llama_dir):
+    """HiCache orders ride the messages of steps in flight; a small pool makes the device
+    tree evict, so the repeated prompts come back from the host tier."""
+    prompts = prompts_for(300) * 2
+    evict = [p for seed in (1, 2, 3) for p in prompts_for(300, seed, shared=False)]
+    params = [SamplingParams(temperature=0, max_new_tokens=6 + 3 * (i % 4), n=1 + (i % 5 == 0))
+              for i in range(len(prompts))]
+    batches = [(b, params[: len(b)]) for b in (prompts, evict, prompts)]  # the last: host
+    cfg = {"pp_size": 2, "enable_hicache": True, "hicache_page_size": 4,
+           "hicache_host_gb": 0.01, "max_total_tokens": 240}
+    want, _, _ = _generate(llama_dir, None, None, batches, **cfg, overlap_schedule=False)
+    got, depth, _ = _generate(llama_dir, None, None, batches, **cfg, pp_async_decode=True)
+    assert got == want
+    assert depth == 2
+
+
+@SPAWNS
+def test_a_flip_drains_every_group_in_flight(llama_dir):
+    """tp2 → pp2 → tp2 → pp2 with decode groups in flight at the seams: the seam samples
+    every launched step first (none is lost or doubled), the pool balances after each seam,
+    and each output equals one process's."""
+    prompts = prompts_for(300) * 2
+    params = SamplingParams(temperature=0, max_new_tokens=14, ignore_eos=True)
+    with Engine(str(llama_dir), device="cpu", dtype="float32", max_total_tokens=4096) as e:
+        want = [o.outputs[0].token_ids for o in e.generate(prompts, params, use_tqdm=False)]
+    flips, in_flight = {3: (1, 2), 9: (2, 1), 12: (1, 2)}, []
+    with Engine(str(llama_dir), device="cpu", dtype="float32", max_total_tokens=4096,
+                dist_timeout_s=60, check_accounting=True, tp_size=2, enable_flip=True,
+                enable_hicache=True, hicache_host_gb=0.01, pp_async_decode=True) as e:
+        core = e.core
+        for i, p in enumerate(prompts):
+            core.add_request(f"r{i}", p, params)
+        got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        ends: dict[str, list[str]] = {k: [] for k in got}
+        step = 0
+        while core.has_work():
+            deltas = []
+            if step in flips:
+                in_flight.append(len(core._launched))
+                deltas = core.flip(*flips[step])[1]
+                assert not core._launched and core._inflight is None
+                core.check_pool()
+            for d in deltas + core.step():
+                got[d.request_id] += d.token_ids
+                if d.finish_reason is not None:
+                    ends[d.request_id].append(d.finish_reason)
+            step += 1
+        core.check_pool()
+    assert [got[f"r{i}"] for i in range(len(prompts))] == want
+    assert all(r == ["length"] for r in ends.values())  # finished once: none lost or doubled
+    # between steps a pp2 engine holds one launched step unsampled (and one sampled)
+    assert max(in_flight) == 1, in_flight
+
+
+# ----------------------------------------------------------------- scheduler: the groups
+def _req(i: int, pending: int = 0) -> Req:
+    r = Req(rid=f"r{i}", prompt_ids=[1, 2], params=SamplingParams(max_new_tokens=9),
+            eos_ids=(0,), arrival=i)
+    r.output_ids, r.kv_len, r.pending = [3] * (1 - pending), 2, pending
+    return r
+
+
+def test_a_step_decodes_one_group_host_tokens_first():
+    """ceil(running / groups) requests per step; those left out before (token on the host)
+    go first, in running order."""
+    sched = Scheduler(SimpleNamespace(), None, 64)
+    sched.running = [_req(0, 1), _req(1, 1), _req(2, 0), _req(3, 1), _req(4, 0)]
+    got = sched._decode_group(list(sched.running), 2)
+    assert [r.rid for r in got] == ["r0", "r2", "r4"]
+    assert sched._decode_group(sched.running[:2], 2) == sched.running[:2]
+
+
+def test_a_launched_request_is_not_decoding_or_readmitted():
+    """A launched step's requests (advanced, not sampled) have no token to feed; retracted,
+    they wait until their token is sampled (as a pending one does)."""
+    r = _req(0, 0)
+    r.kv_len, r.launched = 3, True
+    assert r.remaining == 0
+
+
+# ----------------------------------------------------------------- driver: the logits pipe
+def _runner(depth: int, capacity: int, awaited_bytes: list[int], held: int = 0):
+    runner = object.__new__(DistributedRunner)
+    runner.decode_depth, runner._held_bytes = depth, held
+    runner.stage = SimpleNamespace(pipes=SimpleNamespace(capacity=capacity))
+    runner._awaited = [_AwaitedLogits(runner, lambda: None, i, n)
+                       for i, n in enumerate(awaited_bytes)]
+    return runner
+
+
+@pytest.mark.parametrize("depth, awaited, held, fence, want", [
+    (2, [], 0, False, True),  # nothing in flight
+    (1, [100], 0, False, False),  # the default: the launched step's logits first
+    (2, [100], 0, False, True),
+    (2, [100], 0, True, False),  # a fence waits on every rank: nothing may be unread
+    (2, [600], 500, False, False),  # the last stage could block on a full logits pipe
+    (2, [500], 500, False, True),
+])
+def test_a_message_overlaps_only_while_the_logits_pipe_cannot_fill(depth, awaited, held,
+                                                                    fence, want):
+    runner = _runner(depth, 1000, awaited, held)
+    plan = SimpleNamespace(num_tokens=4, batch_size=4)
+    assert runner._may_overlap(plan, fence) is want
+    assert runner._may_overlap(None, False) is (not awaited)
+
+
+@pytest.mark.parametrize("async_on, pipes, rows, want", [
+    (False, True, 8, 1),
+    (True, True, 8, 2),
+    (True, False, 8, 1),  # NCCL / across nodes: one step at a time
+    (True, True, 4096, 1),  # 3 groups of logits would not fit the pipe
+])
+def test_decode_depth(async_on, pipes, rows, want):
+    runner = object.__new__(DistributedRunner)
+    runner.runner = SimpleNamespace(model_cfg=SimpleNamespace(vocab_size=1000))
+    runner.stage = SimpleNamespace(pipes=SimpleNamespace(capacity=1 << 20) if pipes else None)
+    cfg = SimpleNamespace(pp_async_decode=async_on, pp_size=2, max_running_requests=rows)
+    assert runner._decode_depth(cfg) == want
