@@ -114,6 +114,28 @@ def test_replay_runs_through_the_lm_head_into_one_shared_buffer(runner):
     torch.testing.assert_close(kept, want_small, rtol=1e-4, atol=1e-4)
 
 
+def test_a_tied_lm_head_is_warmed_before_capture(model_dirs, monkeypatch):
+    """The LM head runs inside the last stage's graphs, so its skinny-GEMM variants are
+    compiled before any capture; tied to the embedding, its weight is named after it (which the
+    warm-up skips) and was missed. The warm-up is faked: it only records the shapes."""
+    from phaseflip.kernels import linear, linear_configs
+
+    model_dir = model_dirs["llama-tied-mqa"]
+    cfg = EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
+                       max_total_tokens=64, disable_cuda_graph=True)
+    tied = ModelRunner(cfg, ModelConfig.from_dir(model_dir))
+    assert tied.model.lm_head.weight is tied.model.embed_tokens.weight
+    graphs = DecodeGraphs(tied.model, tied.pool, TritonAttention(), max_bs=4, max_context=64,
+                          max_kv_tokens=tied.num_slots, record=False)
+    warmed = []
+    monkeypatch.setattr(linear_configs, "load_bundled_configs", lambda device: None)
+    monkeypatch.setattr(linear_configs, "should_use_skinny", lambda m, n, k: True)
+    monkeypatch.setattr(linear, "warmup", lambda shapes, *a, **k: warmed.extend(shapes))
+    graphs.device = torch.device("cuda")  # the warm-up runs for CUDA graphs only
+    graphs._warm_linears()
+    assert tuple(tied.model.lm_head.weight.shape) in warmed
+
+
 def test_pipeline_stages_replay_with_the_previous_stages_output(runner, llama_dir):
     """Two pipeline stages, each with its own graphs: stage 1's graphs read the (hidden,
     residual) stage 0 produced from their static input buffers. The batch (3 rows, padded to
