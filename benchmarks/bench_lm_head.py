@@ -147,19 +147,18 @@ def rank_main(rank: int, spec: HeadSpec, out_path: str) -> None:
     dist.init_process_group(spec.backend, init_method=spec.init_method, rank=rank,
                             world_size=spec.world_size,
                             timeout=datetime.timedelta(seconds=spec.timeout_s), **extra)
-    try:
-        comm = ProcessGroupCommunicator(dist.group.WORLD, spec.world_size)
-        with torch.device(device):
-            head = ParallelLMHead(spec.vocab, spec.hidden, Layout(rank, spec.world_size,
-                                                                  tp_comm=comm),
-                                  getattr(torch, spec.dtype))
-        torch.manual_seed(rank)
-        head.weight.data.normal_(0, spec.hidden ** -0.5)
-        rows = [r for b in spec.batches for r in _rows_for(head, b, device, spec)]
-        if rank == 0:
-            Path(out_path).write_text(json.dumps(rows))
-    finally:
-        dist.destroy_process_group()
+    comm = ProcessGroupCommunicator(dist.group.WORLD, spec.world_size)
+    with torch.device(device):
+        head = ParallelLMHead(spec.vocab, spec.hidden, Layout(rank, spec.world_size,
+                                                              tp_comm=comm),
+                              getattr(torch, spec.dtype))
+    torch.manual_seed(rank)
+    head.weight.data.normal_(0, spec.hidden ** -0.5)
+    rows = [r for b in spec.batches for r in _rows_for(head, b, device, spec)]
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(rows))
+    dist.barrier()  # every rank done talking before any leaves
+    os._exit(0)  # no teardown: a gloo rank whose peer has gone may abort in it (SIGABRT seen)
 
 
 def run_ranks(spec: HeadSpec, deadline_s: float) -> list[dict[str, Any]]:
