@@ -73,8 +73,8 @@ class StepLog:
         self.core, self.plan = core, None
         schedule = core.scheduler.schedule
 
-        def logged() -> Any:
-            batch = schedule()
+        def logged(*a: Any, **kw: Any) -> Any:
+            batch = schedule(*a, **kw)
             self.plan = batch.plan if batch is not None else None
             return batch
 

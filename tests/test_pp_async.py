@@ -51,6 +51,15 @@ def _generate(model_dir, prompts, params, batches=None, **cfg):
             return sample_oldest()
 
         core._sample_oldest = counted
+        stage, wholes = getattr(core.runner, "stage", None), []
+        if stage is not None:
+            execute = stage.execute
+
+            def recorded(*args, execute=execute):
+                wholes.append(args[4] if len(args) > 4 else False)
+                return execute(*args)
+
+            stage.execute = recorded
         got = []
         for batch_prompts, batch_params in batches or [(prompts, params)]:
             outs = e.generate(batch_prompts, batch_params, use_tqdm=False)
@@ -59,6 +68,10 @@ def _generate(model_dir, prompts, params, batches=None, **cfg):
         assert not core._launched and core._inflight is None
         if core.hicache is not None:
             assert core.hicache.stats.host_hit_tokens > 0, "nothing came from the host tier"
+        if depth[0] > 1:  # decode groups ran whole on rank 0's stage (none cut)
+            assert any(wholes)
+        elif wholes:
+            assert not any(wholes)
         return got, depth[0], core.scheduler.stats.retractions
 
 

@@ -460,12 +460,13 @@ class EngineCore:
         requests form the next step's group while the later stages run the other groups."""
         prev, self._inflight = self._inflight, None
         depth = self._decode_depth()
-        batch = self.scheduler.schedule(depth)
+        schedule = self.scheduler.schedule
+        batch = schedule(depth) if depth > 1 else schedule()
         if batch is None and self._launched:  # every decoding request is in flight
             if prev is not None:
                 self.outputs.take_tokens(prev)  # placeholders name one step's tokens
             prev = self._sample_oldest()
-            batch = self.scheduler.schedule(depth)
+            batch = schedule(depth)
         logits = None
         try:
             if batch is not None:
