@@ -77,12 +77,31 @@ def _clean(e: Exception) -> str:
     return _XGR_PREFIX.sub("", text).strip() or type(e).__name__
 
 
+# xgrammar writes the characters of a length-limited JSON string (maxLength/minLength) as the
+# class below, which lets control characters through: strict JSON parsers (json.loads,
+# pydantic) refuse them, and a random-weight 8B model put them in half of all answers to a
+# nested schema on the H200. They are swapped for a class without them.
+_LOOSE_STRING_CHARS = r'[^\"\\\r\n]'
+_JSON_STRING_CHARS = r'[^\0-\x1f\"\\]'  # no control characters (nor escapes, as before)
+
+
+def _json_grammar(schema: str, strict_mode: bool):
+    """The grammar of JSON matching `schema`, compact, with strings strict JSON accepts."""
+    xgr = _xgr()
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False,
+                                           strict_mode=strict_mode)
+    text = str(grammar)
+    if _LOOSE_STRING_CHARS not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHARS, _JSON_STRING_CHARS),
+                                 root_rule_name="root")
+
+
 def _build(spec: GrammarSpec):
     """The tokenizer-free `xgrammar.Grammar` of `spec` (raises on a bad one)."""
     xgr = _xgr()
     if spec.kind == "json_object":
-        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False,
-                                            strict_mode=False)
+        return _json_grammar('{"type": "object"}', strict_mode=False)
     if spec.kind == "json_schema":
         try:
             schema = json.loads(spec.value)
@@ -90,7 +109,7 @@ def _build(spec: GrammarSpec):
             raise ValueError(f"the schema is not JSON ({e})") from None
         if not isinstance(schema, dict):
             raise ValueError("the schema must be a JSON object")
-        return xgr.Grammar.from_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+        return _json_grammar(spec.value, strict_mode=True)
     if spec.kind == "regex":
         return xgr.Grammar.from_regex(spec.value)
     return xgr.Grammar.from_ebnf(spec.value)
