@@ -9,6 +9,7 @@ spawns ranks runs under a deadline (a deadlock fails, never hangs).
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -174,6 +175,58 @@ def test_a_flip_drains_every_group_in_flight(llama_dir):
     assert all(r == ["length"] for r in ends.values())  # finished once: none lost or doubled
     # between steps a pp2 engine holds one launched step unsampled (and one sampled)
     assert max(in_flight) == 1, in_flight
+
+
+@SPAWNS
+def test_aborts_of_launched_and_sampled_groups_leave_an_exact_pool(deep_dir):
+    """Requests aborted while their group's step is launched (logits not received) or
+    sampled (token on the device): the launched steps are still received in order, nothing
+    is owed to the aborted requests, the others finish, and the pool balances at idle."""
+    with Engine(str(deep_dir), device="cpu", dtype="float32", max_total_tokens=4096,
+                dist_timeout_s=60, check_accounting=True, pp_size=2,
+                pp_async_decode=True) as e:
+        core = e.core
+        params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
+        for i, p in enumerate(prompts_for(300) * 2):
+            core.add_request(f"r{i}", p, params)
+        for _ in range(8):
+            core.step()
+        launched = {it.req.rid.split("#")[0] for batch, _ in core._launched
+                    for it in batch.items}
+        sampled = {it.req.rid.split("#")[0] for it in core._inflight.items}
+        assert launched and sampled and not launched & sampled
+        gone = {min(launched), min(sampled)}
+        for rid in gone:
+            core.abort(rid)
+        finished = {}
+        while core.has_work():
+            for d in core.step():
+                if d.finish_reason:
+                    finished[d.request_id] = d.finish_reason
+        core.kv.check(core.scheduler.running)
+        want = {f"r{i}": "length" for i in range(len(prompts_for(300) * 2))}
+        assert finished == {k: v for k, v in want.items() if k not in gone}
+
+
+@SPAWNS
+def test_streaming_with_decode_groups(deep_dir):
+    """The engine thread's loop (steps with a sink) under decode groups in flight."""
+    prompts = prompts_for(300)[:5]
+    params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    with Engine(str(deep_dir), device="cpu", dtype="float32", max_total_tokens=4096) as e:
+        want = [o.outputs[0].token_ids for o in e.generate(prompts, params, use_tqdm=False)]
+    with Engine(str(deep_dir), device="cpu", dtype="float32", max_total_tokens=4096,
+                pp_size=2, pp_async_decode=True, dist_timeout_s=60) as e:
+        async def one(p):
+            ids = []
+            async for d in e.generate_stream(p, params):
+                ids += d.token_ids
+            return ids
+
+        async def main():
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+        assert asyncio.run(main()) == want
 
 
 # ----------------------------------------------------------------- scheduler: the groups
