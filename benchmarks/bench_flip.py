@@ -165,11 +165,12 @@ def _print(result: dict[str, Any]) -> None:
              f.get("weights"), _gib(f.get("weights_bytes_moved")),
              "-" if f.get("weights_gbps") is None else f"{f['weights_gbps']:.2f}",
              f.get("graph_capture") or "eager",
-             f"{f.get('kv_slots_before')}→{f.get('kv_slots_after')}", f["first_step_after_s"]]
+             f"{f.get('kv_slots_before')}→{f.get('kv_slots_after')}",
+             _gib(f.get("device_free_after_bytes")), f["first_step_after_s"]]
             for f in flips]
     print_table(["flip", "at step", "retracted", "seam s", *(f"{n} s" for n in names),
                  *(f"relayout: {n} s" for n in parts), "weights", "GiB moved", "GB/s",
-                 "graphs", "KV slots", "next step s"], rows,
+                 "graphs", "KV slots", "device free GiB", "next step s"], rows,
                 title=f"phase flips: {result['output_tokens']} output tokens in "
                       f"{result['seconds']:.1f} s")
 

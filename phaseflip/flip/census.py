@@ -55,6 +55,9 @@ class SeamCensus:
     # beyond the weights it keeps on purpose (resident shards; None off CUDA): the old rank
     # 0's weights and pool must be gone before the new ranks size their pools from what is free
     held_after_teardown_bytes: int | None = None
+    # free memory of rank 0's device, every process on it counted, once the new layout is
+    # built (None off CUDA): flat from flip to flip when nothing leaks anywhere on the device
+    device_free_after_bytes: int | None = None
     # After the cutover (`flip/ledger.py` completes these in place as steps run): what
     # refilling the retracted requests cost. None until the last of them is refilled (law 5);
     # the loads' fields also without a host tier, the rate also when nothing was loaded.

@@ -42,6 +42,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
+
 from phaseflip.errors import InvalidRequestError
 from phaseflip.flip.census import SeamCensus, layout_name
 from phaseflip.flip.host import LayoutHost
@@ -125,6 +127,11 @@ def _fence(host: LayoutHost, census: SeamCensus, segment) -> None:
     census.fence_s = census.segments["fence"]
 
 
+def _device_free(device: torch.device) -> int | None:
+    """cudaMemGetInfo's free bytes (what the driver reports for the whole device)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
 def _mutate(host: LayoutHost, census: SeamCensus, segment, target_cfg) -> None:
     """The seam from the retract on: from here a failure leaves no usable engine."""
     with segment("retract"):
@@ -145,6 +152,7 @@ def _mutate(host: LayoutHost, census: SeamCensus, segment, target_cfg) -> None:
         record_weights(census, runner.weights_load)
         census.relayout_parts = dict(runner.build_s)
         census.graph_capture = runner.graph_capture
+        census.device_free_after_bytes = _device_free(runner.device)
         acc = host.check_pool()
         census.kv_slots_after = acc.total
         census.rows_moved = acc.total - acc.free  # nothing is re-admitted yet (law 6)
