@@ -13,6 +13,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from phaseflip import Engine, SamplingParams
 from phaseflip.distributed.driver import DistributedRunner, _AwaitedLogits
@@ -227,6 +228,23 @@ def test_streaming_with_decode_groups(deep_dir):
             return await asyncio.gather(*(one(p) for p in prompts))
 
         assert asyncio.run(main()) == want
+
+
+@SPAWNS
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
+def test_decode_groups_on_one_gpu_match_single_process(deep_dir, oracle, tp, pp):
+    """Ranks sharing one GPU over gloo with host staging (decode graphs per stage, tokens
+    sampled on the device, stage 0's TP ranks get them by a broadcast): the same greedy
+    tokens as one GPU process, with pp_size steps in flight."""
+    prompts, params, _ = oracle
+    cfg = {"device": "cuda", "dist_backend": "gloo"}
+    want, _, _ = _generate(deep_dir, prompts, params, device="cuda")
+    got, depth, _ = _generate(deep_dir, prompts, params, tp_size=tp, pp_size=pp,
+                              pp_async_decode=True, **cfg)
+    assert got == want
+    assert depth == pp
 
 
 # ----------------------------------------------------------------- scheduler: the groups
