@@ -21,6 +21,30 @@ def parse_layout(text: str) -> tuple[int, int]:
     return int(m["tp"] or 1), int(m["pp"] or 1)
 
 
+# enumerated fields and their values, in the order the error lists them
+_CHOICES: dict[str, tuple] = {
+    "attention_backend": ("torch", "triton", "auto"),
+    "load_format": ("auto", "dummy"),
+    "dtype": ("float32", "float16", "bfloat16", "auto"),
+    "quantization": ("fp8", None),
+    "kv_cache_dtype": ("auto", "fp8_e4m3"),
+    "schedule_policy": ("fcfs", "lpm"),
+    "dist_backend": ("gloo", "nccl", "auto"),
+    "hicache_write_policy": ("write_through", "write_back"),
+    "flip_weights": ("auto", "resident", "peer", "host-image", "reload"),
+    "log_level": LOG_LEVELS,
+}
+# counts that must be at least 1 (None: unset, where the field allows it)
+_AT_LEAST_ONE = ("page_size", "max_running_requests", "max_total_tokens", "cuda_graph_max_bs",
+                 "max_prefill_tokens", "pp_min_micro_batch_tokens", "hicache_disk_queue_pages",
+                 "cpu_threads")
+
+
+def _either(choices: list) -> str:
+    return ", ".join(map(str, choices[:-1])) + f" or {choices[-1]}" if len(choices) > 1 else (
+        str(choices[0]))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = str(EMBEDDED_MODEL)
@@ -189,44 +213,24 @@ class EngineConfig:
 
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise bad("device", "expected cpu, cuda or auto")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise bad("attention_backend", "expected torch, triton or auto")
-        if self.load_format not in ("auto", "dummy"):
-            raise bad("load_format", "expected auto or dummy")
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise bad("dtype", "expected float32, float16, bfloat16 or auto")
-        if self.quantization not in (None, "fp8"):
-            raise bad("quantization", "expected fp8 (or leave it unset)")
-        if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
-            raise bad("kv_cache_dtype", "expected auto or fp8_e4m3")
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                unset = " (or leave it unset)" if None in choices else ""
+                raise bad(name, f"expected {_either([c for c in choices if c])}{unset}")
+        for name in _AT_LEAST_ONE:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise bad(name, "must be >= 1")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise bad("mem_fraction", "expected a fraction in (0, 1]")
-        if self.page_size < 1:
-            raise bad("page_size", "must be >= 1")
-        if self.max_running_requests < 1:
-            raise bad("max_running_requests", "must be >= 1")
-        if self.max_total_tokens is not None and self.max_total_tokens < 1:
-            raise bad("max_total_tokens", "must be >= 1")
-        if self.cuda_graph_max_bs < 1:
-            raise bad("cuda_graph_max_bs", "must be >= 1")
-        if self.max_prefill_tokens < 1:
-            raise bad("max_prefill_tokens", "must be >= 1")
-        if self.schedule_policy not in ("fcfs", "lpm"):
-            raise bad("schedule_policy", "expected fcfs or lpm")
         if self.tp_size < 1 or self.pp_size < 1:
             raise bad("tp_size" if self.tp_size < 1 else "pp_size", "must be >= 1")
-        if self.pp_min_micro_batch_tokens < 1:
-            raise bad("pp_min_micro_batch_tokens", "must be >= 1")
-        if self.dist_backend not in ("auto", "gloo", "nccl"):
-            raise bad("dist_backend", "expected gloo, nccl or auto")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise bad("node_rank", f"must be in [0, nnodes={self.nnodes})")
         if self.world_size % self.nnodes:
             raise bad("nnodes", f"tp_size*pp_size={self.world_size} ranks do not split evenly")
         if self.hicache_page_size < 1 or self.hicache_page_size % self.page_size:
             raise bad("hicache_page_size", f"must be a multiple of page_size={self.page_size}")
-        if self.hicache_write_policy not in ("write_through", "write_back"):
-            raise bad("hicache_write_policy", "expected write_through or write_back")
         if self.enable_hicache and self.hicache_host_gb <= 0:
             raise bad("hicache_host_gb", "must be > 0 with --enable-hicache")
         if self.enable_hicache and not self.enable_prefix_cache:
@@ -235,8 +239,6 @@ class EngineConfig:
             raise bad("enable_flip", "needs a host cache tier: without one every flip "
                       "re-prefills every cached prefix; add --enable-hicache, or drop "
                       "--enable-flip")
-        if self.flip_weights not in ("auto", "resident", "peer", "host-image", "reload"):
-            raise bad("flip_weights", "expected auto, resident, peer, host-image or reload")
         if self.flip_weights in ("resident", "peer") and (
                 not self.enable_flip or self.world_size < 2):
             raise bad("flip_weights", f"{self.flip_weights} serves phase flips only: add "
@@ -247,8 +249,6 @@ class EngineConfig:
         if self.flip_weights == "host-image" and (not self.enable_flip or self.world_size < 2):
             raise bad("flip_weights", "host-image serves phase flips only: add --enable-flip "
                       "with at least 2 ranks, or use --flip-weights auto")
-        if self.hicache_disk_queue_pages < 1:
-            raise bad("hicache_disk_queue_pages", "must be >= 1")
         if self.enable_hicache and self.nnodes > 1:
             raise bad("enable_hicache", "needs every rank on one host (the host tier is shared "
                       "memory of the node); use --nnodes 1 or turn HiCache off")
@@ -256,12 +256,8 @@ class EngineConfig:
             raise bad("dist_init_addr", "is required with --nnodes > 1 (host:port of node 0)")
         if self.dist_timeout_s <= 0:
             raise bad("dist_timeout_s", "must be > 0")
-        if self.log_level not in LOG_LEVELS:
-            raise bad("log_level", f"expected one of {', '.join(LOG_LEVELS)}")
         if self.watchdog_timeout_s <= 0:
             raise bad("watchdog_timeout_s", "must be > 0")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise bad("cpu_threads", "must be >= 1")
         self._check_flip_policy(bad)
 
     def _check_flip_policy(self, bad) -> None:
