@@ -485,6 +485,35 @@ def _parse_generation_config(path: str) -> tuple[_Fields | None, dict[str, Any]]
     return _Fields(raw, path), defaults
 
 
+def _check_mlp(cfg: _Fields, d, config_path: str) -> None:
+    hidden_act = cfg.get("hidden_act", "silu")
+    if hidden_act not in ("silu", "swish"):  # transformers maps both to SiLU
+        raise ModelLoadError(
+            f"unsupported hidden_act {hidden_act!r} in {config_path}; only 'silu' is supported"
+        )
+    if d.reads_mlp_bias and cfg.get_bool("mlp_bias", False):
+        raise ModelLoadError(f"mlp_bias=true is unsupported (in {config_path})")
+
+
+def _special_tokens(cfg: _Fields, gen: _Fields | None, d
+                    ) -> tuple[list[int], int | None, int | None]:
+    """(EOS ids, BOS, PAD): generation_config.json is what transformers' generate() uses,
+    config.json the fallback (its EOS ids are added after the generation config's)."""
+    eos: list[int] = []
+    if gen is not None:
+        eos.extend(gen.token_ids("eos_token_id", None))
+    for tok in cfg.token_ids("eos_token_id", d.eos_token_id):
+        if tok not in eos:
+            eos.append(tok)
+    bos = gen.token_id("bos_token_id", None) if gen is not None else None
+    if bos is None:
+        bos = cfg.token_id("bos_token_id", d.bos_token_id)
+    pad = gen.token_id("pad_token_id", None) if gen is not None else None
+    if pad is None:
+        pad = cfg.token_id("pad_token_id", None)
+    return eos, bos, pad
+
+
 def _parse_model_dir(model_dir: str | os.PathLike[str]) -> ModelConfig:
     directory = os.path.abspath(os.fspath(model_dir))
     if not os.path.exists(directory):
@@ -499,13 +528,7 @@ def _parse_model_dir(model_dir: str | os.PathLike[str]) -> ModelConfig:
     arch = _resolve_architecture(cfg)
     d = _ARCH_DEFAULTS[arch]
 
-    hidden_act = cfg.get("hidden_act", "silu")
-    if hidden_act not in ("silu", "swish"):  # transformers maps both to SiLU
-        raise ModelLoadError(
-            f"unsupported hidden_act {hidden_act!r} in {config_path}; only 'silu' is supported"
-        )
-    if d.reads_mlp_bias and cfg.get_bool("mlp_bias", False):
-        raise ModelLoadError(f"mlp_bias=true is unsupported (in {config_path})")
+    _check_mlp(cfg, d, config_path)
 
     hidden_size = cfg.get_int("hidden_size")
     num_heads = cfg.get_int("num_attention_heads")
@@ -536,21 +559,9 @@ def _parse_model_dir(model_dir: str | os.PathLike[str]) -> ModelConfig:
         attention_bias = cfg.get_bool("attention_bias", False)
     sliding_window, layer_types = _parse_sliding(cfg, arch, d, num_layers)
 
-    gen_path = os.path.join(directory, "generation_config.json")
-    gen, generation_defaults = _parse_generation_config(gen_path)
-    eos: list[int] = []
-    if gen is not None:
-        eos.extend(gen.token_ids("eos_token_id", None))
-    for tok in cfg.token_ids("eos_token_id", d.eos_token_id):
-        if tok not in eos:
-            eos.append(tok)
-    # generation_config.json is what transformers' generate() uses; config.json is the fallback.
-    bos = gen.token_id("bos_token_id", None) if gen is not None else None
-    if bos is None:
-        bos = cfg.token_id("bos_token_id", d.bos_token_id)
-    pad = gen.token_id("pad_token_id", None) if gen is not None else None
-    if pad is None:
-        pad = cfg.token_id("pad_token_id", None)
+    gen, generation_defaults = _parse_generation_config(
+        os.path.join(directory, "generation_config.json"))
+    eos, bos, pad = _special_tokens(cfg, gen, d)
 
     return ModelConfig(
         model_dir=directory,
