@@ -19,6 +19,13 @@ replayed from one graph, against 16.06e9 bytes / 4.2 TB/s.
 
     python -m benchmarks.linear_kernels --out results/linear_kernels.json
     python -m benchmarks.linear_kernels --tune --out results/linear_tuned.json   # sweep configs
+    python -m benchmarks.linear_kernels --fp8-weights --tune --no-model-pass \
+        --out results/linear_fp8.json     # FP8 weights: skinny vs the _scaled_mm path
+
+With `--fp8-weights` the weights are FP8 with row scales and x stays `--dtype`; the cuBLAS
+columns are then `model.quant.fp8.scaled_mm_linear` (per-token quantization + `_scaled_mm`),
+bytes count one per weight (the LM head included, which the model keeps in bf16), and the
+printed cut-over is `FP8_SKINNY_MAX_M`'s.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import triton.testing  # noqa: E402
 
 from benchmarks.common import PEAK_BANDWIDTH, print_table, write_json  # noqa: E402
 from phaseflip.kernels import linear, linear_configs, linear_tune  # noqa: E402
+from phaseflip.model.quant import fp8  # noqa: E402
 
 MODEL_SHAPES = {  # name -> (N, K) of y[M, N] = x[M, K] @ W[N, K]^T
     "llama.qkv": (6144, 4096), "llama.o": (4096, 4096), "llama.gate_up": (28672, 4096),
@@ -82,23 +90,35 @@ def run_shape(n: int, k: int, ms: list[int], args, device: torch.device) -> list
     """All M for one (N, K): graph and eager timings of cuBLAS, the picked config (tuned when
     --tune/--tuned-json filled the table) and, if different, the heuristic default."""
     dtype = args.dtype
-    copies = linear_tune.weight_copies(n, k, dtype, device)
-    ws = [(torch.randn(n, k, device=device) * k**-0.5).to(dtype) for _ in range(copies)]
-    weight_bytes = n * k * dtype.itemsize
+    wdtype = torch.float8_e4m3fn if args.fp8_weights else dtype
+    copies = linear_tune.weight_copies(n, k, wdtype, device)
+    if args.fp8_weights:  # (weight, row scales); the baseline is the _scaled_mm path
+        ws = linear_tune.fp8_weights(n, k, copies, device)
+        base = fp8.scaled_mm_linear
+    else:
+        ws = [((torch.randn(n, k, device=device) * k**-0.5).to(dtype), None)
+              for _ in range(copies)]
+        base = F.linear
+    weight_bytes = n * k * wdtype.itemsize
     rows = []
     for m in ms:
         x = torch.randn(m, k, device=device).to(dtype)
         y = torch.empty(m, n, dtype=dtype, device=device)
-        picked = linear_configs.pick_config(m, n, k, dtype, device)
-        default = linear_configs.default_config(m, n, k, dtype, device)
+        picked = linear_configs.pick_config(m, n, k, wdtype, device)
+        default = linear_configs.default_config(m, n, k, wdtype, device)
+
+        def skinny(w, cfg, x=x, y=y):
+            return partial(linear.skinny_linear, x, w[0], None, y, weight_scale=w[1],
+                           config=cfg)
 
         cycle = [ws[i % copies] for i in range(args.calls)]
-        cublas_us = linear_tune.graph_time_us([partial(F.linear, x, w) for w in cycle])
-        skinny_us = linear_tune.graph_time_us(
-            [partial(linear.skinny_linear, x, w, None, y, config=picked) for w in cycle])
+        cublas_us = linear_tune.graph_time_us([partial(base, x, *(t for t in w if t is not None))
+                                               for w in cycle])
+        skinny_us = linear_tune.graph_time_us([skinny(w, picked) for w in cycle])
         default_us = skinny_us if default == picked else linear_tune.graph_time_us(
-            [partial(linear.skinny_linear, x, w, None, y, config=default) for w in cycle])
-        want = F.linear(x.float(), ws[0].float())
+            [skinny(w, default) for w in cycle])
+        w0 = ws[0][0].float() if ws[0][1] is None else ws[0][0].float() * ws[0][1][:, None]
+        want = F.linear(x.float(), w0)
         row = {
             "n": n, "k": k, "m": m, "weight_MB": weight_bytes / 1e6,
             "cublas_graph_us": cublas_us, "skinny_graph_us": skinny_us,
@@ -108,13 +128,13 @@ def run_shape(n: int, k: int, ms: list[int], args, device: torch.device) -> list
             "speedup": cublas_us / skinny_us,
             "config": asdict(picked), "config_label": picked.label(),
             "default_config_label": default.label(),
-            "skinny_rel_err": rel_err(linear.skinny_linear(x, ws[0], config=picked), want),
-            "cublas_rel_err": rel_err(F.linear(x, ws[0]), want),
+            "skinny_rel_err": rel_err(skinny(ws[0], picked)(), want),
+            "cublas_rel_err": rel_err(base(x, *(t for t in ws[0] if t is not None)), want),
         }
         if not args.no_eager:
-            row["cublas_eager_us"] = bench_us(partial(F.linear, x, ws[0]), args.quick)
-            row["skinny_eager_us"] = bench_us(
-                partial(linear.skinny_linear, x, ws[0], None, y, config=picked), args.quick)
+            row["cublas_eager_us"] = bench_us(
+                partial(base, x, *(t for t in ws[0] if t is not None)), args.quick)
+            row["skinny_eager_us"] = bench_us(skinny(ws[0], picked), args.quick)
         rows.append(row)
     return rows
 
@@ -235,6 +255,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--calls", type=int, default=16, help="calls per captured graph")
     ap.add_argument("--bw-ceiling", type=float, default=PEAK_BANDWIDTH / 1e12, help="TB/s")
+    ap.add_argument("--fp8-weights", action="store_true",
+                    help="FP8 weights with row scales (x stays --dtype); the baseline column "
+                         "is then the _scaled_mm path (per-token quantization + cuBLASLt)")
     ap.add_argument("--tune", action="store_true",
                     help="sweep candidate_configs first (minutes: ~100 compiles) and time the "
                          "winners; the table is written next to --out as *.tuned.json")
@@ -278,7 +301,8 @@ def main() -> None:
     if args.tuned_json:
         linear_configs.TUNED.load(args.tuned_json)
     if args.tune:
-        best = linear_tune.tune(list(by_nk), args.dtype, device, m_values=ms)
+        best = linear_tune.tune(list(by_nk), args.dtype, device, m_values=ms,
+                                weight_dtype=torch.float8_e4m3fn if args.fp8_weights else None)
         tuned = {f"{n}x{k} m={m}": {"config": c.label(), "us": us}
                  for (m, n, k), (c, us) in best.items()}
         table_path = args.out.with_suffix(".tuned.json")
@@ -315,12 +339,16 @@ def main() -> None:
     overall = min(t["max_m"] for t in thresholds.values())
     overrides = {(t["n"], t["k"]): t["max_m"] for t in thresholds.values()
                  if t["max_m"] != overall}
-    print(f"  -> SKINNY_MAX_M = {overall}; MAX_M_BY_SHAPE = {overrides}")
+    if args.fp8_weights:  # the cut-over against _scaled_mm: model/quant/fp8.py
+        print(f"  -> FP8_SKINNY_MAX_M = {overall} (per shape: {overrides})")
+    else:
+        print(f"  -> SKINNY_MAX_M = {overall}; MAX_M_BY_SHAPE = {overrides}")
 
     step = {}
     if all(name in SHAPES and SHAPES[name] in by_nk for name in (*LLAMA_LAYER, "llama.lm_head")):
         linear_bytes = (LLAMA_LAYERS * sum(math.prod(SHAPES[s]) for s in LLAMA_LAYER)
-                        + math.prod(SHAPES["llama.lm_head"])) * args.dtype.itemsize
+                        + math.prod(SHAPES["llama.lm_head"])) * (
+                           1 if args.fp8_weights else args.dtype.itemsize)
         for m in ms:
             by = {(r["n"], r["k"]): r for r in rows if r["m"] == m}
 
@@ -345,7 +373,9 @@ def main() -> None:
                      for m, v in step.items()])
 
     passes = []
-    if not args.no_model_pass:
+    if args.fp8_weights and not args.no_model_pass:
+        print("model pass: bf16 weights only (skipped with --fp8-weights)")
+    elif not args.no_model_pass:
         passes = model_pass(ms, args, device)
         torch.cuda.empty_cache()
         target_ms = CHECKPOINT_BYTES / (args.bw_ceiling * 1e12) * 1e3

@@ -50,33 +50,51 @@ def weight_copies(n: int, k: int, dtype: torch.dtype, device: torch.device) -> i
     return max(1, min(16, math.ceil(4 * l2 / (n * k * dtype.itemsize))))
 
 
+def fp8_weights(n: int, k: int, copies: int, device: torch.device
+                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`copies` random FP8 weights [n, k] with their float32 row scales (as the model holds
+    them after `quantize_rows`)."""
+    from phaseflip.model.quant.fp8 import quantize_rows
+
+    out = []
+    for _ in range(copies):
+        w_q, scale = quantize_rows(torch.randn(n, k, device=device) * k**-0.5)
+        out.append((w_q, scale.float().reshape(n)))
+    return out
+
+
 def tune(shapes: Iterable[tuple[int, int]], dtype: torch.dtype, device: torch.device, *,
          m_values: Sequence[int] = DEFAULT_M_VALUES, table: ConfigTable = TUNED,
-         calls: int = 16) -> dict[tuple[int, int, int], tuple[SkinnyConfig, float]]:
+         calls: int = 16, weight_dtype: torch.dtype | None = None
+         ) -> dict[tuple[int, int, int], tuple[SkinnyConfig, float]]:
     """Time `candidate_configs` for each (M bucket, N, K) with `graph_time_us` over up to
     `calls` calls cycling through L2-busting weight copies (4 per copy: a weight far larger than
     the L2 needs few); store the fastest in `table`. Returns {(m, n, k): (best config, µs per
     call)}. Allocates real-size weights; not for capture. ~100 compiles on a cold Triton cache
-    for all M buckets, then well under a second per (shape, M)."""
+    for all M buckets, then well under a second per (shape, M). `weight_dtype`: the weights'
+    when not x's (FP8, with row scales); its table entries are keyed by it."""
     if device.type != "cuda":
         raise ValueError("tune needs a CUDA device")
+    wdtype = weight_dtype or dtype
     best: dict[tuple[int, int, int], tuple[SkinnyConfig, float]] = {}
     for n, k in dict.fromkeys(shapes):
-        copies = weight_copies(n, k, dtype, device)
-        ws = [torch.randn(n, k, device=device).to(dtype) for _ in range(copies)]
+        copies = weight_copies(n, k, wdtype, device)
+        ws = (fp8_weights(n, k, copies, device) if wdtype.itemsize == 1 else
+              [(torch.randn(n, k, device=device).to(dtype), None) for _ in range(copies)])
         for m in dict.fromkeys(m_values):
             x = torch.randn(m, k, device=device).to(dtype)
             y = torch.empty(m, n, dtype=dtype, device=device)
             timed: list[tuple[float, SkinnyConfig]] = []
-            for cfg in candidate_configs(m, n, k, dtype, device):
-                fns = [partial(skinny_linear, x, ws[i % copies], None, y, config=cfg)
+            for cfg in candidate_configs(m, n, k, wdtype, device):
+                fns = [partial(skinny_linear, x, ws[i % copies][0], None, y,
+                               weight_scale=ws[i % copies][1], config=cfg)
                        for i in range(min(calls, 4 * copies))]
                 try:
                     timed.append((graph_time_us(fns, replays=5), cfg))
                 except (RuntimeError, TritonError):  # e.g. out of shared memory: skip
                     continue
             us, cfg = min(timed, key=lambda t: t[0])
-            table.put(m, n, k, dtype, cfg)
+            table.put(m, n, k, wdtype, cfg)
             best[(m, n, k)] = (cfg, us)
         del ws
     return best
