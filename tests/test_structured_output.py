@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,13 @@ def _req(spec: GrammarSpec | None, out=()) -> Req:
                arrival=0, output_ids=list(out))
 
 
+def _register(book: GrammarBook, req: Req) -> None:
+    """`req`'s matcher at once: its grammar compiled first (a miss would compile off the
+    caller's thread, `poll` handing the matcher out)."""
+    book.compiled(req.params.grammar)
+    assert book.register(req)
+
+
 def _allowed(bitmask_row: torch.Tensor) -> set[int]:
     logits = torch.zeros(1, VOCAB)
     apply_bitmask(logits, [0], bitmask_row.unsqueeze(0))
@@ -50,7 +58,7 @@ def test_mask_allows_exactly_the_tokens_that_continue_the_grammar(tokenizer) -> 
     words = ("abe", "cde")
     book = GrammarBook(tokenizer, VOCAB)
     req = _req(GrammarSpec("regex", "(ab|cd)e"))
-    book.register(req)
+    _register(book, req)
     text = [tokenizer.decode([t]) for t in range(VOCAB)]
     special = set(tokenizer.all_special_ids)
     done = ""
@@ -70,7 +78,7 @@ def test_matcher_follows_output_ids_and_refuses_a_token_outside(tokenizer) -> No
     book = GrammarBook(tokenizer, VOCAB)
     a, b = (tokenizer.convert_tokens_to_ids(c) for c in "ab")
     req = _req(GrammarSpec("regex", "a+b"), [a, a])
-    book.register(req)
+    _register(book, req)
     assert b in _allowed(book.masks([req])[1][0])
     req.output_ids[1:] = []  # cut back (as if the output were rewound): the matcher rolls back
     assert _allowed(book.masks([req])[1][0]) >= {a, b}
@@ -114,8 +122,12 @@ def test_unconstrained_rows_get_no_mask_and_grammars_compile_once(tokenizer) -> 
     assert book.masks([plain]) is None
     spec = GrammarSpec.json_schema(SCHEMA)
     reqs = [_req(GrammarSpec.json_schema(SCHEMA)) for _ in range(3)]
-    for r in reqs:
-        book.register(r)
+    assert [book.register(r) for r in reqs] == [False] * 3  # one compile, off this thread
+    assert all(r.compiling for r in reqs) and book.masks([plain, *reqs]) is None
+    deadline = time.monotonic() + 60
+    while book.compiling and time.monotonic() < deadline:
+        assert book.poll(0.05) == []
+    assert not any(r.compiling for r in reqs)
     assert book.compiles == 1 and book.compiled(spec) is book.compiled(spec)
     rows, bitmask = book.masks([plain, *reqs])
     assert rows == [1, 2, 3] and bitmask.shape == (3, VOCAB // 32)

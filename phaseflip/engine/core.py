@@ -41,6 +41,7 @@ from phaseflip.scheduler.request import Req
 from phaseflip.scheduler.scheduler import ScheduledBatch, Scheduler
 
 log = logging.getLogger(__name__)
+GRAMMAR_WAIT_S = 0.05  # an idle step's wait for a compiling grammar (new messages wait as long)
 
 
 class EngineCore:
@@ -51,6 +52,9 @@ class EngineCore:
         # told a seam's target as it starts and None as it ends, however it ended (the engine
         # process announces seams to the front end with it; manual and automatic alike)
         self.seam_listener: Callable[[str | None], None] | None = None
+        # told (request id, error) when an accepted request ends by an error: its grammar,
+        # compiled off the loop, failed (the engine process answers the client's 400 with it)
+        self.request_failed: Callable[[str, InvalidRequestError], None] | None = None
         cfg = self._plan_flip_weights(cfg)  # `--flip-weights auto` resolved, once
         self._hicache = self._new_hicache(cfg)  # before the ranks: they map its host tier
         # the checkpoint in shared memory (flips' weights), the engine's until its end
@@ -280,19 +284,22 @@ class EngineCore:
         return out
 
     # ------------------------------------------------------------------ requests
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raises InvalidRequestError/ContextLengthError for anything the loop cannot run."""
+    def validate(self, prompt_ids: list[int], params: SamplingParams,
+                 build_grammar: bool = True) -> None:
+        """Raises InvalidRequestError/ContextLengthError for anything the loop cannot run
+        (`build_grammar=False`: a grammar is built and compiled later, off the loop)."""
         validate_request(
             prompt_ids, params, vocab_size=self.model_cfg.vocab_size,
             max_context=self.max_context, max_logprobs=self.cfg.max_logprobs,
-            kv_capacity_tokens=self.kv.capacity_tokens, page_size=self.cfg.page_size)
+            kv_capacity_tokens=self.kv.capacity_tokens, page_size=self.cfg.page_size,
+            build_grammar=build_grammar)
 
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if self.dead:
             raise RuntimeError(self.dead)
         if rid in self.outputs.groups:
             raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
-        self.validate(prompt_ids, params)
+        self.validate(prompt_ids, params, build_grammar=False)
         reqs: list[Req] = []
         for i in range(params.n):
             p = params
@@ -305,7 +312,7 @@ class EngineCore:
                 leader=reqs[0] if reqs else None,
             )
             req.overlappable = overlappable(p)
-            self.sampling.grammars.register(req)  # compiled (cached): a bad one raises here
+            self.sampling.grammars.register(req)  # a new grammar compiles off the loop
             self._arrivals += 1
             reqs.append(req)
         self.outputs.add(rid, prompt_ids, reqs)
@@ -369,6 +376,7 @@ class EngineCore:
             self._hicache.close()
         if self.weight_image is not None:
             self.weight_image.close()
+        self.sampling.grammars.close()  # a compile in flight is left to end on its own
 
     # ------------------------------------------------------------------ step
     def step(self, sink: Callable[[list[StreamDelta]], None] | None = None
@@ -388,16 +396,35 @@ class EngineCore:
         step's)."""
         if self.dead:
             raise RuntimeError(self.dead)
+        failed = self._take_grammars()
         observer = self.flip_telemetry
         if observer is None:
-            return self._step(sink)
+            return failed + self._step(sink)
         owed = self._auto_flip(sink) if observer.policy.auto else []
         stats, t0 = self.scheduler.stats, time.perf_counter()
         prompt0, decode0 = stats.prefill_tokens, stats.decode_tokens
         deltas = self._step(sink)
         observer.on_step(self.layout.layout, stats.prefill_tokens - prompt0,
                          stats.decode_tokens - decode0, time.perf_counter() - t0)
-        return owed + deltas
+        return failed + owed + deltas
+
+    def _take_grammars(self) -> list[StreamDelta]:
+        """Requests whose grammar compiled (off the loop) become admissible; one whose grammar
+        failed ends ("abort"), its error told to `request_failed` first. With nothing else to
+        run, waits a little for a compile rather than spin."""
+        sched, book = self.scheduler, self.sampling.grammars
+        idle = book.compiling and not (sched.running or self._inflight or self._launched
+                                       or self.outputs.text_pending) and all(
+            r.compiling for r in sched.waiting)
+        out: list[StreamDelta] = []
+        for req, error in book.poll(GRAMMAR_WAIT_S if idle else 0.0):
+            if req.finished:
+                continue  # (its group ended with an earlier sample's error)
+            rid = self.outputs.group(req).rid
+            if self.request_failed is not None:
+                self.request_failed(rid, error)
+            out += self.outputs.abort(rid)
+        return out
 
     def _step(self, sink: Callable[[list[StreamDelta]], None] | None) -> list[StreamDelta]:
         if self._can_step_ahead():

@@ -59,6 +59,9 @@ class Engine:
         self.model_config = ModelConfig.from_dir(self.config.model)
         self.tokenizer = load_tokenizer(self.config.model)
         self.core = EngineCore(self.config, self.model_config, self.tokenizer)
+        # a stream whose grammar failed to compile (off the loop) raises its error; an
+        # offline `generate` request ends "abort" (its grammar was built when it was validated)
+        self.core.request_failed = self._publish
         self._ids = itertools.count()
         self._lock = threading.Lock()  # serialises core access between the two drivers
         self._inbox: queue.Queue = queue.Queue()

@@ -19,18 +19,19 @@ def kv_tokens_needed(prompt_len: int, max_new_tokens: int, page_size: int) -> in
 
 def validate_request(
     prompt_ids: list[int], params: SamplingParams, *, vocab_size: int, max_context: int,
-    max_logprobs: int, kv_capacity_tokens: int, page_size: int,
+    max_logprobs: int, kv_capacity_tokens: int, page_size: int, build_grammar: bool = True,
 ) -> None:
     """Raises InvalidRequestError / ContextLengthError (naming the field) for anything the
     engine cannot run: an empty or out-of-vocabulary prompt, bad sampling parameters, more
-    tokens than the context, or more KV than the whole pool."""
+    tokens than the context, or more KV than the whole pool. `build_grammar=False`: the
+    grammar's shape only (`SamplingParams.validate`)."""
     if not prompt_ids:
         raise InvalidRequestError("the prompt is empty", param="prompt")
     bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
     if bad:
         raise InvalidRequestError(
             f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}", "prompt")
-    params.validate(vocab_size, max_logprobs)
+    params.validate(vocab_size, max_logprobs, build_grammar)
     total = len(prompt_ids) + params.max_new_tokens
     if total > max_context:
         raise ContextLengthError(

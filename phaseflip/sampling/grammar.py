@@ -3,11 +3,14 @@
 A `GrammarSpec` is the picklable description a request carries (in `SamplingParams`, across
 the front end's ZeroMQ link); the engine process compiles it against its tokenizer with
 xgrammar (compiled grammars cached by spec) and keeps one matcher per constrained sequence in a
-`GrammarBook`. Before a step's tokens are chosen the book brings each matcher up to its
-request's `output_ids` (every accepted token, whatever path appended it: n > 1 samples,
-a retracted request that re-prefills keeps its output, so its matcher stays where it was) and
-fills the rows of an int32 bitmask [rows, ceil(V / 32)]; `apply_bitmask` sets the logits of
-disallowed tokens to -inf in the sampler.
+`GrammarBook`. A grammar the book has not compiled yet compiles off the engine loop, on a
+small thread pool (xgrammar releases the GIL while it compiles): its request waits in the
+scheduler's queue, not admitted, until `GrammarBook.poll` finds the grammar ready (or ends
+the request with the 400 the client would have got). Before a step's tokens are chosen the
+book brings each matcher up to its request's `output_ids` (every accepted token, whatever
+path appended it: n > 1 samples, a retracted request that re-prefills keeps its output, so
+its matcher stays where it was) and fills the rows of an int32 bitmask [rows, ceil(V / 32)];
+`apply_bitmask` sets the logits of disallowed tokens to -inf in the sampler.
 
 xgrammar is imported on first use only: requests without a grammar never load it (law 11);
 torch too, as `GrammarSpec` travels through the front end, which does not load torch.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import weakref
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal
@@ -30,6 +34,7 @@ if TYPE_CHECKING:
 GrammarKind = Literal["json_object", "json_schema", "regex", "ebnf"]
 KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "ebnf")
 _COMPILED_CACHE = 256  # compiled grammars kept per engine (LRU)
+COMPILE_THREADS = 2  # background compile threads per engine: a big schema delays no small one
 _XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+?:\d+: ")
 
 
@@ -48,14 +53,19 @@ class GrammarSpec:
         text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=False)
         return cls("json_schema", text)
 
-    def check(self, param: str = "response_format") -> None:
-        """Raises `InvalidRequestError` naming the problem if the grammar cannot be built
-        (no tokenizer needed; cached, so a repeated spec costs a dict lookup)."""
+    def check_shape(self, param: str = "response_format") -> None:
+        """The checks that build nothing (a known kind, text): what the engine loop runs
+        itself; building and compiling happen on the book's compile threads."""
         if self.kind not in KINDS:
             raise InvalidRequestError(
                 f"unknown grammar kind {self.kind!r}; expected one of {', '.join(KINDS)}", param)
         if not isinstance(self.value, str):
             raise InvalidRequestError(f"the {self.kind} grammar must be given as text", param)
+
+    def check(self, param: str = "response_format") -> None:
+        """Raises `InvalidRequestError` naming the problem if the grammar cannot be built
+        (no tokenizer needed; cached, so a repeated spec costs a dict lookup)."""
+        self.check_shape(param)
         problem = _grammar_problem(self)
         if problem is not None:
             raise InvalidRequestError(f"invalid {self.kind}: {problem}", param)
@@ -115,14 +125,17 @@ def _build(spec: GrammarSpec):
     return xgr.Grammar.from_ebnf(spec.value)
 
 
+def _problem(e: Exception) -> str:
+    """What a failed build says to the client (no xgrammar: how to install it)."""
+    return str(e) if isinstance(e, InvalidRequestError) else _clean(e)
+
+
 @lru_cache(maxsize=_COMPILED_CACHE)
 def _grammar_problem(spec: GrammarSpec) -> str | None:
     try:
         _build(spec)
-    except InvalidRequestError as e:  # no xgrammar
-        return str(e)
     except Exception as e:  # noqa: BLE001 — xgrammar raises RuntimeError/ValueError freely
-        return _clean(e)
+        return _problem(e)
     return None
 
 
@@ -154,6 +167,26 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) 
     logits.index_copy_(0, index, sub)
 
 
+def _toolchain(tokenizer, vocab_size: int):
+    """xgrammar's compiler for `tokenizer` (in a compile thread: xgrammar's import and the
+    vocabulary read take seconds for a large tokenizer; the tokenizer is only read, as the
+    engine thread's detokenising reads it)."""
+    xgr = _xgr()
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+    return xgr.GrammarCompiler(info, max_threads=1)
+
+
+def _compile(toolchain: Future, spec: GrammarSpec):
+    """The compiled grammar of `spec`, or `InvalidRequestError` naming the problem as
+    `GrammarSpec.check` words it (runs in a compile thread; builds the grammar once)."""
+    spec.check_shape()
+    try:
+        return toolchain.result().compile_grammar(_build(spec))
+    except Exception as e:  # noqa: BLE001 — xgrammar raises RuntimeError/ValueError freely
+        raise InvalidRequestError(f"invalid {spec.kind}: {_problem(e)}",
+                                  "response_format") from None
+
+
 @dataclass
 class _Track:
     matcher: Any  # xgrammar.GrammarMatcher
@@ -163,12 +196,20 @@ class _Track:
 class GrammarBook:
     """Compiles grammars for one tokenizer and tracks each constrained sequence's matcher.
 
-    Matchers are keyed weakly by request object: a finished request's matcher goes with it."""
+    A cached grammar gives its request a matcher at once (`register`); a new one compiles on
+    `COMPILE_THREADS` background threads, one compile per spec however many requests wait for
+    it, and `poll` (the engine loop, each step) hands out the matchers. Everything but the
+    compile threads' own work runs on the engine thread. Matchers and waiting requests are
+    keyed weakly by request object: a finished request's go with it."""
 
-    def __init__(self, tokenizer, vocab_size: int) -> None:
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        self._compiler = None
-        self._compiled: dict[GrammarSpec, Any] = {}
+    def __init__(self, tokenizer, vocab_size: int, threads: int = COMPILE_THREADS) -> None:
+        self.tokenizer, self.vocab_size, self.threads = tokenizer, vocab_size, threads
+        self._pool: ThreadPoolExecutor | None = None  # started by the first miss (law 11)
+        self._stop_pool: weakref.finalize | None = None
+        self._toolchain: Future | None = None  # the xgrammar compiler, made in the pool
+        self._compiled: dict[GrammarSpec, Any] = {}  # LRU: oldest first
+        self._inflight: dict[GrammarSpec, Future] = {}  # one compile per spec
+        self._waiting: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # req -> spec
         self._tracks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.compiles = 0  # grammars compiled (cache misses), for tests and /server_info
 
@@ -176,36 +217,118 @@ class GrammarBook:
     def words(self) -> int:
         return (self.vocab_size + 31) // 32
 
-    def compiled(self, spec: GrammarSpec):
-        """The compiled grammar of `spec`, compiled once per book (LRU over specs)."""
+    @property
+    def compiling(self) -> int:
+        """Requests waiting for their grammar."""
+        return len(self._waiting)
+
+    def _hit(self, spec: GrammarSpec):
         hit = self._compiled.pop(spec, None)
-        if hit is None:
-            spec.check()
-            if self._compiler is None:
-                xgr = _xgr()
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer,
-                                                          vocab_size=self.vocab_size)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-            try:
-                hit = self._compiler.compile_grammar(_build(spec))
-            except Exception as e:  # noqa: BLE001 — check() passed: the tokenizer's fault
-                raise InvalidRequestError(f"invalid {spec.kind}: {_clean(e)}",
-                                          "response_format") from None
-            self.compiles += 1
-            if len(self._compiled) >= _COMPILED_CACHE:
-                self._compiled.pop(next(iter(self._compiled)))
-        self._compiled[spec] = hit
+        if hit is not None:
+            self._compiled[spec] = hit
         return hit
 
-    def register(self, req) -> None:
-        """Gives `req` (a scheduler `Req` whose params carry a grammar) its matcher; the EOS
-        ids of the request end the grammar. Raises InvalidRequestError on a bad grammar."""
+    def _store(self, spec: GrammarSpec, compiled):
+        self.compiles += 1
+        if len(self._compiled) >= _COMPILED_CACHE:
+            self._compiled.pop(next(iter(self._compiled)))
+        self._compiled[spec] = compiled
+        return compiled
+
+    def _submit(self, spec: GrammarSpec) -> Future:
+        """The compile of `spec`, started unless one is in flight already."""
+        fut = self._inflight.get(spec)
+        if fut is None:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads,
+                                                thread_name_prefix="phaseflip-grammar")
+                self._stop_pool = weakref.finalize(self, self._pool.shutdown, wait=False,
+                                                   cancel_futures=True)
+                self._toolchain = self._pool.submit(_toolchain, self.tokenizer,
+                                                    self.vocab_size)
+            fut = self._inflight[spec] = self._pool.submit(_compile, self._toolchain, spec)
+        return fut
+
+    def compiled(self, spec: GrammarSpec):
+        """The compiled grammar of `spec`, waited for: for callers off the engine loop
+        (tests, warm-ups); the loop uses `register` and `poll`, which never wait."""
+        hit = self._hit(spec)
+        if hit is not None:
+            return hit
+        fut = self._submit(spec)
+        try:
+            result = fut.result()
+        finally:
+            if self._inflight.get(spec) is fut:
+                del self._inflight[spec]
+        return self._store(spec, result)
+
+    def register(self, req) -> bool:
+        """Gives `req` (a scheduler `Req` whose params may carry a grammar) its matcher if its
+        grammar is compiled (True; the EOS ids of the request end the grammar). Else starts
+        the compile off the loop, marks `req.compiling` (the scheduler leaves it waiting) and
+        returns False: `poll` gives it its matcher, or reports its error, later."""
         spec = req.params.grammar
         if spec is None:
-            return
-        matcher = _xgr().GrammarMatcher(self.compiled(spec),
-                                        override_stop_tokens=list(req.eos_ids) or None)
+            return True
+        hit = self._hit(spec)
+        if hit is not None:
+            self._track(req, hit)
+            return True
+        self._submit(spec)
+        self._waiting[req] = spec
+        req.compiling = True
+        return False
+
+    def _track(self, req, compiled) -> None:
+        matcher = _xgr().GrammarMatcher(compiled, override_stop_tokens=list(req.eos_ids) or None)
         self._tracks[req] = _Track(matcher)
+
+    def poll(self, wait_s: float = 0.0) -> list[tuple[Any, InvalidRequestError]]:
+        """Gives the requests whose grammar compiled their matchers and clears their
+        `compiling` (the scheduler may admit them now); returns the waiting requests whose
+        grammar failed, with the error their client gets. `wait_s`: how long to wait for a
+        compile to end first (an engine with nothing else to do would spin otherwise)."""
+        if not self._waiting and not self._inflight:
+            return []
+        if wait_s > 0 and self._inflight:
+            wait(list(self._inflight.values()), wait_s, FIRST_COMPLETED)
+        ready, failed = self._collect()
+        out = []
+        for req, spec in list(self._waiting.items()):
+            if req.finished:  # aborted while its grammar compiled
+                del self._waiting[req]
+            elif spec in failed:
+                del self._waiting[req]
+                out.append((req, failed[spec]))
+            elif (hit := ready.get(spec) or self._hit(spec)) is not None:
+                del self._waiting[req]
+                self._track(req, hit)
+                req.compiling = False
+            elif spec not in self._inflight:  # (evicted before this request got it)
+                self._submit(spec)
+        return out
+
+    def _collect(self) -> tuple[dict, dict[GrammarSpec, InvalidRequestError]]:
+        """The compiles that ended since the last poll: (compiled by spec, errors by spec)."""
+        ready, failed = {}, {}
+        for spec, fut in list(self._inflight.items()):
+            if not fut.done():
+                continue
+            del self._inflight[spec]
+            try:
+                ready[spec] = self._store(spec, fut.result())
+            except InvalidRequestError as e:
+                failed[spec] = e
+        return ready, failed
+
+    def close(self) -> None:
+        """Stops the compile threads without waiting for them: queued compiles are
+        cancelled; a running one (xgrammar cannot be interrupted) ends on its own, unread."""
+        if self._stop_pool is not None:
+            self._stop_pool()
+        self._inflight.clear()
+        self._waiting.clear()
 
     def tracked(self, req) -> bool:
         return req in self._tracks

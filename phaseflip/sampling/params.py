@@ -92,13 +92,16 @@ class SamplingParams:
             or bool(self.logit_bias)
         )
 
-    def validate(self, vocab_size: int, max_logprobs: int = 20) -> None:
-        """Raise `InvalidRequestError` naming the first bad field; NaN and bools are rejected."""
+    def validate(self, vocab_size: int, max_logprobs: int = 20,
+                 build_grammar: bool = True) -> None:
+        """Raise `InvalidRequestError` naming the first bad field; NaN and bools are rejected.
+        `build_grammar=False` (the engine loop) checks only the grammar's shape: building and
+        compiling it is the `GrammarBook`'s, off the loop."""
         self._validate_lengths()
         self._validate_choice()
         self._validate_logit_bias(vocab_size)
         self._validate_stops(vocab_size)
-        self._validate_grammar()
+        self._validate_grammar(build_grammar)
         self._validate_logprobs(max_logprobs)
 
     def _validate_lengths(self) -> None:
@@ -190,11 +193,14 @@ class SamplingParams:
                     param="stop_token_ids",
                 )
 
-    def _validate_grammar(self) -> None:
+    def _validate_grammar(self, build: bool) -> None:
         if self.grammar is not None:
             if not isinstance(self.grammar, GrammarSpec):
                 raise InvalidRequestError("grammar must be a GrammarSpec", param="grammar")
-            self.grammar.check()
+            if build:
+                self.grammar.check()
+            else:
+                self.grammar.check_shape()
             if self.min_new_tokens:  # a complete output may allow nothing but EOS
                 raise InvalidRequestError(
                     "min_new_tokens cannot be combined with a grammar (response_format, tools, "

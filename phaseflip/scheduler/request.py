@@ -62,6 +62,8 @@ class Req:
     # its token is to be sampled from a launched step whose logits are not sampled yet (PP
     # decode groups in flight, --pp-async-decode): nothing may schedule or re-admit it
     launched: bool = False
+    # its grammar is compiling off the loop (`GrammarBook`): it waits, not admitted, until ready
+    compiling: bool = False
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:

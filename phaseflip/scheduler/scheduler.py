@@ -210,7 +210,7 @@ class Scheduler:
                 prefill or self.cfg.chunk_size
             ):
                 return
-            if self._waits_for_leader(req) or req.pending or req.launched:
+            if self._waits_for_leader(req) or req.pending or req.launched or req.compiling:
                 continue  # (a retracted request whose last token is still on the device)
             limit = req.prompt_lp_next if req.wants_prompt_logprobs else req.num_tokens - 1
             if self.hicache is not None and self.kv.table.free_rows and not self._prefetch(

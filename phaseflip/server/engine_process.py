@@ -57,6 +57,7 @@ class EngineServer:
         self.core = EngineCore(cfg, model_cfg, load_tokenizer(cfg.model))
         # (the loop's thread: manual and automatic flips both run in it)
         self.core.seam_listener = lambda target: self.send(m.FlipState(target))
+        self.core.request_failed = self._request_failed  # (a grammar that failed to compile)
         self.watchdog = StepWatchdog(cfg.watchdog_timeout_s, self._on_stall)
         self.send(self._ready())
 
@@ -110,8 +111,7 @@ class EngineServer:
                 try:
                     self.core.add_request(msg.rid, msg.prompt_ids, msg.params)
                 except PhaseflipError as e:
-                    self.send(m.RequestFailed(msg.rid, "invalid_request_error", str(e),
-                                              getattr(e, "param", None)))
+                    self._request_failed(msg.rid, e)
             elif isinstance(msg, m.AbortRequest):
                 deltas = self.core.abort(msg.rid)
                 if deltas:
@@ -121,6 +121,11 @@ class EngineServer:
                     self.send(m.ControlReply(msg.call_id, True))
                     return False
                 self.send(self._control(msg))
+
+    def _request_failed(self, rid: str, e: PhaseflipError) -> None:
+        """The client's 4xx: sent before any delta of the request."""
+        self.send(m.RequestFailed(rid, "invalid_request_error", str(e),
+                                  getattr(e, "param", None)))
 
     def _control(self, msg: m.Control) -> m.ControlReply:
         sched, kv = self.core.scheduler, self.core.kv
