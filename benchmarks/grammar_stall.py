@@ -10,6 +10,8 @@ tokenizer ("cold"); later ones only build and compile ("warm").
 
     python -m benchmarks.grammar_stall --device cpu --batch 8 --arrivals 7 --out stall.json
     python -m benchmarks.grammar_stall --tools 40 ...   # a 40-tool `tool_choice: required`
+    python -m benchmarks.grammar_stall --device cuda --dtype bfloat16 --model llama-3.1-8b \
+        --load-format dummy --batch 64 --arrivals 11   # (a bundled dummy: 4096-token tokenizer)
 
 `--gil` instead times xgrammar on a synthetic 128 256-token vocabulary (the Llama-3 size) and
 checks whether building and compiling release the GIL: the main thread's longest pause while
@@ -77,8 +79,9 @@ def _arrival(core, k: int, spec, decoding) -> dict:
 def run_engine(args) -> dict:
     from phaseflip import Engine, SamplingParams
 
-    engine = Engine(args.model, device=args.device, dtype="float32",
-                    max_total_tokens=65536, overlap_schedule=False)
+    extra = {"load_format": args.load_format} if args.load_format else {}
+    engine = Engine(args.model, device=args.device, dtype=args.dtype,
+                    max_total_tokens=65536, overlap_schedule=False, **extra)
     core = engine.core
     plain = SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens, ignore_eos=True)
     for i in range(args.batch):
@@ -159,6 +162,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="model dir (default: the embedded tiny one)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--load-format", default=None, help="dummy: random weights")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--arrivals", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=900)
