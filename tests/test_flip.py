@@ -402,8 +402,13 @@ def test_old_layout_memory_is_freed_even_if_referenced(model_dirs, strategy):
         layer0_k = old.pool.k[0]
         weights = list(old.model.parameters())
         census, _ = core.flip(1, 2)
-        assert old.pool.kv.untyped_storage().nbytes() == 0
-        assert layer0_k.untyped_storage().nbytes() == 0
+        if strategy == "reload":
+            assert old.pool.kv.untyped_storage().nbytes() == 0
+            assert layer0_k.untyped_storage().nbytes() == 0
+        else:  # the pool lived in the rank's KV arena, which the new layout's pool now uses
+            assert old.pool.kv.numel() == 0 and old.pool.k == []
+            new = core.runner.runner.pool
+            assert new.kv.untyped_storage().data_ptr() == layer0_k.untyped_storage().data_ptr()
         gone = [p.untyped_storage().nbytes() == 0 for p in weights]
         assert all(gone) if strategy == "reload" else not any(gone)
         assert census.held_after_teardown_bytes is None  # (CPU: not measured)
@@ -517,6 +522,8 @@ def test_each_weights_strategy_matches_the_unflipped_run(model_dirs, strategy):
         assert e.core.cfg.flip_weights == strategy
         got, censuses = run(e, flips)
     assert [c.weights for c in censuses] == [strategy] * 3
+    if strategy == "resident":  # every layout's pool in the launch layout's KV arena
+        assert {c.kv_slots_after for c in censuses} == {censuses[0].kv_slots_before}
     model_cfg = ModelConfig.from_dir(str(model_dirs["llama"]))
     for c, target in zip(censuses, flips.values(), strict=True):
         if strategy == "resident":
@@ -531,6 +538,28 @@ def test_each_weights_strategy_matches_the_unflipped_run(model_dirs, strategy):
         assert reasons == want[rid][2] and set(reasons) == {"length"}, rid
         assert ids == want[rid][0], rid
         assert lps == pytest.approx(want[rid][1], abs=1e-4), rid
+
+
+def test_resident_flips_reuse_one_kv_arena(model_dirs):
+    """With resident weights every layout's KV pool lives in the memory the launch layout's
+    pool took (the rank's `KVArena`): a seam allocates no pool and sizes none from free
+    memory (on the H200 the free memory drifted by ~20 MiB a cycle and each tp2 pool came out
+    160-176 slots smaller). Other strategies size each pool afresh."""
+    with Engine(str(model_dirs["llama"]), tp_size=2, flip_weights="resident", **FLIP,
+                **CFG) as e:
+        core = e.core
+        arena = core._ranks.rank0.kv_arena
+        launch = core.runner.runner.pool
+        assert launch.arena is arena and arena.nbytes > 0
+        ptr, slots = arena.buffer.data_ptr(), launch.num_slots
+        for tp, pp in [(1, 2), (2, 1), (1, 2)]:
+            census, _ = core.flip(tp, pp)
+            pool = core.runner.runner.pool
+            assert pool.arena is arena and pool.kv.data_ptr() == ptr
+            assert pool.num_slots == slots and census.kv_slots_after == census.kv_slots_before
+    with Engine(str(model_dirs["llama"]), tp_size=2, flip_weights="reload", **FLIP,
+                **CFG) as e:
+        assert e.core.runner.runner.pool.arena is None
 
 
 def test_peer_weights_move_fp8_slices_as_they_are(model_dirs):

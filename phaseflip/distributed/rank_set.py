@@ -94,15 +94,18 @@ class RankSet:
     def relayout(self, cfg: EngineConfig) -> RankLayout:
         """Every rank drops its layout and builds `cfg`'s; returns rank 0's. Once the ranks
         serve (the launch layout is built), a relayout is a seam's: its decode graphs are
-        captured on first use rather than all before the cutover."""
-        layout = self._relayout(cfg, lazy_graphs=self.serving)
+        captured on first use rather than all before the cutover. With resident weights the
+        pools live in each rank's KV arena (`KVArena`): the launch layout's fills it."""
+        layout = self._relayout(cfg, lazy_graphs=self.serving,
+                                kv_arena=cfg.flip_weights == "resident")
         self.serving = True
         return layout
 
-    def _relayout(self, cfg: EngineConfig, lazy_graphs: bool) -> RankLayout:
-        msg = Relayout(cfg, lazy_graphs)
+    def _relayout(self, cfg: EngineConfig, lazy_graphs: bool,
+                  kv_arena: bool = False) -> RankLayout:
+        msg = Relayout(cfg, lazy_graphs, kv_arena)
         self._guarded(lambda: self.broadcast(msg), "ordering a relayout")
-        return self._guarded(lambda: self.rank0.relayout(cfg, lazy_graphs),
+        return self._guarded(lambda: self.rank0.relayout(cfg, lazy_graphs, kv_arena),
                              "building the layout")
 
     def warm_up(self, cfg: EngineConfig) -> None:

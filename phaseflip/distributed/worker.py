@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from phaseflip.cache.hicache.frames import HostFrames, page_geometry
 from phaseflip.cache.hicache.transfer import KVTransferEngine, rank_slice
+from phaseflip.cache.kv_pool import KVArena
 from phaseflip.config import EngineConfig
 from phaseflip.distributed.group import DistSpec, RankGroups, join, rank_device
 from phaseflip.distributed.plan_channel import plan_channel
@@ -49,6 +50,7 @@ class Relayout:
 
     cfg: EngineConfig
     lazy_graphs: bool = False  # a seam's build: graphs captured on first use, not all now
+    kv_arena: bool = False  # the pool lives in the rank's KV arena (resident flips)
 
 
 @dataclass
@@ -94,6 +96,7 @@ class RankProcess:
         # peer weights: the released layout's config and model, until the next build
         self.handover: tuple[EngineConfig, LlamaForCausalLM] | None = None
         self.peer_plans: dict[tuple, list] = {}  # its moves by (old layout, new layout)
+        self.kv_arena = KVArena()  # resident flips: every layout's KV pool, one allocation
         self.tracker.set("idle")
 
     def kept_bytes(self) -> int:
@@ -103,9 +106,10 @@ class RankProcess:
         models = [*self.parked.values(), *([self.handover[1]] if self.handover else [])]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for m in models for t in [*m.parameters(), *m.buffers()]}
-        return sum(storages.values())
+        return sum(storages.values()) + self.kv_arena.nbytes
 
-    def relayout(self, cfg: EngineConfig, lazy_graphs: bool = False) -> RankLayout:
+    def relayout(self, cfg: EngineConfig, lazy_graphs: bool = False,
+                 kv_arena: bool = False) -> RankLayout:
         """Drops the current layout, builds `cfg`'s (every rank at once: the KV slot space is
         agreed over the group). No rank builds before every rank has released: ranks that
         share a device would otherwise size their pools around each other's old layout."""
@@ -114,7 +118,7 @@ class RankProcess:
         with self.tracker.at("waiting for every rank to release its layout"):
             dist.barrier(group=self.fabric.cpu_group)
         with self.tracker.at(f"building layout tp{cfg.tp_size}×pp{cfg.pp_size}"):
-            self.layout = self._build(cfg, lazy_graphs, peer)
+            self.layout = self._build(cfg, lazy_graphs, peer, kv_arena)
         parts = ", ".join(f"{k} {v:.3f} s" for k, v in self.layout.runner.build_s.items())
         log.info("rank %d built tp%d×pp%d: %s", self.rank, cfg.tp_size, cfg.pp_size, parts)
         self.tracker.set("idle")
@@ -166,10 +170,11 @@ class RankProcess:
             self.handover = None
         if self._own_frames and self.frames is not None:
             self.frames.close()
+        self.kv_arena.free()
         self.tracker.close()
 
     def _build(self, cfg: EngineConfig, lazy_graphs: bool,
-               peer: PeerWeights | None = None) -> RankLayout:
+               peer: PeerWeights | None = None, kv_arena: bool = False) -> RankLayout:
         groups = self.fabric.groups(cfg.tp_size, cfg.pp_size)
         model_cfg = ModelConfig.from_dir(cfg.model)
         if cfg.pp_size > model_cfg.num_layers:
@@ -203,7 +208,8 @@ class RankProcess:
                                      device_share=_device_share(self.spec, device),
                                      resident=self.parked.pop((cfg.tp_size, cfg.pp_size),
                                                               None), lazy_graphs=lazy_graphs,
-                                     weights_from=peer)
+                                     weights_from=peer,
+                                     kv_arena=self.kv_arena if kv_arena else None)
         finally:
             if mapped is not None:
                 mapped.close()  # the parameters are copies: the mapping is not needed after
@@ -267,7 +273,7 @@ def worker_main(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | Non
             if msg == RELEASE:
                 proc.release()
             elif isinstance(msg, Relayout):
-                proc.relayout(msg.cfg, msg.lazy_graphs)
+                proc.relayout(msg.cfg, msg.lazy_graphs, msg.kv_arena)
                 plans = PlanDecoder()  # it mirrors one layout's slot space
             else:
                 _run_step(proc, plans, msg)

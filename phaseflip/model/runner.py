@@ -23,7 +23,7 @@ from phaseflip.cache.hicache.transfer import (
     RankSlice,
     TransferChannel,
 )
-from phaseflip.cache.kv_pool import KVPool, kv_cache_dtype
+from phaseflip.cache.kv_pool import KVArena, KVPool, kv_cache_dtype
 from phaseflip.config import EngineConfig
 from phaseflip.errors import CapacityError
 from phaseflip.forward_batch import ForwardBatch
@@ -156,7 +156,9 @@ class ModelRunner:
     (the dual-resident flip strategy): nothing is loaded. `lazy_graphs`: decode graphs are
     captured each on its first use instead of all at build (a phase flip's seam).
     `weights_from`: fills the new (empty) model instead of the checkpoint (the peer strategy:
-    slices kept from the old layout and received from the other ranks)."""
+    slices kept from the old layout and received from the other ranks). `kv_arena`: the
+    rank's KV arena (resident flips): the pool lives in it, and once it holds memory the
+    pool takes as many slots as fit in it instead of sizing itself from what is free."""
 
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, layout: Layout | None = None,
                  device: torch.device | None = None,
@@ -164,7 +166,8 @@ class ModelRunner:
                  weights: WeightImage | None = None,
                  before_sizing: Callable[[], None] | None = None, device_share: int = 1,
                  resident: LlamaForCausalLM | None = None, lazy_graphs: bool = False,
-                 weights_from: Callable[[LlamaForCausalLM], WeightsLoad] | None = None):
+                 weights_from: Callable[[LlamaForCausalLM], WeightsLoad] | None = None,
+                 kv_arena: KVArena | None = None):
         t0 = time.perf_counter()
         self.cfg, self.model_cfg = cfg, model_cfg
         self.layout = layout or Layout()
@@ -196,13 +199,21 @@ class ModelRunner:
             before_sizing()
         self.device_share = device_share
         t_sizing = time.perf_counter()
-        local = self._kv_slots()
-        self.num_slots = agree_slots(local) if agree_slots else local
         n_layers = self.model.end_layer - self.model.start_layer
         kv_heads = self.model.layers[0].self_attn.num_kv_heads if n_layers else 0
+        if kv_arena is not None and kv_arena.nbytes:  # the bytes every layout gets
+            per_slot = KVPool.bytes_per_slot(n_layers, kv_heads, model_cfg.head_dim,
+                                             self.kv_dtype)
+            ps = cfg.page_size
+            local = kv_arena.nbytes // per_slot // ps * ps
+            if cfg.max_total_tokens is not None:  # a cap still caps (no memory is read)
+                local = min(local, self._kv_slots())
+        else:
+            local = self._kv_slots()
+        self.num_slots = agree_slots(local) if agree_slots else local
         self.pool = KVPool(
             self.num_slots, (self.model.start_layer, self.model.end_layer), kv_heads,
-            model_cfg.head_dim, self.kv_dtype, self.device,
+            model_cfg.head_dim, self.kv_dtype, self.device, arena=kv_arena,
         )
         load_kv_scales(self.pool, self.model, model_cfg.model_dir, cfg.load_format)  # FP8
         log.info("KV pool: %d slots on %s (%s)", self.num_slots, self.device, self.kv_dtype)
