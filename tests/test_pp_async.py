@@ -297,6 +297,8 @@ def test_a_message_overlaps_only_while_the_logits_pipe_cannot_fill(depth, awaite
     plan = SimpleNamespace(num_tokens=4, batch_size=4)
     assert runner._may_overlap(plan, fence) is want
     assert runner._may_overlap(None, False) is (not awaited)
+    # a synchronous step reads its logits at once: nothing launched may be left unread
+    assert runner._may_overlap(plan, fence, defer=False) is (not awaited)
 
 
 @pytest.mark.parametrize("async_on, pipes, rows, want", [
@@ -311,3 +313,38 @@ def test_decode_depth(async_on, pipes, rows, want):
     runner.stage = SimpleNamespace(pipes=SimpleNamespace(capacity=1 << 20) if pipes else None)
     cfg = SimpleNamespace(pp_async_decode=async_on, pp_size=2, max_running_requests=rows)
     assert runner._decode_depth(cfg) == want
+
+
+def _mixed_run(model_dir, **cfg) -> dict[str, list[int]]:
+    """Two greedy requests (one chunked by 8) and, once a launched step with no sampling rows
+    is in flight, a logprobs request (which cannot overlap: a synchronous step)."""
+    base = {"device": "cpu", "dtype": "float32", "max_total_tokens": 4096,
+            "dist_timeout_s": 60, "chunked_prefill_size": 8}
+    with Engine(str(model_dir), **(base | cfg)) as e:
+        core = e.core
+        greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+        lp = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True, logprobs=1)
+        core.add_request("a", prompts_for(300)[1], greedy)
+        core.add_request("b", prompts_for(300)[3], greedy)
+        got: dict[str, list[int]] = {"a": [], "b": [], "c": []}
+        added, step = False, 0
+        while core.has_work():
+            awaited = getattr(core.runner, "_awaited", None) or []
+            if not added and (any(a.nbytes == 8 for a in awaited) or step == 3):
+                core.add_request("c", prompts_for(300)[0], lp)
+                added = True
+            for d in core.step():
+                got[d.request_id] += d.token_ids
+            step += 1
+        assert added
+    return got
+
+
+@pytest.mark.timeout(240, method="thread")
+def test_a_synchronous_step_after_launched_ones_reads_its_own_logits(deep_dir):
+    """A step that cannot overlap (logprobs) sent while a launched step's logits (here a
+    chunk-only step's empty frame) are unread: it used to read that frame as its own —
+    uninitialised logits, then stale ones, then a shape error that closed the ranks. The
+    tokens now equal one process's."""
+    want = _mixed_run(deep_dir)
+    assert _mixed_run(deep_dir, pp_size=2, pp_async_decode=True) == want

@@ -189,13 +189,15 @@ class DistributedRunner:
             return 1
         return p
 
-    def _may_overlap(self, plan: ForwardBatch | None, fence: bool) -> bool:
+    def _may_overlap(self, plan: ForwardBatch | None, fence: bool, defer: bool = True) -> bool:
         """Whether this message may go out while launched steps' logits are not received:
-        only a plan, only with `decode_depth` > 1, and only while the logits pipe holds every
-        unread logits message with the one read in place (see `_decode_depth`)."""
+        only a launched (`defer`) plan, only with `decode_depth` > 1, and only while the
+        logits pipe holds every unread logits message with the one read in place (see
+        `_decode_depth`). A synchronous step receives its logits at once, so the pipe must
+        hold nothing older: it would read a launched step's frame as its own."""
         if not self._awaited:
             return True
-        if self.decode_depth == 1 or fence or plan is None:
+        if self.decode_depth == 1 or fence or plan is None or not defer:
             return False
         unread = sum(a.nbytes for a in self._awaited)
         return unread + self._held_bytes <= self.stage.pipes.capacity
@@ -238,7 +240,7 @@ class DistributedRunner:
 
     def _send(self, plan: ForwardBatch | None, fence: bool, future: torch.Tensor | None = None,
               defer: bool = False) -> torch.Tensor | Callable[[], torch.Tensor] | None:
-        overlap = self._may_overlap(plan, fence)
+        overlap = self._may_overlap(plan, fence, defer)
         if not overlap:  # launched steps' logits first (law 3)
             self._receive_until(None)
         # a decode group of a run-ahead step, with the others in flight: one micro-batch
