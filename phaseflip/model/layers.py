@@ -20,7 +20,7 @@ from torch import nn
 
 from phaseflip.layout import Layout
 from phaseflip.model.quant import FP8_DTYPE, Fp8Config, scaled_linear
-from phaseflip.model.quant.fp8 import token_amax
+from phaseflip.model.quant.fp8 import token_amax, weight_only
 
 WeightLoader = Callable[..., None]
 
@@ -227,9 +227,12 @@ class RowParallelLinear(nn.Module):
         default_weight_loader(param, loaded.narrow(1, self.in_start, self.in_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_scale is not None and self.layout.tp_size > 1:
+        if (self.weight_scale is not None and self.layout.tp_size > 1
+                and not weight_only(x, self.weight)):
             # FP8: each rank holds a slice of every token's row; its activation scale is the
-            # WHOLE row's (one small max-reduce), so TP rounds exactly as one process and PP do
+            # WHOLE row's (one small max-reduce), so TP rounds exactly as one process and PP do.
+            # (A few rows go weight-only, unquantized: no scale to agree on; every rank has the
+            # same rows, so all take the same branch.)
             amax = self.layout.tp_comm.all_reduce_max(token_amax(x))
             part = scaled_linear(x, self.weight, self.weight_scale, None, amax)
         else:

@@ -108,12 +108,17 @@ def _scaled_mm_ok(x: torch.Tensor, w_q: torch.Tensor) -> bool:
 FP8_SKINNY_MAX_M = 16
 
 
-def _skinny_ok(x: torch.Tensor, w_q: torch.Tensor) -> bool:
+def weight_only(x: torch.Tensor, w_q: torch.Tensor) -> bool:
     """A few rows of 16-bit x on CUDA with triton: the skinny kernel reads the FP8 weight
-    itself (`kernels/linear.py`). At batch 1 on the H200 `_scaled_mm` took 4.03 ms a step for
-    the 8B projections (its tiles are built for large M) plus 0.55 ms quantizing activations,
-    against ~1.8 ms to stream the FP8 bytes. Weight-only at these M also skips activation
-    rounding: only prefill and larger decode batches quantize activations."""
+    itself (`kernels/linear.py`) and x stays unquantized. At batch 1 on the H200 `_scaled_mm`
+    took 4.03 ms a step for the 8B projections (its tiles are built for large M) plus 0.55 ms
+    quantizing activations; the skinny kernel 2.42 ms.
+
+    The price: FP8 numerics depend on how many rows a GEMM gets. A layout that cuts a step
+    into smaller calls (PP micro-batches, decode groups) can run weight-only where one process
+    quantizes activations, so FP8 layouts agree only to FP8's own error (docs/quantization.md),
+    not to float32's accumulation order as the amax reduce of `RowParallelLinear` makes them
+    for larger steps."""
     if not (_HAS_TRITON and x.is_cuda and x.element_size() == 2):
         return False
     rows = x.numel() // max(x.shape[-1], 1)
@@ -141,7 +146,7 @@ def scaled_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     dtype (its 8 bits of mantissa are not what limits an FP8 GEMM). The bias is added after
     the GEMM. Every op is capturable in a CUDA graph (no host sync, static shapes). `amax`:
     the token rows' maxima ([T, 1] float32) when `x` is a slice of the rows (`token_amax`)."""
-    if _skinny_ok(x, w_q):  # small decode batch: weight-only FP8, no activation rounding
+    if weight_only(x, w_q):  # small decode batch: weight-only FP8, no activation rounding
         from phaseflip.kernels.linear import skinny_linear
 
         return skinny_linear(x, w_q, bias, weight_scale=w_scale)
