@@ -166,6 +166,7 @@ class DecodeGraphs:
             return
         from phaseflip.kernels import linear as skinny
         from phaseflip.kernels import linear_configs as cfgs
+        from phaseflip.model.quant.fp8 import FP8_SKINNY_MAX_M
 
         cfgs.load_bundled_configs(self.device)
         weights = [p for n, p in self.model.named_parameters()
@@ -178,7 +179,7 @@ class DecodeGraphs:
         for wdtype in {w.dtype for w in weights}:  # FP8 projections take every M <= the max
             same = {(w.shape[0], w.shape[1]) for w in weights if w.dtype == wdtype}
             ms = m_values if wdtype.itemsize > 1 else [
-                b for b in self.sizes if b <= cfgs.KERNEL_MAX_M]
+                b for b in self.sizes if b <= FP8_SKINNY_MAX_M]
             if ms:
                 skinny.warmup(same, self.model.dtype, self.device, m_values=ms,
                               weight_dtype=wdtype)
