@@ -330,7 +330,7 @@ def simulate_run(run: dict[str, Any], calib: dict[str, Any], trace: list[wl.Arri
         for n, st in calib["steps"].items()}
     for lay, k in (scales or {}).items():  # the prefill coefficient: what X and P measure
         models[lay] = replace(models[lay], prompt_token_s=k * models[lay].prompt_token_s)
-    known = set(EngineConfig.__dataclass_fields__)
+    known = set(EngineConfig.field_names())
     cfg = EngineConfig(**{k: v for k, v in (run["config"] or {}).items() if k in known})
     if (cfg.tp_size, cfg.pp_size) not in models:
         return None

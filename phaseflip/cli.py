@@ -20,7 +20,7 @@ import sys
 import types
 import typing
 
-from phaseflip.config import LOG_LEVELS, EngineConfig
+from phaseflip.config import LOG_LEVELS, SECTIONS, EngineConfig
 from phaseflip.versions import version_info
 
 # Values an enumerated flag accepts (EngineConfig checks them again).
@@ -90,6 +90,7 @@ class _Field:
     kind: type
     default: object
     doc: str
+    section: str = ""  # the EngineConfig section it belongs to ("": the top level)
 
 
 def _docs(node: ast.ClassDef) -> dict[str, str]:
@@ -102,14 +103,19 @@ def _docs(node: ast.ClassDef) -> dict[str, str]:
 
 
 def _fields_of(cls: type) -> list[_Field]:
-    docs = _docs(ast.parse(inspect.getsource(cls)).body[0])
-    hints = typing.get_type_hints(cls)
+    """The scalar fields of `cls`, and for EngineConfig those of each of its sections."""
+    parts = [("", cls)] + (list(SECTIONS.items()) if cls is EngineConfig else [])
     out = []
-    for f in dataclasses.fields(cls):
-        kind = hints[f.name]
-        if isinstance(kind, types.UnionType):
-            kind = next(a for a in kind.__args__ if a is not type(None))
-        out.append(_Field(f.name, kind, f.default, docs.get(f.name, "")))
+    for section, part in parts:
+        docs = _docs(ast.parse(inspect.getsource(part)).body[0])
+        hints = typing.get_type_hints(part)
+        for f in dataclasses.fields(part):
+            if part is EngineConfig and f.name in SECTIONS:
+                continue
+            kind = hints[f.name]
+            if isinstance(kind, types.UnionType):
+                kind = next(a for a in kind.__args__ if a is not type(None))
+            out.append(_Field(f.name, kind, f.default, docs.get(f.name, ""), section))
     return out
 
 
@@ -157,8 +163,10 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type = EngineConfig,
                      fields: list[_Field] | None = None) -> None:
     """Flags for the fields of `cls` (or the given `fields` of a server config)."""
     engine = fields is None and cls is EngineConfig
-    group = parser.add_argument_group("engine options" if engine else "server options")
+    groups: dict[str, argparse._ArgumentGroup] = {}
     for f in fields if fields is not None else _fields_of(cls):
+        title = ("server" if not engine else f.section or "engine") + " options"
+        group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
         flags = ["--" + f.name.replace("_", "-"), *ALIASES.get(f.name, ())]
         if f.kind is bool:
             action = group.add_argument(*flags, action=argparse.BooleanOptionalAction,
@@ -177,13 +185,16 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type = EngineConfig,
         group.add_argument(*flags, dest=f.name, **kwargs)
     if engine:
         for flag, (name, value, text) in FLAG_ALIASES.items():
-            group.add_argument(flag, dest=name, action="store_const", const=value, help=text)
+            groups["engine options"].add_argument(flag, dest=name, action="store_const",
+                                                  const=value, help=text)
 
 
 def config_from_args(args: argparse.Namespace, cls: type = EngineConfig):
     from phaseflip.model.resolve import resolve_model
 
-    cfg = cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    names = (cls.field_names() if cls is EngineConfig else
+             [f.name for f in dataclasses.fields(cls)])
+    cfg = cls(**{name: getattr(args, name) for name in names})
     return resolve_model(cfg) if isinstance(cfg, EngineConfig) else cfg
 
 
@@ -242,7 +253,7 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.sampling_seed)
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-    with Engine(**dataclasses.asdict(cfg)) as engine:
+    with Engine(**cfg.flat_dict()) as engine:
         outs = engine.generate(prompts, params, use_tqdm=len(prompts) > 1)
     for prompt, out in zip(prompts, outs):
         if args.json:

@@ -1,10 +1,12 @@
-"""Engine configuration: one frozen dataclass; CLI flags are generated from its fields."""
+"""Engine configuration: one frozen dataclass of frozen sections; CLI flags are generated from
+their fields' docstrings."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 from phaseflip.errors import InvalidRequestError
 
@@ -46,11 +48,9 @@ def _either(choices: list) -> str:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    model: str = str(EMBEDDED_MODEL)
-    """Hugging Face model directory, ORG/NAME from the local Hugging Face cache (never
-    downloaded), or a bundled shape name (llama-3.1-8b, qwen3-8b, llama-3.2-1b, qwen3-0.6b)
-    with --load-format dummy (default: the tiny shipped model)."""
+class LoadConfig:
+    """Where the weights and the tokenizer come from."""
+
     revision: str | None = None
     """With --model ORG/NAME: the branch, tag or commit in the local cache (default: main)."""
     tokenizer: str | None = None
@@ -62,42 +62,12 @@ class EngineConfig:
     architecture, never a checkpoint's code; a model that needs its own code is refused."""
     load_format: str = "auto"
     """auto (the checkpoint's safetensors) or dummy (random weights made on the device)."""
-    device: str = "auto"
-    """cpu, cuda or auto (cuda when available)."""
-    cpu_threads: int | None = None
-    """torch CPU threads of each engine process and rank. Default: the cores this process may
-    use, less one for the front end, shared by this host's ranks (OMP_NUM_THREADS, if set)."""
-    dtype: str = "auto"
-    """float32, float16, bfloat16 or auto (the checkpoint's dtype; float32 on CPU)."""
-    quantization: str | None = None
-    """fp8: the decoder's projections in FP8 (a scale per output channel, activations scaled
-    per token at run time); a float checkpoint is quantized at load. Default: the checkpoint's
-    own (FP8 checkpoints, compressed-tensors or block-wise, run FP8), else none."""
-    kv_cache_dtype: str = "auto"
-    """auto (the model dtype) or fp8_e4m3: the KV cache in FP8 with a scale per layer and KV
-    head, about twice the tokens in the same memory."""
-    attention_backend: str = "auto"
-    """torch (the reference), triton, or auto (triton on CUDA when installed, else torch)."""
-    disable_cuda_graph: bool = False
-    """Run decode steps eagerly instead of replaying captured CUDA graphs (CUDA only)."""
-    overlap_schedule: bool = True
-    """Schedule and launch step k+1 before step k's sampled tokens reach the host (they are
-    fed to the GPU as device-side placeholders), so the host's scheduling and output work
-    overlaps the GPU. Every layout (stage 0's TP ranks get the tokens from rank 0), HiCache
-    on or off; only for steps whose requests need nothing of the sampled ids on the host: no
-    logprobs, penalties, stop strings, min_new_tokens or seeds (other steps run
-    synchronously). On the H200: batch-1 decode 95 percent GPU-busy
-    (88 without), offline 1000 requests +11 percent."""
-    cuda_graph_max_bs: int = 1024
-    """Largest decode batch captured in a CUDA graph (capped by max_running_requests); larger
-    batches run eagerly. Eager decode at ~770 rows cost 46 ms a step on the H200, 22 ms of it
-    host launches, against 31 ms of GPU work."""
-    max_total_tokens: int | None = None
-    """KV pool size in tokens. Default: 16384 on CPU, from --mem-fraction on GPU."""
-    mem_fraction: float = 0.85
-    """Fraction of the GPU's memory that weights plus KV pool may take."""
-    page_size: int = 1
-    """Tokens per KV page; prefix-cache matches are page aligned."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What runs in each step: batch limits, chunking and the queue order."""
+
     max_running_requests: int = 256
     """Most requests decoding at once."""
     max_model_len: int | None = None
@@ -108,29 +78,23 @@ class EngineConfig:
     """Most prefill tokens in one step across requests (a request alone may exceed it)."""
     schedule_policy: str = "fcfs"
     """fcfs, or lpm (longest cached prefix first)."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV cache: its size on the device, the prefix cache and the HiCache host/disk tiers."""
+
+    max_total_tokens: int | None = None
+    """KV pool size in tokens. Default: 16384 on CPU, from --mem-fraction on GPU."""
+    mem_fraction: float = 0.85
+    """Fraction of the GPU's memory that weights plus KV pool may take."""
+    page_size: int = 1
+    """Tokens per KV page; prefix-cache matches are page aligned."""
     enable_prefix_cache: bool = True
     """Reuse KV of cached prompt prefixes (radix tree)."""
-    seed: int = 0
-    """Seed for requests that do not set their own."""
-    log_level: str = "info"
-    """Log level of every process: debug, info, warning, error or critical."""
-    max_logprobs: int = 20
-    """Largest top-logprobs count a request may ask for."""
-    check_accounting: bool = False
-    """Check KV pool accounting whenever the engine goes idle (debug)."""
     enable_hicache: bool = False
     """Keep KV pages in a host-memory tier (and a disk tier with --hicache-dir) so prefixes
     outlive device eviction, cache flushes and restarts."""
-    enable_flip: bool = False
-    """Allow phase flips (`POST /admin/flip`, `Engine.flip`): re-lay the ranks out as another
-    tp × pp at runtime. Needs --enable-hicache: a flip carries no KV, so without a host tier
-    every flip would re-prefill every cached prefix."""
-    flip_weights: str = "auto"
-    """How a phase flip's new ranks get their weights: host-image (copy their shards from an
-    image of the checkpoint in shared host memory, built once at launch: the whole checkpoint
-    in host RAM, one copy per node), reload (read the checkpoint from disk again), or auto
-    (host-image, falling back to reload with a warning when /dev/shm cannot hold it).
-    --load-format dummy has no checkpoint: reload (made on the device again)."""
     hicache_host_gb: float = 1.0
     """Host-memory tier size in GiB."""
     hicache_dir: str | None = None
@@ -145,6 +109,12 @@ class EngineConfig:
     hicache_disk_queue_pages: int = 64
     """Most pages waiting for the disk writer thread; a page stored while the queue is full
     skips the disk tier (counted as disk_writes_dropped) instead of stalling the engine."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the ranks are laid out and reach each other: the part a phase flip replaces."""
+
     tp_size: int = 1
     """Tensor-parallel ranks (each holds a slice of every layer)."""
     pp_size: int = 1
@@ -173,6 +143,26 @@ class EngineConfig:
     watchdog_timeout_s: float = 300.0
     """An engine that has work but finishes no step for this long is reported (every rank's
     position and stack in the log), /health answers 503, and the server exits non-zero."""
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+
+@dataclass(frozen=True)
+class FlipConfig:
+    """Phase flips: whether they are on, how the weights move, and the automatic policy."""
+
+    enable_flip: bool = False
+    """Allow phase flips (`POST /admin/flip`, `Engine.flip`): re-lay the ranks out as another
+    tp × pp at runtime. Needs --enable-hicache: a flip carries no KV, so without a host tier
+    every flip would re-prefill every cached prefix."""
+    flip_weights: str = "auto"
+    """How a phase flip's new ranks get their weights: host-image (copy their shards from an
+    image of the checkpoint in shared host memory, built once at launch: the whole checkpoint
+    in host RAM, one copy per node), reload (read the checkpoint from disk again), or auto
+    (host-image, falling back to reload with a warning when /dev/shm cannot hold it).
+    --load-format dummy has no checkpoint: reload (made on the device again)."""
     flip_policy: str = "manual"
     """manual (flips only through POST /admin/flip or Engine.flip) or auto (the engine also
     flips between the two --flip-layouts by itself when the cost model says a flip pays, and
@@ -206,10 +196,89 @@ class EngineConfig:
     """Auto flips: prior seconds of a seam from the prefill back to the decode layout, until
     one is measured (law 7: each direction has its own estimate). Default: none."""
 
+
+@dataclass(frozen=True, init=False)
+class EngineConfig:
+    """Everything an engine is built from: the model and numerics at the top, the rest in
+    sections (`load`, `scheduler`, `cache`, `parallel`, `flip`), each frozen, so a phase flip
+    replaces the `parallel` section alone (`with_layout`). A section's fields also read and
+    construct flat (`cfg.tp_size`, `EngineConfig(tp_size=2)`, `replace(cfg, tp_size=2)`):
+    the CLI flags, the Python API and /server_info keep one flat namespace."""
+
+    model: str = str(EMBEDDED_MODEL)
+    """Hugging Face model directory, ORG/NAME from the local Hugging Face cache (never
+    downloaded), or a bundled shape name (llama-3.1-8b, qwen3-8b, llama-3.2-1b, qwen3-0.6b)
+    with --load-format dummy (default: the tiny shipped model)."""
+    device: str = "auto"
+    """cpu, cuda or auto (cuda when available)."""
+    cpu_threads: int | None = None
+    """torch CPU threads of each engine process and rank. Default: the cores this process may
+    use, less one for the front end, shared by this host's ranks (OMP_NUM_THREADS, if set)."""
+    dtype: str = "auto"
+    """float32, float16, bfloat16 or auto (the checkpoint's dtype; float32 on CPU)."""
+    quantization: str | None = None
+    """fp8: the decoder's projections in FP8 (a scale per output channel, activations scaled
+    per token at run time); a float checkpoint is quantized at load. Default: the checkpoint's
+    own (FP8 checkpoints, compressed-tensors or block-wise, run FP8), else none."""
+    kv_cache_dtype: str = "auto"
+    """auto (the model dtype) or fp8_e4m3: the KV cache in FP8 with a scale per layer and KV
+    head, about twice the tokens in the same memory."""
+    attention_backend: str = "auto"
+    """torch (the reference), triton, or auto (triton on CUDA when installed, else torch)."""
+    disable_cuda_graph: bool = False
+    """Run decode steps eagerly instead of replaying captured CUDA graphs (CUDA only)."""
+    overlap_schedule: bool = True
+    """Schedule and launch step k+1 before step k's sampled tokens reach the host (they are
+    fed to the GPU as device-side placeholders), so the host's scheduling and output work
+    overlaps the GPU. Every layout (stage 0's TP ranks get the tokens from rank 0), HiCache
+    on or off; only for steps whose requests need nothing of the sampled ids on the host: no
+    logprobs, penalties, stop strings, min_new_tokens or seeds (other steps run
+    synchronously). On the H200: batch-1 decode 95 percent GPU-busy
+    (88 without), offline 1000 requests +11 percent."""
+    cuda_graph_max_bs: int = 1024
+    """Largest decode batch captured in a CUDA graph (capped by max_running_requests); larger
+    batches run eagerly. Eager decode at ~770 rows cost 46 ms a step on the H200, 22 ms of it
+    host launches, against 31 ms of GPU work."""
+    seed: int = 0
+    """Seed for requests that do not set their own."""
+    log_level: str = "info"
+    """Log level of every process: debug, info, warning, error or critical."""
+    max_logprobs: int = 20
+    """Largest top-logprobs count a request may ask for."""
+    check_accounting: bool = False
+    """Check KV pool accounting whenever the engine goes idle (debug)."""
+    load: LoadConfig = field(default_factory=LoadConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    flip: FlipConfig = field(default_factory=FlipConfig)
+
+    def __init__(self, **kwargs: Any) -> None:
+        """Top-level fields, sections (objects or dicts, as `asdict` writes them) and any
+        section's fields by their flat names (applied on top of a section given too)."""
+        sections = {}
+        for name, cls in SECTIONS.items():
+            given = kwargs.pop(name, None)
+            sections[name] = cls(**given) if isinstance(given, dict) else given or cls()
+        flat: dict[str, dict[str, Any]] = {}
+        for key in [k for k in kwargs if k in _SECTION_OF]:
+            flat.setdefault(_SECTION_OF[key], {})[key] = kwargs.pop(key)
+        for name, changes in flat.items():
+            sections[name] = replace(sections[name], **changes)
+        top = {f.name: f for f in fields(self) if f.name not in SECTIONS}
+        unknown = sorted(set(kwargs) - set(top))
+        if unknown:
+            raise TypeError(f"EngineConfig got unexpected keyword argument(s) {unknown}")
+        for name, f in top.items():
+            object.__setattr__(self, name, kwargs.get(name, f.default))
+        for name, section in sections.items():
+            object.__setattr__(self, name, section)
+        self.__post_init__()
+
     def __post_init__(self) -> None:
-        def bad(field: str, why: str) -> InvalidRequestError:
-            return InvalidRequestError(f"invalid engine config {field}={getattr(self, field)!r}: "
-                                       f"{why}", param=field)
+        def bad(name: str, why: str) -> InvalidRequestError:
+            return InvalidRequestError(f"invalid engine config {name}={getattr(self, name)!r}: "
+                                       f"{why}", param=name)
 
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise bad("device", "expected cpu, cuda or auto")
@@ -292,7 +361,16 @@ class EngineConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp_size * self.pp_size
+        return self.parallel.world_size
+
+    def with_layout(self, tp_size: int, pp_size: int) -> EngineConfig:
+        """This config in another TP x PP layout: a phase flip's new `parallel` section, every
+        other section the same objects."""
+        return replace(self, parallel=replace(self.parallel, tp_size=tp_size, pp_size=pp_size))
+
+    def flat_dict(self) -> dict[str, Any]:
+        """Every field by its flat name (what the CLI flags and /server_info show)."""
+        return {name: getattr(self, name) for name in self.field_names()}
 
     @property
     def flip_layout_pair(self) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -322,4 +400,21 @@ class EngineConfig:
 
     @classmethod
     def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+        """Every field by its flat name: the top-level ones, then each section's."""
+        top = [f.name for f in fields(cls) if f.name not in SECTIONS]
+        return top + [f.name for s in SECTIONS.values() for f in fields(s)]
+
+
+SECTIONS: dict[str, type] = {"load": LoadConfig, "scheduler": SchedulerConfig,
+                             "cache": CacheConfig, "parallel": ParallelConfig,
+                             "flip": FlipConfig}
+_SECTION_OF = {f.name: name for name, cls in SECTIONS.items() for f in fields(cls)}
+
+
+def _flat_alias(section: str, name: str) -> property:
+    return property(lambda self: getattr(getattr(self, section), name),
+                    doc=f"`{section}.{name}`, read flat")
+
+
+for _name, _section in _SECTION_OF.items():
+    setattr(EngineConfig, _name, _flat_alias(_section, _name))

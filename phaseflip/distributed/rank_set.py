@@ -120,7 +120,7 @@ class RankSet:
                 # pool is sized after it (on the H200 a warmed 8B layout's freed pool once
                 # stayed reserved by its rank, and the launch pool got 57 % of its budget)
                 layout = self._relayout(dataclasses.replace(
-                    cfg, tp_size=tp, pp_size=pp, max_total_tokens=WARM_UP_KV_TOKENS),
+                    cfg.with_layout(tp, pp), max_total_tokens=WARM_UP_KV_TOKENS),
                     lazy_graphs=False)
                 log.info("warmed up layout tp%d×pp%d at launch (rank 0: %s)", tp, pp,
                          ", ".join(f"{k} {v:.2f} s" for k, v in layout.runner.build_s.items()))

@@ -8,13 +8,12 @@ import itertools
 import queue
 import threading
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import fields
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from phaseflip.config import EngineConfig
+from phaseflip.config import SECTIONS, EngineConfig
 from phaseflip.engine.core import EngineCore
 from phaseflip.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
 from phaseflip.errors import InvalidRequestError
@@ -49,7 +48,7 @@ class Engine:
     """
 
     def __init__(self, model: str | None = None, **config: Any) -> None:
-        known = {f.name for f in fields(EngineConfig)}
+        known = {*EngineConfig.field_names(), *SECTIONS}
         unknown = sorted(set(config) - known)
         if unknown:
             raise InvalidRequestError(f"unknown engine options {unknown}; known: {sorted(known)}")

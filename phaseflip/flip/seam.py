@@ -36,7 +36,6 @@ refill fields in place."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -82,7 +81,7 @@ def check_target(cfg, model_cfg, tp_size: int, pp_size: int) -> None:
                 f"tp_size={tp_size} does not split the model's {what}", "layout")
     # the new layout's config passes its own checks (e.g. --flip-layouts) now, not half-way
     # through the seam, where a refusal would leave no layout
-    dataclasses.replace(cfg, tp_size=tp_size, pp_size=pp_size)
+    cfg.with_layout(tp_size, pp_size)
 
 
 def run_seam(host: LayoutHost, tp_size: int, pp_size: int) -> SeamCensus:
@@ -100,8 +99,7 @@ def run_seam(host: LayoutHost, tp_size: int, pp_size: int) -> SeamCensus:
     if host.hicache is not None:
         _fence(host, census, segment)
     try:
-        _mutate(host, census, segment, dataclasses.replace(cfg, tp_size=tp_size,
-                                                           pp_size=pp_size))
+        _mutate(host, census, segment, cfg.with_layout(tp_size, pp_size))
     except BaseException as e:
         # half a seam is no engine: say so on every later call instead of failing obscurely
         host.mark_dead(f"the engine stopped: a phase flip to {census.target} failed after "

@@ -159,7 +159,7 @@ class EngineServer:
                 "pool": dataclasses.asdict(acc) | {"balanced": acc.balanced},
                 "scheduler": dataclasses.asdict(sched.stats),
                 "running": len(sched.running), "waiting": len(sched.waiting),
-                "config": dataclasses.asdict(self.cfg),
+                "config": self.cfg.flat_dict(),
                 "numerics": self.core.runner.numerics,
                 "hicache": (dataclasses.asdict(self.core.hicache.stats)
                             if self.core.hicache else None),

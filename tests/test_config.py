@@ -1,0 +1,62 @@
+"""EngineConfig: frozen sections, flat names, and what a phase flip replaces."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import pytest
+
+from phaseflip.config import SECTIONS, EngineConfig, ParallelConfig
+from phaseflip.errors import InvalidRequestError
+
+
+def test_a_flip_replaces_the_parallel_section_only():
+    cfg = EngineConfig(tp_size=2, enable_flip=True, enable_hicache=True, page_size=4)
+    flipped = cfg.with_layout(1, 2)
+    assert flipped.parallel == dataclasses.replace(cfg.parallel, tp_size=1, pp_size=2)
+    for name in SECTIONS.keys() - {"parallel"}:
+        assert getattr(flipped, name) is getattr(cfg, name), name
+    assert (flipped.tp_size, flipped.pp_size, flipped.world_size) == (1, 2, 2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        flipped.parallel.tp_size = 4  # type: ignore[misc]
+
+
+def test_flat_names_construct_read_and_replace():
+    cfg = EngineConfig(tp_size=2, max_running_requests=8, hicache_page_size=32)
+    assert cfg.parallel.tp_size == cfg.tp_size == 2
+    assert cfg.scheduler.max_running_requests == 8 and cfg.cache.hicache_page_size == 32
+    assert dataclasses.replace(cfg, pp_size=2).parallel == ParallelConfig(tp_size=2, pp_size=2)
+    # a section given whole, with a flat field on top of it
+    both = EngineConfig(parallel=ParallelConfig(tp_size=4), pp_size=2)
+    assert (both.tp_size, both.pp_size) == (4, 2)
+    assert EngineConfig(**dataclasses.asdict(cfg)) == cfg  # sections as dicts
+    assert EngineConfig(**cfg.flat_dict()) == cfg
+    assert pickle.loads(pickle.dumps(cfg)) == cfg  # the ranks receive it pickled
+    assert set(cfg.flat_dict()) == set(EngineConfig.field_names())
+    assert len(EngineConfig.field_names()) == len(set(EngineConfig.field_names()))
+
+
+def test_bad_values_and_names_are_refused_by_flat_name():
+    with pytest.raises(InvalidRequestError, match="page_size=0: must be >= 1") as e:
+        EngineConfig(page_size=0)
+    assert e.value.param == "page_size"
+    with pytest.raises(InvalidRequestError, match="node_rank"):
+        EngineConfig(parallel=ParallelConfig(nnodes=2, node_rank=2))
+    with pytest.raises(TypeError, match="tpsize"):
+        EngineConfig(tpsize=2)
+
+
+def test_help_groups_the_flags_by_section():
+    import argparse
+
+    from phaseflip.cli import add_config_flags
+
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    text = parser.format_help()
+    for title in ("engine options", "load options", "scheduler options", "cache options",
+                  "parallel options", "flip options"):
+        assert title in text, title
+    options = text[text.index("parallel options"):text.index("flip options")]
+    assert "--tp-size" in options and "--dist-backend" in options
