@@ -43,6 +43,22 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _split_range(seq_len, window, min_chunk, num_splits, split,
+                 HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[lo, hi): the keys split `split` of a sequence attends. The chunk is cut per sequence
+    from its own length, so one launch shape (grid and workspace fixed by the host plan)
+    serves any mix of lengths — which a CUDA graph needs."""
+    start = seq_len * 0
+    if HAS_WINDOW:
+        start = tl.maximum(seq_len - window, 0)
+    per_split = (seq_len - start + num_splits - 1) // num_splits
+    chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    chunk = tl.maximum(chunk, min_chunk)
+    lo = start + split * chunk
+    return lo, tl.minimum(lo + chunk, seq_len)
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, K, V, KV_INDPTR, KV_INDICES, OUT, MID_O, MID_M, MID_L, K_SCALE, V_SCALE,
     qk_scale, window, min_chunk, num_splits,
@@ -68,16 +84,7 @@ def _decode_split_kernel(
 
     kv_beg = tl.load(KV_INDPTR + b)
     seq_len = tl.load(KV_INDPTR + b + 1) - kv_beg
-    start = seq_len * 0
-    if HAS_WINDOW:
-        start = tl.maximum(seq_len - window, 0)
-    # The chunk is cut per sequence from its own length, so one launch shape (grid and
-    # workspace fixed by the host plan) serves any mix of lengths — which a CUDA graph needs.
-    per_split = (seq_len - start + num_splits - 1) // num_splits
-    chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    chunk = tl.maximum(chunk, min_chunk)
-    lo = start + split * chunk
-    hi = tl.minimum(lo + chunk, seq_len)
+    lo, hi = _split_range(seq_len, window, min_chunk, num_splits, split, HAS_WINDOW, BLOCK_N)
 
     q = tl.load(
         Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],

@@ -83,6 +83,15 @@ def build_app(ctx: ServerContext) -> FastAPI:
     _install_error_handlers(app)
 
     app.add_middleware(Gate, ctx=ctx)
+    _probe_routes(app, ctx)
+    _inference_routes(app, ctx)
+    _admin_routes(app, ctx)
+    _info_routes(app, ctx)
+    return app
+
+
+def _probe_routes(app: FastAPI, ctx: ServerContext) -> None:
+    """Liveness, version and the model list."""
 
     @app.get("/health", responses=ok(Health))
     async def health() -> Response:
@@ -112,6 +121,11 @@ def build_app(ctx: ServerContext) -> FastAPI:
     async def model(model_id: str) -> dict:
         ctx.check_model(model_id)
         return _card(ctx).model_dump()
+
+
+
+def _inference_routes(app: FastAPI, ctx: ServerContext) -> None:
+    """The OpenAI endpoints, the native /generate, and (de)tokenization."""
 
     @app.post("/v1/completions", responses=streams(p.CompletionResponse))
     async def completions(req: p.CompletionRequest, request: Request):
@@ -144,6 +158,11 @@ def build_app(ctx: ServerContext) -> FastAPI:
         if any(t >= vocab for t in req.tokens):
             raise InvalidRequestError(f"token ids must be below {vocab}", "tokens")
         return p.DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens)).model_dump()
+
+
+
+def _admin_routes(app: FastAPI, ctx: ServerContext) -> None:
+    """What operators change: the prefix cache, the layout, requests in flight."""
 
     @app.post("/flush_cache", responses=ok(FreedTokens))
     async def flush_cache() -> Response:
@@ -193,6 +212,11 @@ def build_app(ctx: ServerContext) -> FastAPI:
         ctx.metrics.aborted.labels("abort_request").inc(len(rids))
         return {"rid": req.rid, "aborted": rids}
 
+
+
+def _info_routes(app: FastAPI, ctx: ServerContext) -> None:
+    """What operators read: /server_info and /metrics."""
+
     @app.get("/server_info", response_model=None, responses=ok({"type": "object"}))
     async def server_info() -> dict:
         # mid-flip the engine answers nothing until its seam ends: say so instead of waiting
@@ -218,8 +242,6 @@ def build_app(ctx: ServerContext) -> FastAPI:
                 ctx.metrics.observe_hicache(data.get("hicache"))
         ctx.observe_flip()
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
-
-    return app
 
 
 def _card(ctx: ServerContext) -> p.ModelCard:
