@@ -52,14 +52,14 @@ def weight_copies(n: int, k: int, dtype: torch.dtype, device: torch.device) -> i
 
 def fp8_weights(n: int, k: int, copies: int, device: torch.device
                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`copies` random FP8 weights [n, k] with their float32 row scales (as the model holds
-    them after `quantize_rows`)."""
-    from phaseflip.model.quant.fp8 import quantize_rows
-
+    """`copies` random FP8 weights [n, k] with their float32 row scales, quantized per row as
+    the model's are (`model.quant.fp8.quantize_rows`; not imported: kernels sit below model)."""
+    fp8 = torch.float8_e4m3fn
     out = []
     for _ in range(copies):
-        w_q, scale = quantize_rows(torch.randn(n, k, device=device) * k**-0.5)
-        out.append((w_q, scale.float().reshape(n)))
+        w = torch.randn(n, k, device=device) * k**-0.5
+        scale = w.abs().amax(dim=1).clamp_min(1e-12) / torch.finfo(fp8).max
+        out.append(((w / scale[:, None]).to(fp8), scale))
     return out
 
 
