@@ -22,7 +22,6 @@ bound, so read their time in µs, not their GB/s. NVLink multicast (NVLS) is alw
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
@@ -39,7 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm.auto import tqdm
 
-from benchmarks.common import print_table, write_json
+from benchmarks.common import join_rank_group, print_table, write_json
 from phaseflip.distributed.group import free_port
 
 # Mandatory on the shared GPU hosts: never NVLink multicast.
@@ -219,14 +218,7 @@ def graph_rows(r: Rank) -> tuple[list[dict[str, Any]], str | None]:
 
 def rank_main(rank: int, spec: CommSpec, out_path: str) -> None:
     """One rank: join the group, run every measurement; rank 0 writes the result file."""
-    device = torch.device("cuda", rank) if spec.device == "cuda" else torch.device("cpu")
-    extra: dict[str, Any] = {}
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        extra["device_id"] = device
-    dist.init_process_group(spec.backend, init_method=spec.init_method, rank=rank,
-                            world_size=spec.world_size,
-                            timeout=datetime.timedelta(seconds=spec.timeout_s), **extra)
+    device = join_rank_group(rank, spec)
     try:
         r = Rank(rank, spec, device)
         rows = sweep(r)

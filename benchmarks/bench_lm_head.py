@@ -19,7 +19,6 @@ gathered logits equal the all-gathered ones bit for bit.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -35,7 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.bench_comm import NO_MULTICAST_ENV, CommBenchError, elapsed_s
-from benchmarks.common import print_table, write_json
+from benchmarks.common import join_rank_group, print_table, write_json
 from phaseflip.distributed.group import free_port
 from phaseflip.layout import Layout, ProcessGroupCommunicator
 from phaseflip.model.layers import ParallelLMHead, linear
@@ -139,14 +138,7 @@ def _rows_for(head: ParallelLMHead, rows: int, device: torch.device, spec: HeadS
 
 def rank_main(rank: int, spec: HeadSpec, out_path: str) -> None:
     """One rank: join, build its shard, time every case; rank 0 writes the result file."""
-    device = torch.device("cuda", rank) if spec.device == "cuda" else torch.device("cpu")
-    extra: dict[str, Any] = {}
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        extra["device_id"] = device
-    dist.init_process_group(spec.backend, init_method=spec.init_method, rank=rank,
-                            world_size=spec.world_size,
-                            timeout=datetime.timedelta(seconds=spec.timeout_s), **extra)
+    device = join_rank_group(rank, spec)
     comm = ProcessGroupCommunicator(dist.group.WORLD, spec.world_size)
     with torch.device(device):
         head = ParallelLMHead(spec.vocab, spec.hidden, Layout(rank, spec.world_size,

@@ -317,3 +317,21 @@ def release_engine(engine) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def join_rank_group(rank: int, spec: Any) -> Any:
+    """A benchmark rank joins the default process group `spec` names (backend, init_method,
+    world_size, timeout_s, device "cuda" or "cpu"); returns its torch device (GPU `rank` on
+    CUDA). torch is imported here: this module is read by CPU-only tools too."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", rank) if spec.device == "cuda" else torch.device("cpu")
+    extra: dict[str, Any] = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        extra["device_id"] = device
+    dist.init_process_group(spec.backend, init_method=spec.init_method, rank=rank,
+                            world_size=spec.world_size,
+                            timeout=_dt.timedelta(seconds=spec.timeout_s), **extra)
+    return device
