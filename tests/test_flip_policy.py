@@ -309,6 +309,21 @@ def test_decode_slo_sends_the_prefill_layout_back_on_a_full_window():
     assert d.numbers["decode_step_ms"]["value"] == pytest.approx(80)
 
 
+def test_decode_slo_counts_every_decode_group_of_a_round():
+    """With PP decode groups in flight a step decodes one group, so a request's next token
+    comes D steps later: 8 steps of 30 ms with 2 groups are 60 ms a token, over a 50 ms SLO
+    (read per step, the SLO never tripped)."""
+    clock = Clock()
+    pol = policy(clock=clock, flip_seed_to_pp_s=1.0, flip_seed_to_tp_s=1.0,
+                 flip_decode_slo_ms=50.0, flip_min_dwell_steps=0)
+    measure(pol, 1000, 2000)
+    pol.observe_flip(TP, PP, 1.0)
+    for _ in range(8):
+        pol.observe_step(PP, 0, 4, 0.03, decode_groups=2)
+    d = pol.decide(backlog(20_000), [], None)
+    assert d.target == TP and d.numbers["decode_step_ms"]["value"] == pytest.approx(60)
+
+
 # ---------------------------------------------------------------------- config
 def test_config_refuses_what_cannot_work_and_makes_flags():
     with pytest.raises(InvalidRequestError, match="--enable-flip"):

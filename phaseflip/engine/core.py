@@ -405,7 +405,8 @@ class EngineCore:
         prompt0, decode0 = stats.prefill_tokens, stats.decode_tokens
         deltas = self._step(sink)
         observer.on_step(self.layout.layout, stats.prefill_tokens - prompt0,
-                         stats.decode_tokens - decode0, time.perf_counter() - t0)
+                         stats.decode_tokens - decode0, time.perf_counter() - t0,
+                         self._decode_depth())
         return failed + owed + deltas
 
     def _take_grammars(self) -> list[StreamDelta]:

@@ -321,8 +321,11 @@ class FlipPolicy:
 
     # ------------------------------------------------------------------ observations
     def observe_step(self, layout: Layout, prompt_tokens: int, decode_rows: int,
-                     seconds: float) -> None:
-        """One engine step: its prompt tokens, decode rows and wall time."""
+                     seconds: float, decode_groups: int = 1) -> None:
+        """One engine step: its prompt tokens, decode rows and wall time. `decode_groups`:
+        PP decode groups in flight (`--pp-async-decode`); a step then decodes one group, and a
+        decoding request waits that many steps for its next token, which the decode SLO is
+        about."""
         if prompt_tokens + decode_rows == 0:
             return  # an idle step measures nothing
         self.steps_in_layout += 1
@@ -333,7 +336,7 @@ class FlipPolicy:
         if decode_rows and not prompt_tokens:
             # pure decode steps only: a step that also prefills a chunk is slow for its
             # prompt, and counting it made the SLO flip back with the backlog untouched
-            self.decode_ms.append(1e3 * seconds)
+            self.decode_ms.append(1e3 * seconds * decode_groups)
 
     def observe_flip(self, source: Layout, target: Layout, seconds: float) -> None:
         """A seam ran (manual or automatic): its direction's cost; the dwell starts again."""

@@ -43,8 +43,8 @@ class FlipTelemetry:
         self.ledger.observe_items(list(items))
 
     def on_step(self, layout: tuple[int, int], prompt_tokens: int, decode_tokens: int,
-                seconds: float) -> None:
-        self.policy.observe_step(layout, prompt_tokens, decode_tokens, seconds)
+                seconds: float, decode_groups: int = 1) -> None:
+        self.policy.observe_step(layout, prompt_tokens, decode_tokens, seconds, decode_groups)
         self.ledger.observe_step(prompt_tokens + decode_tokens > 0, seconds)
 
     def before_seam(self, running: Iterable[Any]) -> None:
