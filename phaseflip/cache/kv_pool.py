@@ -38,12 +38,15 @@ def is_fp8(dtype: torch.dtype) -> bool:
 class KVArena:
     """The device memory a rank's KV pools live in, layout after layout (resident flips).
 
-    The first pool that asks allocates it; every later pool of any layout views its first
-    bytes, so a seam neither frees nor allocates the cache (on the H200 the 19 GiB pool's
-    allocation was 0.09 s of a 0.25 s seam, and the free memory a rebuilt pool was sized
-    from drifted), every layout gets the same bytes, and the pool's address stays put.
-    Rows left by an earlier layout are never read: the scheduler's slot space starts empty
-    at every seam. `free` returns it (the rank's end)."""
+    The launch layout's build reserves it: this rank's whole KV budget (what it could hold
+    alone, before the ranks agree on the smallest slot count); every later pool of any
+    layout views its first bytes, so a seam neither frees nor allocates the cache (on the
+    H200 the 19 GiB pool's allocation was 0.09 s of a 0.25 s seam, and the free memory a
+    rebuilt pool was sized from drifted) and every layout gets the budget a fresh launch
+    would. A pool capped by --max-total-tokens that needs more bytes in another layout (more
+    layers or KV heads on this rank) grows it: then, and only then, the address moves. Rows
+    left by an earlier layout are never read: the scheduler's slot space starts empty at
+    every seam. `free` returns it (the rank's end)."""
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
@@ -52,13 +55,17 @@ class KVArena:
     def nbytes(self) -> int:
         return 0 if self.buffer is None else self.buffer.numel()
 
+    def reserve(self, nbytes: int, device: torch.device | str) -> None:
+        """At least `nbytes`: allocated on first use, grown (freed and made again: no pool
+        may be viewing it) when a capped pool needs more."""
+        if self.buffer is not None and self.buffer.numel() >= nbytes:
+            return
+        self.free()
+        self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+
     def take(self, nbytes: int, device: torch.device | str) -> torch.Tensor:
-        """The arena's first `nbytes` (uint8), allocated on first use; it never grows."""
-        if self.buffer is None:
-            self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        if nbytes > self.buffer.numel():
-            raise ValueError(f"a pool of {nbytes} bytes does not fit the KV arena's "
-                             f"{self.buffer.numel()}")
+        """The arena's first `nbytes` (uint8), reserved first if it has fewer."""
+        self.reserve(nbytes, device)
         return self.buffer[:nbytes]
 
     def free(self) -> None:

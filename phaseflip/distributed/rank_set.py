@@ -190,6 +190,8 @@ class RankSet:
             _destroy_group(timeout_s=30)
             for w in self.workers:
                 w.join(timeout=10)
+        else:  # rank 0 lives in this process: what it keeps across layouts goes now
+            self.rank0.free_kept()
         self._terminate()
         self.plans.close()
         self.tracker.close()

@@ -162,16 +162,22 @@ class RankProcess:
 
     def close(self) -> None:
         self.release(park=False)
+        self.free_kept()
+        if self._own_frames and self.frames is not None:
+            self.frames.close()
+        self.tracker.close()
+
+    def free_kept(self) -> None:
+        """Frees what this rank keeps between layouts (parked weights, a handed-over model,
+        the KV arena) in place, with no device sync: also after a failed group, whose
+        collectives may never complete."""
         for model in self.parked.values():
             free_model(model)
         self.parked.clear()
         if self.handover is not None:
             free_model(self.handover[1])
             self.handover = None
-        if self._own_frames and self.frames is not None:
-            self.frames.close()
         self.kv_arena.free()
-        self.tracker.close()
 
     def _build(self, cfg: EngineConfig, lazy_graphs: bool,
                peer: PeerWeights | None = None, kv_arena: bool = False) -> RankLayout:

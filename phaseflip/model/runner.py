@@ -201,15 +201,14 @@ class ModelRunner:
         t_sizing = time.perf_counter()
         n_layers = self.model.end_layer - self.model.start_layer
         kv_heads = self.model.layers[0].self_attn.num_kv_heads if n_layers else 0
-        if kv_arena is not None and kv_arena.nbytes:  # the bytes every layout gets
-            per_slot = KVPool.bytes_per_slot(n_layers, kv_heads, model_cfg.head_dim,
-                                             self.kv_dtype)
-            ps = cfg.page_size
+        per_slot = KVPool.bytes_per_slot(n_layers, kv_heads, model_cfg.head_dim, self.kv_dtype)
+        if kv_arena is not None and kv_arena.nbytes and cfg.max_total_tokens is None:
+            ps = cfg.page_size  # the rank's budget, reserved at launch, in this layout's slots
             local = kv_arena.nbytes // per_slot // ps * ps
-            if cfg.max_total_tokens is not None:  # a cap still caps (no memory is read)
-                local = min(local, self._kv_slots())
-        else:
+        else:  # from free memory, or the cap (which reads none)
             local = self._kv_slots()
+        if kv_arena is not None:  # this rank's own slots, not the agreed (smaller) count
+            kv_arena.reserve(local * per_slot, self.device)
         self.num_slots = agree_slots(local) if agree_slots else local
         self.pool = KVPool(
             self.num_slots, (self.model.start_layer, self.model.end_layer), kv_heads,
