@@ -348,3 +348,31 @@ def test_a_synchronous_step_after_launched_ones_reads_its_own_logits(deep_dir):
     tokens now equal one process's."""
     want = _mixed_run(deep_dir)
     assert _mixed_run(deep_dir, pp_size=2, pp_async_decode=True) == want
+
+
+@pytest.mark.timeout(240, method="thread")
+def test_the_flip_policy_hears_the_decode_groups_a_step_really_had(deep_dir):
+    """The decode SLO multiplies a step's time by the decode groups taking turns: 1 for
+    synchronous steps (a logprobs request) and for a lone request, the groups in flight
+    otherwise — not the configured depth (which read steps 2x too slow and flipped back)."""
+    flip = {"enable_flip": True, "enable_hicache": True, "hicache_host_gb": 0.01}
+    with Engine(str(deep_dir), pp_size=2, pp_async_decode=True, flip_weights="reload",
+                device="cpu", dtype="float32", max_total_tokens=4096, dist_timeout_s=60,
+                **flip) as e:
+        core = e.core
+        policy = core.flip_telemetry.policy
+        seen: list[int] = []
+        observe = policy.observe_step
+        policy.observe_step = lambda *a, **k: seen.append(a[4]) or observe(*a, **k)
+        cases = [([SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True,
+                                  logprobs=0)] * 3, {1}),
+                 ([SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)], {1}),
+                 ([SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)] * 4,
+                  {1, 2})]
+        for n, (params, want) in enumerate(cases):
+            seen.clear()
+            for i, p in enumerate(params):
+                core.add_request(f"c{n}-{i}", prompts_for(300)[i][:12], p)
+            while core.has_work():
+                core.step()
+            assert set(seen) == want, (n, seen)

@@ -79,6 +79,7 @@ class EngineCore:
         # launched run-ahead steps not sampled yet, oldest first (more than one only with PP
         # decode groups in flight: `_decode_depth`)
         self._launched: deque[tuple[ScheduledBatch, object]] = deque()
+        self._step_groups = 1  # the last step's decode groups taking turns (the flip policy's)
         # the flip's observer (policy feeds, ledger): None unless flips are on (law 11)
         self.flip_telemetry = (FlipTelemetry.create(cfg, model_cfg, self._hicache)
                                if cfg.enable_flip else None)
@@ -403,10 +404,11 @@ class EngineCore:
         owed = self._auto_flip(sink) if observer.policy.auto else []
         stats, t0 = self.scheduler.stats, time.perf_counter()
         prompt0, decode0 = stats.prefill_tokens, stats.decode_tokens
+        self._step_groups = 1
         deltas = self._step(sink)
         observer.on_step(self.layout.layout, stats.prefill_tokens - prompt0,
                          stats.decode_tokens - decode0, time.perf_counter() - t0,
-                         self._decode_depth())
+                         self._step_groups)
         return failed + owed + deltas
 
     def _take_grammars(self) -> list[StreamDelta]:
@@ -511,6 +513,7 @@ class EngineCore:
                 self.kv.check(self.scheduler.running)
             return deltas
         self._launched.append((batch, logits))
+        self._step_groups = len(self._launched)  # decode groups taking turns (1: no groups)
         for it in batch.items:
             if it.samples:
                 it.req.launched = True
