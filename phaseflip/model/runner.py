@@ -271,7 +271,9 @@ class ModelRunner:
         """Frees this rank's KV pool and (unless `keep_weights`) its weights in place, after
         its graphs were released (a flip's teardown): the storage goes even if something
         still refers to this runner, its model or its pool, so the next layout's ranks size
-        their pools from the memory really free. The runner cannot run afterwards.
+        their pools from the memory really free — except a pool in the rank's KV arena, whose
+        memory the next layout's pool reuses (a stale view would then read its rows). The
+        runner cannot run afterwards.
         `keep_weights`: the model is returned whole, to be parked (resident weights)."""
         if self.graphs is not None:
             raise RuntimeError("release the decode graphs first (they address this memory)")
