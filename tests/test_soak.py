@@ -28,7 +28,7 @@ def soak(tmp_path, *argv: str) -> dict:
 
 
 def test_soak_tp1(tmp_path):
-    soak(tmp_path, "--duration-s", "60", "--flush-every-s", "20")
+    soak(tmp_path, "--duration-s", "30", "--flush-every-s", "10")
 
 
 def test_soak_tp2_with_flips(tmp_path):
