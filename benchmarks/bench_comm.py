@@ -239,12 +239,18 @@ def _device_facts(spec: CommSpec) -> dict[str, Any]:
 
 
 def run_ranks(spec: CommSpec, deadline_s: float) -> dict[str, Any]:
-    """Spawns the ranks and waits for them; raises CommBenchError (the others killed) when one
+    """This benchmark's ranks (`spawn_ranks`)."""
+    return spawn_ranks(rank_main, spec, deadline_s)
+
+
+def spawn_ranks(fn: Callable[[int, Any, str], None], spec: Any, deadline_s: float) -> Any:
+    """Spawns `fn(rank, spec, out_path)` on `spec.world_size` ranks and waits for them; rank
+    0's JSON result file is returned. Raises CommBenchError (the others killed) when one
     fails or the deadline passes."""
     os.environ.update(NO_MULTICAST_ENV)  # inherited by the spawned ranks
-    with tempfile.TemporaryDirectory(prefix="bench-comm-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-ranks-") as tmp:
         out = Path(tmp) / "rank0.json"
-        ctx = mp.start_processes(rank_main, args=(spec, str(out)), nprocs=spec.world_size,
+        ctx = mp.start_processes(fn, args=(spec, str(out)), nprocs=spec.world_size,
                                  join=False, daemon=True, start_method="spawn")
         end = time.monotonic() + deadline_s
         try:

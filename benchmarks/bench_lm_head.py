@@ -22,8 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,9 +29,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from benchmarks.bench_comm import NO_MULTICAST_ENV, CommBenchError, elapsed_s
+from benchmarks.bench_comm import CommBenchError, elapsed_s, spawn_ranks
 from benchmarks.common import join_rank_group, print_table, write_json
 from phaseflip.distributed.group import free_port
 from phaseflip.layout import Layout, ProcessGroupCommunicator
@@ -154,26 +151,8 @@ def rank_main(rank: int, spec: HeadSpec, out_path: str) -> None:
 
 
 def run_ranks(spec: HeadSpec, deadline_s: float) -> list[dict[str, Any]]:
-    """Spawns the ranks and waits; CommBenchError (the others killed) when one fails or the
-    deadline passes."""
-    os.environ.update(NO_MULTICAST_ENV)  # inherited by the spawned ranks
-    with tempfile.TemporaryDirectory(prefix="bench-lm-head-") as tmp:
-        out = Path(tmp) / "rank0.json"
-        ctx = mp.start_processes(rank_main, args=(spec, str(out)), nprocs=spec.world_size,
-                                 join=False, daemon=True, start_method="spawn")
-        end = time.monotonic() + deadline_s
-        try:
-            while not ctx.join(timeout=max(0.0, end - time.monotonic()), grace_period=5):
-                if time.monotonic() >= end:
-                    raise CommBenchError(f"ranks still running after --deadline-s {deadline_s:g}")
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-            raise CommBenchError(f"rank {e.error_index} failed: {e}") from e
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-        return json.loads(out.read_text())
+    """This benchmark's ranks (`bench_comm.spawn_ranks`)."""
+    return spawn_ranks(rank_main, spec, deadline_s)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
