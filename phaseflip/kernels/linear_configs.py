@@ -155,6 +155,8 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype, device: torch.
     sms = sms or num_sms(device)
     out: list[SkinnyConfig] = []
     for loop, shapes in (("ew", _EW_SHAPES.get(bucket, [])), ("dot", _DOT_SHAPES)):
+        if dtype.itemsize == 1:  # FP8 W: the same bytes per tile hold twice the K columns
+            shapes = shapes + [(bn, 2 * bk, w, s) for bn, bk, w, s in shapes if bk <= 1024]
         for bn, bk, warps, stages in shapes:
             bk //= half
             auto = auto_split(n, k, bn, bk, sms)
