@@ -112,7 +112,7 @@ def test_reference_attention_reads_fp8_scaled():
 triton = pytest.importorskip("triton")
 from phaseflip.attention.triton_backend import TritonAttention  # noqa: E402
 
-BOUND = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+BOUND = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
 def run_fp8_case(seqs, *, dtype=torch.float32, num_kv_heads=2, group=4, head_dim=32,
@@ -167,3 +167,83 @@ def test_kernels_refuse_fp8_cache_without_scales():
     with pytest.raises(ValueError, match="k_scale"):
         kernels.decode_attention(q, cache, cache, torch.tensor([0, 2]), torch.tensor([1, 2]),
                                  0.25, plan)
+
+
+# ------------------------------------------------- FP8 decode's dot modes (kernels.FP8_DOT_MODES)
+
+
+def _modes_backend(mode: str, splits: int | None = None) -> TritonAttention:
+    from phaseflip.kernels import attention as kernels
+
+    return TritonAttention(decode_config=kernels.KernelConfig(16, 16, 4, 1, mode),
+                           decode_splits=splits, decode_min_chunk=16)
+
+
+@pytest.mark.parametrize("mode", ["q", "fp16_pv", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_decode_fp8_every_dot_mode(mode, dtype):
+    """Each mode, unsplit and split-K, against the reference on the same FP8 rows."""
+    seqs = [(5, 1), (70, 1), (0, 1), (33, 1)]
+    run_fp8_case(seqs, dtype=dtype, backend=_modes_backend(mode))
+    run_fp8_case(seqs, dtype=dtype, backend=_modes_backend(mode, splits=3), layers=1)
+
+
+def test_triton_decode_fp16_dots_survive_q_beyond_fp16_range():
+    """"fp16" mode with bf16 q elements past 65504 (inf in fp16): the program's q is shrunk
+    by a power of two the softmax scale undoes, so the output matches the reference (without
+    the shrink it is NaN). The huge element meets K rows that are 0 in that lane, so the
+    logits are ordinary and the comparison tight."""
+    from test_triton_attention import make_batch
+
+    gen = torch.Generator().manual_seed(5)
+    batch = make_batch([(40, 1), (9, 1), (25, 1)], gen)
+    num_slots = int(batch.kv_indices.max()) + 8
+    pools = _fp8_pools(num_slots, 1, 2, 32, 2, gen)
+    for pool in pools:
+        pool.k[0].view(torch.uint8)[:, :, 0] = 0  # e4m3 +0
+    t = batch.num_tokens
+    q = torch.randn(t, 8, 32, generator=gen).to(DEVICE, torch.bfloat16)
+    q[:, 1:3, 0] = torch.tensor([1e6, -3e5]).to(q)  # two heads of KV head 0, both signs
+    k = torch.randn(t, 2, 32, generator=gen).to(DEVICE, torch.bfloat16)
+    k[:, :, 0] = 0
+    v = torch.randn(t, 2, 32, generator=gen).to(DEVICE, torch.bfloat16)
+    want = TorchRefAttention().forward(0, q, k, v, batch, pools[0], 32**-0.5)
+    for splits in (None, 2):
+        out = torch.full_like(want, float("nan"))
+        got = _modes_backend("fp16", splits).forward(0, q, k, v, batch, pools[1], 32**-0.5,
+                                                      out=out)
+        assert torch.isfinite(got).all()
+        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        assert err < 1e-2, err
+
+
+def test_decode_config_reads_the_kv_dtype():
+    """bf16's launch shape is unchanged; an FP8 cache with 16-bit q gets FP8's dot mode;
+    float32 q never gets an fp16 mode; an unknown mode is refused."""
+    from phaseflip.kernels import attention as kernels
+
+    gpu = torch.device("cuda")  # decode_config reads only the device's type
+    bf16 = kernels.decode_config(torch.bfloat16, 128, 4, gpu)
+    assert bf16 == kernels.KernelConfig(16, 64, 4, 3, "q")
+    assert kernels.decode_config(torch.bfloat16, 128, 4, gpu, torch.bfloat16) == bf16
+    for dev in (gpu, torch.device("cpu")):
+        fp8 = kernels.decode_config(torch.bfloat16, 128, 4, dev, FP8)
+        assert fp8.fp8_dot == kernels.FP8_DECODE_DOT
+        assert kernels.decode_config(torch.float32, 128, 4, dev, FP8).fp8_dot == "q"
+    q = torch.randn(1, 2, 16)
+    cache = torch.zeros(4, 1, 16, dtype=FP8)
+    with pytest.raises(ValueError, match="fp8_dot"):
+        kernels.decode_attention(q, cache, cache, torch.tensor([0, 2]), torch.tensor([1, 2]),
+                                 0.25, kernels.plan_decode(1, 1, 1, 2, 8),
+                                 config=kernels.KernelConfig(16, 16, 4, 1, "fp8"),
+                                 k_scale=torch.ones(1), v_scale=torch.ones(1))
+
+
+def test_backend_plans_fp8_decode_with_the_fp8_config(monkeypatch):
+    """The backend asks decode_config with the pool's dtype: a bogus FP8 default mode reaches
+    the kernel wrapper (and is refused) only through an FP8 pool."""
+    from phaseflip.kernels import attention as kernels
+
+    monkeypatch.setattr(kernels, "FP8_DECODE_DOT", "bogus")
+    with pytest.raises(ValueError, match="bogus"):
+        run_fp8_case([(5, 1), (9, 1)], dtype=torch.bfloat16, layers=1)

@@ -139,7 +139,8 @@ class TritonAttention:
         meta = self._batch_meta(batch, q.device)
         key = (num_kv_heads, group, head_dim, dtype, sliding_window)
         if meta.is_decode:
-            cfg = self.decode_config or kernels.decode_config(dtype, head_dim, group, q.device)
+            cfg = self.decode_config or kernels.decode_config(dtype, head_dim, group, q.device,
+                                                              k_cache.dtype)
             cached = meta.by_layout.get(key)
             if cached is None:
                 max_len = meta.max_kv_len

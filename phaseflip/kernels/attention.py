@@ -36,6 +36,10 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# FP8 decode's default dot mode (FP8_DOT_MODES); provisional until the H200 sweep of
+# benchmarks/attention_kernels.py --kv-dtype fp8_e4m3 --sweep decides
+FP8_DECODE_DOT = "fp16"
 
 # ----------------------------------------------------------------------------------------------
 # Kernels
@@ -59,6 +63,40 @@ def _split_range(seq_len, window, min_chunk, num_splits, split,
 
 
 @triton.jit
+def _fp8_query(q, qk_scale, FP8_DOT: tl.constexpr):
+    """(q in the dtype the FP8 K rows widen to, the softmax scale that goes with it).
+
+    "q"/"fp16_pv": q as it is (K widens to q's dtype). "fp16": q in fp16, because Hopper
+    widens an e4m3 pair to fp16 in one instruction, to bf16 only through fp16 (3-4 in all).
+    Every e4m3 value and every bf16 q element from 2^-17 to 65504 is exact in fp16, and the
+    dots accumulate in fp32, so the only hazard is a q element beyond 65504 (inf in fp16):
+    then the program's q is divided by a power of two (exact) that the softmax scale undoes.
+    A real model's q never comes near; there the factor is 1 and the dots equal bf16's.
+    """
+    if FP8_DOT == "fp16":
+        if q.dtype != tl.float16:
+            qf = q.to(tl.float32)
+            amax = tl.max(tl.max(tl.abs(qf), 1), 0)
+            # 2^k with amax / 2^k < 2^15, from amax's exponent bits (no rounding anywhere)
+            k = tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141, 0)
+            k = tl.where(amax > 65504.0, k, 0)
+            q = (qf * ((127 - k) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
+            qk_scale = qk_scale * ((127 + k) << 23).to(tl.float32, bitcast=True)
+    return q, qk_scale
+
+
+@triton.jit
+def _fp8_widen(k, v, q, FP8_DOT: tl.constexpr):
+    """K rows in q's dtype, V rows in q's ("q") or fp16's: exact, every e4m3 value is one."""
+    k = k.to(q.dtype)
+    if FP8_DOT == "q":
+        v = v.to(q.dtype)
+    else:
+        v = v.to(tl.float16)
+    return k, v
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, K, V, KV_INDPTR, KV_INDICES, OUT, MID_O, MID_M, MID_L, K_SCALE, V_SCALE,
     qk_scale, window, min_chunk, num_splits,
@@ -66,7 +104,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr,
 ):
     """One (sequence, KV head, head block, split): attend the group's queries over one chunk."""
     b = tl.program_id(0)
@@ -90,8 +128,8 @@ def _decode_split_kernel(
         Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
         mask=mask_h[:, None] & mask_d[None, :], other=0.0,
     )
-    if KV_FP8:  # dots in q's dtype; this KV head's K scale folds into the softmax scale
-        qk_scale = qk_scale * tl.load(K_SCALE + kvh)
+    if KV_FP8:  # this KV head's K scale folds into the softmax scale
+        q, qk_scale = _fp8_query(q, qk_scale * tl.load(K_SCALE + kvh), FP8_DOT)
     else:
         q = q.to(K.dtype.element_ty)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -106,9 +144,8 @@ def _decode_split_kernel(
                     mask=kv_mask, other=0.0)
         v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :],
                     mask=kv_mask, other=0.0)
-        if KV_FP8:  # exact: every e4m3 value is a bf16/fp16/fp32 value
-            k = k.to(Q.dtype.element_ty)
-            v = v.to(Q.dtype.element_ty)
+        if KV_FP8:
+            k, v = _fp8_widen(k, v, q, FP8_DOT)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -297,20 +334,36 @@ class KernelConfig:
     block_n: int  # keys per inner-loop step
     num_warps: int
     num_stages: int
+    # decode on an FP8 cache: the dtype of the dots (FP8_DOT_MODES); float caches ignore it
+    fp8_dot: str = "q"
+
+
+# "q": K and V widen to q's dtype (bf16: 3-4 conversion instructions per e4m3 pair on Hopper);
+# "fp16_pv": K to q's dtype, V and the probabilities to fp16 (one conversion per pair);
+# "fp16": q, K, V and the probabilities in fp16 (q shrunk into range when it must be).
+FP8_DOT_MODES = ("q", "fp16_pv", "fp16")
 
 
 def _on_gpu(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def decode_config(dtype: torch.dtype, head_dim: int, group: int, device: torch.device
-                  ) -> KernelConfig:
-    """Decode launch shape. The head block pads the group to >= 16 rows (tl.dot's minimum)."""
+def decode_config(dtype: torch.dtype, head_dim: int, group: int, device: torch.device,
+                  kv_dtype: torch.dtype | None = None) -> KernelConfig:
+    """Decode launch shape for dots in `dtype` over a cache of `kv_dtype` (default: `dtype`).
+
+    The head block pads the group to >= 16 rows (tl.dot's minimum). An FP8 cache with a
+    16-bit q gets its own shape: its tiles are half the bytes and its widening costs
+    conversions a float cache does not pay (FP8_DOT_MODES).
+    """
     block_h = min(max(16, triton.next_power_of_2(group)), 64)
+    fp8 = kv_dtype in _FP8 and dtype != torch.float32
     if not _on_gpu(device):  # interpreter: small key blocks so tiny tests cross blocks
-        return KernelConfig(block_h, 16, 4, 1)
+        return KernelConfig(block_h, 16, 4, 1, FP8_DECODE_DOT if fp8 else "q")
     if dtype == torch.float32:
         return KernelConfig(block_h, 32, 4, 2)
+    if fp8:
+        return KernelConfig(block_h, 64, 4, 3, FP8_DECODE_DOT)
     # bf16, 8B shape, H200 (benchmarks/attention_kernels.py --sweep): 3 stages instead of 2
     # cut bs=256 ctx=1k from 360 to 265 us and bs=64 ctx=4k from 337 to 265 us.
     return KernelConfig(block_h, 64, 4, 3)
@@ -405,9 +458,6 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
 def compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
     """The dtype the dots run in: the cache's, or q's when the cache is FP8 (widened on load)."""
     return q_dtype if kv_dtype in _FP8 else kv_dtype
@@ -483,7 +533,11 @@ def decode_attention(
         q = q.contiguous()
     kv_fp8, k_scale, v_scale = _fp8_scales(q, k_cache, k_scale, v_scale)
     dtype = compute_dtype(q.dtype, k_cache.dtype)
-    cfg = config or decode_config(dtype, head_dim, group, q.device)
+    cfg = config or decode_config(dtype, head_dim, group, q.device, k_cache.dtype)
+    if cfg.fp8_dot not in FP8_DOT_MODES:
+        raise ValueError(f"fp8_dot {cfg.fp8_dot!r}: expected one of {FP8_DOT_MODES}")
+    # float32 q keeps IEEE float32 dots: the fp16 modes are for 16-bit q only
+    fp8_dot = cfg.fp8_dot if kv_fp8 and dtype != torch.float32 else "q"
     if out is None:
         out = torch.empty(batch_size, num_heads * head_dim, dtype=q.dtype, device=q.device)
     if batch_size == 0:
@@ -504,7 +558,7 @@ def decode_attention(
         v_cache.stride(0), v_cache.stride(1), out.stride(0), head_dim,
         GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_H=cfg.block_m, BLOCK_N=cfg.block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_WINDOW=sliding_window is not None,
-        DIRECT=direct, DOT_PREC=_dot_precision(dtype), KV_FP8=kv_fp8,
+        DIRECT=direct, DOT_PREC=_dot_precision(dtype), KV_FP8=kv_fp8, FP8_DOT=fp8_dot,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not direct:
