@@ -1,9 +1,14 @@
 """Microbenchmark: Triton attention kernels vs the torch reference backend on one GPU.
 
 Decode: batch 1 / 64 / 256 at context 1024 and 4096; extend: one 8192-token prompt. Head
-layout of Llama-3.1-8B (32 query heads, 8 KV heads, head_dim 128), bf16, one layer. Slots are
+layout of Llama-3.1-8B (32 query heads, 8 KV heads, head_dim 128), bf16 q, one layer. Slots are
 shuffled page by page (`--page-size`, default 16; 1 = every token scattered), as a long-running
 pool fragments. Times are `triton.testing.do_bench` medians (it flushes the L2 between runs).
+
+`--kv-dtype bf16 fp8_e4m3` runs every case on a bf16 pool and again on an FP8 pool (per-KV-head
+K and V scales calibrated to the random rows' max, rows written by `KVPool.store` as the engine
+writes them); the FP8 rows' bandwidth counts the FP8 bytes. With `--sweep`, FP8 decode also
+times the FP8 launch shapes and dot modes of `DECODE_SWEEP_FP8` (`KernelConfig.fp8_dot`).
 
 Reported per row: the backend's whole `forward` (KV store + kernels, batch metadata already
 cached, as for layers 2..N of a model forward), the kernels alone, and the torch reference's
@@ -13,6 +18,8 @@ cached, as for layers 2..N of a model forward), the kernels alone, and the torch
 kernel time, against the bf16 matmul rate measured here (~780 TFLOP/s).
 
     python benchmarks/attention_kernels.py --out results.json
+    python benchmarks/attention_kernels.py --kv-dtype bf16 fp8_e4m3 --sweep --quick \
+        --decode-only --out sweep.json
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ from phaseflip.forward_batch import ForwardBatch  # noqa: E402
 from phaseflip.kernels import attention as kernels  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-DTYPE = torch.bfloat16
+DTYPE = torch.bfloat16  # q, new K/V rows and the float pool
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 EXTEND_SWEEP = [
     kernels.KernelConfig(128, 64, 8, 2),
     kernels.KernelConfig(128, 64, 8, 3),
@@ -52,6 +60,20 @@ DECODE_SWEEP = [
     kernels.KernelConfig(16, 128, 4, 2),
     kernels.KernelConfig(16, 128, 8, 3),
     kernels.KernelConfig(16, 32, 4, 4),
+]
+# FP8 decode: the bf16 shape with each dot mode (the first = FP8's shape before it had its own),
+# then larger key blocks and deeper pipelines (an FP8 tile is half a bf16 tile's bytes)
+DECODE_SWEEP_FP8 = [
+    kernels.KernelConfig(16, 64, 4, 3, "q"),
+    kernels.KernelConfig(16, 64, 4, 3, "fp16_pv"),
+    kernels.KernelConfig(16, 64, 4, 3, "fp16"),
+    kernels.KernelConfig(16, 64, 4, 4, "fp16"),
+    kernels.KernelConfig(16, 128, 4, 3, "q"),
+    kernels.KernelConfig(16, 128, 4, 2, "fp16"),
+    kernels.KernelConfig(16, 128, 4, 3, "fp16"),
+    kernels.KernelConfig(16, 128, 4, 4, "fp16"),
+    kernels.KernelConfig(16, 128, 8, 3, "fp16"),
+    kernels.KernelConfig(16, 256, 8, 2, "fp16"),
 ]
 
 
@@ -92,11 +114,53 @@ def make_batch(seqs: list[tuple[int, int]], page: int, device: torch.device, gen
     return batch, num_pages * page
 
 
-def run_case(name: str, seqs: list[tuple[int, int]], args, device, gen) -> dict:
+def make_pool(num_slots: int, kv_dtype: torch.dtype, device: torch.device) -> KVPool:
+    """One layer's pool of random rows; FP8: per-KV-head scales from the rows' max (what a
+    calibrated checkpoint's scales do), rows quantized by `KVPool.store` as the engine's are."""
+    pool = KVPool(num_slots, (0, 1), KV_HEADS, HEAD_DIM, kv_dtype, device)
+    if pool.k_scale is None:
+        pool.k[0].normal_()
+        pool.v[0].normal_()
+        return pool
+    slots = torch.arange(num_slots, device=device)
+    for chunk in slots.split(1 << 18):
+        rows = torch.randn(2, len(chunk), KV_HEADS, HEAD_DIM, device=device, dtype=DTYPE)
+        if chunk[0] == 0:  # N(0, 1) rows: the scales put each head's ~5-sigma max at 448
+            pool.k_scale[0] = rows[0].float().abs().amax((0, 2)) / pool.fp8_max
+            pool.v_scale[0] = rows[1].float().abs().amax((0, 2)) / pool.fp8_max
+        pool.store(0, chunk, rows[0], rows[1])
+    return pool
+
+
+def config_name(cfg: kernels.KernelConfig, fp8: bool) -> str:
+    name = f"n{cfg.block_n}_w{cfg.num_warps}_s{cfg.num_stages}"
+    return f"{name}_{cfg.fp8_dot}" if fp8 else name
+
+
+def decode_sweep(run, seqs: list[tuple[int, int]], plan, ws, fp8: bool, device) -> dict:
+    """Kernel us for other split counts, launch shapes (FP8: and dot modes), minimum chunks.
+    `run(plan, workspace, config)` times one decode launch."""
+    bs, ctx = len(seqs), sum(p + e for p, e in seqs) // len(seqs)
+    sweep = {}
+    s = 1
+    while s <= min(32, max(1, ctx // 64)):
+        p = kernels.plan_decode(bs, KV_HEADS, 1, ctx, 0, num_splits=s, min_chunk=64)
+        w = kernels.decode_workspace(bs, HEADS, HEAD_DIM, p, device)
+        sweep[f"splits={p.num_splits}"] = run(p, w, None)
+        s *= 2
+    for cfg in DECODE_SWEEP_FP8 if fp8 else DECODE_SWEEP:
+        sweep[config_name(cfg, fp8)] = run(plan, ws, cfg)
+    for mc in (32, 64, 128):  # smaller minimum chunks: more splits for small batches
+        p = kernels.plan_decode(bs, KV_HEADS, 1, ctx, kernels.num_sms(device), min_chunk=mc)
+        w = kernels.decode_workspace(bs, HEADS, HEAD_DIM, p, device)
+        sweep[f"min_chunk={mc} (splits {p.num_splits})"] = run(p, w, None)
+    return sweep
+
+
+def run_case(name: str, seqs: list[tuple[int, int]], kv_dtype: torch.dtype, args, device,
+             gen) -> dict:
     batch, num_slots = make_batch(seqs, args.page_size, device, gen)
-    pool = KVPool(num_slots, (0, 1), KV_HEADS, HEAD_DIM, DTYPE, device)
-    pool.k[0].normal_()
-    pool.v[0].normal_()
+    pool = make_pool(num_slots, kv_dtype, device)
     t = batch.num_tokens
     q = torch.randn(t, HEADS, HEAD_DIM, device=device, dtype=DTYPE)
     k = torch.randn(t, KV_HEADS, HEAD_DIM, device=device, dtype=DTYPE)
@@ -111,77 +175,54 @@ def run_case(name: str, seqs: list[tuple[int, int]], args, device, gen) -> dict:
     meta = tri._meta
     assert meta is not None
     k_cache, v_cache = pool.layer(0)
+    k_scale, v_scale = pool.scales(0) or (None, None)
+    fp8 = pool.k_scale is not None
+    sweep: dict[str, float] = {}
     if meta.is_decode:
         plan, ws = next(iter(meta.by_layout.values()))
         splits = plan.num_splits
 
-        def kernel() -> None:
-            kernels.decode_attention(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices,
-                                     scale, plan, out=out, workspace=ws)
+        def run(p, w, cfg, quick: bool = True) -> float:
+            return 1e3 * bench(lambda: kernels.decode_attention(
+                q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, scale, p, out=out,
+                workspace=w, config=cfg, k_scale=k_scale, v_scale=v_scale), quick)
+
+        kern_ms = run(plan, ws, None, args.quick) / 1e3
+        if args.sweep:
+            sweep = decode_sweep(run, seqs, plan, ws, fp8, device)
     else:
         tiles = next(iter(meta.by_layout.values()))
         splits = 0
 
-        def kernel() -> None:
-            kernels.extend_attention(q, k_cache, v_cache, meta.qo_indptr, batch.kv_indptr,
-                                     batch.kv_indices, tiles, scale, out=out)
+        def run(cfg, t_dev, quick: bool = True) -> float:
+            return 1e3 * bench(lambda: kernels.extend_attention(
+                q, k_cache, v_cache, meta.qo_indptr, batch.kv_indptr, batch.kv_indices, t_dev,
+                scale, out=out, config=cfg, k_scale=k_scale, v_scale=v_scale), quick)
 
-    kv_len = sum(p + e for p, e in seqs)
-    sweep = {}
-    if args.sweep and meta.is_decode:  # kernel time for other split counts (tuning data)
-        s = 1
-        while s <= min(32, max(1, kv_len // len(seqs) // 64)):
-            p = kernels.plan_decode(len(seqs), KV_HEADS, 1, kv_len // len(seqs), 0,
-                                    num_splits=s, min_chunk=64)
-            w = kernels.decode_workspace(len(seqs), HEADS, HEAD_DIM, p, device)
-            sweep[f"splits={p.num_splits}"] = 1e3 * bench(
-                lambda p=p, w=w: kernels.decode_attention(
-                    q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, scale, p, out=out,
-                    workspace=w),
-                True)
-            s *= 2
-        for cfg in DECODE_SWEEP:
-            name_cfg = f"n{cfg.block_n}_w{cfg.num_warps}_s{cfg.num_stages}"
-            sweep[name_cfg] = 1e3 * bench(
-                lambda cfg=cfg: kernels.decode_attention(
-                    q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, scale, plan,
-                    out=out, workspace=ws, config=cfg),
-                True)
-        for mc in (32, 64, 128):  # smaller minimum chunks: more splits for small batches
-            p = kernels.plan_decode(len(seqs), KV_HEADS, 1, kv_len // len(seqs),
-                                    kernels.num_sms(device), min_chunk=mc)
-            w = kernels.decode_workspace(len(seqs), HEADS, HEAD_DIM, p, device)
-            sweep[f"min_chunk={mc} (splits {p.num_splits})"] = 1e3 * bench(
-                lambda p=p, w=w: kernels.decode_attention(
-                    q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, scale, p, out=out,
-                    workspace=w),
-                True)
-    elif args.sweep:  # kernel time for other extend tile shapes (tuning data)
-        for cfg in EXTEND_SWEEP:
-            tl_host = kernels.extend_tiles(batch.extend_lens, batch.prefix_lens,
-                                           HEADS // KV_HEADS, cfg.block_m)
-            t_dev = torch.tensor(tl_host, dtype=torch.int32, device=device)
-            name_cfg = f"m{cfg.block_m}_n{cfg.block_n}_w{cfg.num_warps}_s{cfg.num_stages}"
-            sweep[name_cfg] = 1e3 * bench(
-                lambda cfg=cfg, t_dev=t_dev: kernels.extend_attention(
-                    q, k_cache, v_cache, meta.qo_indptr, batch.kv_indptr, batch.kv_indices,
-                    t_dev, scale, out=out, config=cfg),
-                True)
+        kern_ms = run(None, tiles, args.quick) / 1e3
+        for cfg in EXTEND_SWEEP if args.sweep else []:  # other tile shapes (tuning data)
+            host = kernels.extend_tiles(batch.extend_lens, batch.prefix_lens,
+                                        HEADS // KV_HEADS, cfg.block_m)
+            sweep[f"m{cfg.block_m}_{config_name(cfg, False)}"] = run(
+                cfg, torch.tensor(host, dtype=torch.int32, device=device))
 
     fwd_ms = bench(lambda: tri.forward(0, q, k, v, batch, pool, scale), args.quick)
-    kern_ms = bench(kernel, args.quick)
     ref_ms = bench(lambda: ref.forward(0, q, k, v, batch, pool, scale), args.quick)
-
+    kv_len = sum(p + e for p, e in seqs)
+    default = kernels.decode_config(DTYPE, HEAD_DIM, HEADS // KV_HEADS, device, kv_dtype)
     row = {
-        "case": name, "batch": len(seqs), "kv_tokens": kv_len, "splits": splits,
+        "case": name, "kv_dtype": str(kv_dtype).removeprefix("torch."), "batch": len(seqs),
+        "kv_tokens": kv_len, "splits": splits,
+        "decode_config": config_name(default, fp8) if meta.is_decode else None,
         "triton_forward_us": fwd_ms * 1e3, "triton_kernel_us": kern_ms * 1e3,
         "torch_ref_us": ref_ms * 1e3, "speedup_vs_ref": ref_ms / fwd_ms, "rel_err": rel_err,
         "sweep_kernel_us": sweep,
     }
-    if meta.is_decode:
-        kv_bytes = 2 * kv_len * KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    if meta.is_decode:  # the bytes the kernel must read: every context row's K and V once
+        kv_bytes = 2 * kv_len * KV_HEADS * HEAD_DIM * kv_dtype.itemsize
         row["kv_read_GBps"] = kv_bytes / (kern_ms * 1e-3) / 1e9
         row["pct_of_bw_ceiling"] = 100 * row["kv_read_GBps"] / (args.bw_ceiling * 1e3)
+        row["sweep_TBps"] = {n: kv_bytes / (us * 1e-6) / 1e12 for n, us in sweep.items()}
     else:
         flops = sum(4 * HEAD_DIM * HEADS * (e * p + e * (e + 1) / 2) for p, e in seqs)
         row["TFLOPs"] = flops / (kern_ms * 1e-3) / 1e12
@@ -203,31 +244,8 @@ def measure_ceilings(device: torch.device, quick: bool) -> dict:
             "bf16_matmul_TFLOPs": 2 * n**3 / (mm_ms * 1e-3) / 1e12}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="JSON results path")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--bw-ceiling", type=float, default=4.2, help="TB/s")
-    ap.add_argument("--flops-ceiling", type=float, default=780.0, help="bf16 TFLOP/s")
-    ap.add_argument("--quick", action="store_true", help="shorter do_bench windows")
-    ap.add_argument("--sweep", action="store_true",
-                    help="also time other split counts / extend tile shapes")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA device")
-    device = torch.device("cuda")
-    gen = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
-
-    ceilings = measure_ceilings(device, args.quick)
-    rows = []
-    for ctx in (1024, 4096):
-        for bs in (1, 64, 256):
-            rows.append(run_case(f"decode bs={bs} ctx={ctx}", [(ctx - 1, 1)] * bs, args,
-                                 device, gen))
-    rows.append(run_case("extend 1x8192", [(0, 8192)], args, device, gen))
-
-    head = (f"{'case':<24}{'splits':>7}{'fwd us':>10}{'kernel us':>11}{'torch us':>11}"
+def print_rows(rows: list[dict], args, ceilings: dict) -> None:
+    head = (f"{'case':<24}{'kv':>9}{'splits':>7}{'fwd us':>10}{'kernel us':>11}{'torch us':>11}"
             f"{'speedup':>9}{'rate':>16}{'% ceil':>8}{'rel err':>10}")
     print(f"\n{torch.cuda.get_device_name()}  triton {triton.__version__}  torch "
           f"{torch.__version__}  page_size={args.page_size}")
@@ -240,22 +258,55 @@ def main() -> None:
             rate, pct = f"{r['kv_read_GBps']:.0f} GB/s", r["pct_of_bw_ceiling"]
         else:
             rate, pct = f"{r['TFLOPs']:.0f} TFLOP/s", r["pct_of_flops_ceiling"]
-        print(f"{r['case']:<24}{r['splits']:>7}{r['triton_forward_us']:>10.1f}"
+        print(f"{r['case']:<24}{r['kv_dtype']:>9.9}{r['splits']:>7}{r['triton_forward_us']:>10.1f}"
               f"{r['triton_kernel_us']:>11.1f}{r['torch_ref_us']:>11.0f}"
               f"{r['speedup_vs_ref']:>8.1f}x{rate:>16}{pct:>7.0f}%{r['rel_err']:>10.1e}")
     for r in rows:
         if r["sweep_kernel_us"]:
             best = min(r["sweep_kernel_us"], key=r["sweep_kernel_us"].get)
-            print(f"sweep {r['case']}: " + ", ".join(
+            print(f"sweep {r['case']} {r['kv_dtype']}: " + ", ".join(
                 f"{k} {v:.1f}" for k, v in r["sweep_kernel_us"].items()) + f"  (best {best})")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True,
+                    help="JSON results path (rewritten after every case)")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--bw-ceiling", type=float, default=4.2, help="TB/s")
+    ap.add_argument("--flops-ceiling", type=float, default=780.0, help="bf16 TFLOP/s")
+    ap.add_argument("--quick", action="store_true", help="shorter do_bench windows")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time other split counts / launch shapes / extend tile shapes")
+    ap.add_argument("--kv-dtype", nargs="+", choices=sorted(KV_DTYPES), default=["bf16"],
+                    help="KV pool dtype(s); every case runs once per dtype")
+    ap.add_argument("--decode-only", action="store_true", help="skip the extend case")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA device")
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+
+    ceilings = measure_ceilings(device, args.quick)
+    cases = [(f"decode bs={bs} ctx={ctx}", [(ctx - 1, 1)] * bs)
+             for ctx in (1024, 4096) for bs in (1, 64, 256)]
+    if not args.decode_only:
+        cases.append(("extend 1x8192", [(0, 8192)]))
+    meta = {
         "device": torch.cuda.get_device_name(), "triton": triton.__version__,
         "torch": torch.__version__, "page_size": args.page_size, "measured": ceilings,
         "ceilings": {"bw_TBps": args.bw_ceiling, "bf16_TFLOPs": args.flops_ceiling},
         "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": str(DTYPE),
-        "rows": rows,
-    }, indent=2))
+        "kv_dtypes": args.kv_dtype, "rows": [],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for kv in args.kv_dtype:
+        for name, seqs in cases:
+            meta["rows"].append(run_case(name, seqs, KV_DTYPES[kv], args, device, gen))
+            args.out.write_text(json.dumps(meta, indent=2))  # a cut-short run keeps its rows
+            torch.cuda.empty_cache()
+    print_rows(meta["rows"], args, ceilings)
 
 
 if __name__ == "__main__":
