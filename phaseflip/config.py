@@ -32,6 +32,7 @@ _CHOICES: dict[str, tuple] = {
     "kv_cache_dtype": ("auto", "fp8_e4m3"),
     "schedule_policy": ("fcfs", "lpm"),
     "dist_backend": ("gloo", "nccl", "auto"),
+    "all_reduce": ("nccl", "symm-mem", "auto"),
     "hicache_write_policy": ("write_through", "write_back"),
     "flip_weights": ("auto", "resident", "peer", "host-image", "reload"),
     "log_level": LOG_LEVELS,
@@ -39,7 +40,7 @@ _CHOICES: dict[str, tuple] = {
 # counts that must be at least 1 (None: unset, where the field allows it)
 _AT_LEAST_ONE = ("page_size", "max_running_requests", "max_total_tokens", "cuda_graph_max_bs",
                  "max_prefill_tokens", "pp_min_micro_batch_tokens", "hicache_disk_queue_pages",
-                 "cpu_threads")
+                 "cpu_threads", "all_reduce_max_kib")
 
 
 def _either(choices: list) -> str:
@@ -131,6 +132,15 @@ class ParallelConfig:
     next step starts as soon as its tokens are sampled. Decode steps run whole, not cut."""
     dist_backend: str = "auto"
     """torch.distributed backend: gloo, nccl, or auto (nccl when every rank has its own GPU)."""
+    all_reduce: str = "auto"
+    """The TP all-reduce: nccl (the process group: NCCL, or gloo staged through the host),
+    symm-mem (PyTorch's one-shot/two-shot kernels over symmetric memory for messages up to
+    --all-reduce-max-kib, captured in the decode graphs; also when ranks share a GPU, for
+    correctness runs) or auto (symm-mem when every rank has its own GPU on one node). Set up
+    at launch for every layout; where it cannot be, the launch log says why and uses nccl."""
+    all_reduce_max_kib: int = 2048
+    """Largest all-reduce (KiB) that --all-reduce symm-mem takes (its buffer per layout);
+    larger ones go to the process group. 2048: a decode step of 256 rows of 4096 bf16."""
     dist_init_addr: str | None = None
     """host:port of rank 0 for the process group (default: a free loopback port)."""
     nnodes: int = 1

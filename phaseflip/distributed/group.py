@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import os
 import socket
 import time
@@ -27,7 +28,15 @@ import torch
 import torch.distributed as dist
 
 from phaseflip.config import EngineConfig
+from phaseflip.distributed.symm_allreduce import (
+    SymmBuffer,
+    SymmSetup,
+    communicator,
+    setup_symm_all_reduce,
+)
 from phaseflip.layout import Layout, ProcessGroupCommunicator
+
+log = logging.getLogger(__name__)
 
 
 def rank_coords(rank: int, tp_size: int) -> tuple[int, int]:
@@ -57,13 +66,18 @@ class DistSpec:
     weight_image: str | None = None  # path of the node's host weight image (flip weights)
     # every (tp, pp) the ranks may run: their communicators are made at launch, none at a seam
     layouts: tuple[tuple[int, int], ...] = ()
+    all_reduce: str = "nccl"  # --all-reduce: nccl, symm-mem or auto (symm_allreduce.py)
+    device: str = "cpu"  # --device (symm-mem needs the ranks on GPUs)
+    all_reduce_max_bytes: int = 0  # the symm-mem buffer: larger messages take the group
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> DistSpec:
         addr = cfg.dist_init_addr or f"127.0.0.1:{free_port()}"
         per_node = cfg.world_size // cfg.nnodes
         return cls(cfg.world_size, cfg.tp_size, cfg.pp_size, addr, dist_backend(cfg),
-                   cfg.dist_timeout_s, per_node, cfg.node_rank, layouts=runnable_layouts(cfg))
+                   cfg.dist_timeout_s, per_node, cfg.node_rank, layouts=runnable_layouts(cfg),
+                   all_reduce=cfg.all_reduce, device=cfg.device,
+                   all_reduce_max_bytes=cfg.all_reduce_max_kib << 10)
 
     def with_layout(self, tp_size: int, pp_size: int) -> DistSpec:
         return dataclasses.replace(self, tp_size=tp_size, pp_size=pp_size)
@@ -102,6 +116,7 @@ class RankGroups:
     tp_group: dist.ProcessGroup | None
     cpu_group: dist.ProcessGroup  # gloo group of all ranks, with the deadline (fences, slots)
     plan_group: dist.ProcessGroup  # gloo group of all ranks without a deadline: the plans
+    symm: SymmBuffer | None = None  # the TP all-reduce's symmetric memory (None: the group)
 
     @property
     def tp_rank(self) -> int:
@@ -116,8 +131,9 @@ class RankGroups:
         return pp_rank * self.spec.tp_size + self.tp_rank
 
     def layout(self) -> Layout:
-        comm = (ProcessGroupCommunicator(self.tp_group, self.spec.tp_size,
-                                         staged=self.spec.backend == "gloo")
+        comm = (communicator(ProcessGroupCommunicator(self.tp_group, self.spec.tp_size,
+                                                      staged=self.spec.backend == "gloo"),
+                             self.symm)
                 if self.spec.tp_size > 1 else None)
         kwargs = {"tp_comm": comm} if comm is not None else {}
         return Layout(self.tp_rank, self.spec.tp_size, self.pp_rank, self.spec.pp_size, **kwargs)
@@ -139,13 +155,16 @@ class Fabric:
     cpu_group: dist.ProcessGroup
     plan_group: dist.ProcessGroup
     tp_groups: dict[tuple[int, int], dist.ProcessGroup | None]
+    symm: SymmSetup | None = None  # each layout's all-reduce path, chosen at launch
 
     def groups(self, tp_size: int, pp_size: int) -> RankGroups:
         if (tp_size, pp_size) not in self.tp_groups:
             raise ValueError(f"tp{tp_size}×pp{pp_size} is not among the layouts these ranks "
                              f"were launched for: {sorted(self.tp_groups)}")
+        symm = self.symm.buffers.get((tp_size, pp_size)) if self.symm else None
         return RankGroups(self.rank, self.spec.with_layout(tp_size, pp_size),
-                          self.tp_groups[(tp_size, pp_size)], self.cpu_group, self.plan_group)
+                          self.tp_groups[(tp_size, pp_size)], self.cpu_group, self.plan_group,
+                          symm)
 
 
 class GroupFormationError(RuntimeError):
@@ -162,7 +181,8 @@ def join(rank: int, spec: DistSpec,
          peers_failed: Callable[[], list[str]] | None = None) -> Fabric:
     """init_process_group for this rank, then every group of every layout in `spec.layouts`
     (TP groups), the CPU group and the plan group (the same gloo ranks, without a deadline:
-    see the module docstring). Every rank creates them in the same order.
+    see the module docstring). Every rank creates them in the same order. Then the TP
+    all-reduce's symmetric memory of every layout (`--all-reduce`), so no seam makes any.
 
     Rank 0 hosts the rendezvous store and waits for every rank to check in before it forms
     the group, asking `peers_failed` (its local workers that exited) every 0.1 s: a rank that
@@ -190,7 +210,10 @@ def join(rank: int, spec: DistSpec,
     cpu_group = (dist.group.WORLD if spec.backend == "gloo"
                  else dist.new_group(backend="gloo", timeout=timeout))
     plan_group = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
-    return Fabric(rank, spec, cpu_group, plan_group, tp_groups)
+    symm = setup_symm_all_reduce(rank, spec, tp_groups, cpu_group)  # every layout's, at launch
+    if rank == 0:
+        log.info(symm.line)
+    return Fabric(rank, spec, cpu_group, plan_group, tp_groups, symm)
 
 
 def _await_ranks(store: dist.Store, spec: DistSpec,
