@@ -287,3 +287,25 @@ def test_symm_mem_equals_the_process_group_on_ranks_sharing_a_gpu():
 @pytest.mark.gpu
 def test_symm_mem_equals_nccl_one_rank_per_gpu():
     _gpu_case(shared=False)
+
+
+def test_server_info_names_the_running_path(tmp_path):
+    """/server_info's `all_reduce` (engine_process's info) says which path the running
+    layout's TP all-reduce takes: a CPU engine forcing symm-mem serves over gloo."""
+    from phaseflip import Engine, SamplingParams
+    from phaseflip.distributed.symm_allreduce import all_reduce_path
+    from tests.conftest import build_model, prompts_for
+
+    model = build_model(tmp_path / "llama", "llama")
+    params = SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True)
+    with Engine(str(model), device="cpu", dtype="float32", max_total_tokens=2048,
+                dist_timeout_s=60, tp_size=2, all_reduce="symm-mem") as e:
+        assert len(e.generate(prompts_for(100)[:2], params, use_tqdm=False)) == 2
+        assert all_reduce_path(e.core.runner) == "gloo"
+    assert all_reduce_path(None) is None
+    buf = SymmBuffer(torch.zeros(CAP, dtype=torch.uint8), "g")
+    comm = SymmMemCommunicator(None, 2, buffer=buf)
+    layout = type("Layout", (), {"tp_comm": comm})()
+    assert all_reduce_path(type("ModelRunner", (), {"layout": layout})()) == (
+        "symm-mem (up to 2048 KiB, the process group above)")
+    assert comm.graph_addresses() == (buf.data.data_ptr(), CAP)

@@ -113,6 +113,23 @@ class SymmMemCommunicator(ProcessGroupCommunicator):
             flat.copy_(view)
         return x
 
+    def graph_addresses(self) -> tuple[int, ...]:
+        """The device memory a captured all-reduce reads besides its input: the buffer (made
+        once at launch, so parked decode graphs of this layout stay valid across flips)."""
+        return (self.buffer.data.data_ptr(), self.buffer.max_bytes) if self.buffer else ()
+
+
+def all_reduce_path(runner: object) -> str | None:
+    """The TP all-reduce of `runner`'s layout, as /server_info reports it (None: no TP). A
+    driver's runner holds rank 0's model runner as `.runner`."""
+    layout = getattr(getattr(runner, "runner", runner), "layout", None)
+    comm = getattr(layout, "tp_comm", None)
+    if isinstance(comm, SymmMemCommunicator) and comm.buffer is not None:
+        return f"symm-mem (up to {comm.buffer.max_bytes >> 10} KiB, the process group above)"
+    if isinstance(comm, ProcessGroupCommunicator):
+        return "gloo" if comm.staged else "nccl"
+    return None
+
 
 def _copy_in_kernel(flat: torch.Tensor) -> bool:
     """The one-shot kernel copies the input in itself (a launch fewer) only when the input's

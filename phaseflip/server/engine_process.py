@@ -28,6 +28,7 @@ import traceback
 import zmq
 
 from phaseflip.config import EngineConfig
+from phaseflip.distributed.symm_allreduce import all_reduce_path
 from phaseflip.distributed.watchdog import StepWatchdog
 from phaseflip.engine.core import EngineCore
 from phaseflip.errors import InvalidRequestError, PhaseflipError
@@ -161,6 +162,7 @@ class EngineServer:
                 "running": len(sched.running), "waiting": len(sched.waiting),
                 "config": self.cfg.flat_dict(),
                 "numerics": self.core.runner.numerics,
+                "all_reduce": all_reduce_path(self.core.runner),
                 "hicache": (dataclasses.asdict(self.core.hicache.stats)
                             if self.core.hicache else None),
                 "flip_policy": (self.core.flip_policy.snapshot()
