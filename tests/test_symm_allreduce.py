@@ -108,9 +108,11 @@ def test_which_messages_route_to_symmetric_memory(dtype, numel, routes):
     assert symm_routes(torch.zeros(numel, dtype=dtype), CAP) is routes
 
 
-def test_a_strided_message_takes_the_process_group():
+def test_a_strided_or_misaligned_message_takes_the_process_group():
     assert not symm_routes(torch.zeros(64, 64).t(), CAP)
-    assert symm_routes(torch.zeros(64, 64)[1:], CAP)  # contiguous at an offset: routes
+    assert symm_routes(torch.zeros(64, 64)[1:], CAP)  # contiguous, 256 bytes in: routes
+    assert not symm_routes(torch.zeros(65)[1:], CAP)  # 4 bytes in: the result's vector
+    # stores would fault (torch checks the input's alignment only)
 
 
 # ---- real ranks ---------------------------------------------------------------------------
@@ -213,21 +215,22 @@ def test_a_rendezvous_that_fails_on_one_rank_turns_every_rank_to_the_process_gro
 SIZES = [1 * KIB, 4 * KIB, 8 * KIB, 64 * KIB, 512 * KIB, CAP]
 
 
-def _gpu_ranks(rank: int, out, s: DistSpec, visible: str | None) -> None:
-    if visible is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible  # before CUDA starts: ranks share a GPU
+def _gpu_ranks(rank: int, out, s: DistSpec) -> None:
     _answer(out, rank, lambda: _gpu_checks(rank, s))
 
 
 def _gpu_checks(rank: int, s: DistSpec) -> dict:
-    """Every size in bf16 and fp32 (and one at an unaligned offset): symm-mem against the
-    process group, eagerly, then all of them captured in one graph, replayed 3 times with new
-    inputs. Returns the largest error of each case and what the launch chose."""
+    """Every size in bf16 and fp32: symm-mem against the process group, eagerly with each of
+    torch's kernels (one-shot with the copy-in fused, one-shot after a copy, two-shot), then
+    all sizes captured in one graph, replayed 3 times with new inputs. Returns the largest
+    error of each case and the launch's line."""
+    from phaseflip.distributed import symm_allreduce as sa
+
     fabric = join(rank, s)
     comm = fabric.groups(2, 1).layout().tp_comm
-    device = comm.buffer.data.device if isinstance(comm, SymmMemCommunicator) else None
-    if device is None:
+    if not isinstance(comm, SymmMemCommunicator):
         return {"line": fabric.symm.line, "symm": False}
+    device = comm.buffer.data.device
     torch.cuda.set_device(device)
     ref = ProcessGroupCommunicator(comm.group, comm.size, comm.staged)
     gen = torch.Generator(device).manual_seed(rank)
@@ -243,13 +246,15 @@ def _gpu_checks(rank: int, s: DistSpec) -> dict:
             key = f"{tag} {str(dt)[6:]} {n * dt.itemsize // KIB} KiB"
             errs[key] = max(errs.get(key, 0.0), (g.float() - want.float()).abs().max().item())
 
-    xs = inputs()
-    check("eager", [comm.all_reduce(x.clone()) for x in xs], xs)
-    big = torch.randn(4097, device=device, generator=gen)
-    odd = big[1:]  # 4 bytes past the buffer's alignment: copied in, then the plain kernel
-    check_odd = comm.all_reduce(odd.clone()), ref.all_reduce(odd.clone())
-    errs["eager float32 16 KiB at offset 4"] = (check_odd[0] - check_odd[1]).abs().max().item()
-    static = [x.clone() for x in xs]
+    kernels = {"one-shot": {}, "one-shot after a copy": {"_copy_in_kernel": lambda f: False},
+               "two-shot": {"one_shot_limit": lambda size: 0}}
+    for tag, patch in kernels.items():
+        saved = {k: getattr(sa, k) for k in patch}
+        vars(sa).update(patch)
+        xs = inputs()
+        check(f"eager {tag}", [comm.all_reduce(x.clone()) for x in xs], xs)
+        vars(sa).update(saved)
+    static = [x.clone() for x in inputs()]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for x in static:
@@ -264,29 +269,32 @@ def _gpu_checks(rank: int, s: DistSpec) -> dict:
     return {"line": fabric.symm.line, "symm": True, "errs": errs}
 
 
-def _gpu_case(shared: bool) -> None:
+def _gpu_case(shared: bool, monkeypatch) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     if not shared and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
+    if shared:  # the spawned ranks see one GPU, so both take it
+        first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", first)
     s = spec(device="cuda", backend="gloo" if shared else "nccl", layouts=((2, 1),))
-    got = run_ranks(_gpu_ranks, (s, "0" if shared else None), deadline_s=150)
+    got = run_ranks(_gpu_ranks, (s,), deadline_s=150)
     for rank, res in got.items():
         assert res["symm"], (rank, res["line"])
         assert "tp2×pp1 symm-mem" in res["line"]
-        assert len(res["errs"]) == 2 * 2 * len(SIZES) + 1
+        assert len(res["errs"]) == 4 * 2 * len(SIZES)
         bad = {k: e for k, e in res["errs"].items() if e > (0.0625 if "bfloat16" in k else 1e-5)}
         assert not bad, (rank, bad)
 
 
 @pytest.mark.gpu
-def test_symm_mem_equals_the_process_group_on_ranks_sharing_a_gpu():
-    _gpu_case(shared=True)
+def test_symm_mem_equals_the_process_group_on_ranks_sharing_a_gpu(monkeypatch):
+    _gpu_case(True, monkeypatch)
 
 
 @pytest.mark.gpu
-def test_symm_mem_equals_nccl_one_rank_per_gpu():
-    _gpu_case(shared=False)
+def test_symm_mem_equals_nccl_one_rank_per_gpu(monkeypatch):
+    _gpu_case(False, monkeypatch)
 
 
 def test_server_info_names_the_running_path(tmp_path):

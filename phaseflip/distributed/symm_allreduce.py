@@ -6,14 +6,16 @@ How it works. At launch every rank allocates one peer-mappable buffer per layout
 (`rendezvous`: CUDA VMM handles exchanged over a Unix socket, metadata over the group's
 store). An all-reduce then copies its input into the rank's own buffer and runs one of
 PyTorch's kernels, which wait at a barrier on signal pads in the same allocation, read every
-peer's buffer over NVLink and sum: `one_shot_all_reduce` (each rank reads every peer's whole
-message) for two ranks, where two-shot moves the same bytes with one barrier more, and up to
-ONE_SHOT_MAX_BYTES for more ranks; `two_shot_all_reduce_` (reduce-scatter + all-gather) above.
+peer's buffer over NVLink and sum. `one_shot_all_reduce` (each rank reads every peer's whole
+message) for two ranks at any size (two-shot would move the same bytes with one barrier more)
+and up to ONE_SHOT_MAX_BYTES for more ranks; `two_shot_all_reduce_` (reduce-scatter, then
+all-gather, in place) above that.
 Never the multimem (NVLink multicast) variants, and the rendezvous maps no multicast object
 (TORCH_SYMM_MEM_DISABLE_MULTICAST): docs/troubleshooting.md says why multicast stays off.
 
-What goes this way: sum all-reduces of contiguous bfloat16 or float32 tensors on the buffer's
-device whose size is a multiple of 4 bytes and at most the buffer (--all-reduce-max-kib).
+What goes this way: sum all-reduces of contiguous, 16-byte aligned bfloat16 or float32 tensors
+on the buffer's device whose size is a multiple of 4 bytes and at most the buffer
+(--all-reduce-max-kib; `symm_routes`).
 float16 is not among them: torch's kernels dispatch float and bfloat16 only. Everything else,
 and every other collective (all_reduce_max, gather), is the process-group path unchanged.
 
@@ -30,7 +32,8 @@ run concurrently on two streams.
 Ranks sharing one GPU (correctness runs over gloo): torch maps a peer's allocation on the same
 device once TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES is set, which `--all-reduce symm-mem`
 does there. The GPU then time-slices the two ranks' kernels, each spinning at the barrier
-until the other runs: right answers, meaningless times. The rendezvous needs no NCCL: it reads
+until the other runs: right answers (what tests/test_symm_allreduce.py checks there),
+meaningless times. The rendezvous needs no NCCL: it reads
 the TP group's store, so a gloo group serves (torch >= 2.11 resolves the group by name; the
 deprecated `enable_symm_mem_for_group` is not called: in 2.13 it makes every call check the
 buffer's id over the store).
@@ -39,6 +42,7 @@ buffer's id over the store).
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -78,10 +82,19 @@ class SymmBuffer:
 
 
 def symm_routes(x: torch.Tensor, max_bytes: int) -> bool:
-    """Whether a sum all-reduce of `x` goes over symmetric memory (`max_bytes`: the buffer)."""
+    """Whether a sum all-reduce of `x` goes over symmetric memory (`max_bytes`: the buffer).
+    Its address must be 16-byte aligned: the kernels store the result in vectors as wide as
+    the buffer's alignment and check only the input's (a misaligned output is a fault)."""
     nbytes = x.numel() * x.element_size()
     return (x.dtype in SYMM_DTYPES and x.is_contiguous() and 0 < nbytes <= max_bytes
-            and nbytes % 4 == 0)
+            and nbytes % 4 == 0 and x.data_ptr() % 16 == 0)
+
+
+def one_shot_limit(size: int) -> float:
+    """Largest message (bytes) for the one-shot kernel in a group of `size` ranks: any for
+    two (two-shot moves the same bytes per rank with one barrier more), ONE_SHOT_MAX_BYTES
+    for more, where two-shot reads only its share from each peer."""
+    return math.inf if size == 2 else ONE_SHOT_MAX_BYTES
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,7 +114,7 @@ class SymmMemCommunicator(ProcessGroupCommunicator):
         flat = x.view(-1)
         view = buf.data.view(x.dtype)[: flat.numel()]
         ops = torch.ops.symm_mem
-        if self.size == 2 or x.numel() * x.element_size() <= ONE_SHOT_MAX_BYTES:
+        if x.numel() * x.element_size() <= one_shot_limit(self.size):
             if _copy_in_kernel(flat) and hasattr(ops, "one_shot_all_reduce_copy_out"):
                 ops.one_shot_all_reduce_copy_out(view, flat, "sum", buf.group_name, flat)
             else:
@@ -220,8 +233,8 @@ def setup_symm_all_reduce(rank: int, spec: DistSpec,
     (a missing op, no P2P, a rendezvous or probe error) is agreed over `cpu_group` and turns
     that layout, or all of them, to the process-group path with the reason in the line; it
     never stops the launch."""
-    gpus = torch.cuda.device_count() if spec.device != "cpu" else 0
     mode = spec.all_reduce
+    gpus = torch.cuda.device_count() if spec.device != "cpu" and mode != "nccl" else 0
     go, why = wanted(mode, spec.device, spec.ranks_per_node, spec.world_size, gpus)
     if not go:
         return SymmSetup(dict.fromkeys(tp_groups), f"all-reduce path: nccl ({why})")
