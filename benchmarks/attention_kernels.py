@@ -62,17 +62,20 @@ DECODE_SWEEP = [
     kernels.KernelConfig(16, 32, 4, 4),
 ]
 # FP8 decode: the bf16 shape with each dot mode (the first = FP8's shape before it had its own),
-# then larger key blocks and deeper pipelines (an FP8 tile is half a bf16 tile's bytes)
+# then 8 warps (fewer registers a thread), larger key blocks and deeper pipelines (an FP8 tile
+# is half a bf16 tile's bytes)
 DECODE_SWEEP_FP8 = [
     kernels.KernelConfig(16, 64, 4, 3, "q"),
     kernels.KernelConfig(16, 64, 4, 3, "fp16_pv"),
     kernels.KernelConfig(16, 64, 4, 3, "fp16"),
     kernels.KernelConfig(16, 64, 4, 4, "fp16"),
-    kernels.KernelConfig(16, 128, 4, 3, "q"),
-    kernels.KernelConfig(16, 128, 4, 2, "fp16"),
+    kernels.KernelConfig(16, 32, 4, 4, "fp16"),
+    kernels.KernelConfig(16, 64, 8, 3, "q"),
+    kernels.KernelConfig(16, 64, 8, 3, "fp16"),
+    kernels.KernelConfig(16, 64, 8, 4, "fp16"),
     kernels.KernelConfig(16, 128, 4, 3, "fp16"),
-    kernels.KernelConfig(16, 128, 4, 4, "fp16"),
     kernels.KernelConfig(16, 128, 8, 3, "fp16"),
+    kernels.KernelConfig(16, 128, 8, 4, "fp16"),
     kernels.KernelConfig(16, 256, 8, 2, "fp16"),
 ]
 
