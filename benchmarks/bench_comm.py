@@ -269,6 +269,64 @@ def spawn_ranks(fn: Callable[[int, Any, str], None], spec: Any, deadline_s: floa
         return json.loads(out.read_text())
 
 
+# ---- --all-reduce symm-mem: the TP communicator's symmetric-memory path against the group ----
+SYMM_SIZES = "8K,32K,128K,512K,1M"
+
+
+def symm_rank_main(rank: int, spec: CommSpec, out_path: str) -> None:
+    """A rank of the symm-mem mode, launched as phaseflip launches its ranks (`join` forcing
+    --all-reduce symm-mem: ranks share a GPU, over gloo, when there are fewer GPUs than
+    ranks). Per size: the TP communicator's all-reduce (`SymmMemCommunicator`) and the
+    process group's, eagerly and replayed from a graph of GRAPH_OPS (the group's only on
+    NCCL: gloo staging cannot be captured)."""
+    from phaseflip.distributed.group import DistSpec, join
+    from phaseflip.distributed.symm_allreduce import SymmMemCommunicator
+    from phaseflip.layout import ProcessGroupCommunicator
+
+    w = spec.world_size
+    fabric = join(rank, DistSpec(w, w, 1, spec.init_method.removeprefix("tcp://"), spec.backend,
+                                 spec.timeout_s, w, 0, layouts=((w, 1),), all_reduce="symm-mem",
+                                 device="cuda", all_reduce_max_bytes=max(spec.sizes_bytes)))
+    symm = fabric.groups(w, 1).layout().tp_comm
+    r = Rank(rank, spec, torch.device("cuda", rank % torch.cuda.device_count()))
+    torch.cuda.set_device(r.device)
+    paths = {f"{spec.backend} all_reduce": ProcessGroupCommunicator(symm.group, w, symm.staged)}
+    if isinstance(symm, SymmMemCommunicator):
+        paths["symm-mem all_reduce"] = symm
+    rows = []
+    for size in spec.sizes_bytes:
+        x = r.zeros(size)
+        for name, comm in paths.items():
+            fn = lambda comm=comm, x=x: comm.all_reduce(x)  # noqa: E731
+            rows.append(row(f"{name} eager", size, x.nbytes,
+                            measure(r, fn, spec.ops_per_iter), 2 * (w - 1) / w))
+            if comm is symm or not symm.staged:
+                graph = graph_of(fn, r.device)
+                rows.append(row(f"{name} cuda graph", size, x.nbytes,
+                                measure(r, graph.replay, 1) / GRAPH_OPS, 2 * (w - 1) / w))
+    if rank == 0:
+        Path(out_path).write_text(json.dumps({"rows": rows, "cuda_graph_error": None,
+                                              "all_reduce_path": fabric.symm.line,
+                                              **_device_facts(spec)}))
+    os._exit(0)  # (the peer-mapped buffers outlive a process-group teardown)
+
+
+def graph_of(fn: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph:
+    """GRAPH_OPS calls of `fn` in one graph, after a warm-up on a side stream."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for _ in range(GRAPH_OPS):
+            fn()
+    return graph
+
+
 def parse_size(text: str) -> int:
     """'8K', '2M', '1G' (binary units) or plain bytes."""
     m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:I?B)?\s*", text.upper())
@@ -294,8 +352,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     ap.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"])
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--sizes", type=parse_sizes, default=DEFAULT_SIZES,
-                    help="comma-separated, binary K/M/G")
+    ap.add_argument("--sizes", type=parse_sizes, default=None,
+                    help=f"comma-separated, binary K/M/G (default {DEFAULT_SIZES}; "
+                    f"with --all-reduce symm-mem {SYMM_SIZES})")
+    ap.add_argument("--all-reduce", default=None, choices=["symm-mem"],
+                    help="time the TP all-reduce over symmetric memory against the process "
+                    "group (CUDA; ranks share a GPU over gloo when there are fewer GPUs)")
     ap.add_argument("--iters", type=int, default=20, help="timed iterations per case")
     ap.add_argument("--warmup", type=int, default=5, help="untimed ops before each case")
     ap.add_argument("--ops-per-iter", type=int, default=10,
@@ -316,10 +378,16 @@ def build_spec(args: argparse.Namespace) -> CommSpec:
         raise SystemExit("--world-size must be at least 2 (point-to-point uses ranks 0 and 1)")
     if backend == "nccl" and device != "cuda":
         raise SystemExit("--backend nccl needs --device cuda; use --backend gloo on CPU")
-    if device == "cuda" and torch.cuda.device_count() < args.world_size:
+    symm = args.all_reduce == "symm-mem"
+    if symm and device != "cuda":
+        raise SystemExit("--all-reduce symm-mem needs CUDA (--device cuda)")
+    if symm and args.backend == "auto" and torch.cuda.device_count() < args.world_size:
+        backend = "gloo"  # ranks share a GPU: the process group stages through the host
+    elif device == "cuda" and torch.cuda.device_count() < args.world_size:
         raise SystemExit(f"--world-size {args.world_size} needs that many GPUs; "
                          f"{torch.cuda.device_count()} visible")
-    return CommSpec(args.world_size, backend, device, args.dtype, args.sizes, args.iters,
+    sizes = args.sizes or parse_sizes(SYMM_SIZES if symm else DEFAULT_SIZES)
+    return CommSpec(args.world_size, backend, device, args.dtype, sizes, args.iters,
                     args.warmup, args.ops_per_iter, args.timeout_s,
                     f"tcp://127.0.0.1:{free_port()}")
 
@@ -327,7 +395,8 @@ def build_spec(args: argparse.Namespace) -> CommSpec:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     spec = build_spec(args)
-    measured = run_ranks(spec, args.deadline_s)
+    measured = (spawn_ranks(symm_rank_main, spec, args.deadline_s) if args.all_reduce
+                else run_ranks(spec, args.deadline_s))
     nccl = torch.cuda.nccl.version() if spec.backend == "nccl" else None  # (major, minor, patch)
     print_table(["size", "op", "time µs", "algbw GB/s", "busbw GB/s"],
                 [[format_size(r["size_bytes"]), r["op"], r["time_us"], r["algbw_GBps"],
@@ -335,7 +404,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 title=f"{spec.world_size} ranks, {spec.backend} on {spec.device}, {spec.dtype}")
     if measured["cuda_graph_error"] and spec.device == "cuda":
         print(f"CUDA graph capture failed: {measured['cuda_graph_error']}")
-    result = {"benchmark": "comm", **asdict(spec),
+    result = {"benchmark": "comm", "all_reduce": args.all_reduce, **asdict(spec),
               "nccl_version": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
               "no_multicast_env": NO_MULTICAST_ENV, **measured}
     return write_json(args.out, result)

@@ -317,3 +317,14 @@ def test_server_info_names_the_running_path(tmp_path):
     assert all_reduce_path(type("ModelRunner", (), {"layout": layout})()) == (
         "symm-mem (up to 2048 KiB, the process group above)")
     assert comm.graph_addresses() == (buf.data.data_ptr(), CAP)
+
+
+def test_the_comm_benchmarks_symm_mode_needs_cuda():
+    """`bench_comm --all-reduce symm-mem` (the GPU comparison) refuses a CPU run up front."""
+    from benchmarks import bench_comm
+
+    with pytest.raises(SystemExit, match="needs CUDA"):
+        bench_comm.main(["--device", "cpu", "--all-reduce", "symm-mem"])
+    args = bench_comm.parse_args(["--device", "cpu"])
+    assert bench_comm.build_spec(args).sizes_bytes == bench_comm.parse_sizes(
+        bench_comm.DEFAULT_SIZES)
