@@ -60,6 +60,7 @@ DECODE_SWEEP = [
     kernels.KernelConfig(16, 128, 4, 2),
     kernels.KernelConfig(16, 128, 8, 3),
     kernels.KernelConfig(16, 32, 4, 4),
+    kernels.KernelConfig(64, 64, 4, 3),
 ]
 # FP8 decode: the bf16 shape with each dot mode (the first = FP8's shape before it had its own),
 # then 8 warps (fewer registers a thread), larger key blocks and deeper pipelines (an FP8 tile
@@ -77,6 +78,10 @@ DECODE_SWEEP_FP8 = [
     kernels.KernelConfig(16, 128, 8, 3, "fp16"),
     kernels.KernelConfig(16, 128, 8, 4, "fp16"),
     kernels.KernelConfig(16, 256, 8, 2, "fp16"),
+    # 64 query rows (60 of them padding): Hopper's warpgroup MMA reads V from shared memory as
+    # fp16, so the FP8 tile is widened once into shared memory instead of gathered byte-wise
+    kernels.KernelConfig(64, 64, 4, 3, "fp16"),
+    kernels.KernelConfig(64, 128, 4, 2, "fp16"),
 ]
 
 
@@ -135,29 +140,33 @@ def make_pool(num_slots: int, kv_dtype: torch.dtype, device: torch.device) -> KV
     return pool
 
 
-def config_name(cfg: kernels.KernelConfig, fp8: bool) -> str:
+def config_name(cfg: kernels.KernelConfig, fp8: bool, usual_m: int = 16) -> str:
+    """n{keys}_w{warps}_s{stages}[_{FP8 dot mode}], led by m{rows} when rows != usual_m."""
     name = f"n{cfg.block_n}_w{cfg.num_warps}_s{cfg.num_stages}"
+    if cfg.block_m != usual_m:
+        name = f"m{cfg.block_m}_{name}"
     return f"{name}_{cfg.fp8_dot}" if fp8 else name
 
 
-def decode_sweep(run, seqs: list[tuple[int, int]], plan, ws, fp8: bool, device) -> dict:
-    """Kernel us for other split counts, launch shapes (FP8: and dot modes), minimum chunks.
-    `run(plan, workspace, config)` times one decode launch."""
+def decode_sweep(run, seqs: list[tuple[int, int]], plan, ws, fp8: bool, device
+                 ) -> tuple[dict, dict]:
+    """Kernel us (and relative error) for other split counts, launch shapes (FP8: and dot
+    modes), minimum chunks. `run(plan, workspace, config)` times one decode launch."""
     bs, ctx = len(seqs), sum(p + e for p, e in seqs) // len(seqs)
-    sweep = {}
+    runs = {}
     s = 1
     while s <= min(32, max(1, ctx // 64)):
         p = kernels.plan_decode(bs, KV_HEADS, 1, ctx, 0, num_splits=s, min_chunk=64)
         w = kernels.decode_workspace(bs, HEADS, HEAD_DIM, p, device)
-        sweep[f"splits={p.num_splits}"] = run(p, w, None)
+        runs[f"splits={p.num_splits}"] = run(p, w, None)
         s *= 2
     for cfg in DECODE_SWEEP_FP8 if fp8 else DECODE_SWEEP:
-        sweep[config_name(cfg, fp8)] = run(plan, ws, cfg)
+        runs[config_name(cfg, fp8)] = run(plan, ws, cfg)
     for mc in (32, 64, 128):  # smaller minimum chunks: more splits for small batches
         p = kernels.plan_decode(bs, KV_HEADS, 1, ctx, kernels.num_sms(device), min_chunk=mc)
         w = kernels.decode_workspace(bs, HEADS, HEAD_DIM, p, device)
-        sweep[f"min_chunk={mc} (splits {p.num_splits})"] = run(p, w, None)
-    return sweep
+        runs[f"min_chunk={mc} (splits {p.num_splits})"] = run(p, w, None)
+    return {n: r[0] for n, r in runs.items()}, {n: r[1] for n, r in runs.items()}
 
 
 def run_case(name: str, seqs: list[tuple[int, int]], kv_dtype: torch.dtype, args, device,
@@ -172,8 +181,12 @@ def run_case(name: str, seqs: list[tuple[int, int]], kv_dtype: torch.dtype, args
     tri, ref = TritonAttention(), TorchRefAttention()
 
     out = tri.forward(0, q, k, v, batch, pool, scale)  # builds and caches the batch metadata
-    want = ref.forward(0, q, k, v, batch, pool, scale)
-    rel_err = ((out.float() - want.float()).norm() / want.float().norm()).item()
+    want = ref.forward(0, q, k, v, batch, pool, scale).float()
+
+    def rel(got: torch.Tensor) -> float:
+        return ((got.float() - want).norm() / want.norm()).item()
+
+    rel_err = rel(out)
 
     meta = tri._meta
     assert meta is not None
@@ -181,18 +194,20 @@ def run_case(name: str, seqs: list[tuple[int, int]], kv_dtype: torch.dtype, args
     k_scale, v_scale = pool.scales(0) or (None, None)
     fp8 = pool.k_scale is not None
     sweep: dict[str, float] = {}
+    sweep_err: dict[str, float] = {}  # each decode candidate's last output against the reference
     if meta.is_decode:
         plan, ws = next(iter(meta.by_layout.values()))
         splits = plan.num_splits
 
-        def run(p, w, cfg, quick: bool = True) -> float:
-            return 1e3 * bench(lambda: kernels.decode_attention(
+        def run(p, w, cfg, quick: bool = True) -> tuple[float, float]:
+            us = 1e3 * bench(lambda: kernels.decode_attention(
                 q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, scale, p, out=out,
                 workspace=w, config=cfg, k_scale=k_scale, v_scale=v_scale), quick)
+            return us, rel(out)
 
-        kern_ms = run(plan, ws, None, args.quick) / 1e3
+        kern_ms = run(plan, ws, None, args.quick)[0] / 1e3
         if args.sweep:
-            sweep = decode_sweep(run, seqs, plan, ws, fp8, device)
+            sweep, sweep_err = decode_sweep(run, seqs, plan, ws, fp8, device)
     else:
         tiles = next(iter(meta.by_layout.values()))
         splits = 0
@@ -206,7 +221,7 @@ def run_case(name: str, seqs: list[tuple[int, int]], kv_dtype: torch.dtype, args
         for cfg in EXTEND_SWEEP if args.sweep else []:  # other tile shapes (tuning data)
             host = kernels.extend_tiles(batch.extend_lens, batch.prefix_lens,
                                         HEADS // KV_HEADS, cfg.block_m)
-            sweep[f"m{cfg.block_m}_{config_name(cfg, False)}"] = run(
+            sweep[config_name(cfg, False, usual_m=0)] = run(
                 cfg, torch.tensor(host, dtype=torch.int32, device=device))
 
     fwd_ms = bench(lambda: tri.forward(0, q, k, v, batch, pool, scale), args.quick)
@@ -219,7 +234,7 @@ def run_case(name: str, seqs: list[tuple[int, int]], kv_dtype: torch.dtype, args
         "decode_config": config_name(default, fp8) if meta.is_decode else None,
         "triton_forward_us": fwd_ms * 1e3, "triton_kernel_us": kern_ms * 1e3,
         "torch_ref_us": ref_ms * 1e3, "speedup_vs_ref": ref_ms / fwd_ms, "rel_err": rel_err,
-        "sweep_kernel_us": sweep,
+        "sweep_kernel_us": sweep, "sweep_rel_err": sweep_err,
     }
     if meta.is_decode:  # the bytes the kernel must read: every context row's K and V once
         kv_bytes = 2 * kv_len * KV_HEADS * HEAD_DIM * kv_dtype.itemsize
@@ -269,6 +284,9 @@ def print_rows(rows: list[dict], args, ceilings: dict) -> None:
             best = min(r["sweep_kernel_us"], key=r["sweep_kernel_us"].get)
             print(f"sweep {r['case']} {r['kv_dtype']}: " + ", ".join(
                 f"{k} {v:.1f}" for k, v in r["sweep_kernel_us"].items()) + f"  (best {best})")
+            wrong = {k: e for k, e in r["sweep_rel_err"].items() if not e < 2e-2}
+            if wrong:
+                print(f"  WRONG OUTPUT (rel err vs reference): {wrong}")
 
 
 def main() -> None:

@@ -44,6 +44,9 @@ def test_fp8_decode_case_sweeps_every_fp8_candidate(small):
     assert row["decode_config"].endswith("_" + bench_attn.kernels.FP8_DECODE_DOT)
     names = {bench_attn.config_name(c, True) for c in bench_attn.DECODE_SWEEP_FP8}
     assert names <= set(row["sweep_kernel_us"]) and "n64_w4_s3_q" in names
+    assert "m64_n64_w4_s3_fp16" in names  # the warpgroup-MMA candidates
+    assert set(row["sweep_rel_err"]) == set(row["sweep_kernel_us"])
+    assert max(row["sweep_rel_err"].values()) < 1e-2  # every candidate's output is right
     kv_bytes = 2 * row["kv_tokens"] * 2 * 32 * 1  # K and V, one byte a value
     assert row["kv_read_GBps"] == pytest.approx(kv_bytes / 0.5e-3 / 1e9)
     assert row["sweep_TBps"]["n64_w4_s3_q"] == pytest.approx(kv_bytes / 0.5e-3 / 1e12)
