@@ -171,12 +171,12 @@ def wanted(mode: str, device: str, ranks_per_node: int, world_size: int,
     if mode == "nccl":
         return False, "--all-reduce nccl"
     if device == "cpu" or gpus == 0:
-        return False, "the ranks run on the CPU (no CUDA device)"
+        return False, "no CUDA device: the ranks run on the CPU"
     if ranks_per_node != world_size:
         return False, f"the ranks span {world_size // ranks_per_node} nodes"
     if gpus < ranks_per_node and mode == "auto":
-        return False, (f"{ranks_per_node} ranks share {gpus} GPU(s) (--all-reduce symm-mem "
-                       "forces it there)")
+        return False, (f"{ranks_per_node} ranks share {gpus} GPU(s); --all-reduce symm-mem "
+                       "forces it there")
     return True, mode
 
 
