@@ -107,7 +107,10 @@ def test_cuda_graph_decode_matches_eager(arch, model_dirs, make_engine):
 def test_live_flips_on_one_gpu_match_single_process(strategy, model_dirs):
     """Two ranks sharing one GPU flip tp2 → pp2 → tp2 → pp2 mid-generation (fp32 greedy):
     the tokens equal the single-process GPU engine's, the pp2 layout's graphs are captured on
-    first use (none in the seam), and the KV slot space is the same after every flip."""
+    first use (none in the seam) and, with resident weights, parked at its seam and replayed
+    as they were on its second visit (after tp2 wrote its rows into the same KV arena), and
+    the KV slot space is the same after every flip. (Staged gloo TP captures no graphs: tp2
+    runs eagerly here, so only pp2's graphs are parked.)"""
     from phaseflip import Engine
     from tests.test_flip import FLIP, _drive
 
@@ -117,8 +120,15 @@ def test_live_flips_on_one_gpu_match_single_process(strategy, model_dirs):
         want, _ = _drive(e, prompts, {})
     with Engine(str(model_dirs["llama"]), tp_size=2, dist_timeout_s=120, dist_backend="gloo",
                 flip_weights=strategy, **FLIP, **cfg) as e:
-        got, censuses = _drive(e, prompts, {2: (1, 2), 6: (2, 1), 9: (1, 2)})
-    assert [c.graph_capture for c in censuses] == ["on first use", None, "on first use"]
+        seen = []
+        got, censuses = _drive(e, prompts, {2: (1, 2), 6: (2, 1), 9: (1, 2)},
+                               lambda when: seen.append(e.core.runner.graphs))
+        replayed = [] if seen[-1] is None else sorted(seen[-1].graphs)
+    again = "parked" if strategy == "resident" else "on first use"
+    assert [c.graph_capture for c in censuses] == ["on first use", None, again]
+    assert (seen[1] is seen[5]) == (strategy == "resident") and replayed  # pp2's, recorded
+    kept = [c.graphs_kept_bytes for c in censuses]
+    assert (kept[1] is not None and kept[1] > 0) == (strategy == "resident"), kept
     assert {c.kv_slots_after for c in censuses} == {censuses[0].kv_slots_before}
     # the parked shards of resident weights are kept on purpose, not counted as held
     assert all(c.held_after_teardown_bytes < 2**28 for c in censuses)

@@ -129,6 +129,11 @@ class DistributedRunner:
         return self.runner.graph_capture
 
     @property
+    def graphs_kept_bytes(self) -> int | None:
+        """Reserved device bytes of rank 0's parked decode graphs (other layouts')."""
+        return self.runner.graphs_kept_bytes
+
+    @property
     def numerics(self) -> dict[str, str | None]:
         return self.runner.numerics
 

@@ -32,6 +32,7 @@ from phaseflip.distributed.stage import StageExecutor, StepMessage
 from phaseflip.distributed.watchdog import PositionTracker
 from phaseflip.heap import release_freed_heap
 from phaseflip.model.config import ModelConfig
+from phaseflip.model.cuda_graph import DecodeGraphs, GraphReuse
 from phaseflip.model.llama import LlamaForCausalLM
 from phaseflip.model.runner import ModelRunner, free_model
 from phaseflip.model.weight_image import WeightImage
@@ -61,14 +62,16 @@ class RankLayout:
     runner: ModelRunner
     stage: StageExecutor
 
-    def release(self, keep_weights: bool = False) -> LlamaForCausalLM | None:
+    def release(self, keep_weights: bool = False,
+                graphs_parked: bool = False) -> LlamaForCausalLM | None:
         """Frees this rank's graphs, KV pool and (unless `keep_weights`) weights in place
         (after its HiCache copies finished: they read the pool), so the next layout sizes its
-        pool from what is free. `keep_weights`: returns the model, to be parked."""
+        pool from what is free. `keep_weights`: returns the model, to be parked.
+        `graphs_parked`: the rank keeps parked decode graphs (and what they address)."""
         if self.stage.transfers is not None:
             self.stage.transfers.close()
         self.runner.release_graphs()
-        model = self.runner.free_device_memory(keep_weights)
+        model = self.runner.free_device_memory(keep_weights, graphs_parked)
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
         return model
@@ -93,6 +96,8 @@ class RankProcess:
         self.layout: RankLayout | None = None
         # resident weights: the shards of the layouts this rank does not run now, by (tp, pp)
         self.parked: dict[tuple[int, int], LlamaForCausalLM] = {}
+        # ... and their decode graphs, when their KV pools live in the arena (kept as captured)
+        self.parked_graphs: dict[tuple[int, int], DecodeGraphs] = {}
         # peer weights: the released layout's config and model, until the next build
         self.handover: tuple[EngineConfig, LlamaForCausalLM] | None = None
         self.peer_plans: dict[tuple, list] = {}  # its moves by (old layout, new layout)
@@ -106,7 +111,14 @@ class RankProcess:
         models = [*self.parked.values(), *([self.handover[1]] if self.handover else [])]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for m in models for t in [*m.parameters(), *m.buffers()]}
-        return sum(storages.values()) + self.kv_arena.nbytes
+        graphs = sum(g.device_bytes()[0] for g in self.parked_graphs.values())
+        return sum(storages.values()) + self.kv_arena.nbytes + graphs
+
+    def graphs_kept_bytes(self) -> int | None:
+        """Device bytes the parked decode graphs hold (static buffers, private pools'
+        reserved memory); None when none are parked or a pool is unreadable."""
+        sizes = [g.device_bytes()[1] for g in self.parked_graphs.values()]
+        return None if not sizes or None in sizes else sum(sizes)
 
     def relayout(self, cfg: EngineConfig, lazy_graphs: bool = False,
                  kv_arena: bool = False) -> RankLayout:
@@ -145,8 +157,13 @@ class RankProcess:
             layout, self.layout = self.layout, None
             cfg = layout.runner.cfg
             keep = park and cfg.flip_weights in ("resident", "peer")
+            # a pool in the arena: the next build of this layout views the same addresses
+            graphs = (layout.runner.park_graphs() if keep and cfg.flip_weights == "resident"
+                      and layout.runner.pool.arena is not None else None)
+            if graphs is not None:
+                self.parked_graphs[(cfg.tp_size, cfg.pp_size)] = graphs
             with self.tracker.at("releasing the layout"):
-                model = layout.release(keep_weights=keep)
+                model = layout.release(keep, graphs_parked=bool(self.parked_graphs))
             if model is not None and cfg.flip_weights == "resident":
                 self.parked[(cfg.tp_size, cfg.pp_size)] = model
             elif model is not None:  # peer: the next build takes its slices, then frees it
@@ -162,7 +179,11 @@ class RankProcess:
 
     def close(self) -> None:
         self.release(park=False)
+        recorded = any(g.record for g in self.parked_graphs.values())
         self.free_kept()
+        if recorded and hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+            torch.cuda.synchronize()  # the parked graphs' cuBLAS workspaces were kept
+            torch._C._cuda_clearCublasWorkspaces()
         if self._own_frames and self.frames is not None:
             self.frames.close()
         self.tracker.close()
@@ -170,7 +191,11 @@ class RankProcess:
     def free_kept(self) -> None:
         """Frees what this rank keeps between layouts (parked weights, a handed-over model,
         the KV arena) in place, with no device sync: also after a failed group, whose
-        collectives may never complete."""
+        collectives may never complete. Parked graphs go first (before the communicators
+        their collectives use)."""
+        for graphs in self.parked_graphs.values():
+            graphs.release()
+        self.parked_graphs.clear()
         for model in self.parked.values():
             free_model(model)
         self.parked.clear()
@@ -188,11 +213,20 @@ class RankProcess:
                              f"{model_cfg.num_layers} layers")
         tracker = self.tracker
 
-        def agree(local_slots: int) -> int:
-            t = torch.tensor([local_slots], dtype=torch.int64)
-            with tracker.at("agreeing on the KV slot space"):
+        def least(value: int, what: str) -> int:  # over every rank of the group
+            t = torch.tensor([value], dtype=torch.int64)
+            with tracker.at(what):
                 dist.all_reduce(t, op=dist.ReduceOp.MIN, group=groups.cpu_group)
             return int(t.item())
+
+        def agree(local_slots: int) -> int:
+            return least(local_slots, "agreeing on the KV slot space")
+
+        key = (cfg.tp_size, cfg.pp_size)
+        reuse = None  # a seam's build of resident layouts: its parked graphs, if all agree
+        if kv_arena and lazy_graphs:
+            reuse = GraphReuse(self.parked_graphs.pop(key, None), lambda ok: bool(
+                least(int(ok), "agreeing on reusing the parked decode graphs")))
 
         device = rank_device(self.rank, groups.spec, cfg)
         if device.type == "cuda":
@@ -212,10 +246,11 @@ class RankProcess:
                 runner = ModelRunner(cfg, model_cfg, groups.layout(), device,
                                      agree_slots=agree, weights=image, before_sizing=settle,
                                      device_share=_device_share(self.spec, device),
-                                     resident=self.parked.pop((cfg.tp_size, cfg.pp_size),
-                                                              None), lazy_graphs=lazy_graphs,
-                                     weights_from=peer,
-                                     kv_arena=self.kv_arena if kv_arena else None)
+                                     resident=self.parked.pop(key, None),
+                                     lazy_graphs=lazy_graphs, weights_from=peer,
+                                     kv_arena=self.kv_arena if kv_arena else None,
+                                     graph_reuse=reuse)
+            runner.graphs_kept_bytes = self.graphs_kept_bytes()
         finally:
             if mapped is not None:
                 mapped.close()  # the parameters are copies: the mapping is not needed after

@@ -47,8 +47,13 @@ class SeamCensus:
     # their communicators were all made at launch (no part for them)
     relayout_parts: dict[str, float] | None = None
     # the new layout's decode graphs: "on first use" (a seam captures none: each size is
-    # captured by the first step that needs it), "at build", None (eager)
+    # captured by the first step that needs it), "parked" (the graphs this layout had at its
+    # last seam, every address they captured unchanged: resident weights), "on first use
+    # (parked stale)" (parked ones whose addresses moved), "at build", None (eager)
     graph_capture: str | None = None
+    # device bytes rank 0 keeps in the decode graphs parked for its other layouts (static
+    # buffers, private memory pools; reserved), after the relayout. None: none parked
+    graphs_kept_bytes: int | None = None
     kv_slots_before: int | None = None  # the KV slot space of the old layout and the new
     kv_slots_after: int | None = None
     # device memory this process still had allocated once the old layout was torn down,
@@ -88,6 +93,8 @@ class SeamCensus:
         kv = ("" if self.kv_slots_after is None else
               f", KV slots {_or_unmeasured(self.kv_slots_before)} → {self.kv_slots_after}")
         graphs = "" if self.graph_capture is None else f", graphs {self.graph_capture}"
+        if self.graphs_kept_bytes is not None:
+            graphs += f" ({self.graphs_kept_bytes / 2**20:.1f} MiB kept in parked graphs)"
         return (f"flip {self.source} → {self.target} DONE in {self.total_s:.3f} s: worst "
                 f"segment {name} {self.segments[name]:.3f} s ({100 * share:.0f} %){parts}; "
                 f"retracted {self.retracted}, rows moved {_or_unmeasured(self.rows_moved)}, "

@@ -150,6 +150,7 @@ def _mutate(host: LayoutHost, census: SeamCensus, segment, target_cfg) -> None:
         record_weights(census, runner.weights_load)
         census.relayout_parts = dict(runner.build_s)
         census.graph_capture = runner.graph_capture
+        census.graphs_kept_bytes = getattr(runner, "graphs_kept_bytes", None)
         census.device_free_after_bytes = _device_free(runner.device)
         acc = host.check_pool()
         census.kv_slots_after = acc.total

@@ -28,9 +28,24 @@ first replay, so the seam does not wait for sizes the next steps may never use (
 stage took 0.38-0.57 s to capture all of them on the H200). A first-use capture runs over the
 padding batch, before the plan is copied in, and every TP rank reaches it at the same step.
 
+With resident weights (`--flip-weights resident`) a layout's graphs outlive its seam: they are
+parked with the layout's model (`park`) and adopted by its next build (`adopt`), which then
+replays them as they were instead of capturing again (the census says `parked`). A graph is
+only valid while every address it captured outside itself is unchanged: the weights and rope
+tables (the parked model's), the KV pool (a view of the rank's `KVArena` at the same offsets),
+the communicator's process group and any device buffers it exposes (`graph_addresses()`), and
+the static buffers. `addresses` fingerprints them when the sizes may first be captured
+(`prepare`); `adopt` compares, and the caller falls back to first-use capture if anything moved.
+What the graphs own (static buffers, logits buffer, attention workspaces, their private memory
+pool, the GEMM workspaces they captured) stays allocated while they are parked
+(`device_bytes`).
+
 With `record=False` nothing is captured and a replay runs the same forward eagerly over the
 same static buffers: the CPU tests use it to check the buffer filling, the padding and the
-longest-context attention plan without a GPU.
+longest-context attention plan without a GPU. `PHASEFLIP_UNRECORDED_GRAPHS=1` gives a CPU
+engine's ranks such graphs (tests: parking and adoption through real flips); with the reference
+attention, which reads each sequence's prefix length on the host, a replay hands it the static
+batch's lengths.
 """
 
 from __future__ import annotations
@@ -38,6 +53,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +67,21 @@ from phaseflip.model.llama import LlamaForCausalLM
 log = logging.getLogger(__name__)
 
 PAD_SLOT = 0  # the allocator never hands out page 0: padding rows write their K/V here
+# tests: "1" gives CPU runners unrecorded graphs (`record=False`), to park and adopt on flips
+UNRECORDED_ENV = "PHASEFLIP_UNRECORDED_GRAPHS"
+
+
+def _address(t: torch.Tensor | None) -> tuple | None:
+    """Where a captured kernel reads or writes `t`: its base pointer and geometry."""
+    return None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _comm_address(comm: object) -> tuple:
+    """The communicator a graph's collectives run on: its process group and any device
+    buffers it exposes (`graph_addresses()`, e.g. symmetric-memory all-reduce buffers)."""
+    buffers = getattr(comm, "graph_addresses", None)
+    return (type(comm).__name__, id(getattr(comm, "group", None)),
+            tuple(buffers()) if buffers is not None else ())
 
 
 def capture_sizes(max_bs: int) -> list[int]:
@@ -73,6 +104,17 @@ class _Captured:
     # [bs, vocab] float32 rows of the shared logits buffer: the last stage's sampling rank only
     logits: torch.Tensor | None
     backend_state: object  # the attention backend's plans/workspaces the graph addresses
+
+
+@dataclass
+class GraphReuse:
+    """A layout's decode graphs parked at its last seam, offered to its next build, and the
+    group's vote on them: every rank adopts its parked graphs or none does (a TP rank
+    capturing a size on first use while its peers replay theirs would pair the collectives
+    of the capture's warm-up runs with nothing: law 4)."""
+
+    parked: DecodeGraphs | None  # None: none parked on this rank (it still votes)
+    agree: Callable[[bool], bool]  # this rank's verdict -> whether every rank's was yes
 
 
 class DecodeGraphs:
@@ -125,6 +167,9 @@ class DecodeGraphs:
         self.graphs: dict[int, _Captured] = {}
         self._rope_table: torch.Tensor | None = None
         self._mempool = self._side = None  # set by `prepare`
+        # what the captures address outside these graphs, read by `prepare` (see `adopt`)
+        self.addresses: dict[str, object] | None = None
+        self._gemm_workspaces: list[object] = []  # the split-K workspaces captures used
 
     def _reset_buffers(self) -> None:
         """The static buffers as a valid padding batch (every sequence one token over slot
@@ -195,6 +240,68 @@ class DecodeGraphs:
         if self.record:
             self._mempool = torch.cuda.graph_pool_handle()
             self._side = torch.cuda.Stream(self.device)
+        self.addresses = self.addresses_with(self.pool, self.model.layout.tp_comm)
+
+    # ------------------------------------------------------------------ parking
+    def _statics(self) -> list[torch.Tensor]:
+        """The static buffers the graphs read and write (theirs, kept with them)."""
+        return [t for t in (self.input_ids, self.positions, self.out_cache_loc, self.kv_indptr,
+                            self.kv_indices, self.rows, self.in_hidden, self.in_residual,
+                            self.logits_out) if t is not None]
+
+    def addresses_with(self, pool: KVPool, comm: object) -> dict[str, object]:
+        """Every address a capture over `pool` and `comm` records that these graphs do not
+        own: the model's parameters and buffers, its rope tables, the KV pool and its FP8
+        scales, the communicator; and the static buffers. Cheap: pointers and shapes."""
+        model = self.model
+        out: dict[str, object] = {f"weight {n}": _address(t)
+                                  for n, t in model.named_parameters()}
+        out.update((f"buffer {n}", _address(t)) for n, t in model.named_buffers())
+        out["rope tables"] = (_address(model.rope.cos_cache), _address(model.rope.sin_cache))
+        out["KV pool"] = _address(pool.kv)
+        out["KV scales"] = (_address(pool.k_scale), _address(pool.v_scale))
+        out["communicator"] = _comm_address(comm)
+        out["static buffers"] = tuple(_address(t) for t in self._statics())
+        return out
+
+    def adopt(self, pool: KVPool, comm: object) -> list[str]:
+        """Takes these parked graphs into a new build of their layout over `pool` (its KV
+        pool, a new view of the same arena) and `comm` (its TP communicator). Returns what
+        moved since the captures (empty: adopted; replays are valid as they were). Else the
+        caller must `release` these graphs and capture anew. An FP8 pool's scales are the
+        ones the graphs read: the new pool's values are copied into them."""
+        old = self.pool
+        if (old.k_scale is not None and pool.k_scale is not None
+                and old.k_scale.shape == pool.k_scale.shape):
+            old.k_scale.copy_(pool.k_scale)
+            old.v_scale.copy_(pool.v_scale)
+            pool.k_scale, pool.v_scale = old.k_scale, old.v_scale
+        now = self.addresses_with(pool, comm)
+        was = self.addresses or {}
+        moved = [k for k in sorted(now.keys() | was.keys()) if now.get(k) != was.get(k)]
+        if moved:
+            return moved
+        self.pool = pool
+        if len(self.graphs) < len(self.sizes):  # sizes left to capture on first use:
+            self._warm_linears()  # the GEMM workspace may be a new one since
+        return []
+
+    def device_bytes(self) -> tuple[int, int | None]:
+        """(allocated, reserved) device bytes these graphs keep while they exist: their
+        static buffers, plus the blocks of their private memory pool in use (allocated) or
+        held (reserved; None when the allocator's snapshot cannot be read)."""
+        static = sum(t.numel() * t.element_size() for t in self._statics())
+        if self._mempool is None:  # nothing recorded: no private pool
+            return static, static
+        try:
+            pool_id = tuple(self._mempool)
+            segments = [seg for seg in torch.cuda.memory_snapshot()
+                        if tuple(seg.get("segment_pool_id", ())) == pool_id]
+        except (RuntimeError, AttributeError, TypeError) as e:
+            log.warning("decode graphs' memory pool unreadable (%s): reserved unmeasured", e)
+            return static, None
+        used = sum(seg["allocated_size"] for seg in segments)
+        return static + used, static + sum(seg["total_size"] for seg in segments)
 
     def capture(self) -> None:
         """Captures every size (largest first: the smaller ones reuse its pool memory)."""
@@ -213,6 +320,7 @@ class DecodeGraphs:
         if not self.record:
             self.graphs[bs] = _Captured(batch, None, None, None, None, None)
             return
+        self._keep_gemm_workspace()
         side = self._side
         torch.cuda.synchronize(self.device)
         state = self.backend.bind_graph_batch(batch, self.max_context)
@@ -230,6 +338,18 @@ class DecodeGraphs:
         self.graphs[bs] = _Captured(batch, graph, hidden, residual, logits, state)
         torch.cuda.synchronize(self.device)
 
+    def _keep_gemm_workspace(self) -> None:
+        """Holds the split-K workspace this capture addresses: a parked graph outlives the
+        runners whose holds keep the device's workspace (`kernels/linear.py`), and the next
+        layout may start a new one."""
+        if self.device.type != "cuda":
+            return
+        from phaseflip.kernels import linear
+
+        ws = linear.workspace_for(self.device)
+        if all(ws is not kept for kept in self._gemm_workspaces):
+            self._gemm_workspaces.append(ws)
+
     def release(self) -> None:
         """Frees the graphs. Under TP this must happen before the NCCL communicator is
         destroyed: a communicator whose collectives live on in a captured graph does not
@@ -238,6 +358,7 @@ class DecodeGraphs:
             if captured.graph is not None:
                 captured.graph.reset()
         self.graphs.clear()
+        self._gemm_workspaces.clear()
 
     # ------------------------------------------------------------------ replay
     def can_run(self, plan: ForwardBatch) -> bool:
@@ -321,9 +442,14 @@ class DecodeGraphs:
             self.positions[b:bs].zero_()
         captured = self.graphs[bs]
         if captured.graph is None:
+            batch = captured.batch
             with torch.inference_mode():
-                self.backend.bind_graph_batch(captured.batch, self.max_context)
-                out, res, logits = self._run(captured.batch)
+                if self.backend.graph_capturable:
+                    self.backend.bind_graph_batch(batch, self.max_context)
+                else:  # the reference attention reads each prefix length on the host
+                    lens = self.kv_indptr[1 : bs + 1] - self.kv_indptr[:bs]
+                    batch = dataclasses.replace(batch, prefix_lens=(lens - 1).tolist())
+                out, res, logits = self._run(batch)
             captured = dataclasses.replace(captured, hidden=out, residual=res, logits=logits)
         else:
             captured.graph.replay()

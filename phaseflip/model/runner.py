@@ -8,9 +8,10 @@ implement it, with one `forward` signature.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -34,6 +35,9 @@ from phaseflip.model.llama import LlamaForCausalLM
 from phaseflip.model.quant import resolve_quantization
 from phaseflip.model.quant.kv_scales import load_kv_scales
 from phaseflip.model.weight_image import WeightImage, WeightsLoad, load_model_weights
+
+if TYPE_CHECKING:
+    from phaseflip.model.cuda_graph import DecodeGraphs, GraphReuse
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +124,10 @@ class Runner(Protocol):
     def graphs(self) -> object | None: ...  # rank 0's decode graphs, None when eager
 
     @property
-    def graph_capture(self) -> str | None: ...  # "at build", "on first use"; None: eager
+    def graph_capture(self) -> str | None: ...  # "at build", "on first use", "parked"; None: eager
+
+    @property
+    def graphs_kept_bytes(self) -> int | None: ...  # rank 0's parked graphs, reserved bytes
 
     @property
     def numerics(self) -> dict[str, str | None]: ...  # dtypes and quantization, as run
@@ -158,7 +165,11 @@ class ModelRunner:
     `weights_from`: fills the new (empty) model instead of the checkpoint (the peer strategy:
     slices kept from the old layout and received from the other ranks). `kv_arena`: the
     rank's KV arena (resident flips): the pool lives in it, and once it holds memory the
-    pool takes as many slots as fit in it instead of sizing itself from what is free."""
+    pool takes as many slots as fit in it instead of sizing itself from what is free.
+    `graph_reuse`: this layout's decode graphs parked at its last seam (resident weights),
+    adopted if every address they captured is unchanged on every rank."""
+
+    graphs_kept_bytes: int | None = None  # set by the rank: its parked graphs' reserved bytes
 
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, layout: Layout | None = None,
                  device: torch.device | None = None,
@@ -167,7 +178,7 @@ class ModelRunner:
                  before_sizing: Callable[[], None] | None = None, device_share: int = 1,
                  resident: LlamaForCausalLM | None = None, lazy_graphs: bool = False,
                  weights_from: Callable[[LlamaForCausalLM], WeightsLoad] | None = None,
-                 kv_arena: KVArena | None = None):
+                 kv_arena: KVArena | None = None, graph_reuse: GraphReuse | None = None):
         t0 = time.perf_counter()
         self.cfg, self.model_cfg = cfg, model_cfg
         self.layout = layout or Layout()
@@ -218,10 +229,8 @@ class ModelRunner:
         log.info("KV pool: %d slots on %s (%s)", self.num_slots, self.device, self.kv_dtype)
         self._workspace_held = _gemm_workspace(self.device, hold=True)
         t_pool = time.perf_counter()
-        self.graphs = self._capture_graphs(lazy_graphs)
-        # how the decode graphs came: None (eager), "at build" or "on first use"
-        self.graph_capture = (None if self.graphs is None else
-                              "on first use" if lazy_graphs else "at build")
+        # how the decode graphs came: None (eager), "at build", "on first use", "parked"
+        self.graphs, self.graph_capture = self._capture_graphs(lazy_graphs, graph_reuse)
         # how long building this rank took, by part (a flip's census reads rank 0's)
         self.build_s = {"weights": t_weights - t0, "wait_for_ranks": t_sizing - t_weights,
                         "kv_pool": t_pool - t_sizing, "graphs": time.perf_counter() - t_pool}
@@ -235,29 +244,53 @@ class ModelRunner:
                 "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
                 "quantization": None if self.quant is None else f"fp8 ({self.quant.source})"}
 
-    def _capture_graphs(self, lazy: bool):
-        """Decode CUDA graphs of this rank's stage (`lazy`: prepared, each size captured on
-        its first replay). TP collectives are captured with the layers
-        when they run on NCCL; a TP group on gloo staging through the host (several ranks on one
-        GPU, for correctness runs) cannot be captured and runs eagerly."""
-        cfg = self.cfg
-        if (self.device.type != "cuda" or cfg.disable_cuda_graph
-                or not self.backend.graph_capturable
-                or (isinstance(self.layout.tp_comm, ProcessGroupCommunicator)
-                    and self.layout.tp_comm.staged)):
-            return None
-        from phaseflip.model.cuda_graph import DecodeGraphs
+    def _capture_graphs(self, lazy: bool, reuse: GraphReuse | None
+                        ) -> tuple[DecodeGraphs | None, str | None]:
+        """Decode CUDA graphs of this rank's stage and how they came: the parked ones of
+        `reuse` if valid, else new ones (`lazy`: prepared, each size captured on its first
+        replay). TP collectives are captured with the layers when they run on NCCL; a TP
+        group on gloo staging through the host (several ranks on one GPU, for correctness
+        runs) cannot be captured and runs eagerly. CPU runners get unrecorded graphs when
+        the tests ask (`UNRECORDED_ENV`)."""
+        from phaseflip.model.cuda_graph import UNRECORDED_ENV, DecodeGraphs
 
+        cfg = self.cfg
+        unrecorded = self.device.type != "cuda" and os.environ.get(UNRECORDED_ENV) == "1"
+        usable = not cfg.disable_cuda_graph and (unrecorded or (
+            self.device.type == "cuda" and self.backend.graph_capturable
+            and not (isinstance(self.layout.tp_comm, ProcessGroupCommunicator)
+                     and self.layout.tp_comm.staged)))
+        how = "on first use" if lazy else "at build"
+        if reuse is not None:  # every rank of the group votes, with parked graphs or not
+            moved = (reuse.parked.adopt(self.pool, self.layout.tp_comm)
+                     if reuse.parked is not None and usable else ["nothing parked"])
+            if reuse.agree(not moved):
+                return reuse.parked, "parked"
+            if reuse.parked is not None:
+                reuse.parked.release()
+                log.warning("tp rank %d, stage %d: the decode graphs parked with this layout "
+                            "are stale (moved: %s); capturing each size on first use",
+                            self.layout.tp_rank, self.layout.pp_rank,
+                            ", ".join(moved[:3]) or "on another rank")
+                how = "on first use (parked stale)"
+        if not usable:
+            return None, None
         graphs = DecodeGraphs(
             self.model, self.pool, self.backend,
             max_bs=min(cfg.cuda_graph_max_bs, cfg.max_running_requests),
             max_context=cfg.max_model_len or self.model_cfg.max_position_embeddings,
-            max_kv_tokens=self.num_slots,
+            max_kv_tokens=self.num_slots, record=not unrecorded,
         )
         if lazy:
             graphs.prepare()
         else:
             graphs.capture()
+        return graphs, how
+
+    def park_graphs(self) -> DecodeGraphs | None:
+        """Hands this runner's decode graphs over whole, unreleased, to be parked with its
+        layout's model (resident weights); `free_device_memory` may follow."""
+        graphs, self.graphs = self.graphs, None
         return graphs
 
     def release_graphs(self) -> None:
@@ -265,16 +298,20 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
-            torch.cuda.synchronize(self.device)
+            if self.device.type == "cuda":  # (unrecorded graphs on a CPU: tests)
+                torch.cuda.synchronize(self.device)
 
-    def free_device_memory(self, keep_weights: bool = False) -> LlamaForCausalLM | None:
+    def free_device_memory(self, keep_weights: bool = False,
+                           graphs_parked: bool = False) -> LlamaForCausalLM | None:
         """Frees this rank's KV pool and (unless `keep_weights`) its weights in place, after
         its graphs were released (a flip's teardown): the storage goes even if something
         still refers to this runner, its model or its pool, so the next layout's ranks size
         their pools from the memory really free — except a pool in the rank's KV arena, whose
         memory the next layout's pool reuses (a stale view would then read its rows). The
         runner cannot run afterwards.
-        `keep_weights`: the model is returned whole, to be parked (resident weights)."""
+        `keep_weights`: the model is returned whole, to be parked (resident weights).
+        `graphs_parked`: decode graphs parked on this rank may address cuBLAS workspaces: they
+        are kept."""
         if self.graphs is not None:
             raise RuntimeError("release the decode graphs first (they address this memory)")
         if self.device.type == "cuda":
@@ -285,7 +322,8 @@ class ModelRunner:
             free_model(self.model)
         if self._workspace_held:  # the last holder frees it (its graphs are gone)
             self._workspace_held = not _gemm_workspace(self.device, hold=False)
-        if self.device.type == "cuda" and hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+        if (self.device.type == "cuda" and not graphs_parked
+                and hasattr(torch._C, "_cuda_clearCublasWorkspaces")):
             # cuBLAS keeps a workspace per stream it ran on (32 MiB on the H200), the graph
             # capture's side stream included: without this each layout leaked one
             torch._C._cuda_clearCublasWorkspaces()
