@@ -256,7 +256,7 @@ def _gpu_checks(rank: int, s: DistSpec) -> dict:
         vars(sa).update(saved)
     static = [x.clone() for x in inputs()]
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # (NCCL's watchdog)
         for x in static:
             comm.all_reduce(x)
     for _ in range(3):
@@ -278,7 +278,7 @@ def _gpu_case(shared: bool, monkeypatch) -> None:
         first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", first)
     s = spec(device="cuda", backend="gloo" if shared else "nccl", layouts=((2, 1),))
-    got = run_ranks(_gpu_ranks, (s,), deadline_s=150)
+    got = run_ranks(_gpu_ranks, (s,), deadline_s=100)
     for rank, res in got.items():
         assert res["symm"], (rank, res["line"])
         assert "tp2×pp1 symm-mem" in res["line"]
@@ -288,11 +288,13 @@ def _gpu_case(shared: bool, monkeypatch) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(115, method="thread")
 def test_symm_mem_equals_the_process_group_on_ranks_sharing_a_gpu(monkeypatch):
     _gpu_case(True, monkeypatch)
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(115, method="thread")
 def test_symm_mem_equals_nccl_one_rank_per_gpu(monkeypatch):
     _gpu_case(False, monkeypatch)
 

@@ -64,6 +64,8 @@ ONE_SHOT_MAX_BYTES = 512 << 10  # more than two ranks: one-shot up to here, two-
 NO_MULTICAST_ENV = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 SHARED_DEVICE_ENV = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
 _REQUIRED_OPS = ("one_shot_all_reduce_out", "two_shot_all_reduce_")
+# the one-shot kernel that copies its input in itself (a launch fewer); older torch lacks it
+_COPY_IN_OP = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
 
 Layout2 = tuple[int, int]  # (tp, pp)
 
@@ -115,7 +117,7 @@ class SymmMemCommunicator(ProcessGroupCommunicator):
         view = buf.data.view(x.dtype)[: flat.numel()]
         ops = torch.ops.symm_mem
         if x.numel() * x.element_size() <= one_shot_limit(self.size):
-            if _copy_in_kernel(flat) and hasattr(ops, "one_shot_all_reduce_copy_out"):
+            if _COPY_IN_OP and _copy_in_kernel(flat):
                 ops.one_shot_all_reduce_copy_out(view, flat, "sum", buf.group_name, flat)
             else:
                 view.copy_(flat)
