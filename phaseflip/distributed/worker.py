@@ -250,7 +250,8 @@ class RankProcess:
                                      lazy_graphs=lazy_graphs, weights_from=peer,
                                      kv_arena=self.kv_arena if kv_arena else None,
                                      graph_reuse=reuse)
-            runner.graphs_kept_bytes = self.graphs_kept_bytes()
+            if self.rank == 0:  # the census's (it reads the allocator's snapshot)
+                runner.graphs_kept_bytes = self.graphs_kept_bytes()
         finally:
             if mapped is not None:
                 mapped.close()  # the parameters are copies: the mapping is not needed after
