@@ -169,6 +169,17 @@ def decode_sweep(run, seqs: list[tuple[int, int]], plan, ws, fp8: bool, device
     return {n: r[0] for n, r in runs.items()}, {n: r[1] for n, r in runs.items()}
 
 
+def extend_sweep(run, batch: ForwardBatch, device) -> dict:
+    """Kernel us of the extend tile shapes in EXTEND_SWEEP (`run(config, tiles)` times one)."""
+    sweep = {}
+    for cfg in EXTEND_SWEEP:
+        host = kernels.extend_tiles(batch.extend_lens, batch.prefix_lens, HEADS // KV_HEADS,
+                                    cfg.block_m)
+        sweep[config_name(cfg, False, usual_m=0)] = run(
+            cfg, torch.tensor(host, dtype=torch.int32, device=device))
+    return sweep
+
+
 def run_case(name: str, seqs: list[tuple[int, int]], kv_dtype: torch.dtype, args, device,
              gen) -> dict:
     batch, num_slots = make_batch(seqs, args.page_size, device, gen)
@@ -212,17 +223,14 @@ def run_case(name: str, seqs: list[tuple[int, int]], kv_dtype: torch.dtype, args
         tiles = next(iter(meta.by_layout.values()))
         splits = 0
 
-        def run(cfg, t_dev, quick: bool = True) -> float:
+        def run_extend(cfg, t_dev, quick: bool = True) -> float:
             return 1e3 * bench(lambda: kernels.extend_attention(
                 q, k_cache, v_cache, meta.qo_indptr, batch.kv_indptr, batch.kv_indices, t_dev,
                 scale, out=out, config=cfg, k_scale=k_scale, v_scale=v_scale), quick)
 
-        kern_ms = run(None, tiles, args.quick) / 1e3
-        for cfg in EXTEND_SWEEP if args.sweep else []:  # other tile shapes (tuning data)
-            host = kernels.extend_tiles(batch.extend_lens, batch.prefix_lens,
-                                        HEADS // KV_HEADS, cfg.block_m)
-            sweep[config_name(cfg, False, usual_m=0)] = run(
-                cfg, torch.tensor(host, dtype=torch.int32, device=device))
+        kern_ms = run_extend(None, tiles, args.quick) / 1e3
+        if args.sweep:
+            sweep = extend_sweep(run_extend, batch, device)
 
     fwd_ms = bench(lambda: tri.forward(0, q, k, v, batch, pool, scale), args.quick)
     ref_ms = bench(lambda: ref.forward(0, q, k, v, batch, pool, scale), args.quick)
