@@ -104,29 +104,45 @@ def test_cuda_graph_decode_matches_eager(arch, model_dirs, make_engine):
 
 @pytest.mark.timeout(300, method="thread")
 @pytest.mark.parametrize("strategy", ["resident", "reload"])
-def test_live_flips_on_one_gpu_match_single_process(strategy, model_dirs):
+def test_live_flips_on_one_gpu_match_single_process(strategy, model_dirs, monkeypatch):
     """Two ranks sharing one GPU flip tp2 → pp2 → tp2 → pp2 mid-generation (fp32 greedy):
     the tokens equal the single-process GPU engine's, the pp2 layout's graphs are captured on
     first use (none in the seam) and, with resident weights, parked at its seam and replayed
     as they were on its second visit (after tp2 wrote its rows into the same KV arena), and
     the KV slot space is the same after every flip. (Staged gloo TP captures no graphs: tp2
     runs eagerly here, so only pp2's graphs are parked.)"""
+    from collections import Counter
+
     from phaseflip import Engine
+    from phaseflip.model.cuda_graph import DecodeGraphs
     from tests.test_flip import FLIP, _drive
 
     prompts = prompts_for(300)
     cfg = {"device": "cuda", "dtype": "float32", "max_total_tokens": 4096}
     with Engine(str(model_dirs["llama"]), **cfg) as e:
         want, _ = _drive(e, prompts, {})
+    replays: Counter = Counter()  # rank 0's graph replays (this process), by graph set
+    replay = DecodeGraphs._replay
+
+    def counted(self, *args, **kwargs):
+        replays[id(self)] += 1
+        return replay(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeGraphs, "_replay", counted)
     with Engine(str(model_dirs["llama"]), tp_size=2, dist_timeout_s=120, dist_backend="gloo",
                 flip_weights=strategy, **FLIP, **cfg) as e:
-        seen = []
-        got, censuses = _drive(e, prompts, {2: (1, 2), 6: (2, 1), 9: (1, 2)},
-                               lambda when: seen.append(e.core.runner.graphs))
-        replayed = [] if seen[-1] is None else sorted(seen[-1].graphs)
+        seen = []  # rank 0's graphs before and after each flip, and their replays then
+
+        def seam(when: str) -> None:
+            graphs = e.core.runner.graphs
+            seen.append((graphs, replays[id(graphs)]))
+
+        got, censuses = _drive(e, prompts, {2: (1, 2), 6: (2, 1), 9: (1, 2)}, seam)
+        end = replays[id(seen[5][0])]
     again = "parked" if strategy == "resident" else "on first use"
     assert [c.graph_capture for c in censuses] == ["on first use", None, again]
-    assert (seen[1] is seen[5]) == (strategy == "resident") and replayed  # pp2's, recorded
+    assert (seen[1][0] is seen[5][0]) == (strategy == "resident")
+    assert seen[2][1] > seen[1][1] and end > seen[5][1]  # pp2's graphs replayed on both visits
     kept = [c.graphs_kept_bytes for c in censuses]
     assert (kept[1] is not None and kept[1] > 0) == (strategy == "resident"), kept
     assert {c.kv_slots_after for c in censuses} == {censuses[0].kv_slots_before}
