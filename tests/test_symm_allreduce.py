@@ -330,3 +330,28 @@ def test_the_comm_benchmarks_symm_mode_needs_cuda():
     args = bench_comm.parse_args(["--device", "cpu"])
     assert bench_comm.build_spec(args).sizes_bytes == bench_comm.parse_sizes(
         bench_comm.DEFAULT_SIZES)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(115, method="thread")
+def test_a_tp2_engine_on_one_gpu_gives_the_same_tokens_over_symm_mem(tmp_path):
+    """The engine end to end, 2 ranks sharing one GPU: forcing symm-mem, its layers'
+    all-reduces go through torch's kernels (/server_info says so) and greedy fp32 tokens
+    equal the gloo path's (a sum of two fp32 partials rounds the same on either)."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() != 1:
+        pytest.skip("needs exactly one CUDA device (ranks sharing it)")
+    from phaseflip import Engine, SamplingParams
+    from phaseflip.distributed.symm_allreduce import all_reduce_path
+    from tests.conftest import build_model, prompts_for
+
+    model = build_model(tmp_path / "llama", "llama")
+    params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    runs = {}
+    for mode in ("nccl", "symm-mem"):
+        with Engine(str(model), device="cuda", dtype="float32", max_total_tokens=4096,
+                    dist_timeout_s=60, tp_size=2, all_reduce=mode) as e:
+            outs = e.generate(prompts_for(200)[:4], params, use_tqdm=False)
+            runs[mode] = ([o.token_ids for o in outs], all_reduce_path(e.core.runner))
+    assert runs["nccl"][1] == "gloo"
+    assert runs["symm-mem"][1].startswith("symm-mem")
+    assert runs["symm-mem"][0] == runs["nccl"][0]
