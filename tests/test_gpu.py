@@ -150,3 +150,26 @@ def test_live_flips_on_one_gpu_match_single_process(strategy, model_dirs, monkey
     assert all(c.held_after_teardown_bytes < 2**28 for c in censuses)
     for rid, (ids, _, _) in got.items():
         assert ids == want[rid][0], rid
+
+
+@pytest.mark.timeout(300, method="thread")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL)")
+def test_resident_flips_over_nccl_replay_parked_graphs(model_dirs):
+    """A GPU pair over NCCL flips tp2 → pp2 → tp2 → pp2 with resident weights: both layouts
+    record graphs (tp2's with its all-reduces and the LM head's gather inside), each layout's
+    second visit replays the graphs it parked, and the fp32 greedy tokens equal one GPU's
+    (what one GPU shared over gloo cannot show: staged TP records no graphs)."""
+    from phaseflip import Engine
+    from tests.test_flip import FLIP, _drive
+
+    prompts = prompts_for(300)
+    cfg = {"device": "cuda", "dtype": "float32", "max_total_tokens": 4096}
+    with Engine(str(model_dirs["llama"]), **cfg) as e:
+        want, _ = _drive(e, prompts, {})
+    with Engine(str(model_dirs["llama"]), tp_size=2, dist_timeout_s=120,
+                flip_weights="resident", **FLIP, **cfg) as e:
+        assert e.core.runner.spec.backend == "nccl" and e.core.runner.graphs is not None
+        got, censuses = _drive(e, prompts, {2: (1, 2), 6: (2, 1), 9: (1, 2)})
+    assert [c.graph_capture for c in censuses] == ["on first use", "parked", "parked"]
+    for rid, (ids, _, _) in got.items():
+        assert ids == want[rid][0], rid
