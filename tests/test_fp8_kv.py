@@ -175,8 +175,9 @@ def test_kernels_refuse_fp8_cache_without_scales():
 def _modes_backend(mode: str, splits: int | None = None) -> TritonAttention:
     from phaseflip.kernels import attention as kernels
 
-    return TritonAttention(decode_config=kernels.KernelConfig(16, 16, 4, 1, mode),
-                           decode_splits=splits, decode_min_chunk=16)
+    cfg = kernels.KernelConfig(16, 16, 4, 1, mode)
+    return TritonAttention(decode_config=cfg, extend_config=cfg, decode_splits=splits,
+                           decode_min_chunk=16)
 
 
 @pytest.mark.parametrize("mode", ["q", "fp16_pv", "fp16"])
@@ -188,7 +189,18 @@ def test_triton_decode_fp8_every_dot_mode(mode, dtype):
     run_fp8_case(seqs, dtype=dtype, backend=_modes_backend(mode, splits=3), layers=1)
 
 
-def test_triton_decode_fp16_dots_survive_q_beyond_fp16_range():
+@pytest.mark.parametrize("mode", ["q", "fp16_pv", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_extend_fp8_every_dot_mode(mode, dtype):
+    """Extend and mixed batches (masked diagonal blocks and full ones), and a window."""
+    run_fp8_case([(13, 5), (40, 17), (3, 1), (0, 9)], dtype=dtype, backend=_modes_backend(mode))
+    run_fp8_case([(40, 1), (20, 6)], dtype=dtype, window=7, group=2, layers=1,
+                 backend=_modes_backend(mode))
+
+
+@pytest.mark.parametrize("seqs", [[(40, 1), (9, 1), (25, 1)], [(30, 6), (0, 9), (12, 1)]],
+                         ids=["decode", "extend"])
+def test_triton_fp16_dots_survive_q_beyond_fp16_range(seqs):
     """"fp16" mode with bf16 q elements past 65504 (inf in fp16): the program's q is shrunk
     by a power of two the softmax scale undoes, so the output matches the reference (without
     the shrink it is NaN). The huge element meets K rows that are 0 in that lane, so the
@@ -196,7 +208,7 @@ def test_triton_decode_fp16_dots_survive_q_beyond_fp16_range():
     from test_triton_attention import make_batch
 
     gen = torch.Generator().manual_seed(5)
-    batch = make_batch([(40, 1), (9, 1), (25, 1)], gen)
+    batch = make_batch(seqs, gen)
     num_slots = int(batch.kv_indices.max()) + 8
     pools = _fp8_pools(num_slots, 1, 2, 32, 2, gen)
     for pool in pools:
@@ -208,7 +220,7 @@ def test_triton_decode_fp16_dots_survive_q_beyond_fp16_range():
     k[:, :, 0] = 0
     v = torch.randn(t, 2, 32, generator=gen).to(DEVICE, torch.bfloat16)
     want = TorchRefAttention().forward(0, q, k, v, batch, pools[0], 32**-0.5)
-    for splits in (None, 2):
+    for splits in (None, 2):  # (extend ignores the split count)
         out = torch.full_like(want, float("nan"))
         got = _modes_backend("fp16", splits).forward(0, q, k, v, batch, pools[1], 32**-0.5,
                                                       out=out)
@@ -217,8 +229,8 @@ def test_triton_decode_fp16_dots_survive_q_beyond_fp16_range():
         assert err < 1e-2, err
 
 
-def test_decode_config_reads_the_kv_dtype():
-    """bf16's launch shape is unchanged; an FP8 cache with 16-bit q gets FP8's dot mode;
+def test_launch_configs_read_the_kv_dtype():
+    """bf16's launch shapes are unchanged; an FP8 cache with 16-bit q gets FP8's dot mode;
     float32 q never gets an fp16 mode; an unknown mode is refused."""
     from phaseflip.kernels import attention as kernels
 
@@ -230,6 +242,14 @@ def test_decode_config_reads_the_kv_dtype():
         fp8 = kernels.decode_config(torch.bfloat16, 128, 4, dev, FP8)
         assert fp8.fp8_dot == kernels.FP8_DECODE_DOT
         assert kernels.decode_config(torch.float32, 128, 4, dev, FP8).fp8_dot == "q"
+        ext = kernels.extend_config(torch.bfloat16, 128, dev, FP8)
+        assert ext.fp8_dot == kernels.FP8_EXTEND_DOT
+        assert kernels.extend_config(torch.float32, 128, dev, FP8).fp8_dot == "q"
+    for head_dim in (64, 128):  # float pools: the shapes they had
+        for kv in (None, torch.bfloat16):
+            got = kernels.extend_config(torch.bfloat16, head_dim, gpu, kv)
+            assert got == (kernels.KernelConfig(128, 64, 8, 3) if head_dim == 64
+                           else kernels.KernelConfig(64, 64, 4, 3))
     q = torch.randn(1, 2, 16)
     cache = torch.zeros(4, 1, 16, dtype=FP8)
     with pytest.raises(ValueError, match="fp8_dot"):
@@ -239,11 +259,13 @@ def test_decode_config_reads_the_kv_dtype():
                                  k_scale=torch.ones(1), v_scale=torch.ones(1))
 
 
-def test_backend_plans_fp8_decode_with_the_fp8_config(monkeypatch):
-    """The backend asks decode_config with the pool's dtype: a bogus FP8 default mode reaches
-    the kernel wrapper (and is refused) only through an FP8 pool."""
+@pytest.mark.parametrize("name,seqs", [("FP8_DECODE_DOT", [(5, 1), (9, 1)]),
+                                       ("FP8_EXTEND_DOT", [(5, 3), (9, 1)])])
+def test_backend_plans_fp8_with_the_fp8_configs(monkeypatch, name, seqs):
+    """The backend asks decode_config / extend_config with the pool's dtype: a bogus FP8
+    default mode reaches the kernel wrapper (and is refused) only through an FP8 pool."""
     from phaseflip.kernels import attention as kernels
 
-    monkeypatch.setattr(kernels, "FP8_DECODE_DOT", "bogus")
+    monkeypatch.setattr(kernels, name, "bogus")
     with pytest.raises(ValueError, match="bogus"):
-        run_fp8_case([(5, 1), (9, 1)], dtype=torch.bfloat16, layers=1)
+        run_fp8_case(seqs, dtype=torch.bfloat16, layers=1)

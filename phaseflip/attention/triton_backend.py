@@ -162,7 +162,8 @@ class TritonAttention:
                 sliding_window=sliding_window, out=out, workspace=ws, config=cfg,
                 k_scale=k_scale, v_scale=v_scale,
             )
-        cfg = self.extend_config or kernels.extend_config(dtype, head_dim, q.device)
+        cfg = self.extend_config or kernels.extend_config(dtype, head_dim, q.device,
+                                                          k_cache.dtype)
         tkey = ("tiles", group, cfg.block_m)
         tiles = meta.by_layout.get(tkey)
         if tiles is None:

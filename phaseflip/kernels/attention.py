@@ -40,6 +40,7 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # FP8 decode's default dot mode (FP8_DOT_MODES); provisional until the H200 sweep of
 # benchmarks/attention_kernels.py --kv-dtype fp8_e4m3 --sweep decides
 FP8_DECODE_DOT = "fp16"
+FP8_EXTEND_DOT = "fp16"  # extend's, likewise (benchmarks/attention_kernels.py times extend)
 
 # ----------------------------------------------------------------------------------------------
 # Kernels
@@ -204,7 +205,7 @@ def _extend_block(
     stride_kn, stride_kh, stride_vn, stride_vh, qk_scale,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr,
 ):
     """One BLOCK_N key block of the online softmax; MASK only on diagonal (and window) blocks."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -228,9 +229,8 @@ def _extend_block(
             d_mask = (offs_d < HEAD_DIM)[None, :]
             k = tl.load(k_ptrs + slots[:, None] * stride_kn, mask=d_mask, other=0.0)
             v = tl.load(v_ptrs + slots[:, None] * stride_vn, mask=d_mask, other=0.0)
-    if KV_FP8:  # exact widening to q's dtype; the scales are applied by the caller
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
+    if KV_FP8:  # exact widening (_fp8_widen); the scales are applied by the caller
+        k, v = _fp8_widen(k, v, q, FP8_DOT)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     if MASK:
         visible = (idx[None, :] <= q_pos[:, None]) & in_range[None, :]
@@ -257,7 +257,7 @@ def _extend_kernel(
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr,
+    DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr,
 ):
     """One tile of BLOCK_M packed (query, head-in-group) rows of one sequence, one KV head."""
     tile = tl.program_id(0)
@@ -283,8 +283,8 @@ def _extend_kernel(
         + offs_d[None, :],
         mask=mask_m[:, None] & mask_d[None, :], other=0.0,
     )
-    if KV_FP8:  # dots in q's dtype; this KV head's K scale folds into the softmax scale
-        qk_scale = qk_scale * tl.load(K_SCALE + kvh)
+    if KV_FP8:  # this KV head's K scale folds into the softmax scale
+        q, qk_scale = _fp8_query(q, qk_scale * tl.load(K_SCALE + kvh), FP8_DOT)
     else:
         q = q.to(K.dtype.element_ty)
 
@@ -304,13 +304,13 @@ def _extend_kernel(
         acc, l_i, m_i = _extend_block(
             acc, l_i, m_i, q, K, V, KV_INDICES, kv_beg, n0, kv_hi, q_pos, window, kvh,
             stride_kn, stride_kh, stride_vn, stride_vh, qk_scale,
-            BLOCK_N, HEAD_DIM, BLOCK_D, HAS_WINDOW, HAS_WINDOW, DOT_PREC, KV_FP8,
+            BLOCK_N, HEAD_DIM, BLOCK_D, HAS_WINDOW, HAS_WINDOW, DOT_PREC, KV_FP8, FP8_DOT,
         )
     for n0 in range(full_end, kv_hi, BLOCK_N):
         acc, l_i, m_i = _extend_block(
             acc, l_i, m_i, q, K, V, KV_INDICES, kv_beg, n0, kv_hi, q_pos, window, kvh,
             stride_kn, stride_kh, stride_vn, stride_vh, qk_scale,
-            BLOCK_N, HEAD_DIM, BLOCK_D, True, HAS_WINDOW, DOT_PREC, KV_FP8,
+            BLOCK_N, HEAD_DIM, BLOCK_D, True, HAS_WINDOW, DOT_PREC, KV_FP8, FP8_DOT,
         )
     # Padding rows past the sequence may have seen no key (l = 0): divide them by 1, not 0.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -334,7 +334,7 @@ class KernelConfig:
     block_n: int  # keys per inner-loop step
     num_warps: int
     num_stages: int
-    # decode on an FP8 cache: the dtype of the dots (FP8_DOT_MODES); float caches ignore it
+    # on an FP8 cache: the dtype of the dots (FP8_DOT_MODES); float caches ignore it
     fp8_dot: str = "q"
 
 
@@ -372,20 +372,23 @@ def decode_config(dtype: torch.dtype, head_dim: int, group: int, device: torch.d
     return KernelConfig(block_h, 64, 4, 3)
 
 
-def extend_config(dtype: torch.dtype, head_dim: int, device: torch.device) -> KernelConfig:
+def extend_config(dtype: torch.dtype, head_dim: int, device: torch.device,
+                  kv_dtype: torch.dtype | None = None) -> KernelConfig:
     """Extend tile shape, per dtype and head_dim (docs/kernels.md has the measurements).
 
     bf16/fp16 head_dim 128: 64x64 tiles, 3 stages, 4 warps measured fastest of five shapes on
     an H200 (8192-token prefill: 1.69 ms vs 2.34 ms for 128x64 / 2 stages). fp32 dots are IEEE
-    (FMA units, no tensor cores), so fp32 tiles are small enough not to spill registers.
+    (FMA units, no tensor cores), so fp32 tiles are small enough not to spill registers. An FP8
+    cache (`kv_dtype`) with 16-bit q keeps the shape and takes FP8_EXTEND_DOT's dot mode.
     """
+    mode = FP8_EXTEND_DOT if kv_dtype in _FP8 and dtype != torch.float32 else "q"
     if not _on_gpu(device):
-        return KernelConfig(16, 16, 4, 1)
+        return KernelConfig(16, 16, 4, 1, mode)
     if dtype == torch.float32:
         return KernelConfig(32, 32, 4, 2) if head_dim <= 64 else KernelConfig(32, 16, 8, 2)
     if head_dim <= 64:
-        return KernelConfig(128, 64, 8, 3)
-    return KernelConfig(64, 64, 4, 3)
+        return KernelConfig(128, 64, 8, 3, mode)
+    return KernelConfig(64, 64, 4, 3, mode)
 
 
 _NUM_SMS: dict[int, int] = {}
@@ -477,6 +480,14 @@ def _fp8_scales(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | 
     return True, k_scale, v_scale
 
 
+def _fp8_dot(cfg: KernelConfig, kv_fp8: bool, dtype: torch.dtype) -> str:
+    """The FP8_DOT a launch compiles: the config's on an FP8 cache with 16-bit q, else "q"
+    (float pools ignore it; float32 q keeps IEEE float32 dots)."""
+    if cfg.fp8_dot not in FP8_DOT_MODES:
+        raise ValueError(f"fp8_dot {cfg.fp8_dot!r}: expected one of {FP8_DOT_MODES}")
+    return cfg.fp8_dot if kv_fp8 and dtype != torch.float32 else "q"
+
+
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
     if q.dim() != 3 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
         raise ValueError("q must be [T, H, D] and k/v caches [slots, KVH, D]")
@@ -537,10 +548,7 @@ def decode_attention(
     kv_fp8, k_scale, v_scale = _fp8_scales(q, k_cache, k_scale, v_scale)
     dtype = compute_dtype(q.dtype, k_cache.dtype)
     cfg = config or decode_config(dtype, head_dim, group, q.device, k_cache.dtype)
-    if cfg.fp8_dot not in FP8_DOT_MODES:
-        raise ValueError(f"fp8_dot {cfg.fp8_dot!r}: expected one of {FP8_DOT_MODES}")
-    # float32 q keeps IEEE float32 dots: the fp16 modes are for 16-bit q only
-    fp8_dot = cfg.fp8_dot if kv_fp8 and dtype != torch.float32 else "q"
+    fp8_dot = _fp8_dot(cfg, kv_fp8, dtype)
     if out is None:
         out = torch.empty(batch_size, num_heads * head_dim, dtype=q.dtype, device=q.device)
     if batch_size == 0:
@@ -603,7 +611,8 @@ def extend_attention(
         q = q.contiguous()
     kv_fp8, k_scale, v_scale = _fp8_scales(q, k_cache, k_scale, v_scale)
     dtype = compute_dtype(q.dtype, k_cache.dtype)
-    cfg = config or extend_config(dtype, head_dim, q.device)
+    cfg = config or extend_config(dtype, head_dim, q.device, k_cache.dtype)
+    fp8_dot = _fp8_dot(cfg, kv_fp8, dtype)
     if out is None:
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
     num_tiles = tiles.shape[1]
@@ -617,7 +626,7 @@ def extend_attention(
         v_cache.stride(0), v_cache.stride(1), out.stride(0), head_dim,
         GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), HAS_WINDOW=sliding_window is not None,
-        DOT_PREC=_dot_precision(dtype), KV_FP8=kv_fp8,
+        DOT_PREC=_dot_precision(dtype), KV_FP8=kv_fp8, FP8_DOT=fp8_dot,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
