@@ -53,6 +53,14 @@ EXTEND_SWEEP = [
     kernels.KernelConfig(128, 32, 8, 3),
     kernels.KernelConfig(64, 64, 4, 3),
 ]
+# FP8 extend: today's shape in each dot mode, then the two runners-up of the bf16 sweep
+EXTEND_SWEEP_FP8 = [
+    kernels.KernelConfig(64, 64, 4, 3, "q"),
+    kernels.KernelConfig(64, 64, 4, 3, "fp16_pv"),
+    kernels.KernelConfig(64, 64, 4, 3, "fp16"),
+    kernels.KernelConfig(128, 64, 8, 3, "fp16"),
+    kernels.KernelConfig(128, 128, 8, 2, "fp16"),
+]
 # decode launch shapes (head block 16 = the GQA group of 4 padded for tl.dot)
 DECODE_SWEEP = [
     kernels.KernelConfig(16, 64, 4, 3),
@@ -169,15 +177,16 @@ def decode_sweep(run, seqs: list[tuple[int, int]], plan, ws, fp8: bool, device
     return {n: r[0] for n, r in runs.items()}, {n: r[1] for n, r in runs.items()}
 
 
-def extend_sweep(run, batch: ForwardBatch, device) -> dict:
-    """Kernel us of the extend tile shapes in EXTEND_SWEEP (`run(config, tiles)` times one)."""
-    sweep = {}
-    for cfg in EXTEND_SWEEP:
+def extend_sweep(run, batch: ForwardBatch, fp8: bool, device) -> tuple[dict, dict]:
+    """Kernel us (and relative error) of the extend tile shapes in EXTEND_SWEEP (FP8:
+    EXTEND_SWEEP_FP8, dot modes too); `run(config, tiles)` times one."""
+    runs = {}
+    for cfg in EXTEND_SWEEP_FP8 if fp8 else EXTEND_SWEEP:
         host = kernels.extend_tiles(batch.extend_lens, batch.prefix_lens, HEADS // KV_HEADS,
                                     cfg.block_m)
-        sweep[config_name(cfg, False, usual_m=0)] = run(
+        runs[config_name(cfg, fp8, usual_m=0)] = run(
             cfg, torch.tensor(host, dtype=torch.int32, device=device))
-    return sweep
+    return {n: r[0] for n, r in runs.items()}, {n: r[1] for n, r in runs.items()}
 
 
 def run_case(name: str, seqs: list[tuple[int, int]], kv_dtype: torch.dtype, args, device,
@@ -205,7 +214,7 @@ def run_case(name: str, seqs: list[tuple[int, int]], kv_dtype: torch.dtype, args
     k_scale, v_scale = pool.scales(0) or (None, None)
     fp8 = pool.k_scale is not None
     sweep: dict[str, float] = {}
-    sweep_err: dict[str, float] = {}  # each decode candidate's last output against the reference
+    sweep_err: dict[str, float] = {}  # each candidate's last output against the reference
     if meta.is_decode:
         plan, ws = next(iter(meta.by_layout.values()))
         splits = plan.num_splits
@@ -223,14 +232,15 @@ def run_case(name: str, seqs: list[tuple[int, int]], kv_dtype: torch.dtype, args
         tiles = next(iter(meta.by_layout.values()))
         splits = 0
 
-        def run_extend(cfg, t_dev, quick: bool = True) -> float:
-            return 1e3 * bench(lambda: kernels.extend_attention(
+        def run_extend(cfg, t_dev, quick: bool = True) -> tuple[float, float]:
+            us = 1e3 * bench(lambda: kernels.extend_attention(
                 q, k_cache, v_cache, meta.qo_indptr, batch.kv_indptr, batch.kv_indices, t_dev,
                 scale, out=out, config=cfg, k_scale=k_scale, v_scale=v_scale), quick)
+            return us, rel(out)
 
-        kern_ms = run_extend(None, tiles, args.quick) / 1e3
+        kern_ms = run_extend(None, tiles, args.quick)[0] / 1e3
         if args.sweep:
-            sweep = extend_sweep(run_extend, batch, device)
+            sweep, sweep_err = extend_sweep(run_extend, batch, fp8, device)
 
     fwd_ms = bench(lambda: tri.forward(0, q, k, v, batch, pool, scale), args.quick)
     ref_ms = bench(lambda: ref.forward(0, q, k, v, batch, pool, scale), args.quick)
@@ -330,8 +340,8 @@ def main() -> None:
         "kv_dtypes": args.kv_dtype, "rows": [],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for kv in args.kv_dtype:
-        for name, seqs in cases:
+    for name, seqs in cases:  # each case on every pool dtype before the next case
+        for kv in args.kv_dtype:
             meta["rows"].append(run_case(name, seqs, KV_DTYPES[kv], args, device, gen))
             args.out.write_text(json.dumps(meta, indent=2))  # a cut-short run keeps its rows
             torch.cuda.empty_cache()

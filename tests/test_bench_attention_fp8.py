@@ -59,9 +59,12 @@ def test_fp8_pool_is_calibrated_per_kv_head_extend_and_bf16_run(small):
     peak = pool.k[0].float().abs().amax((0, 2))  # each head's largest row value hits 448
     assert torch.equal(peak, torch.full_like(peak, 448.0)) and kk.std() > 0.5
     gen = torch.Generator().manual_seed(1)
-    small.sweep = False
     row = bench_attn.run_case("extend", [(20, 9)], torch.float8_e4m3fn, small, DEVICE, gen)
     assert row["rel_err"] < 1e-2 and row["decode_config"] is None and "TFLOPs" in row
+    names = {bench_attn.config_name(c, True, 0) for c in bench_attn.EXTEND_SWEEP_FP8}
+    assert names == set(row["sweep_rel_err"]) and "m64_n64_w4_s3_fp16" in names
+    assert max(row["sweep_rel_err"].values()) < 1e-2
+    small.sweep = False
     row = bench_attn.run_case("decode", [(40, 1)], torch.bfloat16, small, DEVICE, gen)
     assert row["kv_dtype"] == "bfloat16" and row["rel_err"] < 1e-2
     assert row["kv_read_GBps"] == pytest.approx(2 * 41 * 2 * 32 * 2 / 0.5e-3 / 1e9)
