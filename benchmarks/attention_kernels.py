@@ -307,6 +307,27 @@ def print_rows(rows: list[dict], args, ceilings: dict) -> None:
                 print(f"  WRONG OUTPUT (rel err vs reference): {wrong}")
 
 
+def print_fp8_summary(rows: list[dict]) -> None:
+    """Per case: bf16's kernel, FP8's (default shape) and FP8's best launch-shape candidate."""
+    by_case: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        by_case.setdefault(r["case"], {})[r["kv_dtype"]] = r
+    for case, pair in by_case.items():
+        bf, f8 = pair.get("bfloat16"), pair.get("float8_e4m3fn")
+        if bf is None or f8 is None:
+            continue
+        shapes = {k: v for k, v in f8["sweep_kernel_us"].items()
+                  if not k.startswith(("splits", "min_chunk"))}
+        best = min(shapes, key=shapes.get) if shapes else None
+        line = (f"{case:<24} bf16 {bf['triton_kernel_us']:8.1f} us   fp8 "
+                f"{f8['triton_kernel_us']:8.1f} us ({f8['decode_config'] or 'extend default'}, "
+                f"{f8['triton_kernel_us'] / bf['triton_kernel_us']:.2f}x bf16)")
+        if best is not None:
+            line += (f"   best fp8 {best} {shapes[best]:.1f} us "
+                     f"({shapes[best] / bf['triton_kernel_us']:.2f}x)")
+        print(line)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True,
@@ -346,6 +367,9 @@ def main() -> None:
             args.out.write_text(json.dumps(meta, indent=2))  # a cut-short run keeps its rows
             torch.cuda.empty_cache()
     print_rows(meta["rows"], args, ceilings)
+    if len(args.kv_dtype) > 1:
+        print("\nFP8 against bf16 (kernel us; 'best' = fastest FP8 launch shape of the sweep)")
+        print_fp8_summary(meta["rows"])
 
 
 if __name__ == "__main__":

@@ -68,3 +68,12 @@ def test_fp8_pool_is_calibrated_per_kv_head_extend_and_bf16_run(small):
     row = bench_attn.run_case("decode", [(40, 1)], torch.bfloat16, small, DEVICE, gen)
     assert row["kv_dtype"] == "bfloat16" and row["rel_err"] < 1e-2
     assert row["kv_read_GBps"] == pytest.approx(2 * 41 * 2 * 32 * 2 / 0.5e-3 / 1e9)
+
+
+def test_fp8_summary_pairs_each_case(small, capsys):
+    gen = torch.Generator().manual_seed(2)
+    rows = [bench_attn.run_case("decode", [(50, 1)], kv, small, DEVICE, gen)
+            for kv in (torch.bfloat16, torch.float8_e4m3fn)]
+    bench_attn.print_fp8_summary(rows)
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("decode") and "1.00x bf16" in line and "best fp8 " in line
