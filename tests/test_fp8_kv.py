@@ -264,8 +264,8 @@ def test_launch_configs_read_the_kv_dtype():
 def test_backend_plans_fp8_with_the_fp8_configs(monkeypatch, name, seqs):
     """The backend asks decode_config / extend_config with the pool's dtype: a bogus FP8
     default mode reaches the kernel wrapper (and is refused) only through an FP8 pool."""
-    from phaseflip.kernels import attention as kernels
+    from phaseflip.kernels import attention_plan
 
-    monkeypatch.setattr(kernels, name, "bogus")
+    monkeypatch.setattr(attention_plan, name, "bogus")
     with pytest.raises(ValueError, match="bogus"):
         run_fp8_case(seqs, dtype=torch.bfloat16, layers=1)
