@@ -14,8 +14,8 @@ import torch
 import triton
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-# FP8 decode's default dot mode (FP8_DOT_MODES); provisional until the H200 sweep of
-# benchmarks/attention_kernels.py --kv-dtype fp8_e4m3 --sweep decides
+# FP8 decode's default dot mode (FP8_DOT_MODES): fp16 won the H200 sweep of
+# benchmarks/attention_kernels.py --kv-dtype fp8_e4m3 --sweep at every batch >= 64
 FP8_DECODE_DOT = "fp16"
 FP8_EXTEND_DOT = "fp16"  # extend's, likewise (benchmarks/attention_kernels.py times extend)
 
@@ -54,11 +54,10 @@ def decode_config(dtype: torch.dtype, head_dim: int, group: int, device: torch.d
         return KernelConfig(block_h, 16, 4, 1, FP8_DECODE_DOT if fp8 else "q")
     if dtype == torch.float32:
         return KernelConfig(block_h, 32, 4, 2)
-    if fp8:  # provisional (see FP8_DECODE_DOT): the 8B shape compiled offline for sm_90
-        # takes 124 registers a thread at 8 warps against 178 at 4 (the FP8 V operand is
-        # gathered byte by byte from shared memory: no 8-bit transposing ldmatrix), so 8
-        # warps keep bf16's 16 resident warps per SM
-        return KernelConfig(block_h, 64, 8, 3, FP8_DECODE_DOT)
+    if fp8:  # H200 sweep (attention_kernels --kv-dtype fp8_e4m3 --sweep, 8B shape): 128 keys,
+        # 4 warps, 3 stages, fp16 dots was fastest at batch 64/256, ctx 1k/4k: 67-781 us vs
+        # 84-1003 for the bf16 pool (0.73-0.82x) and 91-1063 for the first FP8 shape
+        return KernelConfig(block_h, 128, 4, 3, FP8_DECODE_DOT)
     # bf16, 8B shape, H200 (benchmarks/attention_kernels.py --sweep): 3 stages instead of 2
     # cut bs=256 ctx=1k from 360 to 265 us and bs=64 ctx=4k from 337 to 265 us.
     return KernelConfig(block_h, 64, 4, 3)
