@@ -3,7 +3,7 @@ grammar counted (issue 20: a `maxLength` 12 string reached the client 14 charact
 
 xgrammar read the UTF-8 form of a surrogate (ED A0-BF xx, U+D800-U+DFFF) as one character of a
 string; every decoder turns those three bytes into three U+FFFD. The grammar layer takes
-surrogates out of every character class (`sampling/grammar.py` `_without_surrogates`); the
+surrogates out of every character class and pattern (`sampling/surrogates.py`); the
 streaming detokenizer already joins to `tokenizer.decode` of all the ids.
 """
 
@@ -21,7 +21,8 @@ import phaseflip
 from benchmarks import schema_check
 from phaseflip import SamplingParams
 from phaseflip.sampling.detokenize import IncrementalDetokenizer
-from phaseflip.sampling.grammar import GrammarBook, GrammarSpec, _build, _without_surrogates
+from phaseflip.sampling.grammar import GrammarBook, GrammarSpec, _build
+from phaseflip.sampling.surrogates import regex_without_surrogates, without_surrogates
 from phaseflip.scheduler.request import Req
 
 EMBEDDED = Path(phaseflip.__file__).parent / "assets" / "tiny-llama"
@@ -42,27 +43,39 @@ def _accepts(grammar, data: bytes) -> bool:
     (GrammarSpec.json_schema({"type": "string", "maxLength": 5}), b'"%s"'),
     (GrammarSpec.json_schema({"type": "string"}), b'"%s"'),
     (GrammarSpec("json_object"), b'{"%s": 1}'),
+    (GrammarSpec.json_schema({"type": "string", "pattern": "^.{0,3}$"}), b'"%s"'),
+    (GrammarSpec.json_schema({"type": "string", "pattern": r"^[a\s\S]{0,3}$"}), b'"%s"'),
+    (GrammarSpec.json_schema({"type": "string", "pattern": r"^\W?[^a]{0,3}$"}), b'"%s"'),
     (GrammarSpec("regex", ".{0,3}"), b"%s"),
     (GrammarSpec("regex", r"\S{0,3}"), b"%s"),
     (GrammarSpec("ebnf", r"root ::= [\u0080-\U0010ffff]*"), b"%s"),
-], ids=["maxLength", "string", "json_object", "regex_dot", "regex_nonspace", "ebnf_range"])
+], ids=["maxLength", "string", "json_object", "pattern_dot", "pattern_class_S",
+     "pattern_W_negated", "regex_dot", "regex_nonspace", "ebnf_range"])
 def test_grammars_refuse_surrogates_and_keep_their_neighbours(spec, wrap) -> None:
-    """Red without `_without_surrogates`: xgrammar accepts all three surrogates in each."""
+    """Red without `without_surrogates`: xgrammar accepts all three surrogates in each."""
     grammar = _build(spec)
     for bad in SURROGATES:
         assert not _accepts(grammar, wrap % bad), (spec, bad)
     for good in NEIGHBOURS:
-        if spec.kind == "ebnf" and good == "\x81" or spec.value == r"\S{0,3}" and good == "\x81":
-            continue  # outside that class anyway (ASCII-range control character)
         assert _accepts(grammar, wrap % good.encode()), (spec, good)
 
 
 def test_class_rewrite_leaves_literals_and_splits_ranges() -> None:
-    text = r'r ::= (("[^a]\"[" [^a] [\0-\U0010ffff] [a-z] [\-\]] [^\0-\U0010ffff]))'
-    fixed = _without_surrogates(text)
+    text = (r'r ::= (("[^a]\"[" [^a] [\0-\U0010ffff] [a-z] [\-\]] [^\0-\U0010ffff] '
+            r'Regex("^a.\\S[\\s\\S]\\.\"$", json_string=true)))')
+    fixed = without_surrogates(text)
     assert fixed == (r'r ::= (("[^a]\"[" [^a\ud800-\udfff] [\x00-\ud7ff\ue000-\U0010ffff] '
-                     r'[a-z] [\-\]] [^\0-\U0010ffff]))')
-    assert _without_surrogates(fixed) == fixed
+                     r'[a-z] [\-\]] [^\0-\U0010ffff] '
+                     r'Regex("^a[^\\ud800-\\udfff][^\\s\\ud800-\\udfff]'
+                     r'([\\s]|[^\\s\\ud800-\\udfff])\\.\"$", json_string=true)))')
+    assert without_surrogates(fixed) == fixed
+
+
+def test_regex_rewrite() -> None:
+    assert regex_without_surrogates(r"\.a\d\w+") == r"\.a\d\w+"  # nothing to take out
+    assert regex_without_surrogates(r"[^\]x]") == r"[^\]x\ud800-\udfff]"
+    assert regex_without_surrogates("[\u0080-\U0010ffff]") == r"[\x80-\ud7ff\ue000-\U0010ffff]"
+    assert regex_without_surrogates(r"\D{2}") == r"[^\d\ud800-\udfff]{2}"
 
 
 @pytest.fixture(scope="module")

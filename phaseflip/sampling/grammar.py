@@ -27,6 +27,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal
 
 from phaseflip.errors import InvalidRequestError
+from phaseflip.sampling.surrogates import without_surrogates
 
 if TYPE_CHECKING:
     import torch
@@ -94,88 +95,12 @@ def _clean(e: Exception) -> str:
 _LOOSE_STRING_CHARS = r'[^\"\\\r\n]'
 _JSON_STRING_CHARS = r'[^\0-\x1f\"\\]'  # no control characters (nor escapes, as before)
 
-# xgrammar (0.2.9) reads the UTF-8 form of a surrogate (ED A0-BF 80-BF: U+D800-U+DFFF) as one
-# character of any class that spans it, though it is not UTF-8 and every decoder turns its three
-# bytes into three U+FFFD: a maxLength-12 string with one reached the client 14 characters long
-# (1.2 % of random-token answers to benchmarks/schemas/nested.json). `_without_surrogates`
-# takes them out of every class of a grammar, as `_LOOSE_STRING_CHARS` is swapped above.
-_SURROGATES = (0xD800, 0xDFFF)
-_CLASS_ESCAPES = {"0": 0, "a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, "e": 27}
-_HEX_DIGITS = {"x": 2, "u": 4, "U": 8}
-
-
-def _class_char(text: str, i: int) -> tuple[int, int]:
-    """(code point, index after it) of the character class element at text[i], as xgrammar
-    prints them: a literal, a one-letter escape or \\xHH, \\uHHHH, \\UHHHHHHHH."""
-    if text[i] != "\\":
-        return ord(text[i]), i + 1
-    e = text[i + 1]
-    if e in _HEX_DIGITS:
-        end = i + 2 + _HEX_DIGITS[e]
-        return int(text[i + 2 : end], 16), end
-    return _CLASS_ESCAPES.get(e, ord(e)), i + 2
-
-
-def _class_text(ranges: list[tuple[int, int]]) -> str:
-    def one(c: int) -> str:
-        return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}" if c < 0x10000 else f"\\U{c:08x}"
-
-    return "[" + "".join(one(lo) + (f"-{one(hi)}" if hi > lo else "") for lo, hi in ranges) + "]"
-
-
-def _class_without_surrogates(text: str, i: int) -> tuple[str, int]:
-    """(the class opening at text[i] minus U+D800-U+DFFF, index after it): a negated class
-    gets the range excluded; a positive one loses it from its ranges (kept as is when it
-    holds nothing else, which no valid text matches anyway)."""
-    start, i = i, i + 1
-    negated = text[i] == "^"
-    i += negated
-    ranges: list[tuple[int, int]] = []
-    while text[i] != "]":
-        lo, i = _class_char(text, i)
-        hi = lo
-        if text[i] == "-" and text[i + 1] != "]":
-            hi, i = _class_char(text, i + 1)
-        ranges.append((lo, hi))
-    end = i + 1
-    s_lo, s_hi = _SURROGATES
-    if negated:
-        if any(lo <= s_lo and hi >= s_hi for lo, hi in ranges):
-            return text[start:end], end
-        return text[start:i] + f"\\u{s_lo:04x}-\\u{s_hi:04x}]", end
-    kept = [(a, b) for lo, hi in ranges for a, b in ((lo, min(hi, s_lo - 1)),
-                                                     (max(lo, s_hi + 1), hi)) if a <= b]
-    if kept == ranges or not kept:
-        return text[start:end], end
-    return _class_text(kept), end
-
-
-def _without_surrogates(text: str) -> str:
-    """The printed grammar `text` with no character class matching a surrogate."""
-    out: list[str] = []
-    i = 0
-    while i < len(text):
-        c = text[i]
-        if c == '"':  # a literal: copy it through its closing quote
-            j = i + 1
-            while text[j] != '"':
-                j += 2 if text[j] == "\\" else 1
-            out.append(text[i : j + 1])
-            i = j + 1
-        elif c == "[":
-            cls, i = _class_without_surrogates(text, i)
-            out.append(cls)
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)
-
 
 def _valid_utf8(grammar, text: str | None = None):
-    """`grammar` with no class matching a surrogate, rebuilt from its printed form (or from
-    `text`, that form already edited) when that changes anything."""
+    """`grammar` matching no UTF-8 surrogate (xgrammar lets them through, `surrogates.py`),
+    rebuilt from its printed form (or `text`, that form edited) when that changes it."""
     printed = str(grammar)
-    fixed = _without_surrogates(printed if text is None else text)
+    fixed = without_surrogates(printed if text is None else text)
     return grammar if fixed == printed else _xgr().Grammar.from_ebnf(fixed, root_rule_name="root")
 
 
