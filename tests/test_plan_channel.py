@@ -17,12 +17,15 @@ import time
 import numpy as np
 import pytest
 
+from phaseflip.cache.kv_pool import ReqToTokenTable
 from phaseflip.distributed.plan_channel import (
     GlooPlanChannel,
     ShmPlanChannel,
     StagePipes,
     plan_channel,
 )
+from phaseflip.distributed.plan_codec import PlanEncoder, StepFrame, StepMessage
+from phaseflip.forward_batch import ForwardBatch
 
 pytestmark = pytest.mark.timeout(120, method="thread")
 GROUP_TIMEOUT_S = 1.0  # the idle test waits past it
@@ -31,7 +34,42 @@ GROUP_TIMEOUT_S = 1.0  # the idle test waits past it
 def _messages() -> list[object]:
     big = np.arange(10_000, dtype=np.int64)  # 80 KB: streams through a 4 KiB ring
     return ([{"step": i, "ids": list(range(i % 7))} for i in range(300)]
-            + [big, "x" * 5000, ("relayout", 2, 1)])
+            + _steps() + [big, "x" * 5000, ("relayout", 2, 1)])
+
+
+def _steps() -> list[StepMessage]:
+    """Step messages that travel as frames (`plan_codec.StepFrame`), pickles between them: a
+    prompt of 6 KB (larger than the 4 KiB ring: streams through it), decode steps of 1.2 KB
+    (in place, or through a copy where one would cross the ring's end) and a checked step."""
+    import torch
+
+    table = ReqToTokenTable(9, 256)
+    rows = [table.alloc() for _ in range(8)]
+    for r in rows:
+        table.write(r, 0, torch.arange(1, 201) + 1000 * r)
+    enc, check = PlanEncoder(), PlanEncoder(check=True)
+    out: list[StepMessage] = []
+    for k, n in enumerate([0, *range(20, 34), 40]):
+        ext = [20] * 8 if n == 0 else [1] * 8
+        ids = [3] * sum(ext) if n == 0 else [-1 - i for i in range(8)]
+        plan = ForwardBatch.from_table(table.table, rows, [n] * 8, ext, ids,
+                                       list(np.cumsum(ext) - 1), table.epochs)
+        codec = check if n == 40 else enc
+        out.append(StepMessage(k, codec.encode(plan), future_len=8 if n else 0))
+        out.append({"between": k})
+    return out
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    if isinstance(a, StepMessage):  # the same words again: every field came back
+        fa, fb = StepFrame(a), StepFrame(b)
+        ba, bb = bytearray(fa.nbytes), bytearray(fb.nbytes)
+        fa.fill(memoryview(ba))
+        fb.fill(memoryview(bb))
+        return ba == bb
+    return a == b
 
 
 def _rank_main(rank: int, world: int, port: int, scenario: str, out) -> None:
@@ -65,8 +103,7 @@ def _order(rank: int, chan: ShmPlanChannel, out) -> None:
         out.put((rank, "dir", sorted(os.listdir("/dev/shm"))))
         return
     got = [chan.recv() for _ in msgs]
-    same = all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
-               for a, b in zip(got, msgs))
+    same = all(_same(a, b) for a, b in zip(got, msgs))
     out.put((rank, "same", same))
 
 

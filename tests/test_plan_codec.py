@@ -1,20 +1,33 @@
-"""The plan sent to other ranks carries only each request-table row's new slots.
+"""The plan sent to other ranks carries only each request-table row's new slots, and on one
+node travels as a step frame of int64 words rather than a pickle.
 
 The end-to-end guard is the distributed suite: every TP/PP test runs with
 `check_accounting`, which ships the full `kv_indices` too and makes every rank compare its
-rebuilt copy (a difference stops the group). These tests pin the codec itself.
+rebuilt copy (a difference stops the group). These tests pin the codec itself: every plan of
+every test goes through both wire forms, and the frame's must equal the pickle's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import numpy as np
 import pytest
 import torch
 
+from phaseflip.cache.hicache.transfer import TransferOrders
 from phaseflip.cache.kv_pool import ReqToTokenTable
-from phaseflip.distributed.plan_codec import PlanDecoder, PlanEncoder
+from phaseflip.distributed.plan_codec import (
+    PlanDecoder,
+    PlanDelta,
+    PlanEncoder,
+    PlanFrameError,
+    StepFrame,
+    StepMessage,
+    decode_frame,
+    is_frame,
+)
 from phaseflip.forward_batch import ForwardBatch
 
 
@@ -24,10 +37,45 @@ def _plan(table: ReqToTokenTable, rows: list[int], prefix: list[int], ext: list[
     return ForwardBatch.from_table(table.table, rows, prefix, ext, ids, logits, table.epochs)
 
 
+def _frame_bytes(msg: StepMessage) -> bytearray:
+    frame = StepFrame.of(msg)
+    assert frame is not None
+    buf = bytearray(frame.nbytes)
+    frame.fill(memoryview(buf))
+    assert is_frame(buf) and not is_frame(pickle.dumps(msg))
+    return buf
+
+
+def assert_same_message(got: StepMessage, want: StepMessage) -> None:
+    """Field by field, the plan's and its delta's arrays by value (lists stay lists)."""
+    for f in ("step", "fence", "future_len", "whole", "transfers"):
+        assert getattr(got, f) == getattr(want, f), f
+    assert _same(got.future_ids, want.future_ids)
+    g, w = got.plan, want.plan
+    for f in ("extend_lens", "prefix_lens", "max_position"):
+        assert getattr(g, f) == getattr(w, f) and type(getattr(g, f)) is type(getattr(w, f))
+    for f in ("input_ids", "positions", "out_cache_loc", "kv_indptr", "logits_indices",
+              "kv_indices", "rows", "row_epochs", "future_pos", "future_rows"):
+        assert _same(getattr(g, f), getattr(w, f)), f
+    for f in ("seq_lens", "reset", "starts", "slots", "full"):
+        assert _same(getattr(g.delta, f), getattr(w.delta, f)), f
+    assert g.delta.reset.dtype == np.bool_
+
+
+def _same(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return np.array_equal(np.asarray(a), np.asarray(b))
+
+
 def _roundtrip(enc: PlanEncoder, dec: PlanDecoder, plan: ForwardBatch) -> ForwardBatch:
-    wire = pickle.loads(pickle.dumps(enc.encode(plan)))
-    assert wire.kv_indices.size == 0
-    return dec.decode(wire)
+    """Through both wire forms: the frame's message must equal the pickle's; the pickle's is
+    rebuilt (the mirror advances once)."""
+    wire = StepMessage(7, enc.encode(plan), future_len=2, future_ids=np.array([5, 6]))
+    pickled = pickle.loads(pickle.dumps(wire))
+    assert pickled.plan.kv_indices.size == 0
+    assert_same_message(decode_frame(_frame_bytes(wire)), pickled)
+    return dec.decode(pickled.plan)
 
 
 def test_rows_grow_reset_and_are_reused():
@@ -110,3 +158,64 @@ def test_random_steps_rebuild_every_plan():
             lens[r] += 1
         got = _roundtrip(enc, dec, plan)
         assert torch.equal(got.kv_indices, plan.kv_indices)
+
+
+def _decode_step(check: bool) -> StepMessage:
+    table = ReqToTokenTable(9, 64)
+    rows = [table.alloc() for _ in range(8)]
+    for r in rows:
+        table.write(r, 0, torch.arange(1, 12) + 100 * r)
+    enc = PlanEncoder(check=check)
+    plan = ForwardBatch.from_table(table.table, rows, [10] * 8, [1] * 8,
+                                   [-1 - i for i in range(8)], list(range(8)), table.epochs)
+    return StepMessage(3, enc.encode(plan), None, fence=True, future_len=8, whole=True)
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_a_decode_step_with_placeholders_survives_the_frame(check: bool):
+    """Run-ahead placeholders, flags, the checking mode's full kv_indices; the rebuilt plan
+    is the same as from the pickle, and its arrays are views of the frame (no copy)."""
+    msg = _decode_step(check)
+    buf = _frame_bytes(msg)
+    got = decode_frame(buf)
+    assert_same_message(got, pickle.loads(pickle.dumps(msg)))
+    assert got.plan.future_pos is not None
+    assert (got.plan.delta.full is not None) == check
+    assert np.shares_memory(got.plan.delta.slots, np.frombuffer(buf, dtype=np.uint8))
+    assert isinstance(got.plan.delta, PlanDelta)
+    plan = PlanDecoder().decode(got.plan)
+    assert torch.equal(plan.input_ids, torch.from_numpy(msg.plan.input_ids))
+
+
+def test_messages_without_a_frame_are_pickled():
+    msg = _decode_step(False)
+    assert StepFrame.of(dataclasses.replace(msg, transfers=TransferOrders(
+        load_frames=[1], load_slots=[torch.tensor([2])]))) is None  # HiCache orders: pickled
+    assert StepFrame.of(dataclasses.replace(msg, plan=None)) is None  # a fence
+    assert StepFrame.of(dataclasses.replace(msg, plan=dataclasses.replace(
+        msg.plan, delta=None))) is None  # a plan sent whole
+    assert StepFrame.of("stop") is None
+
+
+@pytest.mark.parametrize("damage", ["short", "bit", "length", "count", "magic", "odd"])
+def test_a_damaged_frame_is_an_error_not_a_plan(damage: str):
+    buf = _frame_bytes(_decode_step(True))
+    words = np.frombuffer(buf, dtype=np.int64)
+    if damage == "short":  # cut at a word boundary, its length word kept
+        buf = buf[: len(buf) - 16]
+    elif damage == "bit":  # one slot changed in the middle of the arrays
+        buf[len(buf) // 2] ^= 0x10
+    elif damage == "length":  # one array's length moved to the next: sums still good
+        words[8] += 1
+        words[9] -= 1
+    elif damage == "count":  # a length past the frame, checksum made good
+        words[8] += 1
+        words[2] -= 1
+    elif damage == "magic":
+        buf[0:8] = b"PFSTEP99"
+    else:
+        buf = buf[:-3]
+    match = {"short": "says", "bit": "checksum", "length": "lengths disagree",
+             "count": "do not add up", "magic": "says", "odd": "whole words"}[damage]
+    with pytest.raises(PlanFrameError, match=match):
+        decode_frame(buf)

@@ -3,9 +3,11 @@
 The plan used to travel by `dist.broadcast_object_list` on the gloo plan group: a pickle turned
 into a tensor, two broadcasts (its size, then its bytes) over TCP, and an unpickle on every
 rank, on the critical path of every step (CPU, null forward: +0.8 ms a step at tp2, batch 1).
-On one node it now goes through a ring in shared memory (`ShmPlanChannel`): rank 0 pickles the
-message once and copies it into the ring; every other rank copies it out. Multi-node groups
-keep the gloo broadcast (`GlooPlanChannel`), as /dev/shm does not span hosts.
+On one node it now goes through a ring in shared memory (`ShmPlanChannel`): a step's plan as
+a step frame of int64 words that rank 0 writes straight into the ring (`plan_codec.StepFrame`:
+no pickle, one concatenation; 27 KB at batch 256), anything else pickled once and copied in;
+every other rank copies the frame out and rebuilds the plan from views of that copy. Multi-node
+groups keep the gloo broadcast (`GlooPlanChannel`), as /dev/shm does not span hosts.
 
 What stays as it was: rank 0 is the only writer and every rank reads every message in order
 (law 1: the plan is data from the one decider; the mirror check of `plan_codec` runs on what
@@ -14,7 +16,7 @@ nothing), yet notices the driver's death at once: it sleeps in a read of its doo
 whose only writer is rank 0, so the read ends (end of file) when rank 0's process is gone.
 
 Ring protocol (one writer, R readers, byte offsets that only grow): the writer copies a frame
-(8-byte length, then the pickle) at `head % capacity`, then stores the new `head`; reader i
+(8-byte length, then the payload) at `head % capacity`, then stores the new `head`; reader i
 copies from its `tail_i` up to `head` and stores its new `tail_i`. The writer never overwrites
 bytes a reader has not passed (it waits for the slowest reader, with a deadline), and a frame
 larger than the ring streams through it in pieces. A reader that finds nothing spins for
@@ -35,11 +37,14 @@ import struct
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from phaseflip.distributed.plan_codec import StepFrame, decode_frame, is_frame
 
 RING_BYTES = 8 << 20  # a decode plan at batch 256 is ~40 KiB; a checked one ~2 MiB at 1k ctx
 # A reader's busy wait (yielding its core to anything runnable) before it sleeps on its
@@ -110,14 +115,22 @@ class ShmPlanChannel:
         self.ring: ShmRing | None = None
 
     def send(self, msg: object) -> None:
+        """A step's plan goes as a step frame (`plan_codec.StepFrame`) written straight into
+        the ring; anything else pickled."""
         if self.ring is None:
             self.ring = self._create()
-        self.ring.write(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+        frame = StepFrame.of(msg)
+        if frame is not None:
+            self.ring.write_into(frame.nbytes, frame.fill)
+        else:
+            self.ring.write(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
     def recv(self) -> object:
+        """The next message; a step frame's arrays are views of its own copy of the bytes."""
         if self.ring is None:
             self.ring = self._attach()
-        return pickle.loads(self.ring.read())
+        payload = self.ring.read()
+        return decode_frame(payload) if is_frame(payload) else pickle.loads(payload)
 
     def close(self) -> None:
         if self.ring is not None:
@@ -168,6 +181,14 @@ class ShmRing:
             self.mm = mmap.mmap(f.fileno(), header + capacity)
         self.ctl = np.frombuffer(self.mm, dtype=np.uint64, count=header // 8)
         self.data = memoryview(self.mm)[header:]
+        # every page mapped now, not at a step's first pass over it (a plan ring takes ~250
+        # decode steps at batch 256 to come round: each would pay its pages' faults)
+        pages = np.frombuffer(self.data, dtype=np.uint8)[::mmap.PAGESIZE]
+        if reader is None:
+            pages[:] = 0  # the writer, before any frame: allocates them
+        else:
+            int(pages.sum())
+        del pages
         self._fence_lock = threading.Lock()
         self.pos = 0  # the writer's unpublished head, or this reader's tail
         self.head_seen = 0  # a reader's last read of `head`
@@ -204,6 +225,20 @@ class ShmRing:
         """Copies one frame in and publishes it (waiting only if the ring is full)."""
         self._copy_in(_LEN.pack(len(payload)))
         self._copy_in(payload)
+        self._publish()
+
+    def write_into(self, n: int, fill: Callable[[memoryview], None]) -> None:
+        """Writes one n-byte frame by `fill(buffer)`: in place in the ring when it lies in one
+        piece and the readers have left room for it, else through a copy (and waits)."""
+        self._copy_in(_LEN.pack(n))
+        at, cap = self.pos % self.capacity, self.capacity
+        if at + n <= cap and cap - (self.pos - self._slowest_tail()) >= n:
+            fill(self.data[at : at + n])
+            self.pos += n
+        else:
+            buf = bytearray(n)
+            fill(memoryview(buf))
+            self._copy_in(buf)
         self._publish()
 
     def _copy_in(self, buf: bytes) -> None:

@@ -19,14 +19,37 @@ rebuilt one; a difference stops the group naming both views (law 4).
 from __future__ import annotations
 
 import dataclasses
+import struct
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from phaseflip.cache.hicache.transfer import TransferOrders
 from phaseflip.forward_batch import ForwardBatch
 
 TENSOR_FIELDS = ("input_ids", "positions", "out_cache_loc", "kv_indptr", "logits_indices")
+
+
+@dataclass
+class StepMessage:
+    """What rank 0 broadcasts for one step: the forward plan (None for a transfer-only fence),
+    the HiCache transfer orders every rank executes first, and whether to fence (every rank
+    waits for all its copies, then all ranks meet in a barrier). `future_len`: a run-ahead
+    step's plan names the previous step's sampled tokens by placeholder (`ForwardBatch`
+    `future_pos`/`future_rows`); those `future_len` tokens are on rank 0's device only, and
+    reach the other TP ranks of stage 0 by a broadcast on their TP group (`StageExecutor.run`).
+    Later stages need no token ids."""
+
+    step: int
+    plan: ForwardBatch | None
+    transfers: TransferOrders | None = None
+    fence: bool = False
+    future_len: int = 0
+    future_ids: np.ndarray | None = None  # the tokens themselves, when rank 0 runs on the CPU
+    # a decode group kept in flight across steps (--pp-async-decode): the pipeline is filled
+    # by the other groups' steps, so this step runs whole, as one micro-batch
+    whole: bool = False
 
 
 @dataclass
@@ -142,6 +165,117 @@ class PlanDecoder:
             self._off[r] = at
             at += c
         self._store, self._end = store, at
+
+
+# ------------------------------------------------------------------ the step frame
+# A step's message on the shared-memory channel, instead of a pickle (64 us for the 27 KB of a
+# batch-256 decode plan, on the driver's critical path, and an unpickle on every rank): int64
+# words, written by one concatenation straight into the ring and read back as views.
+#   header: FRAME_MAGIC, the frame's words, checksum, step, flags, future_len, max_position, 0
+#   then one length per FRAME_ARRAYS entry (-1: None), then those arrays back to back.
+# The checksum makes the sum of every word 0 mod 2**64: a torn, stale or cut frame is an
+# error (`PlanFrameError`), never a plan. Lists and bools travel as int64 and come back as
+# lists and bools; token ids come back as int64.
+FRAME_MAGIC = b"PFSTEP01"  # a pickle starts with b"\x80": the two never mix up
+_MAGIC = int.from_bytes(FRAME_MAGIC, "little")
+_HEAD = 8
+FRAME_ARRAYS = ("input_ids", "positions", "out_cache_loc", "kv_indptr", "logits_indices",
+                "extend_lens", "prefix_lens", "rows", "row_epochs", "future_pos",
+                "future_rows", "seq_lens", "reset", "starts", "slots", "full", "future_ids")
+_FENCE, _WHOLE = 1, 2
+_WORD = struct.Struct("<q")
+
+
+class PlanFrameError(RuntimeError):
+    """A step frame that does not hold a whole, intact message (a ring or codec defect)."""
+
+
+class StepFrame:
+    """One step message as words: `nbytes`, and `fill` to write them into a buffer."""
+
+    def __init__(self, msg: StepMessage) -> None:
+        plan, d = msg.plan, msg.plan.delta
+        values = [*(getattr(plan, f) for f in FRAME_ARRAYS[:11]), d.seq_lens, d.reset,
+                  d.starts, d.slots, d.full, msg.future_ids]
+        arrays = [None if a is None else np.asarray(a, dtype=np.int64).reshape(-1)
+                  for a in values]
+        lens = np.array([-1 if a is None else a.size for a in arrays], dtype=np.int64)
+        self.parts = [a for a in arrays if a is not None]
+        words = _HEAD + len(lens) + sum(a.size for a in self.parts)
+        flags = (_FENCE if msg.fence else 0) | (_WHOLE if msg.whole else 0)
+        head = np.array([_MAGIC, words, 0, msg.step, flags, msg.future_len, plan.max_position,
+                         0], dtype=np.int64)
+        self.parts[:0] = [head, lens]
+        self.nbytes = 8 * words
+
+    @staticmethod
+    def of(msg: object) -> StepFrame | None:
+        """The frame of `msg`, or None when it has none (not a step, no plan, a plan sent
+        whole, HiCache orders): then it travels pickled."""
+        if not isinstance(msg, StepMessage) or msg.plan is None or msg.transfers:
+            return None
+        return StepFrame(msg) if isinstance(msg.plan.delta, PlanDelta) else None
+
+    def fill(self, buf: memoryview) -> None:
+        """Writes the frame into `buf` (`nbytes` long, e.g. the ring's own memory)."""
+        words = np.frombuffer(buf, dtype=np.int64)
+        np.concatenate(self.parts, out=words)
+        words.view(np.uint64)[2] = -int(words.view(np.uint64).sum()) % (1 << 64)
+
+
+def is_frame(buf: bytes | bytearray | memoryview) -> bool:
+    return len(buf) >= 8 and bytes(buf[:8]) == FRAME_MAGIC
+
+
+def decode_frame(buf: bytearray | memoryview) -> StepMessage:
+    """The message of a step frame, its arrays views of `buf` (which must outlive them)."""
+    n = len(buf)
+    if n < 8 * (_HEAD + len(FRAME_ARRAYS)) or n % 8:
+        raise PlanFrameError(f"a step frame of {n} bytes: shorter than its header, or not "
+                             "whole words")
+    w = np.frombuffer(buf, dtype=np.int64)
+    if int(w[0]) != _MAGIC or int(w[1]) != len(w):
+        raise PlanFrameError(f"a step frame of {len(w)} words says {int(w[1])} (magic "
+                             f"{_WORD.pack(int(w[0]))!r})")
+    if int(w.view(np.uint64).sum()) != 0:
+        raise PlanFrameError(f"step frame {int(w[3])}: checksum mismatch (a torn or stale "
+                             "frame)")
+    lens = w[_HEAD : _HEAD + len(FRAME_ARRAYS)].tolist()
+    if min(lens) < -1 or _HEAD + len(lens) + sum(max(k, 0) for k in lens) != len(w):
+        raise PlanFrameError(f"step frame {int(w[3])}: array lengths {lens} do not add up "
+                             f"to its {len(w)} words")
+    got, at = {}, _HEAD + len(lens)
+    for name, k in zip(FRAME_ARRAYS, lens):
+        got[name] = None if k < 0 else w[at : at + k]
+        at += max(k, 0)
+    _check_shapes(got, int(w[3]), int(w[5]))
+    delta = PlanDelta(got["seq_lens"], got["reset"].astype(bool), got["starts"], got["slots"],
+                      got["full"])
+    plan = ForwardBatch(**{f: got[f] for f in TENSOR_FIELDS},
+                        extend_lens=got["extend_lens"].tolist(),
+                        prefix_lens=got["prefix_lens"].tolist(),
+                        kv_indices=np.empty(0, dtype=np.int64), max_position=int(w[6]),
+                        rows=got["rows"], row_epochs=got["row_epochs"], delta=delta,
+                        future_pos=got["future_pos"], future_rows=got["future_rows"])
+    flags = int(w[4])
+    return StepMessage(int(w[3]), plan, None, bool(flags & _FENCE), int(w[5]),
+                       got["future_ids"], bool(flags & _WHOLE))
+
+
+def _check_shapes(got: dict[str, np.ndarray | None], step: int, future_len: int) -> None:
+    """The arrays of one plan agree in length (a frame whose lengths add up can still have
+    them shifted from one array to the next)."""
+    n = {k: -1 if v is None else len(v) for k, v in got.items()}
+    b, seq, starts = n["extend_lens"], got["seq_lens"], got["starts"]
+    need = [n["kv_indptr"] == b + 1, n["positions"] == n["input_ids"] == n["out_cache_loc"],
+            n["future_pos"] == n["future_rows"], n["future_ids"] in (-1, future_len)]
+    need += [n[k] == b for k in ("prefix_lens", "rows", "row_epochs", "seq_lens", "reset",
+                                 "starts")]
+    if all(need):
+        need += [n["slots"] == int((seq - starts).sum()),
+                 n["full"] in (-1, int(seq.sum())), got["kv_indptr"][-1] == seq.sum()]
+    if not all(need):
+        raise PlanFrameError(f"step frame {step}: its arrays' lengths disagree ({n})")
 
 
 def _ranges(begin: np.ndarray, end: np.ndarray) -> np.ndarray:

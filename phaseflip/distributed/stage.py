@@ -16,40 +16,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from phaseflip.cache.hicache.transfer import KVTransferEngine, TransferOrders
+from phaseflip.cache.hicache.transfer import KVTransferEngine
 from phaseflip.distributed.group import RankGroups
 from phaseflip.distributed.plan_channel import StagePipes
+from phaseflip.distributed.plan_codec import StepMessage
 from phaseflip.distributed.watchdog import PositionTracker
 from phaseflip.forward_batch import ForwardBatch
 from phaseflip.model.runner import ModelRunner
-
-
-@dataclass
-class StepMessage:
-    """What rank 0 broadcasts for one step: the forward plan (None for a transfer-only fence),
-    the HiCache transfer orders every rank executes first, and whether to fence (every rank
-    waits for all its copies, then all ranks meet in a barrier). `future_len`: a run-ahead
-    step's plan names the previous step's sampled tokens by placeholder (`ForwardBatch`
-    `future_pos`/`future_rows`); those `future_len` tokens are on rank 0's device only, and
-    reach the other TP ranks of stage 0 by a broadcast on their TP group (`StageExecutor.run`).
-    Later stages need no token ids."""
-
-    step: int
-    plan: ForwardBatch | None
-    transfers: TransferOrders | None = None
-    fence: bool = False
-    future_len: int = 0
-    future_ids: np.ndarray | None = None  # the tokens themselves, when rank 0 runs on the CPU
-    # a decode group kept in flight across steps (--pp-async-decode): the pipeline is filled
-    # by the other groups' steps, so this step runs whole, as one micro-batch
-    whole: bool = False
-
 
 # Benchmarks only (`benchmarks/bench_host_step.py`): set in the environment of the engine
 # process before its ranks are spawned, every rank's stage runs no model math.
@@ -186,7 +163,9 @@ class StageExecutor:
         for i, mb in enumerate(parts):
             hidden = residual = None
             if future is not None:  # placeholders filled on the device, no host read
-                mb = mb.to(runner.device).with_future_tokens(future)
+                if runner.device.type != "cpu":
+                    mb = mb.to(runner.device)
+                mb = mb.with_future_tokens(future)
             if not self.first:
                 src = self.groups.stage_rank(self.groups.pp_rank - 1)
                 with tr.at(f"recv hidden of micro-batch {i} from rank {src}", step):
