@@ -13,8 +13,11 @@ the model for rows of a fixed random logits matrix, so a step's time is its host
     python -m benchmarks.grammar_steps --device cuda --dtype bfloat16 --model llama-3.1-8b \
         --load-format dummy --requests 64 --prompt-len 512   # the H200 one-wave shape
 
-Reported per run: turns, their p50/p99/max wall ms, the turns over 3x the median with what
-they held (prefill tokens, finishes), and each phase's total and largest single share.
+Reported per run: turns, their p50/p99/max wall ms (and of decode-only turns), the turns over
+3x the median with what they held (prefill tokens, finishes), and each phase's total and
+largest single share. On a GPU a turn waits for the device only in `take_tokens` (the previous
+step's tokens): `decode_host_busy` (a decode turn's wall time less that wait) is the host's own
+work, and a step is host-bound when it nears the turn's wall time.
 
 `--split RESULT.json` reads a `bench_serving --compare-unconstrained` result instead and
 splits each run's ITLs at the wave's last first token: the gaps that began while prompts were
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -130,9 +134,17 @@ def summarise(name: str, run: dict) -> dict:
         for k, v in t.items():
             if k not in ("wall_ms", "prefill", "finished"):
                 phases[k].append(v)
+    decode = [t for t in run["turns"] if t["prefill"] == 0]
+    # the host's own time: a turn waits for the device only for the previous step's tokens
+    busy = [t["wall_ms"] - t.get("take_tokens", 0.0) for t in decode]
     out = {"run": name, "add_wave_ms": round(run["add_wave_ms"], 1), "turns": len(walls),
            "mean_output_tokens": round(run["mean_output"], 1), "p50_ms": round(med, 3),
            "p99_ms": round(q(0.99), 3), "max_ms": round(walls[-1], 3),
+           "decode_turns": len(decode),
+           "decode_p50_ms": _pct([t["wall_ms"] / 1e3 for t in decode], 0.5),
+           "decode_p99_ms": _pct([t["wall_ms"] / 1e3 for t in decode], 0.99),
+           "decode_host_busy_p50_ms": _pct([b / 1e3 for b in busy], 0.5),
+           "decode_host_busy_p99_ms": _pct([b / 1e3 for b in busy], 0.99),
            "phases_ms": {k: {"total": round(sum(v), 1), "max": round(max(v), 3),
                              "p50": round(statistics.median(v), 3)} for k, v in phases.items()},
            "slow_turns": slow[:20]}
@@ -202,6 +214,11 @@ def main() -> None:
     result = {"args": {k: str(v) for k, v in vars(args).items()}}
     for name, s in (("unconstrained", None), ("constrained", spec)):
         run = run_wave(args, s)
+        gc.collect()  # the first engine's device memory back before the second starts
+        if args.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()
         result[name] = summarise(name, run)
         if run["profile"] and args.profile:
             args.profile.write_text(run["profile"])
