@@ -132,12 +132,14 @@ class ParallelConfig:
     next step starts as soon as its tokens are sampled. Decode steps run whole, not cut."""
     dist_backend: str = "auto"
     """torch.distributed backend: gloo, nccl, or auto (nccl when every rank has its own GPU)."""
-    all_reduce: str = "auto"
+    all_reduce: str = "nccl"
     """The TP all-reduce: nccl (the process group: NCCL, or gloo staged through the host),
     symm-mem (PyTorch's one-shot/two-shot kernels over symmetric memory for messages up to
     --all-reduce-max-kib, captured in the decode graphs; also when ranks share a GPU, for
     correctness runs) or auto (symm-mem when every rank has its own GPU on one node). Set up
-    at launch for every layout; where it cannot be, the launch log says why and uses nccl."""
+    at launch for every layout; where it cannot be, the launch log says why and uses nccl.
+    The default stays nccl until symm-mem has run one rank per GPU (it has run only on ranks
+    sharing one GPU)."""
     all_reduce_max_kib: int = 2048
     """Largest all-reduce (KiB) that --all-reduce symm-mem takes (its buffer per layout);
     larger ones go to the process group. 2048: a decode step of 256 rows of 4096 bf16."""

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from phaseflip import SamplingParams
+from phaseflip.distributed.symm_allreduce import all_reduce_path
 from tests.conftest import ARCHS, hf_greedy, hf_logprobs, prompts_for
 
 pytestmark = [
@@ -154,7 +155,8 @@ def test_live_flips_on_one_gpu_match_single_process(strategy, model_dirs, monkey
 
 @pytest.mark.timeout(300, method="thread")
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL)")
-def test_resident_flips_over_nccl_replay_parked_graphs(model_dirs):
+@pytest.mark.parametrize("all_reduce", ["nccl", "symm-mem"])
+def test_resident_flips_over_nccl_replay_parked_graphs(model_dirs, all_reduce):
     """A GPU pair over NCCL flips tp2 → pp2 → tp2 → pp2 with resident weights: both layouts
     record graphs (tp2's with its all-reduces and the LM head's gather inside), each layout's
     second visit replays the graphs it parked, and the fp32 greedy tokens equal one GPU's
@@ -166,9 +168,10 @@ def test_resident_flips_over_nccl_replay_parked_graphs(model_dirs):
     cfg = {"device": "cuda", "dtype": "float32", "max_total_tokens": 4096}
     with Engine(str(model_dirs["llama"]), **cfg) as e:
         want, _ = _drive(e, prompts, {})
-    with Engine(str(model_dirs["llama"]), tp_size=2, dist_timeout_s=120,
+    with Engine(str(model_dirs["llama"]), tp_size=2, dist_timeout_s=120, all_reduce=all_reduce,
                 flip_weights="resident", **FLIP, **cfg) as e:
         assert e.core.runner.spec.backend == "nccl" and e.core.runner.graphs is not None
+        assert (all_reduce_path(e.core.runner) or "").startswith(all_reduce)  # no silent fallback
         got, censuses = _drive(e, prompts, {2: (1, 2), 6: (2, 1), 9: (1, 2)})
     assert [c.graph_capture for c in censuses] == ["on first use", "parked", "parked"]
     for rid, (ids, _, _) in got.items():

@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -63,6 +64,7 @@ SYMM_DTYPES = (torch.bfloat16, torch.float32)  # what torch's kernels dispatch
 ONE_SHOT_MAX_BYTES = 512 << 10  # more than two ranks: one-shot up to here, two-shot above
 NO_MULTICAST_ENV = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 SHARED_DEVICE_ENV = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
+PROBE_DEADLINE_S = 60.0  # the launch probe; torch's barrier itself has no deadline
 _REQUIRED_OPS = ("one_shot_all_reduce_out", "two_shot_all_reduce_")
 # the one-shot kernel that copies its input in itself (a launch fewer); older torch lacks it
 _COPY_IN_OP = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
@@ -208,11 +210,25 @@ def _rendezvous(group: dist.ProcessGroup, nbytes: int, device: torch.device) -> 
     probe = SymmMemCommunicator(group, size, buffer=buf)
     x = torch.full((256,), float(rank + 1), device=device)
     probe.all_reduce(x)
-    torch.cuda.synchronize(device)
+    _await_probe(device)
     want = size * (size + 1) / 2
     if not bool((x == want).all()):
         raise RuntimeError(f"the probe all-reduce summed to {x[0].item()}, not {want}")
     return buf
+
+
+def _await_probe(device: torch.device, deadline_s: float = PROBE_DEADLINE_S) -> None:
+    """Wait for the probe with a deadline: torch's barrier spins on the GPU with none, so a
+    peer that died after the rendezvous would otherwise hang this launch in a synchronize,
+    before the agreement that turns the layout to the process group."""
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    start = time.monotonic()
+    while not done.query():
+        if time.monotonic() - start > deadline_s:
+            raise RuntimeError(f"the probe all-reduce did not finish in {deadline_s:.0f} s "
+                               "(a peer stopped after the rendezvous?)")
+        time.sleep(0.001)
 
 
 @dataclass(frozen=True)
