@@ -223,8 +223,13 @@ class ShmRing:
     # ---------------------------------------------------------------- the writer
     def write(self, payload: bytes) -> None:
         """Copies one frame in and publishes it (waiting only if the ring is full)."""
-        self._copy_in(_LEN.pack(len(payload)))
-        self._copy_in(payload)
+        self.write_parts([payload])
+
+    def write_parts(self, parts: list[bytes | np.ndarray]) -> None:
+        """One frame of the parts' bytes back to back, each copied in once."""
+        self._copy_in(_LEN.pack(sum(memoryview(p).nbytes for p in parts)))
+        for p in parts:
+            self._copy_in(p)
         self._publish()
 
     def write_into(self, n: int, fill: Callable[[memoryview], None]) -> None:
@@ -386,8 +391,13 @@ class StagePipes:
         self.inp: dict[int, ShmRing] = {}
 
     def send(self, t: torch.Tensor, dst: int) -> None:
+        self.send_parts([t], dst)
+
+    def send_parts(self, parts: list[torch.Tensor], dst: int) -> None:
+        """The parts' bytes back to back as one hand-off (received as one tensor)."""
         ring = self.out.get(dst) or self._open_out(dst)
-        ring.write(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
+        ring.write_parts([t.detach().reshape(-1).contiguous().view(torch.uint8).numpy()
+                          for t in parts])
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         """The tensor in place in the ring (no copy) when it lies in one piece: valid until

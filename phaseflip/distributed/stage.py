@@ -183,18 +183,18 @@ class StageExecutor:
         with tr.at("drain sends", step):
             for work, _keep in pending:
                 work.wait()
-        # one part (TP, or a step too small to cut): its logits as they are, not a copy
-        out = ((logits[0] if len(logits) == 1 else torch.cat(logits))
-               if logits and logits[0] is not None else None)
+        out = logits if logits and logits[0] is not None else None  # None: not TP rank 0
         return self._logits_to_driver(step, plan, out, defer)
 
-    def _logits_to_driver(self, step: int, plan: ForwardBatch, logits, defer: bool = False):
+    def _logits_to_driver(self, step: int, plan: ForwardBatch,
+                          logits: list[torch.Tensor] | None, defer: bool = False):
+        """`logits`: the last stage's per micro-batch (TP rank 0), sent as one message."""
         rank, last_rank0 = self.groups.rank, (self.spec.pp_size - 1) * self.spec.tp_size
-        if rank == 0 and self.last:
-            return logits
+        if rank == 0 and self.last:  # one part (TP): its logits as they are, not a copy
+            return logits[0] if len(logits) == 1 else torch.cat(logits)
         if self.last and rank == last_rank0:
             with self.tracker.at("send logits to rank 0", step):
-                self._send(logits, 0)
+                self._send_parts(logits, 0)
         elif rank == 0:
             rows = int(plan.logits_indices.numel())
 
@@ -223,6 +223,14 @@ class StageExecutor:
             self.pipes.send(t, dst)
         else:
             dist.send(t, dst)
+
+    def _send_parts(self, parts: list[torch.Tensor], dst: int) -> None:
+        """The parts as one tensor (rows after rows): a shared-memory pipe copies them in one
+        after the other, with no concatenation first (4 MiB of batch-256 logits: 0.4 ms)."""
+        if self.pipes is None or len(parts) == 1:
+            self._send(parts[0] if len(parts) == 1 else torch.cat(parts), dst)
+            return
+        self.pipes.send_parts([t.contiguous().cpu() for t in parts], dst)
 
     def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         if self.pipes is not None:
