@@ -156,7 +156,8 @@ def _pipes(rank: int, chan: ShmPlanChannel, out) -> None:
     got = [pipes.recv(shape, dtype, 0).clone() for shape, dtype in shapes]
     ok = all(g.dtype == d and g.shape == s and bool((g == i).all())
              for i, (g, (s, d)) in enumerate(zip(got, shapes)))
-    pipes.send(torch.arange(100.0).repeat(64, 1), 0)
+    back = torch.arange(100.0).repeat(64, 1)
+    pipes.send_parts([back[:24], back[24:]], 0)  # two micro-batches' logits: one hand-off
     out.put((rank, "same", ok))
     pipes.recv((4,), torch.float32, 0)  # never sent: a named error after the deadline
 
