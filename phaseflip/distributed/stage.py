@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -160,6 +161,8 @@ class StageExecutor:
         tr, runner = self.tracker, self.runner
         pending, logits = [], []
         parts = ([plan] if whole else self.micro_batches(plan))
+        if future is not None and len(parts) > 1:
+            _place_futures(plan, parts)
         for i, mb in enumerate(parts):
             hidden = residual = None
             if future is not None:  # placeholders filled on the device, no host read
@@ -239,6 +242,21 @@ class StageExecutor:
         buf = torch.empty(shape, dtype=dtype, device=device)
         dist.recv(buf, src)
         return buf.to(self.runner.device)
+
+
+def _place_futures(plan: ForwardBatch, parts: list[ForwardBatch]) -> None:
+    """Gives each micro-batch of `plan` its placeholders' host indices (`split` drops them):
+    its tokens are then filled by one indexed copy, not resolved on the device (four tensor
+    ops a micro-batch, ~0.1 ms a pp2 step at batch 256 on the CPU)."""
+    pos, rows = plan.future_pos, plan.future_rows
+    if pos is None:
+        return
+    t0 = 0
+    for mb in parts:  # fresh pieces: nothing else holds them
+        t1 = t0 + mb.num_tokens
+        a, b = np.searchsorted(pos, (t0, t1)).tolist()  # pos ascends (`from_table`)
+        mb.future_pos, mb.future_rows = pos[a:b] - t0, rows[a:b]
+        t0 = t1
 
 
 class _Done:
