@@ -182,7 +182,7 @@ _HEAD = 8
 FRAME_ARRAYS = ("input_ids", "positions", "out_cache_loc", "kv_indptr", "logits_indices",
                 "extend_lens", "prefix_lens", "rows", "row_epochs", "future_pos",
                 "future_rows", "seq_lens", "reset", "starts", "slots", "full", "future_ids")
-_FENCE, _WHOLE = 1, 2
+_FENCE, _WHOLE, _DECODE = 1, 2, 4  # _DECODE: one token a sequence, its lists not sent
 _WORD = struct.Struct("<q")
 
 
@@ -197,12 +197,18 @@ class StepFrame:
         plan, d = msg.plan, msg.plan.delta
         values = [*(getattr(plan, f) for f in FRAME_ARRAYS[:11]), d.seq_lens, d.reset,
                   d.starts, d.slots, d.full, msg.future_ids]
+        # a decode step's lists are all ones and seq_lens - 1: rebuilt, not sent (17 us of
+        # list conversion at batch 256)
+        decode = len(plan.input_ids) == len(plan.extend_lens)
+        if decode:
+            values[5] = values[6] = None
         arrays = [None if a is None else np.asarray(a, dtype=np.int64).reshape(-1)
                   for a in values]
         lens = np.array([-1 if a is None else a.size for a in arrays], dtype=np.int64)
         self.parts = [a for a in arrays if a is not None]
         words = _HEAD + len(lens) + sum(a.size for a in self.parts)
-        flags = (_FENCE if msg.fence else 0) | (_WHOLE if msg.whole else 0)
+        flags = ((_FENCE if msg.fence else 0) | (_WHOLE if msg.whole else 0)
+                 | (_DECODE if decode else 0))
         head = np.array([_MAGIC, words, 0, msg.step, flags, msg.future_len, plan.max_position,
                          0], dtype=np.int64)
         self.parts[:0] = [head, lens]
@@ -248,29 +254,35 @@ def decode_frame(buf: bytearray | memoryview) -> StepMessage:
     for name, k in zip(FRAME_ARRAYS, lens):
         got[name] = None if k < 0 else w[at : at + k]
         at += max(k, 0)
-    _check_shapes(got, int(w[3]), int(w[5]))
-    delta = PlanDelta(got["seq_lens"], got["reset"].astype(bool), got["starts"], got["slots"],
-                      got["full"])
-    plan = ForwardBatch(**{f: got[f] for f in TENSOR_FIELDS},
-                        extend_lens=got["extend_lens"].tolist(),
-                        prefix_lens=got["prefix_lens"].tolist(),
+    flags = int(w[4])
+    _check_shapes(got, int(w[3]), int(w[5]), bool(flags & _DECODE))
+    seq = got["seq_lens"]
+    delta = PlanDelta(seq, got["reset"].astype(bool), got["starts"], got["slots"], got["full"])
+    if flags & _DECODE:
+        extend, prefix = [1] * len(seq), (seq - 1).tolist()
+    else:
+        extend, prefix = got["extend_lens"].tolist(), got["prefix_lens"].tolist()
+    plan = ForwardBatch(**{f: got[f] for f in TENSOR_FIELDS}, extend_lens=extend,
+                        prefix_lens=prefix,
                         kv_indices=np.empty(0, dtype=np.int64), max_position=int(w[6]),
                         rows=got["rows"], row_epochs=got["row_epochs"], delta=delta,
                         future_pos=got["future_pos"], future_rows=got["future_rows"])
-    flags = int(w[4])
     return StepMessage(int(w[3]), plan, None, bool(flags & _FENCE), int(w[5]),
                        got["future_ids"], bool(flags & _WHOLE))
 
 
-def _check_shapes(got: dict[str, np.ndarray | None], step: int, future_len: int) -> None:
+def _check_shapes(got: dict[str, np.ndarray | None], step: int, future_len: int,
+                  decode: bool) -> None:
     """The arrays of one plan agree in length (a frame whose lengths add up can still have
     them shifted from one array to the next)."""
     n = {k: -1 if v is None else len(v) for k, v in got.items()}
-    b, seq, starts = n["extend_lens"], got["seq_lens"], got["starts"]
-    need = [n["kv_indptr"] == b + 1, n["positions"] == n["input_ids"] == n["out_cache_loc"],
+    b, seq, starts = n["seq_lens"], got["seq_lens"], got["starts"]
+    lists = -1 if decode else b  # a decode step's lists are not sent
+    need = [b >= 0, n["kv_indptr"] == b + 1, n["extend_lens"] == n["prefix_lens"] == lists,
+            n["positions"] == n["input_ids"] == n["out_cache_loc"],
+            not decode or n["input_ids"] == b,
             n["future_pos"] == n["future_rows"], n["future_ids"] in (-1, future_len)]
-    need += [n[k] == b for k in ("prefix_lens", "rows", "row_epochs", "seq_lens", "reset",
-                                 "starts")]
+    need += [n[k] == b for k in ("rows", "row_epochs", "reset", "starts")]
     if all(need):
         need += [n["slots"] == int((seq - starts).sum()),
                  n["full"] in (-1, int(seq.sum())), got["kv_indptr"][-1] == seq.sum()]
