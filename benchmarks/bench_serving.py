@@ -45,7 +45,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from benchmarks import schema_check
-from benchmarks.common import make_workload, print_table, summarize, write_json
+from benchmarks.common import itl_split, make_workload, print_table, summarize, write_json
 
 
 @dataclass
@@ -314,9 +314,13 @@ async def run_compare(args: argparse.Namespace, base_url: str,
     def ratio(a: float, b: float) -> float | None:
         return a / b if b and math.isfinite(a) and math.isfinite(b) else None
 
+    split = {name: itl_split(run) for name, run in runs.items() if run["requests"]}
+    decode = [split.get(n, {}).get("decode_p50_ms") for n in ("constrained", "unconstrained")]
     return {
         "benchmark": "serving-structured-compare", "model": c["model"],
-        "schema": args.json_schema, **runs,
+        "schema": args.json_schema, **runs, "itl_split": split,
+        # ITLs after the wave's last first token: no prefill joins these steps (one wave)
+        "decode_itl_p50_ratio": ratio(*decode) if None not in decode else None,
         "itl_p50_ratio": ratio(c["itl_s"]["p50"], u["itl_s"]["p50"]),
         "itl_p99_ratio": ratio(c["itl_s"]["p99"], u["itl_s"]["p99"]),
         "tpot_p50_ratio": ratio(c["tpot_s"]["p50"], u["tpot_s"]["p50"]),
@@ -517,6 +521,12 @@ def _print_compare(r: dict[str, Any]) -> None:
                 title=f"structured output cost: {r['model']}, schema {r['schema']}")
     ratio = r["itl_p50_ratio"]
     print(f"ITL p50 constrained/unconstrained: {'n/a' if ratio is None else f'{ratio:.3f}'}")
+    for name, sp in r.get("itl_split", {}).items():
+        print(f"{name}: after the last first token ITL p50 {sp['decode_p50_ms']} ms, p99 "
+              f"{sp['decode_p99_ms']} ms; before it p99 {sp['prefill_window_p99_ms']} ms")
+    dr = r.get("decode_itl_p50_ratio")
+    if dr is not None:
+        print(f"decode-only ITL p50 constrained/unconstrained: {dr:.3f}")
     for name in ("unconstrained", "constrained"):
         for err in r[name]["errors"]:
             print(f"error ({name}):", err)

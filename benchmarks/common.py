@@ -335,3 +335,31 @@ def join_rank_group(rank: int, spec: Any) -> Any:
                             world_size=spec.world_size,
                             timeout=_dt.timedelta(seconds=spec.timeout_s), **extra)
     return device
+
+
+def pct_ms(values: list[float], q: float) -> float | None:
+    """The q-quantile of `values` (seconds) in milliseconds, numpy's interpolation; None for
+    no values."""
+    return round(1e3 * percentile(values, 100 * q), 2) if values else None
+
+
+def itl_split(run: dict) -> dict:
+    """One bench_serving run's ITLs, pooled and split at the wave's last first token (send
+    times are taken as equal: one wave under a concurrency limit its size)."""
+    reqs = [r for r in run["requests"] if r.get("ok", True) and r["ttft"] == r["ttft"]]  # not NaN
+    if not reqs:
+        return {"itls": 0, "decode_p50_ms": None, "decode_p99_ms": None,
+                "prefill_window_p99_ms": None}
+    last_first = max(r["ttft"] for r in reqs)
+    prefill, decode = [], []
+    for r in reqs:
+        t = r["ttft"]
+        for gap in r["itls"]:
+            (decode if t >= last_first else prefill).append(gap)
+            t += gap
+    pooled = prefill + decode
+    return {"itls": len(pooled), "p99_rank": len(pooled) // 100,
+            "over_30ms": sum(g > 0.03 for g in pooled), "p50_ms": pct_ms(pooled, 0.5),
+            "p99_ms": pct_ms(pooled, 0.99), "prefill_window_itls": len(prefill),
+            "prefill_window_p99_ms": pct_ms(prefill, 0.99), "decode_p50_ms": pct_ms(decode, 0.5),
+            "decode_p99_ms": pct_ms(decode, 0.99), "decode_max_ms": pct_ms(decode, 1.0)}

@@ -42,7 +42,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from benchmarks.common import percentile
+from benchmarks.common import itl_split
+from benchmarks.common import pct_ms as _pct
 
 SCHEMA = Path(__file__).parent / "schemas" / "nested.json"
 PHASES = (("scheduler", "schedule"), ("runner", "forward"), ("grammars", "masks"),
@@ -152,30 +153,6 @@ def summarise(name: str, run: dict) -> dict:
     for s in slow[:20]:
         print("  slow turn", s)
     return out
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    """Milliseconds, numpy's interpolation (bench_serving's); None for no values."""
-    return round(1e3 * percentile(values, 100 * q), 2) if values else None
-
-
-def itl_split(run: dict) -> dict:
-    """One bench_serving run's ITLs, pooled and split at the wave's last first token (send
-    times are taken as equal: one wave under a concurrency limit its size)."""
-    reqs = run["requests"]
-    last_first = max(r["ttft"] for r in reqs)
-    prefill, decode = [], []
-    for r in reqs:
-        t = r["ttft"]
-        for gap in r["itls"]:
-            (decode if t >= last_first else prefill).append(gap)
-            t += gap
-    pooled = prefill + decode
-    return {"itls": len(pooled), "p99_rank": len(pooled) // 100,
-            "over_30ms": sum(g > 0.03 for g in pooled), "p50_ms": _pct(pooled, 0.5),
-            "p99_ms": _pct(pooled, 0.99), "prefill_window_itls": len(prefill),
-            "prefill_window_p99_ms": _pct(prefill, 0.99), "decode_p50_ms": _pct(decode, 0.5),
-            "decode_p99_ms": _pct(decode, 0.99), "decode_max_ms": _pct(decode, 1.0)}
 
 
 def split_main(path: Path) -> dict:

@@ -117,3 +117,6 @@ def test_json_schema_run_against_a_live_server(tmp_path) -> None:
         if r["finish_reason"] == "stop":
             assert schema_check.problems(json.loads(r["text"]), NESTED) == []
     assert data["itl_p50_ratio"] > 0 and math.isfinite(data["output_tokens_per_s_ratio"])
+    split = data["itl_split"]["constrained"]
+    assert split["itls"] == sum(len(r["itls"]) for r in bound["requests"])
+    assert split["decode_p50_ms"] is not None and data["decode_itl_p50_ratio"] > 0

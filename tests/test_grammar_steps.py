@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from benchmarks import grammar_steps
+from benchmarks import common, grammar_steps
 
 EMBEDDED = Path(grammar_steps.__file__).resolve().parent.parent / "phaseflip" / "assets" \
     / "tiny-llama"
@@ -23,7 +23,7 @@ def test_the_split_puts_waits_that_began_before_the_last_first_token_in_the_pref
     # token at 0.5 s ends the window; every other gap is a 10 ms decode step
     early = [0.01, 0.2, 0.2] + [0.01] * 47
     late = [0.01] * 50
-    out = grammar_steps.itl_split(_run([0.1, 0.5], [early, late]))
+    out = common.itl_split(_run([0.1, 0.5], [early, late]))
     assert out["itls"] == 100 and out["p99_rank"] == 1
     assert out["prefill_window_itls"] == 3  # the gaps that began at 0.1, 0.11 and 0.31 s
     assert out["over_30ms"] == 2
