@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_serving import (
+    RequestResult,
     _free_port,
     launch_server,
     make_client,
@@ -77,11 +78,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         else:
             ap.add_argument(flag, type=type(default), default=default)
     ap.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--calib-bursts", type=int, default=12,
+                    help="burst requests of the trace the calibration steps through")
+    ap.add_argument("--calib-background", type=int, default=24,
+                    help="background requests of the trace the calibration steps through")
+    ap.add_argument("--calib-max-new-tokens", type=int, default=0,
+                    help="caps the calibration requests' output (0: the trace's); fewer "
+                         "decode steps where they are slow (tp2 staged over gloo on a GPU)")
     ap.add_argument("--simulate", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--resimulate", default=None, metavar="JSON",
                     help="no server: simulate again the runs of this result (same trace flags)")
     ap.add_argument("--poll-s", type=float, default=0.25)
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per run")
+    ap.add_argument("--time-budget-s", type=float, default=None,
+                    help="wall-clock budget of the whole command: a run that would not fit "
+                         "is skipped, one that overruns is cut (its finished requests kept), "
+                         "the simulation is skipped once it is spent; the JSON is written "
+                         "after every phase either way")
+    ap.add_argument("--launch-estimate-s", type=float, default=45.0,
+                    help="a server launch + stop, for the budget until one is measured")
+    ap.add_argument("--reserve-s", type=float, default=15.0,
+                    help="budget kept for stopping the last server and writing the result")
+    ap.add_argument("--tolerance", type=float, default=0.15,
+                    help="the simulator's check: throughput and flips within this of measured")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None, help="write the timeline PNG here")
     return ap.parse_args(argv)
@@ -97,23 +116,33 @@ def make_trace(args: argparse.Namespace) -> list[wl.Arrival]:
 # ---------------------------------------------------------------------- calibration
 def calibrate(args: argparse.Namespace, trace: list[wl.Arrival]) -> dict[str, Any]:
     """Steps of an in-process engine in each layout of the pair over the trace's shapes (its
-    first bursts and background requests, queued at once, in three batches), and both seams,
-    each taken under load (a few steps into a batch) so its refill is measured too."""
+    first bursts and background requests, queued at once, in three batches; the return to
+    the decode layout runs the first batch only), and both seams, each taken under load (a
+    few steps into a batch) so its refill is measured too. Each layout first runs a few
+    unrecorded requests (kernels compile on first use: seconds on a fresh GPU host, which
+    would skew the fitted step models)."""
     from phaseflip import Engine
 
     decode, prefill = (parse_layout(x) for x in args.flip_layouts.split(","))
-    bursts = [a for a in trace if a.kind == "burst"][:12]
-    background = [a for a in trace if a.kind == "background"][:24]
-    batches = (bursts + background[:8], background, bursts[:4] + background[8:16])
+    bursts = [a for a in trace if a.kind == "burst"][:args.calib_bursts]
+    background = [a for a in trace if a.kind == "background"][:args.calib_background]
+    k = len(background) // 3
+    batches = (bursts + background[:k], background,
+               bursts[:len(bursts) // 3] + background[k:2 * k])
     steps: dict[str, list[dict[str, Any]]] = {}
     seams: list[tuple[Any, int]] = []
+    cap = args.calib_max_new_tokens or None
     with Engine(None, tp_size=decode[0], pp_size=decode[1], enable_flip=True,
                 **_engine_kwargs(args.serve_args)) as e:
         core = e.core
+        for w, layout in enumerate((prefill, decode)):  # unrecorded; ends in the decode one
+            _submit(core, _warm_batch(bursts, background, w + 1), f"warm{w}", 2)
+            _steps(core, {})
+            core.flip(*layout)
         for j, layout in enumerate((decode, prefill, decode)):
-            for k, batch in enumerate(batches):
-                _submit(core, batch, f"c{j}-{k}")
-                if j and not k:  # flip a few steps into the first batch: under load
+            for i, batch in enumerate(batches[:1] if j == 2 else batches):
+                _submit(core, batch, f"c{j}-{i}", cap)
+                if j and not i:  # flip a few steps into the first batch: under load
                     _steps(core, steps, limit=4)
                     held = sum(r.kv_len for r in core.scheduler.running)
                     seams.append((core.flip(*layout)[0], held))
@@ -123,11 +152,23 @@ def calibrate(args: argparse.Namespace, trace: list[wl.Arrival]) -> dict[str, An
                                       for c, held in seams]}
 
 
-def _submit(core: Any, batch: list[wl.Arrival], prefix: str) -> None:
+def _warm_batch(bursts: list[wl.Arrival], background: list[wl.Arrival], salt: int
+                ) -> list[wl.Arrival]:
+    """A burst-shaped and two background-shaped requests whose ids share no prefix with the
+    trace's or another salt's (reversed, rotated by `salt`): each warm-up prefills."""
+    out = []
+    for a in bursts[:1] + background[:2]:
+        ids = a.prompt_ids[::-1]
+        out.append(replace(a, prompt_ids=ids[salt % len(ids):] + ids[:salt % len(ids)]))
+    return out
+
+
+def _submit(core: Any, batch: list[wl.Arrival], prefix: str, cap: int | None = None) -> None:
     from phaseflip.sampling.params import SamplingParams
 
     for i, a in enumerate(batch):
-        params = SamplingParams(max_new_tokens=a.max_new_tokens, ignore_eos=True)
+        n = min(a.max_new_tokens, cap) if cap else a.max_new_tokens
+        params = SamplingParams(max_new_tokens=n, ignore_eos=True)
         core.add_request(f"{prefix}-{i}", list(a.prompt_ids), params)
 
 
@@ -209,8 +250,11 @@ def serve_flags(run: str, args: argparse.Namespace, calib: dict[str, Any] | None
     return args.serve_args + f" --tp-size {tp} --pp-size {pp}" + watch
 
 
-async def replay(base: str, trace: list[wl.Arrival], poll_s: float) -> dict[str, Any]:
-    """Sends each arrival at its time; polls /server_info meanwhile for the timeline."""
+async def replay(base: str, trace: list[wl.Arrival], poll_s: float,
+                 timeout_s: float = math.inf) -> dict[str, Any]:
+    """Sends each arrival at its time; polls /server_info meanwhile for the timeline. Past
+    `timeout_s` the requests still out are cancelled: `cut` is set and they count as failed
+    (the finished ones are kept)."""
     import httpx
 
     url = base + "/v1/completions"
@@ -238,11 +282,22 @@ async def replay(base: str, trace: list[wl.Arrival], poll_s: float) -> dict[str,
                                         a.max_new_tokens, 0.0)
                 return sent, res
 
-            results = await asyncio.gather(*(fire(a) for a in trace))
+            tasks = [asyncio.create_task(fire(a)) for a in trace]
+            _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         done.set()
         await poller
         final = (await info_client.get(base + "/server_info")).json()
-    return {"results": results, "timeline": timeline, "final": final}
+    results = [t.result() if t not in pending else (a.t_s, _cut(a))
+               for t, a in zip(tasks, trace)]
+    return {"results": results, "timeline": timeline, "final": final, "cut": bool(pending)}
+
+
+def _cut(a: wl.Arrival) -> RequestResult:
+    return RequestResult(prompt_len=len(a.prompt_ids), target_len=a.max_new_tokens,
+                         error="cut: past the run's time limit")
 
 
 def _sample(info: dict[str, Any], t: float) -> dict[str, Any]:
@@ -256,20 +311,21 @@ def _sample(info: dict[str, Any], t: float) -> dict[str, Any]:
             "decode_tokens": (info.get("scheduler") or {}).get("decode_tokens")}
 
 
-def summarize_run(run: str, got: dict[str, Any], trace: list[wl.Arrival]) -> dict[str, Any]:
+def summarize_run(run: str, got: dict[str, Any]) -> dict[str, Any]:
+    """Throughput counts the finished requests' tokens (all of the trace's in a clean run)."""
     results = got["results"]
     ok = [r for _, r in results if r.ok]
     ends = [s + r.e2e for s, r in results if r.ok]
     first = min(s for s, _ in results)
     seconds = max(ends) - first if ends else math.nan
-    tokens = sum(len(a.prompt_ids) + a.max_new_tokens for a in trace)
+    tokens = sum(r.prompt_len + r.output_tokens for r in ok)
     ttft = [r.ttft for r in ok]
     itl = [x for r in ok for x in r.itls]
     pol = got["final"].get("flip_policy") or {}
     censuses = got["final"].get("flip_censuses") or []
-    return {"run": run, "requests": len(results), "ok": len(ok),
+    return {"run": run, "requests": len(results), "ok": len(ok), "cut": got.get("cut", False),
             "errors": sorted({r.error for _, r in results if r.error})[:3],
-            "seconds": seconds, "throughput_tps": tokens / seconds,
+            "seconds": seconds, "throughput_tps": tokens / seconds if ok else math.nan,
             "e2e_mean_s": statistics.fmean(r.e2e for r in ok) if ok else math.nan,
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
@@ -280,17 +336,49 @@ def summarize_run(run: str, got: dict[str, Any], trace: list[wl.Arrival]) -> dic
             "config": got["final"].get("config")}
 
 
+class Budget:
+    """The command's wall clock (`--time-budget-s`; None: unlimited): what is left of it."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.end = None if seconds is None else time.monotonic() + seconds
+
+    def left(self) -> float:
+        return math.inf if self.end is None else self.end - time.monotonic()
+
+
 def serve_run(run: str, args: argparse.Namespace, trace: list[wl.Arrival],
-              calib: dict[str, Any] | None) -> dict[str, Any]:
-    port = _free_port()
+              calib: dict[str, Any] | None, budget: Budget | None = None,
+              launch_s: float | None = None) -> dict[str, Any]:
+    """One server run, or a `skipped` record when what is left of the budget cannot hold a
+    launch (`launch_s`: the last one's, measured) and the trace's arrivals; a run that
+    reaches the budget's reserve is cut."""
+    budget = budget or Budget(None)
+    need = (launch_s or args.launch_estimate_s) + trace[-1].t_s + args.reserve_s
+    if budget.left() < need:
+        return {"run": run, "skipped": f"time budget: {budget.left():.0f} s left, the run "
+                                       f"needs ~{need:.0f} s"}
+    port, t0 = _free_port(), time.monotonic()
     flags = serve_flags(run, args, calib)
-    proc = launch_server(flags, port, deadline_s=300)
+    try:  # a run that fails is recorded; the others go on
+        proc = launch_server(flags, port, deadline_s=min(300.0, budget.left() - args.reserve_s))
+    except RuntimeError as e:
+        return {"run": run, "error": str(e), "serve_args": flags}
+    t1 = t2 = time.monotonic()
     try:
-        got = asyncio.run(asyncio.wait_for(replay(f"http://127.0.0.1:{port}", trace,
-                                                  args.poll_s), args.timeout_s))
+        limit = min(args.timeout_s, budget.left() - args.reserve_s)
+        got = asyncio.run(replay(f"http://127.0.0.1:{port}", trace, args.poll_s, limit))
+    except Exception as e:  # noqa: BLE001 - the server died or would not answer
+        return {"run": run, "error": f"{type(e).__name__}: {e}", "serve_args": flags}
     finally:
+        t2 = time.monotonic()
         stop_server(proc)
-    return summarize_run(run, got, trace) | {"serve_args": flags}
+    timing = {"launch_s": t1 - t0, "replay_s": t2 - t1, "stop_s": time.monotonic() - t2}
+    return summarize_run(run, got) | {"serve_args": flags, "timing": timing}
+
+
+def served(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runs that served the trace (not skipped, not failed to launch)."""
+    return [r for r in result["runs"] if "ok" in r]
 
 
 # ---------------------------------------------------------------------- the simulator's view
@@ -374,9 +462,43 @@ def _sim_timeline(res: Any) -> list[tuple[float, str]]:
 
 
 # ---------------------------------------------------------------------- report
+def sim_check(result: dict[str, Any], tolerance: float) -> list[dict[str, Any]]:
+    """The simulator against each simulated run (issue 17: throughput and flip count within
+    `tolerance` of measured; a measured 0 flips asks for 0), for `sim` and `sim*`."""
+    out = []
+    for r in served(result):
+        for key in ("sim", "sim_scaled"):
+            sim = r.get(key)
+            if not sim:
+                continue
+            tps = sim["throughput_tps"] / r["throughput_tps"] - 1.0
+            flips = (abs(sim["flips"] - r["flips"]) / r["flips"] if r["flips"]
+                     else float(sim["flips"] != 0))
+            e2e = (sim["e2e_mean_s"] / r["e2e_mean_s"] - 1.0
+                   if sim.get("e2e_mean_s") and r["e2e_mean_s"] else None)
+            out.append({"run": r["run"], "sim": "sim*" if key == "sim_scaled" else "sim",
+                        "throughput_err": tps, "flips": r["flips"], "sim_flips": sim["flips"],
+                        "flips_err": flips, "e2e_err": e2e,
+                        "ok": abs(tps) <= tolerance and flips <= tolerance})
+    return out
+
+
+def print_check(rows: list[dict[str, Any]], tolerance: float) -> None:
+    print(f"\nsimulator check (throughput and flips within {tolerance:.0%} of measured):")
+    for c in rows:
+        e2e = "" if c["e2e_err"] is None else f", E2E mean {c['e2e_err']:+.1%}"
+        print(f"  {c['run']:>10} {c['sim']:<4} tok/s {c['throughput_err']:+.1%}, flips "
+              f"{c['sim_flips']} vs {c['flips']}{e2e}: {'ok' if c['ok'] else 'MISSED'}")
+    if not rows:
+        print("  nothing simulated")
+
+
 def print_report(result: dict[str, Any]) -> None:
-    rows = []
     for r in result["runs"]:
+        if "ok" not in r:
+            print(f"run {r['run']}: {r.get('skipped') or r.get('error')}")
+    rows = []
+    for r in served(result):
         sims = []
         for sim in (r.get("sim") or {}, r.get("sim_scaled") or {}):
             sims += [sim.get("throughput_tps"),
@@ -397,7 +519,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     """One row per run: queued + running requests over time, the layout as the background
     colour, flips as lines; the simulated auto run's layouts as a strip on top."""
     plt = pyplot()
-    runs = result["runs"]
+    runs = served(result)
     fig, axes = plt.subplots(len(runs), 1, figsize=(11, 2.4 * len(runs)), sharex=True,
                              squeeze=False)
     names = sorted({s["layout"] for r in runs for s in r["timeline"]})
@@ -428,35 +550,56 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    budget = Budget(args.time_budget_s)
     if args.resimulate:  # the simulator again over a result's own runs and calibration
         result = json.loads(Path(args.resimulate).read_text())
         trace = make_trace(args)
         return finish(result, trace, {"steps": result["calibration"],
-                                      "seams": result["seams"]}, args)
+                                      "seams": result["seams"]}, args, budget)
     trace = make_trace(args)
     print("workload:", wl.summary(trace))
-    calib = calibrate(args, trace) if args.calibrate else None
-    runs = [serve_run(run, args, trace, calib) for run in args.runs.split(",")]
-    result = {"benchmark": "flip_workload", "workload": wl.summary(trace),
-              "spec": None if args.trace else vars(wl.WorkloadSpec(
-                  **{k: getattr(args, k) for k in vars(wl.WorkloadSpec())})),
-              "runs": runs, "calibration": calib["steps"] if calib else None,
-              "seams": calib["seams"] if calib else None}
-    write_json(args.out, result)  # the measured runs are kept whatever the simulator does
-    return finish(result, trace, calib, args)
+    result: dict[str, Any] = {
+        "benchmark": "flip_workload", "workload": wl.summary(trace),
+        "spec": None if args.trace else vars(wl.WorkloadSpec(
+            **{k: getattr(args, k) for k in vars(wl.WorkloadSpec())})),
+        "runs": [], "calibration": None, "seams": None, "timing": {}}
+    calib = None
+    if args.calibrate:
+        t0 = time.monotonic()
+        calib = calibrate(args, trace)
+        result |= {"calibration": calib["steps"], "seams": calib["seams"]}
+        result["timing"]["calibration_s"] = time.monotonic() - t0
+        write_json(args.out, result)
+    launch_s = None
+    for run in args.runs.split(","):
+        result["runs"].append(serve_run(run, args, trace, calib, budget, launch_s))
+        timing = result["runs"][-1].get("timing")
+        launch_s = timing["launch_s"] + timing["stop_s"] if timing else launch_s
+        write_json(args.out, result)  # the measured runs are kept whatever comes next
+    return finish(result, trace, calib, args, budget)
 
 
 def finish(result: dict[str, Any], trace: list[wl.Arrival], calib: dict[str, Any] | None,
-           args: argparse.Namespace) -> dict[str, Any]:
+           args: argparse.Namespace, budget: Budget) -> dict[str, Any]:
+    """The simulator over each served run that was not cut (while the budget lasts: a
+    result left unsimulated is simulated later with --resimulate), the report, the check."""
     if calib is not None and args.simulate:
-        scales = server_scales(result["runs"], calib)
+        scales = server_scales(served(result), calib)
         result["server_scales"] = {layout_name(k): v for k, v in scales.items()}
-        for r in result["runs"]:
+        for r in served(result):
+            if r.get("cut") or budget.left() < args.reserve_s:
+                r["sim"] = r["sim_scaled"] = None
+                r["sim_skipped"] = "run cut" if r.get("cut") else "time budget spent"
+                continue
             r["sim"] = simulate_run(r, calib, trace)
             r["sim_scaled"] = simulate_run(r, calib, trace, scales) if scales else None
     print_report(result)
-    if args.plot:
+    result["sim_check"] = sim_check(result, args.tolerance)
+    print_check(result["sim_check"], args.tolerance)
+    if args.plot and served(result):
         plot(result, args.plot)
+    result.setdefault("timing", {})["total_s"] = (
+        None if budget.end is None else args.time_budget_s - budget.left())
     return write_json(args.out, result)
 
 
