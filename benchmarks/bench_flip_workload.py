@@ -115,20 +115,22 @@ def make_trace(args: argparse.Namespace) -> list[wl.Arrival]:
 
 # ---------------------------------------------------------------------- calibration
 def calibrate(args: argparse.Namespace, trace: list[wl.Arrival]) -> dict[str, Any]:
-    """Steps of an in-process engine in each layout of the pair over the trace's shapes (its
-    first bursts and background requests, queued at once, in three batches; the return to
-    the decode layout runs the first batch only), and both seams, each taken under load (a
-    few steps into a batch) so its refill is measured too. Each layout first runs a few
-    unrecorded requests (kernels compile on first use: seconds on a fresh GPU host, which
-    would skew the fitted step models)."""
+    """Steps of an in-process engine in each layout of the pair over the trace's shapes, and
+    both seams. Three batches a visit of a layout, queued at once: background requests (the
+    decode load each seam is taken under, a few steps in, so its refill is measured too),
+    then two thirds of the bursts' requests (with background), then the rest (their prefix
+    cached). Visits: decode, prefill, and back to decode (its first batch only, for the
+    seam); each visit's ids are its own (`_salted`), so every layout's prefill is measured
+    on uncached prompts. Each layout first runs a few unrecorded requests: kernels compile
+    on first use (seconds on a fresh GPU host, which would skew the fitted models)."""
     from phaseflip import Engine
 
     decode, prefill = (parse_layout(x) for x in args.flip_layouts.split(","))
     bursts = [a for a in trace if a.kind == "burst"][:args.calib_bursts]
     background = [a for a in trace if a.kind == "background"][:args.calib_background]
-    k = len(background) // 3
-    batches = (bursts + background[:k], background,
-               bursts[:len(bursts) // 3] + background[k:2 * k])
+    k, b = len(background) // 3, -(-2 * len(bursts) // 3)
+    batches = (background, bursts[:b] + background[:k], bursts[b:] + background[k:2 * k])
+    top = max(i for a in trace for i in a.prompt_ids)
     steps: dict[str, list[dict[str, Any]]] = {}
     seams: list[tuple[Any, int]] = []
     cap = args.calib_max_new_tokens or None
@@ -141,7 +143,7 @@ def calibrate(args: argparse.Namespace, trace: list[wl.Arrival]) -> dict[str, An
             core.flip(*layout)
         for j, layout in enumerate((decode, prefill, decode)):
             for i, batch in enumerate(batches[:1] if j == 2 else batches):
-                _submit(core, batch, f"c{j}-{i}", cap)
+                _submit(core, _salted(batch, j, top), f"c{j}-{i}", cap)
                 if j and not i:  # flip a few steps into the first batch: under load
                     _steps(core, steps, limit=4)
                     held = sum(r.kv_len for r in core.scheduler.running)
@@ -150,6 +152,15 @@ def calibrate(args: argparse.Namespace, trace: list[wl.Arrival]) -> dict[str, An
     return {"steps": steps, "seams": [c.as_dict() | {"seconds": c.total_s,
                                                       "retracted_tokens": held}
                                       for c, held in seams]}
+
+
+def _salted(batch: list[wl.Arrival], salt: int, top: int) -> list[wl.Arrival]:
+    """The batch with every id moved by the same bijection of [1, top] (none for salt 0):
+    prefixes shared within the batch stay shared, none is shared with another salt's."""
+    step = salt * (top // 3 + 1)
+    return batch if not salt else [
+        replace(a, prompt_ids=tuple((i - 1 + step) % top + 1 for i in a.prompt_ids))
+        for a in batch]
 
 
 def _warm_batch(bursts: list[wl.Arrival], background: list[wl.Arrival], salt: int

@@ -210,6 +210,13 @@ def test_calibration_warms_each_layout_unrecorded_caps_outputs_and_returns_on_on
     batches = {e[1].rsplit("-", 1)[0] for e in adds if not e[1].startswith("warm")}
     assert batches == {"c0-0", "c0-1", "c0-2", "c1-0", "c1-1", "c1-2", "c2-0"}
     assert max(e[3] for e in adds) <= 3  # capped (the trace's background asks 20)
+    starts_of = {}  # each visit prefills its own ids; a burst's shared prefix stays shared
+    for e in adds:
+        starts_of.setdefault(e[1].rsplit("-", 1)[0], []).append(e[2])
+    assert len(set(starts_of["c0-1"][:4])) == 1 == len(set(starts_of["c1-1"][:4]))
+    assert not set(starts_of["c0-1"]) & set(starts_of["c1-1"])
+    assert not set(starts_of["c0-0"]) & (set(starts_of["c1-0"]) | set(starts_of["c2-0"]))
+    assert len(starts_of["c0-0"]) == 6 and len(starts_of["c0-1"]) == 4 + 2  # bursts: 2/3
     recorded = sum(len(v) for v in calib["steps"].values())
     assert recorded == 7  # one step a batch; the warm-ups are not recorded
     assert [(s["source"], s["target"]) for s in calib["seams"]] == [
