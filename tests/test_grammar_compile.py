@@ -27,6 +27,7 @@ EMBEDDED = Path(phaseflip.__file__).parent / "assets" / "tiny-llama"
 NESTED = Path(__file__).parents[1] / "benchmarks" / "schemas" / "nested.json"
 SLOW_S = 0.5  # each build of a grammar (check, compile) sleeps this long
 DEADLINE_S = 60.0  # any loop below that runs longer fails
+GATE_S = 20.0  # a gated build gives up after this long
 
 
 def _new_schema() -> GrammarSpec:
@@ -50,6 +51,26 @@ def slow_build(monkeypatch) -> list[str]:
     return threads
 
 
+@pytest.fixture
+def gated_build(monkeypatch):
+    """Every grammar build waits for the gate (an Event the test opens); yields the gate and the
+    names of the threads that built. A build on the engine loop would hold the loop until the
+    gate times out (GATE_S) and then fail the request: no wall-time threshold decides."""
+    gate = threading.Event()
+    threads: list[str] = []
+    build = grammar_mod._build
+
+    def gated(spec):
+        threads.append(threading.current_thread().name)
+        if not gate.wait(GATE_S):
+            raise RuntimeError("the test never opened the gate")
+        return build(spec)
+
+    monkeypatch.setattr(grammar_mod, "_build", gated)
+    yield gate, threads
+    gate.set()
+
+
 def _prompt(i: int) -> list[int]:
     return [(11 * i + j) % 4000 + 5 for j in range(24)]
 
@@ -64,9 +85,12 @@ def _run_until(core, done, on_step=None) -> None:
             on_step(time.perf_counter() - t0)
 
 
-def test_a_new_schema_does_not_pause_running_requests(make_engine, slow_build) -> None:
+def test_a_new_schema_does_not_pause_running_requests(make_engine, gated_build) -> None:
     """Red before issue 20's change: add_request built (check) and compiled the grammar on
-    the loop, 2 x SLOW_S during which no running request got a token."""
+    the loop, so no running request got a token until the build was done. Here the build
+    waits for a gate the test opens only after three steps: the steps can run only if the
+    build is off the loop (on it, add_request would wait out GATE_S and the build fail)."""
+    gate, build_threads = gated_build
     engine = make_engine(EMBEDDED, overlap_schedule=False)
     core = engine.core
     plain = SamplingParams(temperature=0, max_new_tokens=400, ignore_eos=True)
@@ -78,29 +102,24 @@ def test_a_new_schema_does_not_pause_running_requests(make_engine, slow_build) -
     running = list(sched.running)
     spec = _new_schema()
     constrained = SamplingParams(temperature=0, max_new_tokens=384, grammar=spec)
-    t0 = time.perf_counter()
     core.add_request("g", _prompt(9), constrained)
-    waits = [time.perf_counter() - t0]  # the add, then each step while the grammar compiles
-    assert waits[0] < SLOW_S / 2  # (before the change: 2 x SLOW_S, check and compile)
     (req,) = core.groups["g"].reqs
     assert req.compiling and req in sched.waiting
 
     lengths = [len(r.output_ids) for r in running]
+    for _ in range(3):  # the gate is shut: the build cannot finish during these steps
+        core.step()
+        now = [len(r.output_ids) for r in running]
+        assert now == [n + 1 for n in lengths], (lengths, now)  # every running request
+        assert req.compiling and req not in sched.running and req.kv_len == 0
+        lengths = now
+    assert not gate.is_set()
+    gate.set()
     deadline = time.monotonic() + DEADLINE_S
     while req.compiling:
         assert time.monotonic() < deadline
-        t1 = time.perf_counter()
         core.step()
-        waits.append(time.perf_counter() - t1)
-        now = [len(r.output_ids) for r in running]
-        if req.compiling:  # a step while it waited: every running request got its token
-            assert now == [n + 1 for n in lengths], (lengths, now)
-            assert req not in sched.running and req.kv_len == 0
-        lengths = now
-    print("add + steps while compiling, s:", [round(w, 3) for w in waits])
-    assert max(waits) < SLOW_S / 2, [round(w, 3) for w in waits]
-    assert len(waits) >= 3  # steps ran while it compiled
-    assert slow_build and all(n.startswith("phaseflip-grammar") for n in slow_build)
+    assert build_threads and all(n.startswith("phaseflip-grammar") for n in build_threads)
     _run_until(core, lambda: not core.has_work())
     async_ids = req.output_ids
     assert req.finish_reason == "stop", req.finish_reason
