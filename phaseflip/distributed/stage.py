@@ -160,15 +160,15 @@ class StageExecutor:
         (`StepMessage.whole`): one micro-batch."""
         tr, runner = self.tracker, self.runner
         pending, logits = [], []
+        if future is not None and runner.device.type == "cpu":  # filled once, before the cut
+            plan, future = plan.with_future_tokens(future), None
         parts = ([plan] if whole else self.micro_batches(plan))
-        if future is not None and len(parts) > 1:
+        if future is not None and len(parts) > 1:  # host plan, device tokens: per part
             _place_futures(plan, parts)
         for i, mb in enumerate(parts):
             hidden = residual = None
             if future is not None:  # placeholders filled on the device, no host read
-                if runner.device.type != "cpu":
-                    mb = mb.to(runner.device)
-                mb = mb.with_future_tokens(future)
+                mb = mb.to(runner.device).with_future_tokens(future)
             if not self.first:
                 src = self.groups.stage_rank(self.groups.pp_rank - 1)
                 with tr.at(f"recv hidden of micro-batch {i} from rank {src}", step):
