@@ -48,8 +48,15 @@ from benchmarks.bench_serving import (
     stop_server,
 )
 from benchmarks.common import percentile, print_table, write_json
+from benchmarks.flip_workload_sim import (
+    calib_rate,
+    served,
+    server_scales,
+    sim_check,
+    simulate_run,
+)
 from benchmarks.plot import pyplot, save
-from phaseflip.config import EngineConfig, parse_layout
+from phaseflip.config import parse_layout
 from phaseflip.flip import workload as wl
 from phaseflip.flip.policy import layout_name
 
@@ -87,7 +94,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "decode steps where they are slow (tp2 staged over gloo on a GPU)")
     ap.add_argument("--simulate", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--resimulate", default=None, metavar="JSON",
-                    help="no server: simulate again the runs of this result (same trace flags)")
+                    help="no server: simulate again the runs of this result (its trace from "
+                         "its spec; a --trace result needs its --trace again)")
     ap.add_argument("--poll-s", type=float, default=0.25)
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per run")
     ap.add_argument("--time-budget-s", type=float, default=None,
@@ -211,14 +219,6 @@ def _engine_kwargs(serve_args: str) -> dict[str, Any]:
     return {k: v for k, v in vars(ns).items() if v != defaults[k]}
 
 
-def calib_rate(calib: dict[str, Any], name: str) -> float:
-    """Prefill tokens/s of a layout's calibration steps that are mostly prefill (as the
-    policy measures it)."""
-    s = [x for x in calib["steps"][name] if x["prompt_tokens"] >= 64
-         and x["prompt_tokens"] >= 0.9 * (x["prompt_tokens"] + x["decode_rows"])]
-    return sum(x["prompt_tokens"] for x in s) / sum(x["seconds"] for x in s)
-
-
 def seeds(calib: dict[str, Any], decode: str, prefill: str) -> str:
     """--flip-seed-* flags from the calibration: the prefill rates' ratio (steps that are
     mostly prefill) and each direction's seam plus its refill, priced as the policy does."""
@@ -233,12 +233,14 @@ def seeds(calib: dict[str, Any], decode: str, prefill: str) -> str:
             load = 0.0
             if s.get("refill_bytes") and s.get("refill_rate_gbps"):
                 load = min(s["refill_bytes"] / (s["refill_rate_gbps"] * 1e9), s["refill_s"])
-            out.append(s["seconds"] + load + (s.get("refill_tokens_prefilled") or 0)
-                       / rate(target))
-        return statistics.median(out)
+            again = s.get("refill_tokens_prefilled") or 0
+            out.append(s["seconds"] + load + (again / rate(target) if again else 0.0))
+        return statistics.median(out) if out else math.nan
 
-    return (f"--flip-seed-pp-speedup {rate(prefill) / rate(decode):.4f} "
-            f"--flip-seed-to-pp-s {cost(prefill):.4f} --flip-seed-to-tp-s {cost(decode):.4f}")
+    flags = {"--flip-seed-pp-speedup": rate(prefill) / rate(decode),
+             "--flip-seed-to-pp-s": cost(prefill), "--flip-seed-to-tp-s": cost(decode)}
+    # one the calibration could not measure is left out: unmeasured, not a made-up number
+    return " ".join(f"{k} {v:.4f}" for k, v in flags.items() if math.isfinite(v) and v > 0)
 
 
 # ---------------------------------------------------------------------- one server run
@@ -387,113 +389,7 @@ def serve_run(run: str, args: argparse.Namespace, trace: list[wl.Arrival],
     return summarize_run(run, got) | {"serve_args": flags, "timing": timing}
 
 
-def served(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The runs that served the trace (not skipped, not failed to launch)."""
-    return [r for r in result["runs"] if "ok" in r]
-
-
-# ---------------------------------------------------------------------- the simulator's view
-def _parse_name(name: str) -> tuple[int, int]:
-    tp, pp = name.removeprefix("tp").split("×pp")
-    return int(tp), int(pp)
-
-
-def server_scales(runs: list[dict[str, Any]], calib: dict[str, Any]
-                  ) -> dict[tuple[int, int], float]:
-    """Per layout: its calibration prefill rate over the one its *static* server run
-    measured (the manual policy's X or P): how much slower the server's steps ran (its front
-    end shares the cores). The auto runs are not used: they are what the simulator is
-    checked against."""
-    out = {}
-    for r in runs:
-        pol, cfg = r.get("policy") or {}, r.get("config") or {}
-        if r["run"].startswith("auto") or not pol.get("layouts"):
-            continue
-        lay = (cfg["tp_size"], cfg["pp_size"])
-        est = pol["estimates"]["prefill_tps"][
-            "X" if pol["layouts"]["decode"] == layout_name(lay) else "P"]
-        if est["provenance"] == "measured" and est["value"]:
-            out[lay] = calib_rate(calib, layout_name(lay)) / est["value"]
-    return out
-
-
-def simulate_run(run: dict[str, Any], calib: dict[str, Any], trace: list[wl.Arrival],
-                 scales: dict[tuple[int, int], float] | None = None) -> dict[str, Any] | None:
-    """The measured run replayed by `flip/sim.py`: step models fitted to the calibration
-    (each scaled by `scales`, if given), seams at the calibration's median per direction,
-    the server's own config and pool."""
-    from phaseflip.flip.sim import LinearStepModel, simulate
-
-    models = {_parse_name(n): LinearStepModel.fit(
-        [(s["prompt_tokens"], s["decode_rows"], s["ctx_tokens"], s["seconds"]) for s in st])
-        for n, st in calib["steps"].items()}
-    for lay, k in (scales or {}).items():  # the prefill coefficient: what X and P measure
-        models[lay] = replace(models[lay], prompt_token_s=k * models[lay].prompt_token_s)
-    known = set(EngineConfig.field_names())
-    cfg = EngineConfig(**{k: v for k, v in (run["config"] or {}).items() if k in known})
-    if (cfg.tp_size, cfg.pp_size) not in models:
-        return None
-    seam = {(_parse_name(s["source"]), _parse_name(s["target"])): s["seconds"]
-            for s in calib["seams"]}
-    res = simulate(trace, cfg, models, kv_slots=run["kv_capacity_tokens"],
-                   seam_s=lambda a, b: seam[(a, b)],
-                   refill_s_per_token=refill_per_token(calib["seams"], models))
-    out = res.summary()
-    out["models"] = {layout_name(k): vars(m) for k, m in models.items()}
-    out["flip_times_s"] = [round(f["at_s"], 3) for f in res.flips]
-    out["layout_timeline"] = _sim_timeline(res)
-    return out
-
-
-def refill_per_token(seams: list[dict[str, Any]], models: dict[tuple[int, int], Any]
-                     ) -> float:
-    """Seconds per retracted token of the calibration seams' refills, priced as the policy
-    prices them: re-prefilled tokens at the target's fitted per-token cost, plus the loads'
-    seconds bounded by the window's wall time."""
-    cost = held = 0.0
-    for s in seams:
-        if s.get("refill_state") != "done" or not s.get("retracted_tokens"):
-            continue
-        load = 0.0
-        if s.get("refill_bytes") and s.get("refill_rate_gbps"):
-            load = min(s["refill_bytes"] / (s["refill_rate_gbps"] * 1e9), s["refill_s"])
-        step = models[_parse_name(s["target"])]
-        cost += s["refill_tokens_prefilled"] * step.prompt_token_s + load
-        held += s["retracted_tokens"]
-    return cost / held if held else 0.0
-
-
-def _sim_timeline(res: Any) -> list[tuple[float, str]]:
-    """(time, layout) at each change of the simulated run (the first step's layout first)."""
-    out: list[tuple[float, str]] = []
-    for t, dt, name, _, _ in res.steps:
-        if not out or out[-1][1] != name:
-            out.append((round(t - dt, 3), name))
-    return out
-
-
 # ---------------------------------------------------------------------- report
-def sim_check(result: dict[str, Any], tolerance: float) -> list[dict[str, Any]]:
-    """The simulator against each simulated run (issue 17: throughput and flip count within
-    `tolerance` of measured; a measured 0 flips asks for 0), for `sim` and `sim*`."""
-    out = []
-    for r in served(result):
-        for key in ("sim", "sim_scaled"):
-            sim = r.get(key)
-            if not sim:
-                continue
-            tps = sim["throughput_tps"] / r["throughput_tps"] - 1.0
-            flips = (abs(sim["flips"] - r["flips"]) / r["flips"] if r["flips"]
-                     else float(sim["flips"] != 0))
-            e2e = (sim["e2e_mean_s"] / r["e2e_mean_s"] - 1.0
-                   if sim.get("e2e_mean_s") and r["e2e_mean_s"] else None)
-            out.append({"run": r["run"], "sim": "sim*" if key == "sim_scaled" else "sim",
-                        "throughput_err": tps, "flips": r["flips"], "sim_flips": sim["flips"],
-                        "flips_err": flips, "e2e_err": e2e,
-                        "ok": abs(tps) <= tolerance and flips <= tolerance})
-    return out
-
-
 def print_check(rows: list[dict[str, Any]], tolerance: float) -> None:
     print(f"\nsimulator check (throughput and flips within {tolerance:.0%} of measured):")
     for c in rows:
@@ -564,7 +460,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     budget = Budget(args.time_budget_s)
     if args.resimulate:  # the simulator again over a result's own runs and calibration
         result = json.loads(Path(args.resimulate).read_text())
-        trace = make_trace(args)
+        spec = result.get("spec")  # the result's own trace (a --trace result: give it again)
+        trace = wl.generate(wl.WorkloadSpec(**spec)) if spec else make_trace(args)
         return finish(result, trace, {"steps": result["calibration"],
                                       "seams": result["seams"]}, args, budget)
     trace = make_trace(args)

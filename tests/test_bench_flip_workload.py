@@ -244,3 +244,14 @@ def test_the_simulator_check_is_within_tolerance_on_throughput_and_flips(
     assert len(rows) == 1 and rows[0]["ok"] is ok
     assert rows[0]["e2e_err"] == pytest.approx(0.1)
     assert math.isclose(rows[0]["throughput_err"], sim_tps / tps - 1)
+
+
+def test_seeds_leave_out_what_the_calibration_could_not_measure():
+    step = {"prompt_tokens": 512, "decode_rows": 0, "ctx_tokens": 0, "seconds": 0.1}
+    seam = {"target": "tp1×pp2", "seconds": 0.2, "refill_tokens_prefilled": 0}
+    calib = {"steps": {"tp2×pp1": [step], "tp1×pp2": [step | {"seconds": 0.05}]},
+             "seams": [seam]}
+    flags = bfw.seeds(calib, "tp2×pp1", "tp1×pp2")
+    assert flags == "--flip-seed-pp-speedup 2.0000 --flip-seed-to-pp-s 0.2000"  # no seam back
+    calib["steps"]["tp1×pp2"] = [step | {"prompt_tokens": 8}]  # no prefill step measured
+    assert bfw.seeds(calib, "tp2×pp1", "tp1×pp2") == "--flip-seed-to-pp-s 0.2000"
