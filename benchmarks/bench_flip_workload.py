@@ -462,8 +462,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result = json.loads(Path(args.resimulate).read_text())
         spec = result.get("spec")  # the result's own trace (a --trace result: give it again)
         trace = wl.generate(wl.WorkloadSpec(**spec)) if spec else make_trace(args)
-        return finish(result, trace, {"steps": result["calibration"],
-                                      "seams": result["seams"]}, args, budget)
+        calib = ({"steps": result["calibration"], "seams": result["seams"]}
+                 if result.get("calibration") else None)
+        return finish(result, trace, calib, args, budget)
     trace = make_trace(args)
     print("workload:", wl.summary(trace))
     result: dict[str, Any] = {
@@ -471,20 +472,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "spec": None if args.trace else vars(wl.WorkloadSpec(
             **{k: getattr(args, k) for k in vars(wl.WorkloadSpec())})),
         "runs": [], "calibration": None, "seams": None, "timing": {}}
-    calib = None
-    if args.calibrate:
-        t0 = time.monotonic()
-        calib = calibrate(args, trace)
-        result |= {"calibration": calib["steps"], "seams": calib["seams"]}
-        result["timing"]["calibration_s"] = time.monotonic() - t0
-        write_json(args.out, result)
+    calib = run_calibration(args, trace, result) if args.calibrate else None
     launch_s = None
     for run in args.runs.split(","):
         result["runs"].append(serve_run(run, args, trace, calib, budget, launch_s))
-        timing = result["runs"][-1].get("timing")
+        r = result["runs"][-1]
+        timing = r.get("timing")
         launch_s = timing["launch_s"] + timing["stop_s"] if timing else launch_s
+        print(f"run {run}: " + (r.get("skipped") or r.get("error") or (
+            f"{r['ok']}/{r['requests']} ok{' (cut)' if r['cut'] else ''}, {r['flips']} flips, "
+            + ", ".join(f"{k} {v:.1f}" for k, v in timing.items()))), flush=True)
         write_json(args.out, result)  # the measured runs are kept whatever comes next
     return finish(result, trace, calib, args, budget)
+
+
+def run_calibration(args: argparse.Namespace, trace: list[wl.Arrival],
+                    result: dict[str, Any]) -> dict[str, Any] | None:
+    """The calibration into `result` (and its JSON); one that fails is recorded, and the
+    runs go on without it (auto unseeded, nothing simulated)."""
+    t0 = time.monotonic()
+    try:
+        calib = calibrate(args, trace)
+    except Exception as e:  # noqa: BLE001 - a one-shot GPU run keeps what else it can
+        result["calibration_error"] = f"{type(e).__name__}: {e}"
+        print("calibration failed:", result["calibration_error"], flush=True)
+        calib = None
+    else:
+        result |= {"calibration": calib["steps"], "seams": calib["seams"]}
+    result["timing"]["calibration_s"] = time.monotonic() - t0
+    print(f"calibration: {result['timing']['calibration_s']:.1f} s", flush=True)
+    write_json(args.out, result)
+    return calib
 
 
 def finish(result: dict[str, Any], trace: list[wl.Arrival], calib: dict[str, Any] | None,

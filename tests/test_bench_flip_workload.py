@@ -145,6 +145,19 @@ def test_main_writes_the_json_after_every_run_and_simulates_no_cut_run(monkeypat
     assert json.loads(out.read_text())["runs"][1]["skipped"].startswith("time budget")
 
 
+def test_a_failed_calibration_is_recorded_and_the_runs_go_on(monkeypatch, tmp_path):
+    def broken(*_a):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(bfw, "calibrate", broken)
+    monkeypatch.setattr(bfw, "serve_run", lambda run, a, t, calib, b, ls: {
+        "run": run, "error": f"calib {calib}"})
+    res = bfw.main([*SPEC, "--runs", "tp2", "--out", str(tmp_path / "r.json")])
+    assert "out of memory" in res["calibration_error"]
+    assert res["runs"] == [{"run": "tp2", "error": "calib None"}]
+    assert "calibration_s" in json.loads((tmp_path / "r.json").read_text())["timing"]
+
+
 # ---------------------------------------------------------------------- calibration
 class FakeCore:
     """Steps every queued request to its end in one step; records what it was given."""
