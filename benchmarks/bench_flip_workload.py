@@ -30,10 +30,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
+import os
 import shlex
+import signal
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -85,6 +91,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         else:
             ap.add_argument(flag, type=type(default), default=default)
     ap.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--calib-timeout-s", type=float, default=900.0,
+                    help="the calibration runs in a process group of its own: past this (or "
+                         "the budget's reserve) it is killed, and the runs go on without it")
+    ap.add_argument("--calibrate-only", default=None, metavar="JSON",
+                    help="only calibrate, into this file (how the command runs its "
+                         "calibration: a crash there, a CUDA abort, ends only that process)")
     ap.add_argument("--calib-bursts", type=int, default=12,
                     help="burst requests of the trace the calibration steps through")
     ap.add_argument("--calib-background", type=int, default=24,
@@ -456,8 +468,11 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     budget = Budget(args.time_budget_s)
+    if args.calibrate_only:
+        return write_json(args.calibrate_only, calibrate(args, make_trace(args)))
     if args.resimulate:  # the simulator again over a result's own runs and calibration
         result = json.loads(Path(args.resimulate).read_text())
         spec = result.get("spec")  # the result's own trace (a --trace result: give it again)
@@ -472,7 +487,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "spec": None if args.trace else vars(wl.WorkloadSpec(
             **{k: getattr(args, k) for k in vars(wl.WorkloadSpec())})),
         "runs": [], "calibration": None, "seams": None, "timing": {}}
-    calib = run_calibration(args, trace, result) if args.calibrate else None
+    calib = run_calibration(args, argv, result, budget) if args.calibrate else None
     launch_s = None
     for run in args.runs.split(","):
         result["runs"].append(serve_run(run, args, trace, calib, budget, launch_s))
@@ -486,13 +501,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return finish(result, trace, calib, args, budget)
 
 
-def run_calibration(args: argparse.Namespace, trace: list[wl.Arrival],
-                    result: dict[str, Any]) -> dict[str, Any] | None:
-    """The calibration into `result` (and its JSON); one that fails is recorded, and the
-    runs go on without it (auto unseeded, nothing simulated)."""
+def run_calibration(args: argparse.Namespace, argv: list[str], result: dict[str, Any],
+                    budget: Budget) -> dict[str, Any] | None:
+    """The calibration into `result` (and its JSON), in a process of its own; one that fails
+    or overruns is recorded, and the runs go on without it (auto unseeded, no simulation)."""
     t0 = time.monotonic()
     try:
-        calib = calibrate(args, trace)
+        calib = calibrate_isolated(argv, min(args.calib_timeout_s,
+                                             budget.left() - args.reserve_s))
     except Exception as e:  # noqa: BLE001 - a one-shot GPU run keeps what else it can
         result["calibration_error"] = f"{type(e).__name__}: {e}"
         print("calibration failed:", result["calibration_error"], flush=True)
@@ -503,6 +519,35 @@ def run_calibration(args: argparse.Namespace, trace: list[wl.Arrival],
     print(f"calibration: {result['timing']['calibration_s']:.1f} s", flush=True)
     write_json(args.out, result)
     return calib
+
+
+def calibrate_isolated(argv: list[str], limit_s: float) -> dict[str, Any]:
+    """`calibrate` in a child of its own session (`--calibrate-only`): a crash there (a CUDA
+    abort ends the whole process) or an overrun ends only it and its ranks, and the GPU is
+    wholly free again for the servers."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "calibration.json"
+        return run_child([sys.executable, "-m", "benchmarks.bench_flip_workload", *argv,
+                          "--calibrate-only", str(path)], path, limit_s)
+
+
+def run_child(cmd: list[str], path: Path, limit_s: float) -> dict[str, Any]:
+    """Runs `cmd` in a new session (its output to our stderr) for at most `limit_s`, then
+    kills what is left of its group (ranks it spawned); returns the JSON it wrote at
+    `path`. TimeoutError past the limit, RuntimeError if it failed."""
+    proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=max(1.0, limit_s))
+    except subprocess.TimeoutExpired:
+        rc = None
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # none left
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    if rc is None:
+        raise TimeoutError(f"killed past its limit of {limit_s:.0f} s")
+    if rc != 0 or not path.exists():
+        raise RuntimeError(f"the calibration process exited with code {rc}")
+    return json.loads(path.read_text())
 
 
 def finish(result: dict[str, Any], trace: list[wl.Arrival], calib: dict[str, Any] | None,

@@ -135,8 +135,8 @@ def test_main_writes_the_json_after_every_run_and_simulates_no_cut_run(monkeypat
                 "timing": {"launch_s": 5.0, "replay_s": 1.0, "stop_s": 1.0}}
 
     monkeypatch.setattr(bfw, "serve_run", serve_run)
-    monkeypatch.setattr(bfw, "calibrate", lambda a, t: {"steps": {"tp2×pp1": []},
-                                                          "seams": []})
+    monkeypatch.setattr(bfw, "calibrate_isolated", lambda argv, limit: {
+        "steps": {"tp2×pp1": []}, "seams": []})
     res = bfw.main([*SPEC, "--runs", "tp2,pp2,tp2", "--out", str(out),
                     "--time-budget-s", "100"])
     assert seen == [0, 1, 2]  # written after the calibration and after each run
@@ -149,13 +149,57 @@ def test_a_failed_calibration_is_recorded_and_the_runs_go_on(monkeypatch, tmp_pa
     def broken(*_a):
         raise RuntimeError("CUDA out of memory")
 
-    monkeypatch.setattr(bfw, "calibrate", broken)
+    monkeypatch.setattr(bfw, "calibrate_isolated", broken)
     monkeypatch.setattr(bfw, "serve_run", lambda run, a, t, calib, b, ls: {
         "run": run, "error": f"calib {calib}"})
     res = bfw.main([*SPEC, "--runs", "tp2", "--out", str(tmp_path / "r.json")])
     assert "out of memory" in res["calibration_error"]
     assert res["runs"] == [{"run": "tp2", "error": "calib None"}]
     assert "calibration_s" in json.loads((tmp_path / "r.json").read_text())["timing"]
+
+
+def test_the_calibration_child_is_killed_past_its_limit_with_what_it_spawned(tmp_path):
+    import os
+    import sys
+
+    pid_file = tmp_path / "grandchild.pid"
+    code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
+            "'import time; time.sleep(120)']); open(sys.argv[1], 'w').write(str(p.pid)); "
+            "time.sleep(120)")
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        bfw.run_child([sys.executable, "-c", code, str(pid_file)], tmp_path / "none.json", 2.0)
+    assert time.monotonic() - t0 < 30
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 10  # a rank the calibration spawned goes with it
+    while time.monotonic() < deadline:
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the child's own child outlived the kill")
+
+
+def test_the_calibration_child_hands_back_its_json_or_its_failure(tmp_path):
+    import sys
+
+    out = tmp_path / "c.json"
+    code = f"import json; json.dump({{'steps': {{}}, 'seams': []}}, open({str(out)!r}, 'w'))"
+    assert bfw.run_child([sys.executable, "-c", code], out, 30) == {"steps": {}, "seams": []}
+    with pytest.raises(RuntimeError, match="code 3"):
+        bfw.run_child([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "x.json", 30)
+
+
+def test_calibrate_only_writes_the_calibration_and_nothing_else(monkeypatch, tmp_path):
+    monkeypatch.setattr(bfw, "calibrate", lambda a, t: {"steps": {"tp2×pp1": []},
+                                                          "seams": []})
+    monkeypatch.setattr(bfw, "serve_run", lambda *a: pytest.fail("served in calibrate-only"))
+    bfw.main([*SPEC, "--out", str(tmp_path / "r.json"), "--calibrate-only",
+              str(tmp_path / "c.json")])
+    assert json.loads((tmp_path / "c.json").read_text())["seams"] == []
+    assert not (tmp_path / "r.json").exists()
 
 
 # ---------------------------------------------------------------------- calibration
