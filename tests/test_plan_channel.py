@@ -264,3 +264,26 @@ def test_an_idle_rank_sleeps():
 def test_multi_node_groups_keep_the_gloo_broadcast():
     assert isinstance(plan_channel(0, 4, 2, None), GlooPlanChannel)
     assert isinstance(plan_channel(0, 2, 2, None), ShmPlanChannel)
+
+
+def test_a_frame_across_the_rings_end_is_read_in_place(tmp_path):
+    """The ring's data is mapped twice, back to back: a frame that crosses the end is one
+    piece (no copy on the reader, e.g. a step's logits on the driver), and a payload read in
+    place outlives the ring that held it."""
+    from phaseflip.distributed.plan_channel import ShmRing
+
+    writer = ShmRing.create(str(tmp_path), 1, 4096, 5.0, doorbells=False)
+    reader = ShmRing(str(tmp_path / "ring"), 1, 0, [], 4096, wait_s=5.0)
+    crossed = 0
+    for i in range(12):
+        payload = bytes([i + 1]) * 1500
+        start = (reader.pos + 8) % 4096
+        writer.write(payload)
+        got = reader.read(view=True)
+        assert isinstance(got, memoryview) and bytes(got) == payload
+        crossed += start + len(payload) > 4096
+    assert crossed >= 3
+    kept = np.frombuffer(got, dtype=np.uint8)
+    writer.close()
+    reader.close()
+    assert int(kept.sum()) == 12 * 1500

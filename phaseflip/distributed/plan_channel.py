@@ -29,14 +29,17 @@ and release (a locked instruction on x86-64, where aligned 8-byte stores are ato
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import pickle
 import shutil
 import struct
+import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Protocol
 
@@ -178,9 +181,14 @@ class ShmRing:
         self.wait_s = wait_s
         header = _header_bytes(readers)
         with open(path, "r+b") as f:
-            self.mm = mmap.mmap(f.fileno(), header + capacity)
-        self.ctl = np.frombuffer(self.mm, dtype=np.uint64, count=header // 8)
-        self.data = memoryview(self.mm)[header:]
+            whole = _map_twice(f.fileno(), header, capacity)
+            self.mm = None if whole is not None else mmap.mmap(f.fileno(), header + capacity)
+        # twice mapped: data[i] and data[i + capacity] are one byte, so any frame that fits
+        # the ring lies in one piece (read in place, written by one copy) wherever it starts
+        self.span = 2 * capacity if whole is not None else capacity
+        whole = whole if whole is not None else memoryview(self.mm)
+        self.ctl = np.frombuffer(whole, dtype=np.uint64, count=header // 8)
+        self.data = whole[header:]
         # every page mapped now, not at a step's first pass over it (a plan ring takes ~250
         # decode steps at batch 256 to come round: each would pay its pages' faults)
         pages = np.frombuffer(self.data, dtype=np.uint8)[::mmap.PAGESIZE]
@@ -237,7 +245,7 @@ class ShmRing:
         piece and the readers have left room for it, else through a copy (and waits)."""
         self._copy_in(_LEN.pack(n))
         at, cap = self.pos % self.capacity, self.capacity
-        if at + n <= cap and cap - (self.pos - self._slowest_tail()) >= n:
+        if at + n <= self.span and cap - (self.pos - self._slowest_tail()) >= n:
             fill(self.data[at : at + n])
             self.pos += n
         else:
@@ -255,7 +263,7 @@ class ShmRing:
                 self._wait_for_space()
                 continue
             at = self.pos % cap
-            k = min(free, len(mv) - off, cap - at)
+            k = min(free, len(mv) - off, self.span - at)
             self.data[at : at + k] = mv[off : off + k]
             self.pos += k
             off += k
@@ -292,7 +300,8 @@ class ShmRing:
         self._release()
         (n,) = _LEN.unpack(self._copy_out(_LEN.size))
         at = self.pos % self.capacity
-        if not view or self.readers != 1 or n == 0 or at + n > self.capacity:
+        if (not view or self.readers != 1 or n == 0 or n > self.capacity
+                or at + n > self.span):  # larger than the ring: it streams through
             return self._copy_out(n)
         while self.head_seen < self.pos + n:  # the whole frame fits: it is published whole
             self._wait_for_data()
@@ -312,7 +321,7 @@ class ShmRing:
             if self.head_seen == self.pos:
                 self._wait_for_data()
             at = self.pos % cap
-            k = min(self.head_seen - self.pos, n - off, cap - at)
+            k = min(self.head_seen - self.pos, n - off, self.span - at)
             out[off : off + k] = self.data[at : at + k]
             self.pos += k
             off += k
@@ -356,11 +365,49 @@ class ShmRing:
             os.close(fd)
         self.bells = []
         del self.ctl
+        if self.mm is None:  # unmapped when the last view of it goes (`_map_twice`)
+            del self.data
+            return
         try:
             self.data.release()
             self.mm.close()
         except BufferError:  # a payload read in place is still referenced: unmapped with it
             pass
+
+
+def _map_twice(fd: int, header: int, capacity: int) -> memoryview | None:
+    """The ring file (`header` bytes, then `capacity` of data) mapped with its data a second
+    time right after the first: one piece of `header + 2 * capacity` bytes. None where that
+    cannot be done (not Linux, sizes not in pages): the caller maps it once. The mapping is
+    undone when the last view of it is gone (a payload read in place may outlive the ring)."""
+    page = mmap.PAGESIZE
+    if not sys.platform.startswith("linux") or capacity % page or header % page:
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    map_, unmap = libc.mmap, libc.munmap
+    map_.restype = ctypes.c_void_p
+    map_.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                     ctypes.c_int, ctypes.c_long]
+    unmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    total, rw = header + 2 * capacity, mmap.PROT_READ | mmap.PROT_WRITE
+    base = map_(None, total, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)  # PROT_NONE
+    if base is None or base == ctypes.c_void_p(-1).value:
+        return None
+    second = base + header + capacity
+    fixed = mmap.MAP_SHARED | _MAP_FIXED
+    if (map_(base, header + capacity, rw, fixed, fd, 0) != base
+            or map_(second, capacity, rw, fixed, fd, header) != second):
+        unmap(base, total)
+        return None
+    buf = (ctypes.c_ubyte * total).from_address(base)
+    weakref.finalize(buf, unmap, base, total).atexit = False  # the exit unmaps it anyway
+    return memoryview(buf).cast("B")
+
+
+_MAP_FIXED = 0x10  # Linux's MAP_FIXED (the mmap module does not export it)
 
 
 def _header_bytes(readers: int) -> int:
