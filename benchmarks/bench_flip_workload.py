@@ -13,17 +13,21 @@ throughput (prompt + output tokens over first send to last token), TTFT and ITL 
 flips and seam seconds. A run is a layout (`tp2`, `pp2`, `tp2xpp2` ...) or `auto` (between
 `--flip-layouts`), or `auto-prior` (auto told a wrong prior: `--prior-speedup`).
 
-`--calibrate` (default on) first steps an in-process engine through the trace's request
-shapes in each layout of `--flip-layouts` and records every step (prompt tokens, decode rows,
-context tokens, seconds) and both seams: the JSON's `calibration`, what `flip/sim.py` fits
-its step models to. The auto run is seeded with what calibration measured (the prefill
-speedup, each direction's seam), as an operator would from bench_latency and bench_flip.
+`--calibrate` (default on) first steps an engine (in a process of its own) through the
+trace's request shapes in each layout of `--flip-layouts` and records every step (prompt
+tokens, decode rows, context tokens, seconds) and both seams: the JSON's `calibration`, what
+`flip/sim.py` fits its step models to. The auto run is seeded with what calibration
+measured (the prefill speedup, each direction's seam), as an operator would from
+bench_latency and bench_flip.
 `--simulate` (default on) then replays the same trace through the simulator with those
 models and the server's own scheduler settings, and reports simulated vs measured: `sim`
 with the calibration's models as they are, `sim*` with each layout's model scaled by its
 calibration prefill rate over the one its static server run measured (its per-prompt-token
 cost only; static runs of the pair carry the manual policy's telemetry for it; the auto runs
-stay out of the fit).
+stay out of the fit), and the check: throughput and flips within `--tolerance`.
+
+For one-shot runs on a lent GPU, `--time-budget-s` skips a run that cannot fit and cuts one
+that overruns; the JSON is written after every phase (docs/flip.md has the H200 command).
 """
 
 from __future__ import annotations
