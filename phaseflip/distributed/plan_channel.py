@@ -19,12 +19,14 @@ Ring protocol (one writer, R readers, byte offsets that only grow): the writer c
 (8-byte length, then the payload) at `head % capacity`, then stores the new `head`; reader i
 copies from its `tail_i` up to `head` and stores its new `tail_i`. The writer never overwrites
 bytes a reader has not passed (it waits for the slowest reader, with a deadline), and a frame
-larger than the ring streams through it in pieces. A reader that finds nothing spins for
-`spin_s` (yielding its core), then sets its `waiting` flag and sleeps on its doorbell; the
-writer rings the bell of every waiting reader after it publishes. Both sides put a full
-memory fence between their store and their load of the other's word (a Dekker handshake), so
-a reader never sleeps past a published message. The fence is an uncontended lock's acquire
-and release (a locked instruction on x86-64, where aligned 8-byte stores are atomic).
+larger than the ring streams through it in pieces. The data is mapped twice, back to back
+(`_map_twice`), so a frame that fits the ring is one piece wherever it starts. A reader that
+finds nothing spins for `spin_s` (yielding its core), then sets its `waiting` flag and sleeps
+on its doorbell; the writer rings the bell of every waiting reader after it publishes. Both
+sides put a full memory fence between their store and their load of the other's word (a Dekker
+handshake), so a reader never sleeps past a published message. The fence is an uncontended
+lock's acquire and release (a locked instruction on x86-64, where aligned 8-byte stores are
+atomic).
 """
 
 from __future__ import annotations
