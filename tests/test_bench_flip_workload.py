@@ -282,7 +282,9 @@ def test_calibration_warms_each_layout_unrecorded_caps_outputs_and_returns_on_on
 
 # ---------------------------------------------------------------------- the check
 def run_with(flips: int, sim_flips: int, tps: float, sim_tps: float) -> dict:
-    return {"run": "auto", "ok": 1, "flips": flips, "throughput_tps": tps, "e2e_mean_s": 1.0,
+    return {"run": "auto", "ok": 1, "requests": 1, "seconds": 1.0, "ttft_p50_s": 0.1,
+            "ttft_p99_s": 0.1, "itl_p50_s": 0.1, "itl_p99_s": 0.1, "seam_s_recent": 0.0,
+            "flips": flips, "throughput_tps": tps, "e2e_mean_s": 1.0,
             "sim": {"flips": sim_flips, "throughput_tps": sim_tps, "e2e_mean_s": 1.1},
             "sim_scaled": None}
 
@@ -312,3 +314,18 @@ def test_seeds_leave_out_what_the_calibration_could_not_measure():
     assert flags == "--flip-seed-pp-speedup 2.0000 --flip-seed-to-pp-s 0.2000"  # no seam back
     calib["steps"]["tp1×pp2"] = [step | {"prompt_tokens": 8}]  # no prefill step measured
     assert bfw.seeds(calib, "tp2×pp1", "tp1×pp2") == "--flip-seed-to-pp-s 0.2000"
+
+
+def test_after_a_cut_the_runs_that_finished_are_still_simulated(monkeypatch):
+    """A cut run leaves less than the reserve; the others' simulation (~0.1 s each) runs
+    while any budget is left, so the check still covers them."""
+    monkeypatch.setattr(bfw, "server_scales", lambda runs, calib: {})
+    monkeypatch.setattr(bfw, "simulate_run", lambda run, calib, trace, scales=None: {
+        "flips": run["flips"], "throughput_tps": run["throughput_tps"], "e2e_mean_s": 1.0})
+    clean = run_with(8, 8, 100.0, 100.0) | {"run": "auto", "cut": False}
+    cut = run_with(0, 0, 50.0, 50.0) | {"run": "tp2", "cut": True}
+    result = {"runs": [clean, cut], "workload": {}}
+    a = args("--reserve-s", "25")
+    res = bfw.finish(result, trace_of(a), {"steps": {}, "seams": []}, a, bfw.Budget(5.0))
+    assert [c["run"] for c in res["sim_check"]] == ["auto"] and res["sim_check"][0]["ok"]
+    assert cut["sim_skipped"] == "run cut"
