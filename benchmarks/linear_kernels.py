@@ -246,7 +246,7 @@ def sm90_report(ms: list[int], dtype: torch.dtype) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="JSON results path (required for the GPU run)")
     ap.add_argument("--m", default="1,2,4,8,16,32", help="comma-separated row counts")
@@ -271,6 +271,124 @@ def main() -> None:
                          "registers / spills / shared memory, then exit")
     args = ap.parse_args()
     args.dtype = getattr(torch, args.dtype)
+    return args
+
+
+def _shapes_by_nk(spec: str) -> dict[tuple[int, int], list[str]]:
+    names = list(SHAPES) if spec == "all" else spec.split(",")
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown:
+        sys.exit(f"unknown shapes {unknown}; known: {', '.join(SHAPES)}")
+    by_nk: dict[tuple[int, int], list[str]] = {}
+    for name in names:
+        by_nk.setdefault(SHAPES[name], []).append(name)
+    return by_nk
+
+
+def _tune(args: argparse.Namespace, by_nk: dict, ms: list[int], device: torch.device) -> dict:
+    """--tuned-json / --tune: the table the timed runs then pick from (written beside --out)."""
+    if args.tuned_json:
+        linear_configs.TUNED.load(args.tuned_json)
+    if not args.tune:
+        return {}
+    best = linear_tune.tune(list(by_nk), args.dtype, device, m_values=ms,
+                            weight_dtype=torch.float8_e4m3fn if args.fp8_weights else None)
+    table_path = args.out.with_suffix(".tuned.json")
+    table_path.parent.mkdir(parents=True, exist_ok=True)
+    linear_configs.TUNED.save(table_path)
+    print(f"wrote {table_path} (load with linear_configs.TUNED.load or --tuned-json)")
+    return {f"{n}x{k} m={m}": {"config": c.label(), "us": us}
+            for (m, n, k), (c, us) in best.items()}
+
+
+def _print_rows(rows: list[dict], bw_ceiling: float) -> None:
+    table = [["/".join(r["shapes"]), r["n"], r["k"], r["m"], r["cublas_graph_us"],
+              r["cublas_TBps"], r["skinny_graph_us"], r["skinny_TBps"],
+              100 * r["skinny_TBps"] / bw_ceiling, f"{r['speedup']:.2f}x",
+              r.get("cublas_eager_us"), r.get("skinny_eager_us"),
+              r["skinny_default_graph_us"], r["config_label"], r["skinny_rel_err"]]
+             for r in rows]
+    print_table(["shape", "N", "K", "M", "cuBLAS us", "TB/s", "skinny us", "TB/s", "% ceil",
+                 "speedup", "eager cuBLAS us", "eager skinny us", "default cfg us", "config",
+                 "rel err"], table, title="graph-replayed µs per call (weights stream from HBM)")
+
+
+def _cutovers(by_nk: dict, rows: list[dict], fp8: bool) -> tuple[dict, int, dict]:
+    """Per shape the largest swept M where the kernel wins at every M below it; printed."""
+    thresholds = {}
+    for (n, k), shape_names in by_nk.items():
+        thresholds["/".join(shape_names)] = {
+            "n": n, "k": k, "max_m": cutover([r for r in rows if (r["n"], r["k"]) == (n, k)])}
+    print("\nrecommended M cut-over (largest swept M where the kernel wins at every M <= it):")
+    for name, t in thresholds.items():
+        print(f"  {name:<48} N={t['n']:<7} K={t['k']:<6} max_m={t['max_m']}")
+    overall = min(t["max_m"] for t in thresholds.values())
+    overrides = {(t["n"], t["k"]): t["max_m"] for t in thresholds.values()
+                 if t["max_m"] != overall}
+    if fp8:  # the cut-over against _scaled_mm: model/quant/fp8.py
+        print(f"  -> FP8_SKINNY_MAX_M = {overall} (per shape: {overrides})")
+    else:
+        print(f"  -> SKINNY_MAX_M = {overall}; MAX_M_BY_SHAPE = {overrides}")
+    return thresholds, overall, overrides
+
+
+def _llama_step(rows: list[dict], ms: list[int], by_nk: dict,
+                args: argparse.Namespace) -> dict:
+    """The Llama-3.1-8B decode step's linears summed from the per-shape rows, per M."""
+    if not all(name in SHAPES and SHAPES[name] in by_nk
+               for name in (*LLAMA_LAYER, "llama.lm_head")):
+        return {}
+    linear_bytes = (LLAMA_LAYERS * sum(math.prod(SHAPES[s]) for s in LLAMA_LAYER)
+                    + math.prod(SHAPES["llama.lm_head"])) * (
+                       1 if args.fp8_weights else args.dtype.itemsize)
+    step = {}
+    for m in ms:
+        by = {(r["n"], r["k"]): r for r in rows if r["m"] == m}
+
+        def total(us, by=by) -> float:
+            layer = sum(us(by[SHAPES[name]]) for name in LLAMA_LAYER)
+            return LLAMA_LAYERS * layer + us(by[SHAPES["llama.lm_head"]])
+
+        step[m] = {
+            "cublas_us": total(lambda r: r["cublas_graph_us"]),
+            "skinny_us": total(lambda r: r["skinny_graph_us"]),
+            "best_of_us": total(lambda r: min(r["cublas_graph_us"], r["skinny_graph_us"])),
+        }
+    target_us = CHECKPOINT_BYTES / (args.bw_ceiling * 1e12) * 1e6
+    print(f"\nLlama-3.1-8B decode step, linears only (sum of per-call graph times): "
+          f"{linear_bytes / 1e9:.2f} GB of weights; {linear_bytes / 1e9:.2f} GB / "
+          f"{args.bw_ceiling} TB/s = {linear_bytes / args.bw_ceiling / 1e6:.0f} µs; "
+          f"16.06e9 B / {args.bw_ceiling} TB/s = {target_us:.0f} µs")
+    print_table(["M", "cuBLAS us", "skinny us", "best-of us", "skinny TB/s",
+                 "skinny / 16.06e9-target"],
+                [[m, v["cublas_us"], v["skinny_us"], v["best_of_us"],
+                  linear_bytes / v["skinny_us"] / 1e6, v["skinny_us"] / target_us]
+                 for m, v in step.items()])
+    return step
+
+
+def _model_passes(ms: list[int], args: argparse.Namespace, device: torch.device) -> list:
+    if args.no_model_pass:
+        return []
+    if args.fp8_weights:
+        print("model pass: bf16 weights only (skipped with --fp8-weights)")
+        return []
+    passes = model_pass(ms, args, device)
+    torch.cuda.empty_cache()
+    target_ms = CHECKPOINT_BYTES / (args.bw_ceiling * 1e12) * 1e3
+    print_table(["M", "cuBLAS ms", "skinny ms", "dispatch ms", "skinny TB/s",
+                 "cuBLAS TB/s", "skinny / target"],
+                [[p["m"], p["cublas_ms"], p["skinny_ms"], p["dispatch_ms"],
+                  p["skinny_TBps"], p["cublas_TBps"], p["skinny_ms"] / target_ms]
+                 for p in passes],
+                title=f"measured model pass: 129 Llama-3.1-8B linears, distinct weights, one "
+                      f"graph (target 16.06e9 B / {args.bw_ceiling} TB/s = {target_ms:.2f} "
+                      f"ms; dispatch = should_use_skinny per call)")
+    return passes
+
+
+def main() -> None:
+    args = _parse_args()
     ms = [int(m) for m in args.m.split(",")]
     if args.sm90_report:
         rows = sm90_report(ms, args.dtype)
@@ -283,111 +401,22 @@ def main() -> None:
         sys.exit("needs a CUDA device")
     device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
-    names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
-    unknown = [n for n in names if n not in SHAPES]
-    if unknown:
-        sys.exit(f"unknown shapes {unknown}; known: {', '.join(SHAPES)}")
-    by_nk: dict[tuple[int, int], list[str]] = {}
-    for name in names:
-        by_nk.setdefault(SHAPES[name], []).append(name)
-
+    by_nk = _shapes_by_nk(args.shapes)
     bandwidth = measure_read_bandwidth(device, args.quick)
     print(f"\n{torch.cuda.get_device_name()}  triton {triton.__version__}  torch "
           f"{torch.__version__}  {args.dtype}  {linear_configs.num_sms(device)} SMs")
     print(f"measured: read {bandwidth['read_TBps']:.2f} TB/s, copy {bandwidth['copy_TBps']:.2f}"
           f" TB/s (ceiling used: {args.bw_ceiling} TB/s)")
-
-    tuned = {}
-    if args.tuned_json:
-        linear_configs.TUNED.load(args.tuned_json)
-    if args.tune:
-        best = linear_tune.tune(list(by_nk), args.dtype, device, m_values=ms,
-                                weight_dtype=torch.float8_e4m3fn if args.fp8_weights else None)
-        tuned = {f"{n}x{k} m={m}": {"config": c.label(), "us": us}
-                 for (m, n, k), (c, us) in best.items()}
-        table_path = args.out.with_suffix(".tuned.json")
-        table_path.parent.mkdir(parents=True, exist_ok=True)
-        linear_configs.TUNED.save(table_path)
-        print(f"wrote {table_path} (load with linear_configs.TUNED.load or --tuned-json)")
-
+    tuned = _tune(args, by_nk, ms, device)
     rows = []
     for (n, k), shape_names in by_nk.items():
         for r in run_shape(n, k, ms, args, device):
             rows.append({"shapes": shape_names, **r})
         torch.cuda.empty_cache()
-
-    table = []
-    for r in rows:
-        table.append([
-            "/".join(r["shapes"]), r["n"], r["k"], r["m"], r["cublas_graph_us"],
-            r["cublas_TBps"], r["skinny_graph_us"], r["skinny_TBps"],
-            100 * r["skinny_TBps"] / args.bw_ceiling, f"{r['speedup']:.2f}x",
-            r.get("cublas_eager_us"), r.get("skinny_eager_us"),
-            r["skinny_default_graph_us"], r["config_label"], r["skinny_rel_err"],
-        ])
-    print_table(["shape", "N", "K", "M", "cuBLAS us", "TB/s", "skinny us", "TB/s", "% ceil",
-                 "speedup", "eager cuBLAS us", "eager skinny us", "default cfg us", "config",
-                 "rel err"], table, title="graph-replayed µs per call (weights stream from HBM)")
-
-    thresholds = {}
-    for (n, k), shape_names in by_nk.items():
-        thresholds["/".join(shape_names)] = {
-            "n": n, "k": k, "max_m": cutover([r for r in rows if (r["n"], r["k"]) == (n, k)])}
-    print("\nrecommended M cut-over (largest swept M where the kernel wins at every M <= it):")
-    for name, t in thresholds.items():
-        print(f"  {name:<48} N={t['n']:<7} K={t['k']:<6} max_m={t['max_m']}")
-    overall = min(t["max_m"] for t in thresholds.values())
-    overrides = {(t["n"], t["k"]): t["max_m"] for t in thresholds.values()
-                 if t["max_m"] != overall}
-    if args.fp8_weights:  # the cut-over against _scaled_mm: model/quant/fp8.py
-        print(f"  -> FP8_SKINNY_MAX_M = {overall} (per shape: {overrides})")
-    else:
-        print(f"  -> SKINNY_MAX_M = {overall}; MAX_M_BY_SHAPE = {overrides}")
-
-    step = {}
-    if all(name in SHAPES and SHAPES[name] in by_nk for name in (*LLAMA_LAYER, "llama.lm_head")):
-        linear_bytes = (LLAMA_LAYERS * sum(math.prod(SHAPES[s]) for s in LLAMA_LAYER)
-                        + math.prod(SHAPES["llama.lm_head"])) * (
-                           1 if args.fp8_weights else args.dtype.itemsize)
-        for m in ms:
-            by = {(r["n"], r["k"]): r for r in rows if r["m"] == m}
-
-            def total(us, by=by) -> float:
-                layer = sum(us(by[SHAPES[name]]) for name in LLAMA_LAYER)
-                return LLAMA_LAYERS * layer + us(by[SHAPES["llama.lm_head"]])
-
-            step[m] = {
-                "cublas_us": total(lambda r: r["cublas_graph_us"]),
-                "skinny_us": total(lambda r: r["skinny_graph_us"]),
-                "best_of_us": total(lambda r: min(r["cublas_graph_us"], r["skinny_graph_us"])),
-            }
-        target_us = CHECKPOINT_BYTES / (args.bw_ceiling * 1e12) * 1e6
-        print(f"\nLlama-3.1-8B decode step, linears only (sum of per-call graph times): "
-              f"{linear_bytes / 1e9:.2f} GB of weights; {linear_bytes / 1e9:.2f} GB / "
-              f"{args.bw_ceiling} TB/s = {linear_bytes / args.bw_ceiling / 1e6:.0f} µs; "
-              f"16.06e9 B / {args.bw_ceiling} TB/s = {target_us:.0f} µs")
-        print_table(["M", "cuBLAS us", "skinny us", "best-of us", "skinny TB/s",
-                     "skinny / 16.06e9-target"],
-                    [[m, v["cublas_us"], v["skinny_us"], v["best_of_us"],
-                      linear_bytes / v["skinny_us"] / 1e6, v["skinny_us"] / target_us]
-                     for m, v in step.items()])
-
-    passes = []
-    if args.fp8_weights and not args.no_model_pass:
-        print("model pass: bf16 weights only (skipped with --fp8-weights)")
-    elif not args.no_model_pass:
-        passes = model_pass(ms, args, device)
-        torch.cuda.empty_cache()
-        target_ms = CHECKPOINT_BYTES / (args.bw_ceiling * 1e12) * 1e3
-        print_table(["M", "cuBLAS ms", "skinny ms", "dispatch ms", "skinny TB/s",
-                     "cuBLAS TB/s", "skinny / target"],
-                    [[p["m"], p["cublas_ms"], p["skinny_ms"], p["dispatch_ms"],
-                      p["skinny_TBps"], p["cublas_TBps"], p["skinny_ms"] / target_ms]
-                     for p in passes],
-                    title=f"measured model pass: 129 Llama-3.1-8B linears, distinct weights, one "
-                          f"graph (target 16.06e9 B / {args.bw_ceiling} TB/s = {target_ms:.2f} "
-                          f"ms; dispatch = should_use_skinny per call)")
-
+    _print_rows(rows, args.bw_ceiling)
+    thresholds, overall, overrides = _cutovers(by_nk, rows, args.fp8_weights)
+    step = _llama_step(rows, ms, by_nk, args)
+    passes = _model_passes(ms, args, device)
     write_json(args.out, {
         "device": torch.cuda.get_device_name(), "triton": triton.__version__,
         "torch": torch.__version__, "dtype": str(args.dtype), "m": ms, "calls": args.calls,
