@@ -47,17 +47,26 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from phaseflip.layout import ProcessGroupCommunicator
 
-if TYPE_CHECKING:
-    from phaseflip.distributed.group import DistSpec
-
 log = logging.getLogger(__name__)
+
+
+class LaunchSpec(Protocol):
+    """What the launch reads of `group.DistSpec` (a protocol, so that group.py, which calls
+    this module, is not imported back)."""
+
+    all_reduce: str
+    device: str
+    ranks_per_node: int
+    world_size: int
+    node_rank: int
+    all_reduce_max_bytes: int
 
 MODES = ("nccl", "symm-mem", "auto")
 SYMM_DTYPES = (torch.bfloat16, torch.float32)  # what torch's kernels dispatch
@@ -243,7 +252,7 @@ class SymmSetup:
         return "symm-mem" if self.buffers.get(layout) is not None else "nccl"
 
 
-def setup_symm_all_reduce(rank: int, spec: DistSpec,
+def setup_symm_all_reduce(rank: int, spec: LaunchSpec,
                           tp_groups: dict[Layout2, dist.ProcessGroup | None],
                           cpu_group: dist.ProcessGroup) -> SymmSetup:
     """Rendezvous for this rank's TP group of every layout (every rank calls it at launch, in
