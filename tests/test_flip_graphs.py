@@ -22,7 +22,7 @@ from phaseflip.model.config import ModelConfig
 from phaseflip.model.cuda_graph import UNRECORDED_ENV, DecodeGraphs, GraphReuse
 from phaseflip.model.runner import ModelRunner
 from tests.conftest import prompts_for
-from tests.test_flip import CFG, FLIP, _drive
+from tests.test_flip import CFG, FLIP, _assert_same, _drive
 
 pytestmark = pytest.mark.timeout(240, method="thread")  # signals cannot interrupt gloo
 FLIPS = {2: (1, 2), 5: (2, 1), 8: (1, 2), 11: (2, 1)}
@@ -33,13 +33,6 @@ def reference(model_dirs) -> dict:
     """The unflipped single-process run, eager (no graphs)."""
     with Engine(str(model_dirs["llama"]), **CFG) as e:
         return _drive(e, prompts_for(300), {})[0]
-
-
-def _assert_same(got: dict, want: dict) -> None:
-    for rid, (ids, lps, reasons) in got.items():
-        assert reasons == ["length"], rid
-        assert ids == want[rid][0], rid
-        assert lps == pytest.approx(want[rid][1], abs=1e-4), rid
 
 
 def test_a_returning_layout_replays_its_parked_graphs(model_dirs, reference, monkeypatch):
