@@ -82,7 +82,9 @@ class RankProcess:
     position tracker, the node's HiCache frames it maps, and the layout it runs now.
 
     Rank 0 (the driver) is handed the frames and the weight image it made; the other ranks map
-    them by name: the frames once, the image only while they load a shard."""
+    them by name, once: the image stays mapped and page-locked for the rank's life, since
+    registering a 15 GiB mapping with CUDA takes seconds (it was the host-image seam's largest
+    part while ranks mapped it per build)."""
 
     def __init__(self, rank: int, spec: DistSpec, run_dir: str | None, parent_pid: int | None,
                  frames: HostFrames | None = None, image: WeightImage | None = None,
@@ -92,7 +94,7 @@ class RankProcess:
         with self.tracker.at("joining the process group"):
             self.fabric = join(rank, spec, peers_failed)
         self.frames, self._own_frames = frames, False
-        self.image = image
+        self.image, self._own_image = image, False
         self.layout: RankLayout | None = None
         # resident weights: the shards of the layouts this rank does not run now, by (tp, pp)
         self.parked: dict[tuple[int, int], LlamaForCausalLM] = {}
@@ -186,6 +188,9 @@ class RankProcess:
             torch._C._cuda_clearCublasWorkspaces()
         if self._own_frames and self.frames is not None:
             self.frames.close()
+        if self._own_image and self.image is not None:
+            self.image.close()
+            self.image = None
         self.tracker.close()
 
     def free_kept(self) -> None:
@@ -231,30 +236,26 @@ class RankProcess:
         device = rank_device(self.rank, groups.spec, cfg)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        image, mapped = self.image, None
-        if self.spec.weight_image and image is None:
+        if self.spec.weight_image and self.image is None:
             with tracker.at("mapping the host weight image"):
                 # page-locked only for a GPU rank (a CPU rank would make a CUDA context for it)
-                image = mapped = WeightImage.open(self.spec.weight_image,
-                                                  register=device.type == "cuda")
+                self.image = WeightImage.open(self.spec.weight_image,
+                                              register=device.type == "cuda")
+                self._own_image = True
         def settle() -> None:  # every rank's new weights in, every old layout gone
             with tracker.at("waiting for every rank's weights before sizing the KV pool"):
                 dist.barrier(group=groups.cpu_group)
 
-        try:
-            with tracker.at("loading weights, sizing the KV pool"):
-                runner = ModelRunner(cfg, model_cfg, groups.layout(), device,
-                                     agree_slots=agree, weights=image, before_sizing=settle,
-                                     device_share=_device_share(self.spec, device),
-                                     resident=self.parked.pop(key, None),
-                                     lazy_graphs=lazy_graphs, weights_from=peer,
-                                     kv_arena=self.kv_arena if kv_arena else None,
-                                     graph_reuse=reuse)
-            if self.rank == 0:  # the census's (it reads the allocator's snapshot)
-                runner.graphs_kept_bytes = self.graphs_kept_bytes()
-        finally:
-            if mapped is not None:
-                mapped.close()  # the parameters are copies: the mapping is not needed after
+        with tracker.at("loading weights, sizing the KV pool"):
+            runner = ModelRunner(cfg, model_cfg, groups.layout(), device,
+                                 agree_slots=agree, weights=self.image, before_sizing=settle,
+                                 device_share=_device_share(self.spec, device),
+                                 resident=self.parked.pop(key, None),
+                                 lazy_graphs=lazy_graphs, weights_from=peer,
+                                 kv_arena=self.kv_arena if kv_arena else None,
+                                 graph_reuse=reuse)
+        if self.rank == 0:  # the census's (it reads the allocator's snapshot)
+            runner.graphs_kept_bytes = self.graphs_kept_bytes()
         transfers = None
         if self.spec.hicache_frames:
             geo = page_geometry(model_cfg.num_layers, model_cfg.num_kv_heads,
