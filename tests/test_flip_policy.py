@@ -56,10 +56,17 @@ def backlog(tokens: int) -> list[Req]:
     return [req("w", list(range(1, tokens + 1)))] if tokens else []
 
 
+def feed(p: FlipPolicy, layout, tps: float) -> None:
+    """Three prefill steps of 0.5, 2 and 8 s at `tps` tokens/s, no fixed cost: enough steps
+    and tokens for a measured rate (one step was, before the fit) of steps up to 32·tps."""
+    for s in (0.5, 2.0, 8.0):
+        p.observe_step(layout, int(tps * s), 0, s)
+
+
 def measure(p: FlipPolicy, x_tps: float, p_tps: float) -> None:
-    """One prefill step in each layout (1 s each)."""
-    p.observe_step(TP, int(x_tps), 0, 1.0)
-    p.observe_step(PP, int(p_tps), 0, 1.0)
+    """Prefill steps in each layout at these rates (`feed`)."""
+    feed(p, TP, x_tps)
+    feed(p, PP, p_tps)
 
 
 def no_refill(src, dst):
@@ -135,7 +142,7 @@ def test_unmeasured_is_none_and_without_seeds_nothing_flips():
     d = pol.decide(backlog(50_000), [], None)
     assert not d.flip and "cannot price a flip" in d.reason
     assert "unmeasured" in d.reason and "--flip-seed-to-pp-s" in d.reason
-    pol.observe_step(TP, 1000, 0, 0.5)  # X measured: still no P, no C
+    feed(pol, TP, 2000)  # X measured: still no P, no C
     assert pol.throughputs()[0].value == 2000 and pol.throughputs()[0].provenance == MEASURED
     assert not pol.decide(backlog(50_000), [], None).flip
     assert pol.last.reason.startswith("cannot price")
@@ -148,14 +155,14 @@ def test_seeds_give_a_first_decision_and_measurements_replace_them():
     assert pol.round_trip().provenance == SEED
     assert pol.throughputs()[1].value is None  # a seed speedup has no scale alone
     assert "no prefill step yet" in pol.decide(backlog(50_000), [], None).reason
-    pol.observe_step(TP, 1000, 0, 1.0)
+    feed(pol, TP, 1000)
     x, p = pol.throughputs()
     assert (x.provenance, p.provenance, p.value) == (MEASURED, HALF, 4000)
     assert pol.break_even().provenance == HALF
     assert pol.decide(backlog(50_000), [], None).target == PP
     pol.observe_flip(TP, PP, 3.0)
     pol.observe_refill(no_refill(TP, PP))
-    pol.observe_step(PP, 1500, 0, 1.0)  # measured: the seed is gone
+    feed(pol, PP, 1500)  # measured: the seed is gone
     assert pol.throughputs()[1].value == 1500 and pol.throughputs()[1].provenance == MEASURED
     assert pol.flip_costs()[0].provenance == MEASURED
     assert pol.round_trip().provenance == HALF  # measured there, seeded back
@@ -351,8 +358,9 @@ def test_config_refuses_what_cannot_work_and_makes_flags():
 @pytest.mark.timeout(120, method="thread")  # signals cannot interrupt gloo
 def test_the_engine_flips_by_itself_and_outputs_match_the_unflipped_run(model_dirs):
     """tp2, seeds saying pp2 prefills 10x faster and flips cost ~nothing, 12 prompts of 200
-    tokens queued: the engine flips to pp2 by itself, measures the real seam and throughput,
-    and flips back once the backlog is served. Every request finishes exactly once with the
+    tokens queued, two running (prefill steps of 400 tokens: the third makes X measured, 3
+    steps and 1 200 tokens, with 1 200 still queued): the engine flips to pp2 by itself,
+    measures the real seam and throughput, and flips back once the backlog is served. Every request finishes exactly once with the
     single-process run's greedy tokens, and the flips are few."""
     from phaseflip import Engine
 
@@ -382,7 +390,7 @@ def test_the_engine_flips_by_itself_and_outputs_match_the_unflipped_run(model_di
     with Engine(str(model_dirs["llama"]), tp_size=2, enable_flip=True, enable_hicache=True,
                 hicache_host_gb=0.01, flip_policy="auto", flip_seed_pp_speedup=10.0,
                 flip_seed_to_pp_s=0.001, flip_seed_to_tp_s=0.001, flip_min_dwell_s=0.0,
-                flip_min_dwell_steps=2, max_running_requests=4, **cfg) as e:
+                flip_min_dwell_steps=2, max_running_requests=2, **cfg) as e:
         got = drive(e)
         snap = e.core.flip_policy.snapshot()
         # issue 17: idle in the prefill layout, the engine has one step to run: a flip back
@@ -457,8 +465,7 @@ def test_unpriced_tokens_are_none_and_an_infinite_n_is_not_null():
     pending = pol.last.numbers["pending"]
     assert pending["uncached_tokens"] == 9000 and pending["device_tokens"] is None
     slow = policy(flip_seed_to_pp_s=1.0, flip_seed_to_tp_s=1.0)
-    slow.observe_step(TP, 2000, 0, 1.0)
-    slow.observe_step(PP, 1000, 0, 1.0)
+    measure(slow, 2000, 1000)
     n = slow.snapshot()["estimates"]["break_even_tokens"]
     assert n["value"] == "inf" and float(n["value"]) == float("inf")
     assert n["provenance"] == HALF and "P <= X" in n["note"]

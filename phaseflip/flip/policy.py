@@ -19,10 +19,14 @@ asked), ready for the decode traffic that comes next.
 Estimates (law 5): a value that nothing measured is None, never 0, and every estimate says
 where it comes from: `measured`, `seed` (a config prior), `half-measured` (a seed applied to a
 measurement, or a sum of measured and seeded parts) or `unmeasured` (None).
-- Prefill throughput of a layout: the ratio of two EMAs, prompt tokens and wall seconds, over
-  its steps that are mostly prefill (prompt tokens ≥ PREFILL_SHARE of the step's rows and ≥
-  MIN_PREFILL_TOKENS). The decode rows riding along are charged to the prompt tokens, an
-  underestimate by at most 1 − PREFILL_SHARE, alike in both layouts.
+- Prefill throughput of a layout: seconds = a + b·tokens fitted to its recent steps that are
+  mostly prefill (prompt tokens ≥ PREFILL_SHARE of the step's rows and ≥ MIN_PREFILL_TOKENS;
+  `flip/prefill_fit.py`), priced at the step a backlog runs in: S = min(--max-prefill-tokens,
+  pending tokens), X = S / (a + b·S). Short steps set the fixed cost a, not the price of a
+  token. A fit from too few steps or tokens, or far from S, is 'half-measured' with a note
+  (provisional), and no flip to the prefill layout is decided on it. The decode rows riding
+  along are charged to the prompt tokens, an underestimate by at most 1 − PREFILL_SHARE,
+  alike in both layouts.
 - Flip cost of a direction: an EMA of its seams' `SeamCensus.total_s` plus an EMA of the
   refill that follows the cutover (`observe_refill`, once the ledger closes the window): the
   tokens the retracted requests re-prefilled ÷ the new layout's measured prefill rate, plus
@@ -53,10 +57,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-MEASURED, HALF, SEED, UNMEASURED = "measured", "half-measured", "seed", "unmeasured"
+from phaseflip.flip.estimate import HALF, MEASURED, SEED, Estimate, combine
+from phaseflip.flip.estimate import UNMEASURED as UNMEASURED  # re-exported
+from phaseflip.flip.prefill_fit import PrefillCostModel
+
 PREFILL_SHARE = 0.9  # a step measures prefill throughput when this much of it is prompt
 MIN_PREFILL_TOKENS = 32  # below this a step measures its fixed overhead, not throughput
-TPS_ALPHA = 0.3  # weight of the newest step in the throughput EMAs
 SEAM_ALPHA = 0.5  # weight of the newest seam in a direction's cost EMA (seams are few)
 DECODE_WINDOW = 8  # steps with decode rows the SLO check averages (acts on a full window)
 PRICE_MAX_REQUESTS = 64  # waiting requests residency pricing walks per decision
@@ -66,57 +72,6 @@ Layout = tuple[int, int]  # (tp_size, pp_size)
 
 def layout_name(layout: Layout) -> str:
     return f"tp{layout[0]}×pp{layout[1]}"
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """A number with its provenance; `value` None exactly when nothing measured or seeded it."""
-
-    value: float | None
-    provenance: str = UNMEASURED
-    samples: int = 0
-    note: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-safe: an infinite value (N when P ≤ X) is the string "inf", never null (null
-        means unmeasured, law 5)."""
-        v = self.value
-        value = v if v is None or math.isfinite(v) else "inf" if v > 0 else "-inf"
-        d: dict[str, Any] = {"value": value,
-                             "provenance": self.provenance, "samples": self.samples}
-        if self.note:
-            d["note"] = self.note
-        return d
-
-
-def combine(value: float | None, *parts: Estimate, note: str = "") -> Estimate:
-    """An estimate computed from `parts`: unmeasured if any is, measured only if all are."""
-    if value is None or any(p.value is None for p in parts):
-        return Estimate(None, UNMEASURED, note=note)
-    kinds = {p.provenance for p in parts}
-    prov = MEASURED if kinds == {MEASURED} else SEED if kinds == {SEED} else HALF
-    measured = [p.samples for p in parts if p.provenance != SEED]
-    return Estimate(value, prov, min(measured, default=0), note)
-
-
-class RateEstimator:
-    """Prefill tokens per second of one layout: EMA(tokens) / EMA(seconds), so a step weighs
-    by its size and one slow tiny step does not swing the rate."""
-
-    def __init__(self) -> None:
-        self.tokens = self.seconds = 0.0
-        self.samples = 0
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        a = 1.0 if self.samples == 0 else TPS_ALPHA
-        self.tokens += a * (tokens - self.tokens)
-        self.seconds += a * (seconds - self.seconds)
-        self.samples += 1
-
-    def estimate(self) -> Estimate:
-        if self.samples == 0 or self.seconds <= 0:
-            return Estimate(None)
-        return Estimate(self.tokens / self.seconds, MEASURED, self.samples)
 
 
 def _ema(old: float | None, new: float, alpha: float) -> float:
@@ -305,7 +260,11 @@ class FlipPolicy:
         self.decode_slo_ms = cfg.flip_decode_slo_ms
         self.seed_speedup = cfg.flip_seed_pp_speedup
         self.pricer, self.clock = pricer, clock
-        self.rates: dict[Layout, RateEstimator] = {}
+        self.rates: dict[Layout, PrefillCostModel] = {}
+        # the prefill step a large backlog runs in: X and P are priced at its size, or the
+        # backlog's if smaller (`step_tokens`: that of the last decision)
+        self.max_step_tokens = cfg.max_prefill_tokens
+        self.step_tokens = self.max_step_tokens
         self.costs: dict[tuple[Layout, Layout], CostEstimator] = {
             (self.decode, self.prefill): CostEstimator(cfg.flip_seed_to_pp_s),
             (self.prefill, self.decode): CostEstimator(cfg.flip_seed_to_tp_s)}
@@ -330,9 +289,11 @@ class FlipPolicy:
             return  # an idle step measures nothing
         self.steps_in_layout += 1
         self.busy_s = self.clock()
-        if (prompt_tokens >= MIN_PREFILL_TOKENS
-                and prompt_tokens >= PREFILL_SHARE * (prompt_tokens + decode_rows)):
-            self.rates.setdefault(layout, RateEstimator()).observe(prompt_tokens, seconds)
+        model = self.rates.setdefault(layout, PrefillCostModel())
+        if prompt_tokens < MIN_PREFILL_TOKENS:
+            model.observe_small(seconds)  # its fixed cost, for a fit whose steps do not span
+        elif prompt_tokens >= PREFILL_SHARE * (prompt_tokens + decode_rows):
+            model.observe(prompt_tokens, seconds)
         if decode_rows and not prompt_tokens:
             # pure decode steps only: a step that also prefills a chunk is slow for its
             # prompt, and counting it made the SLO flip back with the backlog untouched
@@ -349,16 +310,18 @@ class FlipPolicy:
     def observe_refill(self, census: Any) -> None:
         """A flip's refill window closed (`SeamCensus` refill fields): its cost joins C of that
         direction: re-prefilled tokens at the new layout's measured rate plus the load seconds.
-        Nothing is observed while the new layout's rate is unmeasured and tokens were
-        re-prefilled (law 5), nor for a window cut short."""
+        Nothing is observed while the new layout's rate is not measured and tokens were
+        re-prefilled (law 5: a provisional rate would make C 'measured'), nor for a window
+        cut short."""
         names = {layout_name(lay): lay for lay in (self.decode, self.prefill)}
         key = (names.get(census.source), names.get(census.target))
         if key not in self.costs or census.refill_tokens_prefilled is None:
             return
         seconds = 0.0
         if census.refill_tokens_prefilled:
-            rate = self._rate(key[1])
-            if rate.value is None:
+            rate = self._rate(key[1], min(self.max_step_tokens,
+                                          census.refill_tokens_prefilled))
+            if rate.provenance != MEASURED:
                 return
             seconds += census.refill_tokens_prefilled / rate.value
         if census.refill_bytes and census.refill_rate_gbps:
@@ -392,22 +355,23 @@ class FlipPolicy:
         self.decode_ms.clear()
 
     # ------------------------------------------------------------------ estimates
-    def throughputs(self) -> tuple[Estimate, Estimate]:
-        """(X, P): the decode and the prefill layout's prefill tokens/s. A seed speedup
-        scales the measured one into the other ('half-measured') until both are measured;
-        it gives no scale alone."""
-        x = self._rate(self.decode)
-        p = self._rate(self.prefill)
+    def throughputs(self, step_tokens: int | None = None) -> tuple[Estimate, Estimate]:
+        """(X, P): the decode and the prefill layout's prefill tokens/s in a step of
+        `step_tokens` (default: the last decision's). A seed speedup scales the measured one
+        into the other ('half-measured') until both are measured (a provisional one
+        included); it gives no scale alone."""
+        s = self.step_tokens if step_tokens is None else step_tokens
+        x, p = self._rate(self.decode, s), self._rate(self.prefill, s)
         r = self.seed_speedup
-        if r is not None and x.provenance == MEASURED and p.value is None:
+        if r is not None and x.provenance == MEASURED and p.provenance != MEASURED:
             p = Estimate(x.value * r, HALF, x.samples, "measured X × --flip-seed-pp-speedup")
-        elif r is not None and p.provenance == MEASURED and x.value is None:
+        elif r is not None and p.provenance == MEASURED and x.provenance != MEASURED:
             x = Estimate(p.value / r, HALF, p.samples, "measured P / --flip-seed-pp-speedup")
         return x, p
 
-    def _rate(self, layout: Layout) -> Estimate:
-        rate = self.rates.get(layout)
-        return rate.estimate() if rate is not None else Estimate(None)
+    def _rate(self, layout: Layout, step_tokens: int) -> Estimate:
+        model = self.rates.get(layout)
+        return model.estimate(step_tokens) if model is not None else Estimate(None)
 
     def flip_costs(self) -> tuple[Estimate, Estimate]:
         """(C(decode → prefill), C(prefill → decode)): each direction its own (law 7)."""
@@ -450,6 +414,8 @@ class FlipPolicy:
         if self.layout not in (self.decode, self.prefill):
             return Decision(None, f"running {here}, not one of --flip-layouts "
                             f"{layout_name(self.decode)},{layout_name(self.prefill)}")
+        raw = ResidencyPricer.raw(waiting, running)  # the step a backlog runs in, at most
+        self.step_tokens = min(self.max_step_tokens, raw) if raw else self.max_step_tokens
         (x, p), n = self.throughputs(), self.break_even()
         nums: dict[str, Any] = {"X_tps": x.as_dict(), "P_tps": p.as_dict(),
                                 "round_trip_s": self.round_trip().as_dict(),
@@ -469,6 +435,10 @@ class FlipPolicy:
 
     def _from_decode(self, n: Estimate, nums: dict, waiting: list, running: list,
                      tree: Any) -> Decision:
+        weak = [f"{name} of {layout_name(lay)} {e.note}" for name, lay, e in zip(
+            "XP", (self.decode, self.prefill), self.throughputs()) if e.provisional]
+        if weak:  # law 5: a rate from a lone short step flipped on background traffic
+            return Decision(None, f"prefill rate not measured yet: {'; '.join(weak)}", nums)
         if n.value is None:
             return Decision(None, f"cannot price a flip: {self._missing()}", nums)
         if math.isinf(n.value):
@@ -558,6 +528,10 @@ class FlipPolicy:
                 "round_trip_s": self.round_trip().as_dict(),
                 "break_even_tokens": self.break_even().as_dict(),
                 "decode_step_ms": self.decode_step_ms().as_dict(),
+                "prefill_step_tokens": self.step_tokens,  # the step X and P are priced at
+                "prefill_step_fit": {name: m.describe() if m is not None else None
+                                     for name, m in (("X", self.rates.get(self.decode)),
+                                                     ("P", self.rates.get(self.prefill)))},
             },
             "flips": self.flips, "auto_flips": self.auto_flips,
             "last_decision": None if self.last is None else self.last.as_dict(now),
