@@ -358,10 +358,10 @@ def test_config_refuses_what_cannot_work_and_makes_flags():
 @pytest.mark.timeout(120, method="thread")  # signals cannot interrupt gloo
 def test_the_engine_flips_by_itself_and_outputs_match_the_unflipped_run(model_dirs):
     """tp2, seeds saying pp2 prefills 10x faster and flips cost ~nothing, 12 prompts of 200
-    tokens queued, two running (prefill steps of 400 tokens: the third makes X measured, 3
-    steps and 1 200 tokens, with 1 200 still queued): the engine flips to pp2 by itself,
-    measures the real seam and throughput, and flips back once the backlog is served. Every request finishes exactly once with the
-    single-process run's greedy tokens, and the flips are few."""
+    tokens queued, two running (prefill steps of 400 tokens: the third makes X measured, 3 steps
+    and 1 200 tokens, with 1 200 still queued): the engine flips to pp2 by itself, measures the
+    real seam and throughput, and flips back once the backlog is served. Every request finishes
+    exactly once with the single-process run's greedy tokens, and the flips are few."""
     from phaseflip import Engine
 
     rng = random.Random(3)

@@ -68,7 +68,7 @@ def test_the_fit_recovers_fixed_and_per_token_cost():
     pol.decide(backlog(4096), [], None)  # a decision prices at the backlog's step
     assert pol.last.numbers["X_tps"]["value"] == pytest.approx(5033, rel=0.01)
     assert pol.snapshot()["estimates"]["prefill_step_tokens"] == 4096
-    pol.decide(backlog(100_000), [], None)  # at most --max-prefill-tokens a step
+    pol.decide(backlog(100_000), [], None)  # at most the scheduler's budget a step
     assert pol.step_tokens == 8192
 
 
@@ -99,6 +99,14 @@ def test_provisional_until_enough_steps_and_tokens():
     pol.observe_step(PP, 100, 0, 100 / 5000)  # 3 steps, 1300 tokens
     assert pol.throughputs()[1].provenance == MEASURED
     assert pol.decide(backlog(50_000), [], None).target == PP
+    # a step budget of 64 tokens (chunked prefill) runs a backlog in 64-token steps: three
+    # of them price it as they ran (192 tokens, not 1024: a 576-token run would never have)
+    small = policy(chunked_prefill_size=64)
+    for _ in range(3):
+        small.observe_step(TP, 64, 0, 0.02)
+    x = small.throughputs()[0]
+    assert x.provenance == MEASURED and x.value == pytest.approx(3200)
+    assert small.decide(backlog(2000), [], None).target == PP  # N = 1707
 
 
 def test_a_refill_is_not_priced_at_a_provisional_rate():

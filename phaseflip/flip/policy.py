@@ -21,11 +21,11 @@ where it comes from: `measured`, `seed` (a config prior), `half-measured` (a see
 measurement, or a sum of measured and seeded parts) or `unmeasured` (None).
 - Prefill throughput of a layout: seconds = a + b·tokens fitted to its recent steps that are
   mostly prefill (prompt tokens ≥ PREFILL_SHARE of the step's rows and ≥ MIN_PREFILL_TOKENS;
-  `flip/prefill_fit.py`), priced at the step a backlog runs in: S = min(--max-prefill-tokens,
-  pending tokens), X = S / (a + b·S). Short steps set the fixed cost a, not the price of a
-  token. A fit from too few steps or tokens, or far from S, is 'half-measured' with a note
-  (provisional), and no flip to the prefill layout is decided on it. The decode rows riding
-  along are charged to the prompt tokens, an underestimate by at most 1 − PREFILL_SHARE,
+  `flip/prefill_fit.py`), priced at the step a backlog runs in: S = min(the scheduler's prefill
+  budget of a step, pending tokens), X = S / (a + b·S). Short steps set the fixed cost a, not
+  the price of a token. A fit from too few steps or tokens, or far from S, is 'half-measured'
+  with a note (provisional), and no flip to the prefill layout is decided on it. The decode rows
+  riding along are charged to the prompt tokens, an underestimate by at most 1 − PREFILL_SHARE,
   alike in both layouts.
 - Flip cost of a direction: an EMA of its seams' `SeamCensus.total_s` plus an EMA of the
   refill that follows the cutover (`observe_refill`, once the ledger closes the window): the
@@ -263,7 +263,9 @@ class FlipPolicy:
         self.rates: dict[Layout, PrefillCostModel] = {}
         # the prefill step a large backlog runs in: X and P are priced at its size, or the
         # backlog's if smaller (`step_tokens`: that of the last decision)
-        self.max_step_tokens = cfg.max_prefill_tokens
+        chunk = cfg.chunk_size  # (the scheduler's prefill budget of a step)
+        self.max_step_tokens = (min(chunk, cfg.max_prefill_tokens) if chunk else
+                                cfg.max_prefill_tokens)
         self.step_tokens = self.max_step_tokens
         self.costs: dict[tuple[Layout, Layout], CostEstimator] = {
             (self.decode, self.prefill): CostEstimator(cfg.flip_seed_to_pp_s),
@@ -289,7 +291,7 @@ class FlipPolicy:
             return  # an idle step measures nothing
         self.steps_in_layout += 1
         self.busy_s = self.clock()
-        model = self.rates.setdefault(layout, PrefillCostModel())
+        model = self.rates.setdefault(layout, PrefillCostModel(self.max_step_tokens))
         if prompt_tokens < MIN_PREFILL_TOKENS:
             model.observe_small(seconds)  # its fixed cost, for a fit whose steps do not span
         elif prompt_tokens >= PREFILL_SHARE * (prompt_tokens + decode_rows):

@@ -9,9 +9,9 @@ tokens (the prefill budget, or the backlog if smaller). Small steps then set a, 
 price of a token.
 
 Provenance (law 5): a fit is `measured` only when it rests on MIN_SAMPLES steps of at least
-MIN_TOKENS prompt tokens in all and S is at most EXTRAPOLATE× the largest step it saw; before,
-its value is reported `half-measured` with a note saying what is missing (`provisional`), and
-the policy does not flip on it.
+MIN_TOKENS prompt tokens in all (fewer when the prefill budget caps a step lower) and S is at
+most EXTRAPOLATE× the largest step it saw; before, its value is reported `half-measured` with a
+note saying what is missing (`provisional`), and the policy does not flip on it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from phaseflip.flip.estimate import HALF, MEASURED, Estimate
 FIT_WINDOW = 16  # recent qualifying steps per layout: enough to average out noise, recent
 # enough to follow a load that changed
 MIN_SAMPLES = 3  # one or two steps cannot tell a fixed cost from a per-token one
-MIN_TOKENS = 1024  # below this a layout has seen only short steps, mostly fixed cost
+MIN_TOKENS = 1024  # below this a layout has seen only short steps, mostly fixed cost (or
+# MIN_SAMPLES full steps, when the prefill budget caps a step below MIN_TOKENS / MIN_SAMPLES:
+# a backlog runs in such steps, so they price it as they ran)
 SPAN = 2.0  # the steps' sizes span a range (a and b are both fitted) when the largest is
 # at least this many times the smallest
 EXTRAPOLATE = 4.0  # a price is measured only for a step up to this factor past the largest
@@ -77,7 +79,8 @@ class PrefillCostModel:
     """One layout's qualifying prefill steps (a bounded window) and its small steps (their
     seconds: the fixed cost when the prefill steps do not span a range)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_step_tokens: int) -> None:
+        self.min_tokens = min(MIN_TOKENS, MIN_SAMPLES * max_step_tokens)
         self.steps: deque[tuple[int, float]] = deque(maxlen=FIT_WINDOW)
         self.small_s: deque[float] = deque(maxlen=FIT_WINDOW)
 
@@ -101,8 +104,8 @@ class PrefillCostModel:
         out = []
         if len(tokens) < MIN_SAMPLES:
             out.append(f"{len(tokens)} of {MIN_SAMPLES} steps")
-        if sum(tokens) < MIN_TOKENS:
-            out.append(f"{sum(tokens)} of {MIN_TOKENS} tokens")
+        if sum(tokens) < self.min_tokens:
+            out.append(f"{sum(tokens)} of {self.min_tokens} tokens")
         if tokens and step_tokens > EXTRAPOLATE * max(tokens):  # (below: toward a, fitted)
             out.append(f"a {step_tokens}-token step is past {EXTRAPOLATE:g}x the largest "
                        f"seen, {max(tokens)}")
