@@ -14,9 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from phaseflip import Engine, SamplingParams
-from phaseflip.distributed.driver import DistributedRunner, _AwaitedLogits
+from phaseflip.distributed.driver import IN_FLIGHT_LOGITS_BYTES, DistributedRunner, _AwaitedLogits
+from phaseflip.distributed.group import NO_STAGE_PIPES_ENV, DistSpec, logits_groups
 from phaseflip.scheduler.request import Req
 from phaseflip.scheduler.scheduler import Scheduler
 from tests.conftest import build_model, prompts_for
@@ -39,9 +41,10 @@ def _requests(stop: int | None) -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
-def _generate(model_dir, prompts, params, batches=None, **cfg):
+def _generate(model_dir, prompts, params, batches=None, events=None, **cfg):
     """Outputs, the most steps seen in flight at once (sampled from `_launched`) and the
-    retractions; `batches`: several (prompts, params) one after the other on one engine."""
+    retractions; `batches`: several (prompts, params) one after the other on one engine.
+    `events`: gets rank 0's ("exec", step) per plan it runs, in order."""
     cfg = {"device": "cpu", "dtype": "float32", "max_total_tokens": 4096,
            "dist_timeout_s": 60, "check_accounting": True} | cfg
     with Engine(str(model_dir), **cfg) as e:
@@ -62,6 +65,12 @@ def _generate(model_dir, prompts, params, batches=None, **cfg):
                 return execute(*args)
 
             stage.execute = recorded
+            if events is not None:
+                def executed(step, *args, execute=stage.execute):
+                    events.append(("exec", step))
+                    return execute(step, *args)
+
+                stage.execute = executed
         got = []
         for batch_prompts, batch_params in batches or [(prompts, params)]:
             outs = e.generate(batch_prompts, batch_params, use_tqdm=False)
@@ -113,6 +122,52 @@ def test_decode_groups_in_flight_equal_one_process(deep_dir, oracle, tp, pp, cfg
     assert depth == pp, f"at most {depth} steps in flight, want {pp}"
     if cfg.get("max_total_tokens", 4096) < 200:
         assert retractions > 0
+
+
+@SPAWNS
+@pytest.mark.parametrize("tp, pp, cfg", [
+    (1, 2, {}),
+    (2, 2, {"max_running_requests": 6}),
+])
+def test_decode_groups_without_stage_pipes_equal_one_process(deep_dir, oracle, monkeypatch,
+                                                            tp, pp, cfg):
+    """The path NCCL takes, forced on gloo: hidden states by point-to-point, the logits on
+    their own group (rank 0 and the last stage's TP rank 0), each step's receive posted by
+    rank 0 into a buffer of its own when it launches the step, before the next step's
+    stage-0 forward (on NCCL a receive posted later waits for that forward), and no send
+    that blocks the last stage. Same tokens as one process, pp_size steps in flight."""
+    monkeypatch.setenv(NO_STAGE_PIPES_ENV, "1")
+    prompts, params, want = oracle
+    events: list[tuple[str, int]] = []
+
+    def irecv(*args, _irecv=dist.irecv, **kwargs):  # rank 0's: this process's
+        events.append(("recv", dist.get_world_size(kwargs["group"])))  # the logits' group
+        return _irecv(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "irecv", irecv)
+    got, depth, _ = _generate(deep_dir, prompts, params, events=events, tp_size=tp,
+                              pp_size=pp, pp_async_decode=True, **cfg)
+    assert got == want(**cfg)
+    assert depth == pp, f"at most {depth} steps in flight, want {pp}"
+    execs = [i for i, (what, _) in enumerate(events) if what == "exec"]
+    assert execs and all(events[i + 1] == ("recv", 2) for i in execs), events
+
+
+@pytest.mark.parametrize("rank, want", [
+    (0, {(2, 2): "0+2", (1, 4): "0+3"}),
+    (1, {(2, 2): None, (1, 4): None}),
+    (2, {(2, 2): "0+2", (1, 4): None}),
+    (3, {(2, 2): None, (1, 4): "0+3"}),
+])
+def test_every_pp_layout_has_a_logits_group_made_at_launch(monkeypatch, rank, want):
+    """A group per PP layout, rank 0 and the last stage's TP rank 0, made by every rank in
+    the same order whether it is in it or not (a torch.distributed requirement)."""
+    made = []
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: made.append(ranks) or
+                        "+".join(map(str, ranks)))
+    spec = DistSpec(4, 4, 1, "", "gloo", 1.0, 4, 0, layouts=((4, 1), (2, 2), (1, 4)))
+    assert logits_groups(rank, spec, None) == want  # none for tp4 (no pipeline)
+    assert made == [[0, 2], [0, 3]]
 
 
 @SPAWNS
@@ -304,8 +359,9 @@ def test_a_message_overlaps_only_while_the_logits_pipe_cannot_fill(depth, awaite
 @pytest.mark.parametrize("async_on, pipes, rows, want", [
     (False, True, 8, 1),
     (True, True, 8, 2),
-    (True, False, 8, 1),  # NCCL / across nodes: one step at a time
+    (True, False, 8, 2),  # NCCL / across nodes: logits in buffers of their own
     (True, True, 4096, 1),  # 3 groups of logits would not fit the pipe
+    (True, False, 1 << 20, 1),  # ... nor the budget for logits in flight
 ])
 def test_decode_depth(async_on, pipes, rows, want):
     runner = object.__new__(DistributedRunner)
@@ -315,9 +371,20 @@ def test_decode_depth(async_on, pipes, rows, want):
     assert runner._decode_depth(cfg) == want
 
 
-def _mixed_run(model_dir, **cfg) -> dict[str, list[int]]:
+def test_without_pipes_a_message_overlaps_within_the_budget():
+    """No stage pipes (NCCL): the in-flight logits budget bounds the unread bytes."""
+    runner = _runner(2, 0, [100], 0)
+    runner.stage.pipes = None
+    plan = SimpleNamespace(num_tokens=4, batch_size=4)
+    assert runner._may_overlap(plan, False) is True
+    runner._held_bytes = IN_FLIGHT_LOGITS_BYTES
+    assert runner._may_overlap(plan, False) is False
+
+
+def _mixed_run(model_dir, **cfg) -> tuple[dict[str, list[int]], list[float]]:
     """Two greedy requests (one chunked by 8) and, once a launched step with no sampling rows
-    is in flight, a logprobs request (which cannot overlap: a synchronous step)."""
+    is in flight, a logprobs request (which cannot overlap: a synchronous step). The tokens
+    by request, and the logprobs request's logprobs."""
     base = {"device": "cpu", "dtype": "float32", "max_total_tokens": 4096,
             "dist_timeout_s": 60, "chunked_prefill_size": 8}
     with Engine(str(model_dir), **(base | cfg)) as e:
@@ -327,6 +394,7 @@ def _mixed_run(model_dir, **cfg) -> dict[str, list[int]]:
         core.add_request("a", prompts_for(300)[1], greedy)
         core.add_request("b", prompts_for(300)[3], greedy)
         got: dict[str, list[int]] = {"a": [], "b": [], "c": []}
+        logprobs: list[float] = []
         added, step = False, 0
         while core.has_work():
             awaited = getattr(core.runner, "_awaited", None) or []
@@ -335,19 +403,24 @@ def _mixed_run(model_dir, **cfg) -> dict[str, list[int]]:
                 added = True
             for d in core.step():
                 got[d.request_id] += d.token_ids
+                logprobs += d.logprobs or []
             step += 1
         assert added
-    return got
+    return got, logprobs
 
 
 @pytest.mark.timeout(240, method="thread")
-def test_a_synchronous_step_after_launched_ones_reads_its_own_logits(deep_dir):
+def test_a_synchronous_step_after_launched_ones_reads_its_own_logits(deep_dir, monkeypatch):
     """A step that cannot overlap (logprobs) sent while a launched step's logits (here a
     chunk-only step's empty frame) are unread: it used to read that frame as its own —
     uninitialised logits, then stale ones, then a shape error that closed the ranks. The
-    tokens now equal one process's."""
-    want = _mixed_run(deep_dir)
-    assert _mixed_run(deep_dir, pp_size=2, pp_async_decode=True) == want
+    tokens now equal one process's, on the stage pipes and on the point-to-point path (whose
+    receives are matched in order on the logits' group), and their logprobs too."""
+    want, want_lp = _mixed_run(deep_dir)
+    got, lp = _mixed_run(deep_dir, pp_size=2, pp_async_decode=True)
+    assert got == want and len(lp) == 4 and lp == pytest.approx(want_lp, rel=1e-5)
+    monkeypatch.setenv(NO_STAGE_PIPES_ENV, "1")  # the point-to-point path: the very same
+    assert _mixed_run(deep_dir, pp_size=2, pp_async_decode=True) == (got, lp)
 
 
 @pytest.mark.timeout(240, method="thread")

@@ -27,6 +27,11 @@ from phaseflip.forward_batch import ForwardBatch
 from phaseflip.model.weight_image import WeightImage
 
 log = logging.getLogger(__name__)
+# Without stage pipes (NCCL, or gloo across nodes), each launched step's logits land in a
+# buffer of their own on rank 0: the most bytes of them in flight at once (with the last
+# received one, still being sampled). A new allocation outside the KV pool's budget, within
+# the device's share that --mem-fraction leaves over (a 128k vocabulary: 2 048 rows).
+IN_FLIGHT_LOGITS_BYTES = 1 << 30
 
 
 class DistributedChannel(TransferChannel):
@@ -167,56 +172,62 @@ class DistributedRunner:
 
     def _decode_depth(self, cfg: EngineConfig) -> int:
         """How many launched PP steps may be in flight at once (`--pp-async-decode`): pp_size
-        when the logits come back through a shared-memory pipe that holds pp_size + 1 decode
-        groups' logits, else 1 (one step at a time, each cut into micro-batches).
+        when pp_size + 1 decode groups' logits fit where they wait for rank 0, else 1 (one
+        step at a time, each cut into micro-batches).
 
-        Why the pipe must hold them: the last stage writes a step's logits before it reads
-        the next step's hidden states, and rank 0 reads logits only after it has sent a
-        step's hidden states. A last stage blocked on a full logits pipe while rank 0 is
-        blocked on a full hidden-state pipe is a deadlock; a pipe that holds every logits
-        message not yet read (and the one read in place) never blocks (`_may_overlap`).
-        NCCL point-to-point is not covered: a send each way between the same two ranks runs
-        on one NCCL stream, and two crossed sends of large messages wait for each other."""
+        Through a shared-memory pipe (gloo, one node) they must fit the pipe: the last stage
+        writes a step's logits before it reads the next step's hidden states, and rank 0
+        reads logits only after it has sent a step's hidden states. A last stage blocked on
+        a full logits pipe while rank 0 is blocked on a full hidden-state pipe is a
+        deadlock; a pipe that holds every logits message not yet read (and the one read in
+        place) never blocks (`_may_overlap`). Without pipes (NCCL, or across nodes) the
+        logits have a group of their own, rank 0 posts each step's receive into a buffer of
+        its own at launch, and no send blocks its rank (`StageExecutor._irecv_logits`):
+        they must fit IN_FLIGHT_LOGITS_BYTES."""
         self._row_bytes = 4 * self.runner.model_cfg.vocab_size  # float32 logits
         p = cfg.pp_size
         if not cfg.pp_async_decode or p == 1:
             return 1
-        pipes = self.stage.pipes
-        if pipes is None:
-            log.warning("--pp-async-decode needs host-staged stage pipes (gloo, one node); "
-                        "on this group PP steps run one at a time")
-            return 1
         group_rows = -(-cfg.max_running_requests // p)
-        if (p + 1) * group_rows * self._row_bytes > pipes.capacity:
+        capacity = self._logits_capacity()
+        if (p + 1) * group_rows * self._row_bytes > capacity:
+            where = ("stage pipe" if self.stage.pipes is not None
+                     else "budget for logits in flight")
             log.warning("--pp-async-decode: %d decode groups of %d rows of logits do not fit "
-                        "the %d MiB stage pipe; PP steps run one at a time (lower "
-                        "--max-running-requests)", p + 1, group_rows, pipes.capacity >> 20)
+                        "the %d MiB %s; PP steps run one at a time (lower "
+                        "--max-running-requests)", p + 1, group_rows, capacity >> 20, where)
             return 1
         return p
+
+    def _logits_capacity(self) -> int:
+        """Bytes of logits that may wait for rank 0 at once (`_decode_depth`)."""
+        pipes = self.stage.pipes
+        return pipes.capacity if pipes is not None else IN_FLIGHT_LOGITS_BYTES
 
     def _may_overlap(self, plan: ForwardBatch | None, fence: bool, defer: bool = True) -> bool:
         """Whether this message may go out while launched steps' logits are not received:
         only a launched (`defer`) plan, only with `decode_depth` > 1, and only while the
-        logits pipe holds every unread logits message with the one read in place (see
-        `_decode_depth`). A synchronous step receives its logits at once, so the pipe must
-        hold nothing older: it would read a launched step's frame as its own."""
+        logits pipe (or the budget, without pipes) holds every unread logits message with
+        the one read in place (see `_decode_depth`). A synchronous step receives its logits
+        at once, so nothing older may be unread: it would read a launched step's as its own."""
         if not self._awaited:
             return True
         if self.decode_depth == 1 or fence or plan is None or not defer:
             return False
         unread = sum(a.nbytes for a in self._awaited)
-        return unread + self._held_bytes <= self.stage.pipes.capacity
+        return unread + self._held_bytes <= self._logits_capacity()
 
     def _receive_until(self, target: _AwaitedLogits | None) -> None:
-        """Receives launched steps' logits in launch order, up to `target` (None: all). Each
-        but the last is copied out of the pipe: the next receive from the same rank hands
-        the pipe's bytes back to the writer."""
+        """Receives launched steps' logits in launch order, up to `target` (None: all). From
+        a pipe, each but the last is copied out: the next receive from the same rank hands
+        the pipe's bytes back to the writer (without pipes each has a buffer of its own)."""
+        piped = self.stage.pipes is not None
         while self._awaited:
             awaited = self._awaited.popleft()
             logits = self._collect(awaited.receive, awaited.step)
             self._held_bytes = awaited.nbytes
             last = awaited is target or not self._awaited
-            awaited.logits = logits if last else logits.clone()
+            awaited.logits = logits.clone() if piped and not last else logits
             if awaited is target:
                 return
 

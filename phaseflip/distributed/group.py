@@ -69,6 +69,9 @@ class DistSpec:
     all_reduce: str = "nccl"  # --all-reduce: nccl, symm-mem or auto (symm_allreduce.py)
     device: str = "cpu"  # --device (symm-mem needs the ranks on GPUs)
     all_reduce_max_bytes: int = 0  # the symm-mem buffer: larger messages take the group
+    # host-staged hand-offs within a node through shared-memory pipes (False: the
+    # point-to-point path NCCL takes, forced on gloo by NO_STAGE_PIPES_ENV for its tests)
+    stage_pipes: bool = True
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> DistSpec:
@@ -77,7 +80,8 @@ class DistSpec:
         return cls(cfg.world_size, cfg.tp_size, cfg.pp_size, addr, dist_backend(cfg),
                    cfg.dist_timeout_s, per_node, cfg.node_rank, layouts=runnable_layouts(cfg),
                    all_reduce=cfg.all_reduce, device=cfg.device,
-                   all_reduce_max_bytes=cfg.all_reduce_max_kib << 10)
+                   all_reduce_max_bytes=cfg.all_reduce_max_kib << 10,
+                   stage_pipes=not os.environ.get(NO_STAGE_PIPES_ENV))
 
     def with_layout(self, tp_size: int, pp_size: int) -> DistSpec:
         return dataclasses.replace(self, tp_size=tp_size, pp_size=pp_size)
@@ -85,6 +89,11 @@ class DistSpec:
     def local_ranks(self) -> range:
         start = self.node_rank * self.ranks_per_node
         return range(start, start + self.ranks_per_node)
+
+
+# Tests and benchmarks only: set in the engine process before its ranks are spawned, gloo
+# ranks of one node hand tensors over by point-to-point as NCCL ranks do (`DistSpec`).
+NO_STAGE_PIPES_ENV = "PHASEFLIP_NO_STAGE_PIPES"
 
 
 def dist_backend(cfg: EngineConfig) -> str:
@@ -117,6 +126,8 @@ class RankGroups:
     cpu_group: dist.ProcessGroup  # gloo group of all ranks, with the deadline (fences, slots)
     plan_group: dist.ProcessGroup  # gloo group of all ranks without a deadline: the plans
     symm: SymmBuffer | None = None  # the TP all-reduce's symmetric memory (None: the group)
+    # rank 0 and the last stage's TP rank 0 (None elsewhere, and for pp 1): the logits
+    logits_group: dist.ProcessGroup | None = None
 
     @property
     def tp_rank(self) -> int:
@@ -156,6 +167,9 @@ class Fabric:
     plan_group: dist.ProcessGroup
     tp_groups: dict[tuple[int, int], dist.ProcessGroup | None]
     symm: SymmSetup | None = None  # each layout's all-reduce path, chosen at launch
+    # per PP layout, the logits' own group (`logits_groups`); None where this rank is not in it
+    logits: dict[tuple[int, int], dist.ProcessGroup | None] = dataclasses.field(
+        default_factory=dict)
 
     def groups(self, tp_size: int, pp_size: int) -> RankGroups:
         if (tp_size, pp_size) not in self.tp_groups:
@@ -164,7 +178,7 @@ class Fabric:
         symm = self.symm.buffers.get((tp_size, pp_size)) if self.symm else None
         return RankGroups(self.rank, self.spec.with_layout(tp_size, pp_size),
                           self.tp_groups[(tp_size, pp_size)], self.cpu_group, self.plan_group,
-                          symm)
+                          symm, self.logits.get((tp_size, pp_size)))
 
 
 class GroupFormationError(RuntimeError):
@@ -207,13 +221,33 @@ def join(rank: int, spec: DistSpec,
             group = dist.new_group(ranks, timeout=timeout) if tp > 1 else None
             if rank in ranks:
                 tp_groups[(tp, pp)] = group
+    logits = logits_groups(rank, spec, timeout)
     cpu_group = (dist.group.WORLD if spec.backend == "gloo"
                  else dist.new_group(backend="gloo", timeout=timeout))
     plan_group = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
     symm = setup_symm_all_reduce(rank, spec, tp_groups, cpu_group)  # every layout's, at launch
     if rank == 0:
         log.info(symm.line)
-    return Fabric(rank, spec, cpu_group, plan_group, tp_groups, symm)
+    return Fabric(rank, spec, cpu_group, plan_group, tp_groups, symm, logits)
+
+
+def logits_groups(rank: int, spec: DistSpec, timeout: datetime.timedelta
+                  ) -> dict[tuple[int, int], dist.ProcessGroup | None]:
+    """A group of two per PP layout, rank 0 and the last stage's TP rank 0 (layouts with the
+    same pair share it), made at launch by every rank in the same order. The logits going
+    back to rank 0 then have a communicator of their own: on the world group an NCCL pair
+    runs its sends both ways on one stream, and the hidden states of the next decode group
+    going out would wait for the logits of the last one coming back, which wait for them."""
+    made: dict[int, dist.ProcessGroup] = {}
+    out: dict[tuple[int, int], dist.ProcessGroup | None] = {}
+    for tp, pp in spec.layouts or ((spec.tp_size, spec.pp_size),):
+        last = (pp - 1) * tp
+        if pp == 1:
+            continue
+        if last not in made:
+            made[last] = dist.new_group([0, last], timeout=timeout)
+        out[(tp, pp)] = made[last] if rank in (0, last) else None
+    return out
 
 
 def _await_ranks(store: dist.Store, spec: DistSpec,

@@ -5,7 +5,9 @@ the result on to stage s+1 with a non-blocking send, so it is already working on
 micro-batch while s+1 works on this one. Every receive has a matching send in the same step
 by construction (each stage handles the same micro-batches in the same order), and a stage
 posts its sends before it blocks on anything else. The last stage's TP rank 0 sends the logits
-to the driver.
+to the driver: through a shared-memory pipe (gloo, one node), else by point-to-point on the
+logits' own group (`RankGroups.logits_group`), never blocking: rank 0 posts the receive when it
+launches the step, and the last stage waits for a send only before its next one.
 
 With HiCache, every message also carries the driver's transfer orders; `run` issues them on the
 rank's `KVTransferEngine` before the forward, after ordering the forward behind the copies of
@@ -82,7 +84,12 @@ class StageExecutor:
         self.model = NullStage(runner) if os.environ.get(NULL_FORWARD_ENV) else runner
         # host-staged hand-offs between ranks of one node go through shared memory
         self.pipes = (StagePipes(None, self.spec.timeout_s) if self.staged
-                      and self.spec.world_size == self.spec.ranks_per_node else None)
+                      and self.spec.world_size == self.spec.ranks_per_node
+                      and self.spec.stage_pipes else None)
+        # point-to-point sends not known done yet: this rank's last step's hidden states, the
+        # last stage's last logits (each with its buffer, kept alive until then)
+        self._sends: list[tuple[object, torch.Tensor]] = []
+        self._logits_send: tuple[object, torch.Tensor] | None = None
 
     def run(self, msg: StepMessage, future: torch.Tensor | None = None,
             defer: bool = False) -> torch.Tensor | Callable[[], torch.Tensor] | None:
@@ -105,6 +112,7 @@ class StageExecutor:
                if msg.plan is not None else None)
         if msg.fence:
             with self.tracker.at("HiCache fence: waiting for copies and every rank", msg.step):
+                self.drain_sends()
                 if xfer is not None:
                     xfer.synchronize()
                 dist.barrier(group=self.groups.cpu_group)
@@ -183,11 +191,24 @@ class StageExecutor:
                 h, r = self.model.run_stage(mb, hidden, residual)
             dst = self.groups.stage_rank(self.groups.pp_rank + 1)
             pending.append(self._isend(torch.stack((h, r)), dst))  # one message
-        with tr.at("drain sends", step):
-            for work, _keep in pending:
-                work.wait()
+        with tr.at("drain the previous step's sends", step):  # this step's stay in flight
+            self.drain_sends(logits=False)
+        self._sends = pending
         out = logits if logits and logits[0] is not None else None  # None: not TP rank 0
         return self._logits_to_driver(step, plan, out, defer)
+
+    def drain_sends(self, logits: bool = True) -> None:
+        """Waits for this rank's point-to-point sends in flight (and the last logits sent,
+        with `logits`). Their receivers post the receives within the same steps, so the
+        waits end; a send left in flight from one step to the next lets this rank run the
+        next step while the peer is still behind (a gloo send completes only once the peer
+        receives it)."""
+        sends, self._sends = self._sends, []
+        if logits and self._logits_send is not None:
+            sends.append(self._logits_send)
+            self._logits_send = None
+        for work, _keep in sends:
+            work.wait()
 
     def _logits_to_driver(self, step: int, plan: ForwardBatch,
                           logits: list[torch.Tensor] | None, defer: bool = False):
@@ -197,9 +218,15 @@ class StageExecutor:
             return logits[0] if len(logits) == 1 else torch.cat(logits)
         if self.last and rank == last_rank0:
             with self.tracker.at("send logits to rank 0", step):
-                self._send_parts(logits, 0)
+                if self.pipes is not None:
+                    self._send_parts(logits, 0)
+                else:
+                    self._isend_logits(logits)
         elif rank == 0:
             rows = int(plan.logits_indices.numel())
+            if self.pipes is None:
+                receive = self._irecv_logits(step, rows, last_rank0)
+                return receive if defer else receive()
 
             def receive() -> torch.Tensor:
                 with self.tracker.at(f"recv logits from rank {last_rank0}", step):
@@ -210,6 +237,36 @@ class StageExecutor:
         return None
 
     # -------------------------------------------------------------- point to point
+    def _isend_logits(self, parts: list[torch.Tensor]) -> None:
+        """The logits to rank 0 on their own group, from a copy (the last part may be a
+        decode graph's static buffer, which the next replay overwrites while the send may
+        still read it). Only the previous logits send is waited for, here: a blocking send
+        would hold this rank (on NCCL, its compute stream) until rank 0 receives, and the
+        next decode group's forward with it."""
+        t = torch.cat(parts)  # a new tensor, also for one part
+        t = t.cpu() if self.staged else t
+        if self._logits_send is not None:
+            self._logits_send[0].wait()
+        self._logits_send = dist.isend(t, 0, group=self.groups.logits_group), t
+
+    def _irecv_logits(self, step: int, rows: int, src: int) -> Callable[[], torch.Tensor]:
+        """Posts the receive of a step's logits now, into a buffer of its own, and returns
+        the wait. Posted at launch, before the next decode group's stage-0 forward is queued:
+        on NCCL an op's stream first waits for the compute stream as it is at issue time, so
+        a receive posted later would wait for that forward; and the last stage's send is
+        matched at once, whatever rank 0 does next."""
+        device = "cpu" if self.staged else self.runner.device
+        buf = torch.empty((rows, self.runner.model_cfg.vocab_size), dtype=torch.float32,
+                          device=device)
+        work = dist.irecv(buf, src, group=self.groups.logits_group)
+
+        def receive() -> torch.Tensor:
+            with self.tracker.at(f"recv logits from rank {src}", step):
+                work.wait()
+            return buf.to(self.runner.device)
+
+        return receive
+
     def _isend(self, t: torch.Tensor, dst: int):
         # `t` is a new tensor (the stack): a decode graph's static output, which the next
         # micro-batch's replay overwrites while NCCL's stream may still be reading it, is not
