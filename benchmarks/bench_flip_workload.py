@@ -158,8 +158,9 @@ def calibrate(args: argparse.Namespace, trace: list[wl.Arrival]) -> dict[str, An
     steps: dict[str, list[dict[str, Any]]] = {}
     seams: list[tuple[Any, int]] = []
     cap = args.calib_max_new_tokens or None
-    with Engine(None, tp_size=decode[0], pp_size=decode[1], enable_flip=True,
-                **_engine_kwargs(args.serve_args)) as e:
+    engine_args = _engine_kwargs(args.serve_args)  # the server's --model is the engine's
+    with Engine(engine_args.pop("model", None), tp_size=decode[0], pp_size=decode[1],
+                enable_flip=True, **engine_args) as e:
         core = e.core
         for w, layout in enumerate((prefill, decode)):  # unrecorded; ends in the decode one
             _submit(core, _warm_batch(bursts, background, w + 1), f"warm{w}", 2)

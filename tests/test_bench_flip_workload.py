@@ -241,8 +241,11 @@ def test_calibration_warms_each_layout_unrecorded_caps_outputs_and_returns_on_on
 
     core = FakeCore()
 
-    class FakeEngine:
-        def __init__(self, *_a, **_k):
+    opened = []
+
+    class FakeEngine:  # Engine's own signature: the model comes once, by position or name
+        def __init__(self, model=None, **config):
+            opened.append((model, config))
             self.core = core
 
         def __enter__(self):
@@ -253,9 +256,12 @@ def test_calibration_warms_each_layout_unrecorded_caps_outputs_and_returns_on_on
 
     monkeypatch.setattr(phaseflip, "Engine", FakeEngine)
     a = args("--calib-bursts", "6", "--calib-background", "6", "--calib-max-new-tokens", "3",
-             "--background-output-tokens", "20")
+             "--background-output-tokens", "20",
+             "--serve-args", "--model llama-3.1-8b --load-format dummy --page-size 16")
     trace = trace_of(a)
     calib = bfw.calibrate(a, trace)
+    (model, config), = opened  # the server's --model is the engine's model
+    assert model == "llama-3.1-8b" and config["load_format"] == "dummy"
     flips = [e[1:] for e in core.log if e[0] == "flip"]
     assert flips == [(1, 2), (2, 1), (1, 2), (2, 1)]  # warm pp2, warm tp2, the two recorded
     adds = [e for e in core.log if e[0] == "add"]
