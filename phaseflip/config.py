@@ -126,7 +126,7 @@ class ParallelConfig:
     pipeline bubble (p-1)/(m+p-1) shrinks while each micro-batch stays large enough for
     efficient matmuls. Decode-only steps always use pp_size micro-batches."""
     pp_async_decode: bool = False
-    """With --pp-size > 1 (overlap scheduling on, one node, gloo stage pipes): the running
+    """With --pp-size > 1 and overlap scheduling (on NCCL unmeasured on GPUs): the running
     requests decode in pp_size groups, each its own step, kept in flight across steps so
     every stage works on another group's step (no bubble at the end of a step); a group's
     next step starts as soon as its tokens are sampled. Decode steps run whole, not cut."""
