@@ -170,6 +170,35 @@ def test_every_pp_layout_has_a_logits_group_made_at_launch(monkeypatch, rank, wa
     assert made == [[0, 2], [0, 3]]
 
 
+@pytest.mark.timeout(90, method="thread")
+def test_a_missing_hand_off_without_stage_pipes_is_a_named_stall(deep_dir, monkeypatch):
+    """Law 3 on the point-to-point path: stage 1 is sent one of a plan's two micro-batches;
+    rank 0's logits receive (posted at launch, waited on its own group) and stage 1's hidden
+    receive both end in the group's deadline, named with every rank's position."""
+    from phaseflip.distributed.watchdog import DistributedStallError
+
+    monkeypatch.setenv(NO_STAGE_PIPES_ENV, "1")
+    e = Engine(str(deep_dir), device="cpu", max_total_tokens=4096, pp_size=2,
+               dist_timeout_s=3)
+    try:
+        core = e.core
+        for p in prompts_for(300)[:2]:
+            core.add_request(f"r{len(p)}", p, SamplingParams(temperature=0, max_new_tokens=2))
+        plan = core.scheduler.schedule().plan
+        runner = core.runner
+        assert runner.stage.pipes is None
+        first_only = plan.split(2)[0]
+        runner.stage.micro_batches = lambda _plan: [first_only]  # the defect under test
+        with pytest.raises(DistributedStallError) as err:
+            runner.launch(plan)()
+        msg = str(err.value)
+        assert "rank 0: step 1, recv logits from rank 1" in msg
+        assert "rank 1: step 1, recv hidden of micro-batch 1 from rank 0" in msg
+    finally:
+        core.runner.close(graceful=False)
+        e.core = None
+
+
 @SPAWNS
 def test_flag_off_keeps_one_step_in_flight(deep_dir, oracle):
     """The default path: each launched step is sampled in the step that launched it."""
