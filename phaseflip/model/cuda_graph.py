@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,6 +117,16 @@ class GraphReuse:
     parked: DecodeGraphs | None  # None: none parked on this rank (it still votes)
     agree: Callable[[bool], bool]  # this rank's verdict -> whether every rank's was yes
 
+
+
+@functools.cache
+def capture_stream(device_index: int) -> torch.cuda.Stream:
+    """The one stream a process captures its decode graphs on, per device. cuBLAS keeps a
+    workspace per (handle, stream) and a captured graph holds on to it, so a new stream per
+    capture (every non-parked layout build of a flip) would add a workspace per build, kept
+    for the process's life once graphs are parked. Graphs on one rank never replay at once,
+    so sharing the capture stream (and its workspace) is safe."""
+    return torch.cuda.Stream(torch.device("cuda", device_index))
 
 class DecodeGraphs:
     """Captured decode graphs of one model stage and their static input buffers.
@@ -239,7 +250,8 @@ class DecodeGraphs:
         self._warm_linears()
         if self.record:
             self._mempool = torch.cuda.graph_pool_handle()
-            self._side = torch.cuda.Stream(self.device)
+            index = torch.device(self.device).index
+            self._side = capture_stream(torch.cuda.current_device() if index is None else index)
         self.addresses = self.addresses_with(self.pool, self.model.layout.tp_comm)
 
     # ------------------------------------------------------------------ parking
