@@ -123,3 +123,40 @@ def test_a_refill_is_not_priced_at_a_provisional_rate():
     measure(pol, 1000, 2000)
     pol.observe_refill(census)
     assert pol.flip_costs()[0].provenance == MEASURED
+
+
+def run_ahead_steps(lag: int) -> list[tuple[int, int, float]]:
+    """Lone prefill steps of 200-3000 tokens (a = 0.05 s, b = 100 µs/token) among decode steps
+    (20 ms) and an idle step at the end, each step's wall time its own cost (lag 0) or, run
+    ahead on a GPU, the cost of the step before (lag 1: the idle step waits out the last)."""
+    steps = []
+    for tokens in (200, 1000, 3000, 600, 2000):
+        steps += [(0, 8)] * 5 + [(tokens, 0)]
+    steps.append((0, 0))
+    cost = [0.02 if p == 0 else 0.05 + 1e-4 * p for p, _ in steps]
+    cost[-1] = 0.0  # (idle)
+    secs = cost if lag == 0 else [0.02] + cost[:-1]
+    return [(p, d, s + 1e-4) for (p, d), s in zip(steps, secs)]  # + the host's own time
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_run_ahead_charges_each_step_its_own_time(lag):
+    """With overlap scheduling on a GPU a step's wall time is mostly the step before's, so a
+    lone prefill step "took" a decode step's 20 ms (X ~100 000 tokens/s from 2 000 tokens) and
+    the decode step after it the prefill's. The lag that explains the steps' times is found
+    (0 on a synchronous device, 1 run ahead) and the fit recovers a and b either way."""
+    pol = policy(max_prefill_tokens=4096)
+    for p, d, s in run_ahead_steps(lag):
+        pol.observe_step(TP, p, d, s)
+    model = pol.rates[TP]
+    assert model.lag() == lag and model.describe()["lag"] == lag
+    fit = model.fit()
+    assert fit.fixed_s == pytest.approx(0.05, rel=0.1)
+    assert fit.per_token_s == pytest.approx(1e-4, rel=0.1)
+    x = pol.throughputs(4096)[0]
+    assert x.provenance == MEASURED and x.value == pytest.approx(4096 / 0.4596, rel=0.05)
+    if lag:  # charged to itself, each lone prefill step looks almost free
+        wrong = fit_steps(model.windows[0][0])
+        assert wrong.rate_at(4096) > 3 * x.value
+    pol.observe_flip(TP, PP, 0.2)  # a seam drains every step: the next pairs with none
+    assert pol.rates[TP].prev is None

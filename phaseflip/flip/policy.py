@@ -20,13 +20,13 @@ Estimates (law 5): a value that nothing measured is None, never 0, and every est
 where it comes from: `measured`, `seed` (a config prior), `half-measured` (a seed applied to a
 measurement, or a sum of measured and seeded parts) or `unmeasured` (None).
 - Prefill throughput of a layout: seconds = a + b·tokens fitted to its recent steps that are
-  mostly prefill (prompt tokens ≥ PREFILL_SHARE of the step's rows and ≥ MIN_PREFILL_TOKENS;
-  `flip/prefill_fit.py`), priced at the step a backlog runs in: S = min(the scheduler's prefill
-  budget of a step, pending tokens), X = S / (a + b·S). Short steps set the fixed cost a, not
-  the price of a token. A fit from too few steps or tokens, or far from S, is 'half-measured'
-  with a note (provisional), and no flip to the prefill layout is decided on it. The decode rows
-  riding along are charged to the prompt tokens, an underestimate by at most 1 − PREFILL_SHARE,
-  alike in both layouts.
+  mostly prefill (prompt tokens ≥ PREFILL_SHARE of the step's rows and ≥ MIN_PREFILL_TOKENS,
+  `flip/prefill_fit.py`; with run-ahead, each step's time charged to the step before), priced at
+  the step a backlog runs in: S = min(the scheduler's prefill budget of a step, pending tokens),
+  X = S / (a + b·S). Short steps set the fixed cost a, not the price of a token. A fit from too
+  few steps or tokens, or far from S, is 'half-measured' with a note (provisional), and no flip
+  to the prefill layout is decided on it. The decode rows riding along are charged to the prompt
+  tokens, an underestimate by at most 1 − PREFILL_SHARE, alike in both layouts.
 - Flip cost of a direction: an EMA of its seams' `SeamCensus.total_s` plus an EMA of the
   refill that follows the cutover (`observe_refill`, once the ledger closes the window): the
   tokens the retracted requests re-prefilled ÷ the new layout's measured prefill rate, plus
@@ -61,8 +61,6 @@ from phaseflip.flip.estimate import HALF, MEASURED, SEED, Estimate, combine
 from phaseflip.flip.estimate import UNMEASURED as UNMEASURED  # re-exported
 from phaseflip.flip.prefill_fit import PrefillCostModel
 
-PREFILL_SHARE = 0.9  # a step measures prefill throughput when this much of it is prompt
-MIN_PREFILL_TOKENS = 32  # below this a step measures its fixed overhead, not throughput
 SEAM_ALPHA = 0.5  # weight of the newest seam in a direction's cost EMA (seams are few)
 DECODE_WINDOW = 8  # steps with decode rows the SLO check averages (acts on a full window)
 PRICE_MAX_REQUESTS = 64  # waiting requests residency pricing walks per decision
@@ -287,15 +285,12 @@ class FlipPolicy:
         PP decode groups in flight (`--pp-async-decode`); a step then decodes one group, and a
         decoding request waits that many steps for its next token, which the decode SLO is
         about."""
+        model = self.rates.setdefault(layout, PrefillCostModel(self.max_step_tokens))
+        model.observe(prompt_tokens, decode_rows, seconds)  # (an idle one: run-ahead's wait)
         if prompt_tokens + decode_rows == 0:
-            return  # an idle step measures nothing
+            return  # an idle step is no step in the layout
         self.steps_in_layout += 1
         self.busy_s = self.clock()
-        model = self.rates.setdefault(layout, PrefillCostModel(self.max_step_tokens))
-        if prompt_tokens < MIN_PREFILL_TOKENS:
-            model.observe_small(seconds)  # its fixed cost, for a fit whose steps do not span
-        elif prompt_tokens >= PREFILL_SHARE * (prompt_tokens + decode_rows):
-            model.observe(prompt_tokens, seconds)
         if decode_rows and not prompt_tokens:
             # pure decode steps only: a step that also prefills a chunk is slow for its
             # prompt, and counting it made the SLO flip back with the backlog untouched
@@ -355,6 +350,8 @@ class FlipPolicy:
         self.since_s, self.steps_in_layout = self.clock(), 0
         self.busy_s = max(self.busy_s, self.since_s)
         self.decode_ms.clear()
+        for model in self.rates.values():
+            model.seam()
 
     # ------------------------------------------------------------------ estimates
     def throughputs(self, step_tokens: int | None = None) -> tuple[Estimate, Estimate]:

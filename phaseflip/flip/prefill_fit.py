@@ -24,6 +24,8 @@ from typing import Any
 
 from phaseflip.flip.estimate import HALF, MEASURED, Estimate
 
+PREFILL_SHARE = 0.9  # a step measures prefill throughput when this much of it is prompt
+MIN_PREFILL_TOKENS = 32  # below this a step measures its fixed overhead, not throughput
 FIT_WINDOW = 16  # recent qualifying steps per layout: enough to average out noise, recent
 # enough to follow a load that changed
 MIN_SAMPLES = 3  # one or two steps cannot tell a fixed cost from a per-token one
@@ -32,6 +34,10 @@ MIN_TOKENS = 1024  # below this a layout has seen only short steps, mostly fixed
 # a backlog runs in such steps, so they price it as they ran)
 SPAN = 2.0  # the steps' sizes span a range (a and b are both fitted) when the largest is
 # at least this many times the smallest
+LAG_TRAIL = 64  # recent steps of every kind the run-ahead test reads
+LAG_MIN_STEPS = 8  # fewer: no run-ahead test (lag 0)
+LAG_EVIDENCE = 4.0  # run-ahead is taken only when it leaves this many times less squared error:
+# steady same-size steps fit either way, the lone steps that tell them apart are few
 EXTRAPOLATE = 4.0  # a price is measured only for a step up to this factor past the largest
 # seen: beyond, the slope of small, noisy steps would price a backlog's large ones
 
@@ -75,28 +81,67 @@ def fit_steps(samples: Sequence[tuple[int, float]], fixed_s: float | None = None
     return StepFit(0.0, ms / mt, "rate")
 
 
+def _rss(pairs: Sequence[tuple[int, float]]) -> float:
+    """Residual sum of squares of the least-squares line through `pairs` (x, y)."""
+    n = len(pairs)
+    mx, my = sum(x for x, _ in pairs) / n, sum(y for _, y in pairs) / n
+    sxx = sum((x - mx) ** 2 for x, _ in pairs)
+    sxy = sum((x - mx) * (y - my) for x, y in pairs)
+    syy = sum((y - my) ** 2 for _, y in pairs)
+    return syy - (sxy * sxy / sxx if sxx > 0 else 0.0)
+
+
 class PrefillCostModel:
-    """One layout's qualifying prefill steps (a bounded window) and its small steps (their
-    seconds: the fixed cost when the prefill steps do not span a range)."""
+    """One layout's steps, each charged two ways: to itself (lag 0) and, for run-ahead, to the
+    step before it (lag 1: with overlap scheduling on a GPU a step's wall time is mostly the
+    previous step's GPU time, so a lone prefill step's cost lands in the next step). Per lag:
+    a bounded window of qualifying prefill steps and of small steps (their seconds: the fixed
+    cost when the prefill steps do not span a range). The lag used is the one that explains
+    the recent steps' times (`lag`): 0 unless run-ahead clearly fits better."""
 
     def __init__(self, max_step_tokens: int) -> None:
         self.min_tokens = min(MIN_TOKENS, MIN_SAMPLES * max_step_tokens)
-        self.steps: deque[tuple[int, float]] = deque(maxlen=FIT_WINDOW)
-        self.small_s: deque[float] = deque(maxlen=FIT_WINDOW)
+        self.windows = [(deque(maxlen=FIT_WINDOW), deque(maxlen=FIT_WINDOW)) for _ in (0, 1)]
+        self.trail: deque[tuple[int, int, float]] = deque(maxlen=LAG_TRAIL)
+        self.prev: tuple[int, int] | None = None  # the step before, in this layout
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        if seconds > 0:
-            self.steps.append((tokens, seconds))
+    def observe(self, prompt_tokens: int, decode_rows: int, seconds: float) -> None:
+        """One step of this layout (an idle one too: run ahead, it waits out the step
+        before)."""
+        step = (prompt_tokens, decode_rows)
+        for lag, charged in enumerate((step, self.prev)):
+            if charged is None or seconds <= 0 or sum(charged) == 0:
+                continue  # nothing ran in the step charged
+            (p, d), (steps, small) = charged, self.windows[lag]
+            if p < MIN_PREFILL_TOKENS:
+                small.append(seconds)  # its fixed cost, for a fit whose steps do not span
+            elif p >= PREFILL_SHARE * (p + d):
+                steps.append((p, seconds))
+        if self.prev is not None:
+            self.trail.append((prompt_tokens, self.prev[0], seconds))
+        self.prev = step
 
-    def observe_small(self, seconds: float) -> None:
-        """A step too small to measure prefill (a decode step, a few prompt tokens)."""
-        if seconds > 0:
-            self.small_s.append(seconds)
+    def seam(self) -> None:
+        """The layout was left: a seam drains every step, its next one pairs with none."""
+        self.prev = None
+
+    def lag(self) -> int:
+        """1 when charging each step's time to the step before explains the recent steps
+        LAG_EVIDENCE× better (least squares on prompt tokens), else 0."""
+        if len(self.trail) < LAG_MIN_STEPS:
+            return 0
+        rss = [_rss([(t[lag], t[2]) for t in self.trail]) for lag in (0, 1)]
+        return 1 if rss[1] * LAG_EVIDENCE < rss[0] else 0
+
+    @property
+    def steps(self) -> deque[tuple[int, float]]:
+        return self.windows[self.lag()][0]
 
     def fit(self) -> StepFit | None:
-        if not self.steps:
+        steps, small = self.windows[self.lag()]
+        if not steps:
             return None
-        return fit_steps(self.steps, median(self.small_s) if self.small_s else None)
+        return fit_steps(steps, median(small) if small else None)
 
     def missing(self, step_tokens: int) -> list[str]:
         """Why a price at `step_tokens` is not measured yet (empty: it is)."""
@@ -117,7 +162,8 @@ class PrefillCostModel:
         if fit is None:
             return Estimate(None)
         note = (f"{fit.fixed_s * 1e3:.1f} ms + {fit.per_token_s * 1e6:.2f} us/token "
-                f"({fit.how}) at {step_tokens} tokens")
+                f"({fit.how}{', run-ahead: times charged a step back' if self.lag() else ''}) "
+                f"at {step_tokens} tokens")
         gaps = self.missing(step_tokens)
         if gaps:
             return Estimate(fit.rate_at(step_tokens), HALF, len(self.steps),
@@ -129,6 +175,7 @@ class PrefillCostModel:
         fit = self.fit()
         if fit is None:
             return None
+        steps, small = self.windows[self.lag()]
         return {"fixed_s": fit.fixed_s, "per_token_s": fit.per_token_s, "how": fit.how,
-                "steps": len(self.steps), "tokens": sum(t for t, _ in self.steps),
-                "small_steps": len(self.small_s)}
+                "steps": len(steps), "tokens": sum(t for t, _ in steps),
+                "small_steps": len(small), "lag": self.lag()}
