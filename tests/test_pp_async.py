@@ -331,6 +331,26 @@ def test_decode_groups_on_one_gpu_match_single_process(deep_dir, oracle, tp, pp)
     assert depth == pp
 
 
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@SPAWNS
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp, pp", [
+    pytest.param(1, 2, marks=pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA devices")),
+    pytest.param(2, 2, marks=pytest.mark.skipif(GPUS < 4, reason="needs 4 CUDA devices")),
+])
+def test_decode_groups_over_nccl_match_one_gpu(deep_dir, oracle, tp, pp):
+    """One rank per GPU over NCCL (no stage pipes: the logits on their own communicator):
+    the same greedy tokens as one GPU process, with pp_size steps in flight."""
+    prompts, params, _ = oracle
+    want, _, _ = _generate(deep_dir, prompts, params, device="cuda")
+    got, depth, _ = _generate(deep_dir, prompts, params, tp_size=tp, pp_size=pp,
+                              pp_async_decode=True, device="cuda", dist_backend="nccl")
+    assert got == want
+    assert depth == pp
+
+
 # ----------------------------------------------------------------- scheduler: the groups
 def _req(i: int, pending: int = 0) -> Req:
     r = Req(rid=f"r{i}", prompt_ids=[1, 2], params=SamplingParams(max_new_tokens=9),
