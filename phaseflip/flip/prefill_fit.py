@@ -81,14 +81,25 @@ def fit_steps(samples: Sequence[tuple[int, float]], fixed_s: float | None = None
     return StepFit(0.0, ms / mt, "rate")
 
 
-def _rss(pairs: Sequence[tuple[int, float]]) -> float:
-    """Residual sum of squares of the least-squares line through `pairs` (x, y)."""
-    n = len(pairs)
-    mx, my = sum(x for x, _ in pairs) / n, sum(y for _, y in pairs) / n
-    sxx = sum((x - mx) ** 2 for x, _ in pairs)
-    sxy = sum((x - mx) * (y - my) for x, y in pairs)
-    syy = sum((y - my) ** 2 for _, y in pairs)
-    return syy - (sxy * sxy / sxx if sxx > 0 else 0.0)
+class _Line:
+    """Running sums of (x, y) pairs: the squared error of their least-squares line in O(1)
+    (decide runs every step; refitting 64 steps each time was ~0.5 ms)."""
+
+    def __init__(self) -> None:
+        self.n, self.sums = 0, [0.0] * 5  # x, y, xx, xy, yy
+
+    def add(self, x: float, y: float, sign: int = 1) -> None:
+        self.n += sign
+        for i, v in enumerate((x, y, x * x, x * y, y * y)):
+            self.sums[i] += sign * v
+
+    def rss(self) -> float:
+        if self.n < 2:
+            return 0.0
+        sx, sy, sxx, sxy, syy = self.sums
+        cxx, cxy, cyy = sxx - sx * sx / self.n, sxy - sx * sy / self.n, syy - sy * sy / self.n
+        fitted = cxy * cxy / cxx if cxx > 1e-9 * max(sxx, 1.0) else 0.0  # (x all alike: none)
+        return max(0.0, cyy - fitted)
 
 
 class PrefillCostModel:
@@ -103,7 +114,11 @@ class PrefillCostModel:
         self.min_tokens = min(MIN_TOKENS, MIN_SAMPLES * max_step_tokens)
         self.windows = [(deque(maxlen=FIT_WINDOW), deque(maxlen=FIT_WINDOW)) for _ in (0, 1)]
         self.trail: deque[tuple[int, int, float]] = deque(maxlen=LAG_TRAIL)
+        self.lines = [_Line(), _Line()]  # the trail's (prompt tokens charged, seconds) per lag
         self.prev: tuple[int, int] | None = None  # the step before, in this layout
+        self._memo: tuple[int, StepFit | None] | None = None  # (lag, fit) until a step
+        self._priced: dict[int, Estimate] = {}  # estimate by step tokens, until a step
+        self._added = 0
 
     def observe(self, prompt_tokens: int, decode_rows: int, seconds: float) -> None:
         """One step of this layout (an idle one too: run ahead, it waits out the step
@@ -118,8 +133,27 @@ class PrefillCostModel:
             elif p >= PREFILL_SHARE * (p + d):
                 steps.append((p, seconds))
         if self.prev is not None:
-            self.trail.append((prompt_tokens, self.prev[0], seconds))
-        self.prev = step
+            self._trail((prompt_tokens, self.prev[0], seconds))
+        self.prev, self._memo = step, None
+        self._priced.clear()
+
+    def _trail(self, entry: tuple[int, int, float]) -> None:
+        """Appends to the trail, its sums kept (rebuilt once a trail's length, so that
+        rounding does not pile up)."""
+        if len(self.trail) == LAG_TRAIL:
+            old = self.trail[0]
+            for lag, line in enumerate(self.lines):
+                line.add(old[lag], old[2], -1)
+        self.trail.append(entry)
+        self._added += 1
+        if self._added % LAG_TRAIL == 0:
+            self.lines = [_Line(), _Line()]
+            for t in self.trail:
+                for lag, line in enumerate(self.lines):
+                    line.add(t[lag], t[2])
+        else:
+            for lag, line in enumerate(self.lines):
+                line.add(entry[lag], entry[2])
 
     def seam(self) -> None:
         """The layout was left: a seam drains every step, its next one pairs with none."""
@@ -128,20 +162,23 @@ class PrefillCostModel:
     def lag(self) -> int:
         """1 when charging each step's time to the step before explains the recent steps
         LAG_EVIDENCE× better (least squares on prompt tokens), else 0."""
-        if len(self.trail) < LAG_MIN_STEPS:
-            return 0
-        rss = [_rss([(t[lag], t[2]) for t in self.trail]) for lag in (0, 1)]
-        return 1 if rss[1] * LAG_EVIDENCE < rss[0] else 0
+        return self._current()[0]
+
+    def fit(self) -> StepFit | None:
+        return self._current()[1]
 
     @property
     def steps(self) -> deque[tuple[int, float]]:
         return self.windows[self.lag()][0]
 
-    def fit(self) -> StepFit | None:
-        steps, small = self.windows[self.lag()]
-        if not steps:
-            return None
-        return fit_steps(steps, median(small) if small else None)
+    def _current(self) -> tuple[int, StepFit | None]:
+        if self._memo is None:
+            rss = [line.rss() for line in self.lines]
+            lag = int(len(self.trail) >= LAG_MIN_STEPS and rss[1] * LAG_EVIDENCE < rss[0])
+            steps, small = self.windows[lag]
+            fit = fit_steps(steps, median(small) if small else None) if steps else None
+            self._memo = (lag, fit)
+        return self._memo
 
     def missing(self, step_tokens: int) -> list[str]:
         """Why a price at `step_tokens` is not measured yet (empty: it is)."""
@@ -158,6 +195,12 @@ class PrefillCostModel:
 
     def estimate(self, step_tokens: int) -> Estimate:
         """Tokens/s of a `step_tokens`-token step; `provisional` until `missing` is empty."""
+        got = self._priced.get(step_tokens)
+        if got is None:
+            got = self._priced[step_tokens] = self._estimate(step_tokens)
+        return got
+
+    def _estimate(self, step_tokens: int) -> Estimate:
         fit = self.fit()
         if fit is None:
             return Estimate(None)
@@ -175,7 +218,8 @@ class PrefillCostModel:
         fit = self.fit()
         if fit is None:
             return None
-        steps, small = self.windows[self.lag()]
+        lag = self.lag()
+        steps, small = self.windows[lag]
         return {"fixed_s": fit.fixed_s, "per_token_s": fit.per_token_s, "how": fit.how,
                 "steps": len(steps), "tokens": sum(t for t, _ in steps),
-                "small_steps": len(small), "lag": self.lag()}
+                "small_steps": len(small), "lag": lag}
