@@ -241,9 +241,9 @@ def logits_groups(rank: int, spec: DistSpec, timeout: datetime.timedelta
     made: dict[int, dist.ProcessGroup] = {}
     out: dict[tuple[int, int], dist.ProcessGroup | None] = {}
     for tp, pp in spec.layouts or ((spec.tp_size, spec.pp_size),):
-        last = (pp - 1) * tp
         if pp == 1:
             continue
+        last = (pp - 1) * tp
         if last not in made:
             made[last] = dist.new_group([0, last], timeout=timeout)
         out[(tp, pp)] = made[last] if rank in (0, last) else None
