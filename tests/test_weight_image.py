@@ -82,6 +82,28 @@ def test_a_corrupted_byte_fails_the_checksum_naming_its_tensor(llama_dir, tmp_pa
         image.close()
 
 
+
+def test_a_mapping_checks_each_tensor_once_when_asked(llama_dir, tmp_path):
+    """A flip's later seams copy what the rank's mapping already checked (`once`): the checks
+    were the seam's floor. Without `once` (and with `verify`) every pass checks."""
+    image = WeightImage.build(llama_dir, tmp_path / "image", register=False)
+    try:
+        names = list(image.entries)[:4]
+        first = image.verified(names, threads=2, once=True)
+        assert [n for n, _ in first] == names and first.nbytes > 0
+        again = image.verified(names, threads=2, once=True)
+        got = dict(again)
+        assert again.nbytes == 0 and all(torch.equal(got[n], image.tensor(n)) for n in names)
+        later = list(image.entries)[4:6]  # not checked yet: checked now
+        stream = image.verified(names + later, threads=2, once=True)
+        list(stream)
+        assert stream.nbytes == sum(image.entries[n].nbytes for n in later)
+        full = image.verified(names, threads=2)
+        list(full)
+        assert full.nbytes == sum(image.entries[n].nbytes for n in names)
+    finally:
+        image.close()
+
 def test_host_image_refused_with_dummy_weights():
     with pytest.raises(InvalidRequestError, match="--flip-weights auto or reload") as exc:
         EngineConfig(load_format="dummy", flip_weights="host-image", tp_size=2, **FLIP)

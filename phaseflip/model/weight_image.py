@@ -19,8 +19,12 @@ File layout (offsets in bytes):
                   aligned); `data` is the index's end rounded up to 4096
 
 Integrity: zlib.crc32 of every tensor's bytes, taken at build. A rank loading from the image
-checks the tensors its shard is cut from before it copies them (`verify(names)`); that pass is
-also what reads (touches) the bytes, timed as `read_s`. Cost: one pass over those bytes at
+checks the tensors its shard is cut from before it copies them, the first time its mapping
+serves each (`verified(names, once=True)`); that pass is also what reads (touches) the bytes,
+timed as `read_s`. Later seams copy the tensors a rank has checked without checking them again:
+on the H200 the checks were the host-image seam's floor (15 GiB a tp2 rank, ~1.1 s on 8
+threads, against 0.45 s of copies), and a rank keeps its mapping for its life. `verify()`
+checks on demand. Cost: one pass over those bytes at
 zlib's crc32 speed (about 3 GB/s per core with zlib 1.2.13 on the dev box), spread over a few
 threads (zlib releases the GIL). Under TP every rank of a stage checks its stage's tensors
 whole, though it copies 1/tp of each.
@@ -127,6 +131,7 @@ class WeightImage:
         self.path, self.entries = path, {e.name: e for e in entries}
         self._mm, self._owner = mm, owner
         self.buf = torch.frombuffer(mm, dtype=torch.uint8)
+        self.checked: set[str] = set()  # tensors this mapping has checked (`verified(once=)`)
         self.registered = register and cuda_host_register(self.buf, "the host weight image")
 
     @property
@@ -236,13 +241,16 @@ class WeightImage:
             self.check(e, c)
         return sum(e.nbytes for e in todo)
 
-    def verified(self, names: Iterable[str], threads: int | None = None) -> VerifiedStream:
+    def verified(self, names: Iterable[str], threads: int | None = None, *,
+                 once: bool = False) -> VerifiedStream:
         """(name, CPU view) of `names` in checkpoint order, each yielded once its crc32 is
         checked; the checks of the tensors after it run ahead on `threads` threads (zlib
-        releases the GIL), so the reading of tensor k+1 overlaps the copy of tensor k."""
+        releases the GIL), so the reading of tensor k+1 overlaps the copy of tensor k. `once`:
+        tensors this mapping checked before come out unchecked (a flip's later seams)."""
         keep = set(names)
         return VerifiedStream(self, [n for n in self.entries if n in keep],
-                              threads or min(8, os.cpu_count() or 1))
+                              threads or min(8, os.cpu_count() or 1),
+                              skip=self.checked if once else frozenset())
 
     def check(self, entry: ImageEntry, crc: int) -> None:
         if crc != entry.crc32:
@@ -271,8 +279,10 @@ class VerifiedStream:
     """The tensors of `WeightImage.verified`, iterated once. `wait_s`: how long the consumer
     waited for a check (the read: storage-bound when it dominates), `nbytes`: bytes checked."""
 
-    def __init__(self, image: WeightImage, names: list[str], threads: int) -> None:
+    def __init__(self, image: WeightImage, names: list[str], threads: int,
+                 skip: frozenset[str] | set[str] = frozenset()) -> None:
         self.image, self.names, self.threads = image, names, threads
+        self.skip = set(skip)  # checked before by this mapping: yielded without a check
         self.wait_s, self.nbytes = 0.0, 0
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -280,19 +290,23 @@ class VerifiedStream:
         view = memoryview(image._mm)
         try:
             with ThreadPoolExecutor(self.threads) as pool:
-                futures = [(n, pool.submit(_crc, view, image.entries[n])) for n in self.names]
+                futures = [(n, None if n in self.skip else
+                            pool.submit(_crc, view, image.entries[n])) for n in self.names]
                 try:
                     for name, future in futures:
-                        t0 = time.perf_counter()
-                        crc = future.result()
-                        self.wait_s += time.perf_counter() - t0
-                        entry = image.entries[name]
-                        image.check(entry, crc)
-                        self.nbytes += entry.nbytes
+                        if future is not None:
+                            t0 = time.perf_counter()
+                            crc = future.result()
+                            self.wait_s += time.perf_counter() - t0
+                            entry = image.entries[name]
+                            image.check(entry, crc)
+                            image.checked.add(name)
+                            self.nbytes += entry.nbytes
                         yield name, image.tensor(name)
                 finally:
                     for _, future in futures:
-                        future.cancel()
+                        if future is not None:
+                            future.cancel()
         finally:
             view.release()
 
@@ -412,7 +426,7 @@ def load_model_weights(model, cfg: EngineConfig, model_dir: str, device: torch.d
     params = dict(model.named_parameters(remove_duplicate=False))
     wanted = [n for n in image.entries
               if (target := model._param_name(n)) is not None and target[0] in params]
-    stream = image.verified(wanted)  # checks run ahead of the copies
+    stream = image.verified(wanted, once=True)  # checks run ahead of the copies
     model.load_weights(stream)  # raises naming any parameter left unloaded
     t2 = time.perf_counter()
     cuda = device.type == "cuda"
