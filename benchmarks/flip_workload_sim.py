@@ -32,23 +32,46 @@ def _parse_name(name: str) -> tuple[int, int]:
     return int(tp), int(pp)
 
 
+def calib_per_token_s(calib: dict[str, Any], name: str) -> float:
+    """A layout's per-prompt-token step cost b of seconds = a + b·tokens, fitted to its
+    calibration steps exactly as the policy fits a server's (`PrefillCostModel`); NaN if it
+    has no prefill step."""
+    from phaseflip.flip.prefill_fit import PrefillCostModel
+
+    model = PrefillCostModel(1 << 30)
+    for x in calib["steps"].get(name, []):
+        model.observe(x["prompt_tokens"], x["decode_rows"], x["seconds"])
+    fit = model.fit()
+    return fit.per_token_s if fit is not None and fit.per_token_s > 0 else math.nan
+
+
 def server_scales(runs: list[dict[str, Any]], calib: dict[str, Any]
                   ) -> dict[tuple[int, int], float]:
-    """Per layout: its calibration prefill rate over the one its *static* server run
-    measured (the manual policy's X or P): how much slower the server's steps ran (its front
-    end shares the cores). The auto runs are not used: they are what the simulator is
-    checked against."""
+    """Per layout: how much slower its *static* server run's steps were than the
+    calibration's (its front end shares the cores): the per-token cost b its policy fitted
+    (`prefill_step_fit`) over the one the same fit gives the calibration steps. (X and P are
+    priced at a step of S tokens, a + b·S: divided by a plain tokens ÷ seconds they mixed
+    the fixed cost into the scale.) A result from before the fit (no `prefill_step_fit`):
+    the calibration's plain rate over X or P, which were plain rates then. The auto runs are
+    not used: they are what the simulator is checked against."""
     out = {}
     for r in runs:
         pol, cfg = r.get("policy") or {}, r.get("config") or {}
         if r["run"].startswith("auto") or not pol.get("layouts"):
             continue
         lay = (cfg["tp_size"], cfg["pp_size"])
-        est = pol["estimates"]["prefill_tps"][
-            "X" if pol["layouts"]["decode"] == layout_name(lay) else "P"]
-        rate = calib_rate(calib, layout_name(lay))
-        if est["provenance"] == "measured" and est["value"] and math.isfinite(rate):
-            out[lay] = rate / est["value"]
+        which = "X" if pol["layouts"]["decode"] == layout_name(lay) else "P"
+        est = pol["estimates"]["prefill_tps"][which]
+        if est["provenance"] != "measured" or not est["value"]:
+            continue
+        fits = pol["estimates"].get("prefill_step_fit")
+        if fits is None:  # the EMA policy's X, P: tokens ÷ seconds
+            k = calib_rate(calib, layout_name(lay)) / est["value"]
+        else:
+            b = (fits.get(which) or {}).get("per_token_s")
+            k = b / calib_per_token_s(calib, layout_name(lay)) if b else math.nan
+        if math.isfinite(k) and k > 0:
+            out[lay] = k
     return out
 
 

@@ -126,3 +126,46 @@ def test_the_analytic_model_is_calibrated_on_the_measured_h200_steps():
         tp2, pp2 = (sim.AnalyticStepModel(sim.LLAMA_8B, gpu, link, *lay) for lay in (TP, PP))
         assert (pp2.seconds(16384, 0, 0) < tp2.seconds(16384, 0, 0)) is pp_faster
         assert tp2.seconds(0, 64, 64 * 2048) < pp2.seconds(0, 64, 64 * 2048)
+
+
+def test_the_scaled_simulator_compares_per_token_costs_like_for_like():
+    """A server whose steps cost 2x per token (same fixed cost) scales the sim's prompt
+    token cost 2x. X is priced at a 2048-token step (a + b·S) since the fitted policy:
+    divided into the calibration's plain tokens ÷ seconds it gave 1.22 (the fixed costs mixed
+    in). A result from the EMA policy (no fit in its snapshot) keeps the plain ratio."""
+    from benchmarks.flip_workload_sim import calib_rate, server_scales
+
+    a, b = 0.1, 1e-4
+    calib = {"steps": {"tp2×pp1": [{"prompt_tokens": t, "decode_rows": 0, "ctx_tokens": 0,
+                                    "seconds": a + b * t} for t in (256, 512, 1024, 2048)]}}
+    x = 2048 / (a + 2 * b * 2048)
+    pol = {"layouts": {"decode": "tp2×pp1", "prefill": "tp1×pp2"},
+           "estimates": {"prefill_tps": {"X": {"value": x, "provenance": "measured"}},
+                         "prefill_step_fit": {"X": {"fixed_s": a, "per_token_s": 2 * b}}}}
+    run = {"run": "tp2", "policy": pol, "config": {"tp_size": 2, "pp_size": 1}}
+    assert server_scales([run], calib)[(2, 1)] == pytest.approx(2.0, rel=1e-6)
+    assert not server_scales([run | {"run": "auto"}], calib)  # auto is what is checked
+    del pol["estimates"]["prefill_step_fit"]  # a result from before the fit
+    assert server_scales([run], calib)[(2, 1)] == pytest.approx(
+        calib_rate(calib, "tp2×pp1") / x)
+
+
+def test_the_engine_calls_the_flip_observer_as_its_protocol_declares():
+    """`EngineCore.step` passes on_step five arguments (the decode groups last): the
+    protocol and its implementation both take them, by the names the engine's call uses."""
+    import ast
+    import inspect
+
+    from phaseflip.engine import core
+    from phaseflip.flip.host import FlipObserver
+    from phaseflip.flip.telemetry import FlipTelemetry
+
+    calls = [n for n in ast.walk(ast.parse(inspect.getsource(core)))
+             if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "on_step"]
+    assert calls
+    for impl in (FlipObserver.on_step, FlipTelemetry.on_step):
+        sig = inspect.signature(impl)
+        for call in calls:
+            sig.bind(None, *call.args, **{k.arg: None for k in call.keywords})
+        assert list(sig.parameters)[1:] == ["layout", "prompt_tokens", "decode_tokens",
+                                            "seconds", "decode_groups"]

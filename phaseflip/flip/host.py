@@ -62,9 +62,10 @@ class FlipObserver(Protocol):
         ...
 
     def on_step(self, layout: tuple[int, int], prompt_tokens: int, decode_tokens: int,
-                seconds: float) -> None:
+                seconds: float, decode_groups: int = 1) -> None:
         """One engine step ended: the prompt and decode tokens it computed (both 0: it ran
-        no batch), its wall time."""
+        no batch), its wall time, and the PP decode groups in flight (a decoding request
+        then waits that many steps for its next token)."""
         ...
 
     def before_seam(self, running: Iterable[Any]) -> None:
