@@ -331,6 +331,34 @@ def test_decode_slo_counts_every_decode_group_of_a_round():
     assert d.target == TP and d.numbers["decode_step_ms"]["value"] == pytest.approx(60)
 
 
+
+def test_a_served_prefill_layout_stays_when_it_decodes_faster_than_the_decode_layout():
+    """Going back assumes the decode layout decodes faster. Two ranks sharing one GPU decode
+    ~12x faster in pp2 than in tp2 (staged TP through the host): measured at a comparable
+    batch, the prefill layout stays, busy or idle; unmeasured or not clearly faster, it goes
+    back as before."""
+    clock = Clock()
+    pol = policy(clock=clock, flip_seed_to_pp_s=1.0, flip_seed_to_tp_s=1.0,
+                 flip_min_dwell_steps=0)
+    measure(pol, 1000, 2000)
+    for _ in range(4):
+        pol.observe_step(TP, 0, 3, 0.097)  # tp2: 97 ms a step at 3 rows
+    pol.observe_flip(TP, PP, 1.0)
+    assert pol.decide([], [], None).target == TP  # pp2's decode unmeasured: back
+    pol.observe_flip(TP, PP, 1.0)
+    for _ in range(4):
+        pol.observe_step(PP, 0, 2, 0.0083)  # pp2: 8.3 ms at 2 rows (same bucket, 2-3)
+    d = pol.decide([], [], None)
+    assert d.target is None and "decodes faster" in d.reason
+    assert d.numbers["decode_here_vs_back"] == {"here_ms": 8.3, "there_ms": 97.0,
+                                                "rows": "2-3"}
+    running = [req(f"r{i}", [1, 2]) for i in range(3)]
+    assert pol.decide([], running, None).target is None  # busy, same answer
+    for _ in range(16):  # pp2 only 5 % faster now: not clearly, so back
+        pol.observe_step(PP, 0, 2, 0.092)
+    assert pol.decide([], running, None).target == TP
+
+
 # ---------------------------------------------------------------------- config
 def test_config_refuses_what_cannot_work_and_makes_flags():
     with pytest.raises(InvalidRequestError, match="--enable-flip"):

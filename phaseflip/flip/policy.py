@@ -57,6 +57,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from phaseflip.flip.decode_cost import DecodeCosts
 from phaseflip.flip.estimate import HALF, MEASURED, SEED, Estimate, combine
 from phaseflip.flip.estimate import UNMEASURED as UNMEASURED  # re-exported
 from phaseflip.flip.prefill_fit import PrefillCostModel
@@ -269,6 +270,7 @@ class FlipPolicy:
             (self.decode, self.prefill): CostEstimator(cfg.flip_seed_to_pp_s),
             (self.prefill, self.decode): CostEstimator(cfg.flip_seed_to_tp_s)}
         self.decode_ms: deque[float] = deque(maxlen=DECODE_WINDOW)
+        self.decode_costs = DecodeCosts()  # every layout's, by batch (kept across seams)
         self.since_s, self.steps_in_layout = clock(), 0
         self.dwelling = False  # a dwell follows a flip (or an abandoned one), not the launch
         self.busy_s = self.since_s  # when a step last ran work (idle flips count from it)
@@ -295,6 +297,8 @@ class FlipPolicy:
             # pure decode steps only: a step that also prefills a chunk is slow for its
             # prompt, and counting it made the SLO flip back with the backlog untouched
             self.decode_ms.append(1e3 * seconds * decode_groups)
+            self.decode_costs.observe(layout, decode_rows * decode_groups,
+                                      1e3 * seconds * decode_groups)
 
     def observe_flip(self, source: Layout, target: Layout, seconds: float) -> None:
         """A seam ran (manual or automatic): its direction's cost; the dwell starts again."""
@@ -473,6 +477,15 @@ class FlipPolicy:
         if work is None or work <= served:
             what = (f"{pending.raw_tokens} pending prefill tokens, cached ones included," if
                     work is None else f"{work} uncached pending prefill tokens")
+            versus = self.decode_costs.compare(self.prefill, back, len(running) or None)
+            if versus is not None:
+                nums["decode_here_vs_back"] = versus.as_dict()
+                if versus.here_faster:  # the premise of going back is false here
+                    return Decision(None, f"prefill backlog served, but "
+                                    f"{layout_name(self.prefill)} decodes faster than "
+                                    f"{layout_name(back)}: {versus.here_ms:.1f} against "
+                                    f"{versus.there_ms:.1f} ms a step at {versus.rows} rows "
+                                    "(measured): staying", nums)
             return Decision(back, f"prefill backlog served: {what} <= {served:.0f} = {rule}",
                             nums)
         return Decision(None, f"prefill backlog: {work}{'+' if not pending.complete else ''} "
