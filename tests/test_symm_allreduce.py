@@ -176,6 +176,28 @@ def test_a_cpu_launch_forcing_symm_mem_runs_on_the_process_group():
         assert "no CUDA" in line
 
 
+
+def _warm(rank: int, out, s: DistSpec) -> None:
+    def body():
+        from phaseflip.distributed.group import warm_communicators
+
+        fabric = join(rank, s)
+        return warm_communicators(fabric, torch.device("cpu"), force=True)
+    _answer(out, rank, body)
+
+
+def test_every_layouts_communicators_are_made_at_launch_without_a_deadlock():
+    """Four ranks, tp4 / pp4 / tp2×pp2: each TP group, each pair of neighbouring stages and
+    each logits pair carries one element, in one global order (on NCCL that makes the
+    communicators at launch, not on a layout's first step after a seam). A wrong order
+    would hang, and the deadline fails it."""
+    s = spec(world_size=4, tp_size=4, ranks_per_node=4, layouts=((4, 1), (1, 4), (2, 2)))
+    got = run_ranks(_warm, (s,), world=4, deadline_s=90)
+    assert got[0] == ["tp4xpp1 tp group", "tp1xpp4 stages 0->1", "tp1xpp4 logits 3->0",
+                      "tp2xpp2 tp group", "tp2xpp2 stages 0->2", "tp2xpp2 logits 2->0"]
+    assert got[3] == ["tp4xpp1 tp group", "tp1xpp4 stages 2->3", "tp1xpp4 logits 3->0",
+                      "tp2xpp2 tp group", "tp2xpp2 stages 1->3"]
+
 def _agreement(rank: int, out, port: int) -> None:
     def body():
         import torch.distributed as dist

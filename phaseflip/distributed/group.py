@@ -231,6 +231,48 @@ def join(rank: int, spec: DistSpec,
     return Fabric(rank, spec, cpu_group, plan_group, tp_groups, symm, logits)
 
 
+
+def warm_communicators(fabric: Fabric, device: torch.device, force: bool = False) -> list[str]:
+    """Makes every communicator of every layout now, at launch: NCCL creates one on a group's
+    first collective and on a pair's first point-to-point op, which would otherwise fall on a
+    layout's first step after a seam (the other layout's TP groups, its stage-to-stage pairs,
+    its logits pair). One element through each: every TP group, every pair of neighbouring
+    stages (same TP rank), every logits pair, layout after layout in one global order that
+    every rank walks. Each op involves only its ranks, and a rank meets its ops in that
+    order, so the first unfinished op always has all its ranks at it: none can deadlock.
+    Gloo connects its pairs when a group is made, so it has nothing to warm (`force`: do it
+    anyway, for tests). Returns what this rank took part in."""
+    spec = fabric.spec
+    if spec.backend != "nccl" and not force:
+        return []
+    on = device if spec.backend == "nccl" else torch.device("cpu")
+    x, done = torch.zeros(1, device=on), []
+    rank = fabric.rank
+
+    def pair(src: int, dst: int, group: dist.ProcessGroup | None, what: str) -> None:
+        if rank == src:
+            dist.send(x, dst, group=group)
+        elif rank == dst:
+            dist.recv(x, src, group=group)
+        else:
+            return
+        done.append(f"{what} {src}->{dst}")
+
+    for tp, pp in spec.layouts or ((spec.tp_size, spec.pp_size),):
+        group = fabric.tp_groups.get((tp, pp))
+        if tp > 1 and group is not None:
+            dist.all_reduce(x, group=group)
+            done.append(f"tp{tp}xpp{pp} tp group")
+        for stage in range(pp - 1):
+            for t in range(tp):
+                pair(stage * tp + t, (stage + 1) * tp + t, None, f"tp{tp}xpp{pp} stages")
+        last = (pp - 1) * tp
+        if pp > 1 and last:
+            pair(last, 0, fabric.logits.get((tp, pp)), f"tp{tp}xpp{pp} logits")
+    if on.type == "cuda":
+        torch.cuda.synchronize(on)
+    return done
+
 def logits_groups(rank: int, spec: DistSpec, timeout: datetime.timedelta
                   ) -> dict[tuple[int, int], dist.ProcessGroup | None]:
     """A group of two per PP layout, rank 0 and the last stage's TP rank 0 (layouts with the

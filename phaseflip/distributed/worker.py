@@ -24,7 +24,13 @@ from phaseflip.cache.hicache.frames import HostFrames, page_geometry
 from phaseflip.cache.hicache.transfer import KVTransferEngine, rank_slice
 from phaseflip.cache.kv_pool import KVArena
 from phaseflip.config import EngineConfig
-from phaseflip.distributed.group import DistSpec, RankGroups, join, rank_device
+from phaseflip.distributed.group import (
+    DistSpec,
+    RankGroups,
+    join,
+    rank_device,
+    warm_communicators,
+)
 from phaseflip.distributed.plan_channel import plan_channel
 from phaseflip.distributed.plan_codec import PlanDecoder
 from phaseflip.distributed.reshard import PeerWeights, plan_between
@@ -95,6 +101,7 @@ class RankProcess:
             self.fabric = join(rank, spec, peers_failed)
         self.frames, self._own_frames = frames, False
         self.image, self._own_image = image, False
+        self._warm = False  # every layout's NCCL communicators made (at the first build)
         self.layout: RankLayout | None = None
         # resident weights: the shards of the layouts this rank does not run now, by (tp, pp)
         self.parked: dict[tuple[int, int], LlamaForCausalLM] = {}
@@ -236,6 +243,10 @@ class RankProcess:
         device = rank_device(self.rank, groups.spec, cfg)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        if not self._warm:  # the launch layout's build: every layout's communicators now
+            with tracker.at("making every layout's communicators"):
+                warm_communicators(self.fabric, device)
+            self._warm = True
         if self.spec.weight_image and self.image is None:
             with tracker.at("mapping the host weight image"):
                 # page-locked only for a GPU rank (a CPU rank would make a CUDA context for it)
