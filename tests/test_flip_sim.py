@@ -169,3 +169,26 @@ def test_the_engine_calls_the_flip_observer_as_its_protocol_declares():
             sig.bind(None, *call.args, **{k.arg: None for k in call.keywords})
         assert list(sig.parameters)[1:] == ["layout", "prompt_tokens", "decode_tokens",
                                             "seconds", "decode_groups"]
+
+
+def test_one_step_of_the_size_priced_measures_the_rate_and_a_shorter_one_does_not():
+    """A burst's first full-budget step (8192 tokens) is the step its backlog runs in: it
+    prices X as it ran, so the flip is not held 2 more TP steps (3 steps were asked: 8B on 4
+    GPUs over 25 GB/s fell to 1.29x, 70B to 0.945 of the oracle). A 2048-token step prices a
+    2048-token backlog, not an 8192-token step's (law 5: still provisional, no flip)."""
+    from types import SimpleNamespace
+
+    from phaseflip.flip.policy import MEASURED, FlipPolicy
+
+    def backlog(tokens: int) -> list:
+        return [SimpleNamespace(rid="w", kv_len=0, num_tokens=tokens, all_ids=[1] * tokens)]
+
+    cfg = auto_cfg(chunked_prefill_size=8192, max_prefill_tokens=16384, flip_min_dwell_s=0)
+    pol = FlipPolicy(cfg)
+    pol.observe_step(TP, 2048, 0, 2048 / 5000)
+    assert pol.throughputs(2048)[0].provenance == MEASURED
+    assert pol.throughputs(8192)[0].provisional
+    d = pol.decide(backlog(40_000), [], None)
+    assert not d.flip and "provisional" in d.reason, d.reason
+    pol.observe_step(TP, 8192, 0, 8192 / 5000)
+    assert pol.decide(backlog(40_000), [], None).target == PP  # N = 3000
