@@ -59,6 +59,7 @@ RING_BYTES = 8 << 20  # a decode plan at batch 256 is ~40 KiB; a checked one ~2 
 # sleeps SPIN_MAX_S after the last message at the latest.
 SPIN_S = 2e-3
 SPIN_MAX_S = 50e-3
+PIPE_NAP_MAX_S = 200e-6  # a hand-off's reader past its spin: the longest nap
 FULL_RING_STALL_S = 300.0  # how long rank 0 waits for a reader that does not read
 _LINE = 64  # each reader's words on their own cache line
 _LEN = struct.Struct("<Q")
@@ -353,13 +354,23 @@ class ShmRing:
             self.ctl[waiting] = 0
 
     def _nap_for_data(self) -> None:
-        """A reader without a doorbell: naps of growing length, up to `wait_s` in all."""
-        deadline, nap = time.monotonic() + (self.wait_s or FULL_RING_STALL_S), 20e-6
+        """A reader without a doorbell (a step's hand-off): spins for `spin_s` (yielding its
+        core), then naps of growing length, up to `wait_s` in all. Napping from the start
+        overslept a hand-off by up to its wait (naps doubling from 20 us: logits that came
+        0.3 ms into the driver's pp2 wait were seen ~0.6 ms in), and each nap's wake-up is
+        one more task for the scheduler to place."""
+        now = time.perf_counter()
+        spin_end, deadline = now + self.spin_s, now + (self.wait_s or FULL_RING_STALL_S)
+        nap = 20e-6
         while (head := int(self.ctl[0])) <= self.pos:
-            if time.monotonic() > deadline:
+            now = time.perf_counter()
+            if now < spin_end:
+                os.sched_yield()
+                continue
+            if now > deadline:
                 raise TimeoutError(f"no data from the peer in {self.wait_s:g} s")
             time.sleep(nap)
-            nap = min(2 * nap, 1e-3)
+            nap = min(2 * nap, PIPE_NAP_MAX_S)
         self.head_seen = head
 
     def close(self) -> None:
