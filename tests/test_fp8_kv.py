@@ -247,6 +247,8 @@ def test_launch_configs_read_the_kv_dtype():
         assert kernels.extend_config(torch.float32, 128, dev, FP8).fp8_dot == "q"
     assert kernels.extend_config(torch.bfloat16, 128, gpu, FP8) == kernels.KernelConfig(
         128, 128, 8, 2, kernels.FP8_EXTEND_DOT)  # the H200 sweep's fastest FP8 extend shape
+    assert kernels.extend_config(torch.bfloat16, 256, gpu, FP8) == kernels.KernelConfig(
+        64, 64, 4, 3, kernels.FP8_EXTEND_DOT)  # 128x128 would not fit shared memory
     for head_dim in (64, 128):  # float pools: the shapes they had
         for kv in (None, torch.bfloat16):
             got = kernels.extend_config(torch.bfloat16, head_dim, gpu, kv)

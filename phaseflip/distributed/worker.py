@@ -133,7 +133,11 @@ class RankProcess:
                  kv_arena: bool = False) -> RankLayout:
         """Drops the current layout, builds `cfg`'s (every rank at once: the KV slot space is
         agreed over the group). No rank builds before every rank has released: ranks that
-        share a device would otherwise size their pools around each other's old layout."""
+        share a device would otherwise size their pools around each other's old layout.
+        Its point-to-point sends still in flight end first (their peers are alive and have
+        posted the receives): a gloo send's work owns its buffer."""
+        if self.layout is not None:
+            self.layout.stage.drain_sends()
         self.release()
         peer = self._take_handover(cfg)
         with self.tracker.at("waiting for every rank to release its layout"):

@@ -83,7 +83,7 @@ def extend_config(dtype: torch.dtype, head_dim: int, device: torch.device,
         return KernelConfig(32, 32, 4, 2) if head_dim <= 64 else KernelConfig(32, 16, 8, 2)
     if head_dim <= 64:
         return KernelConfig(128, 64, 8, 3, mode)
-    if fp8:
+    if fp8 and head_dim <= 128:  # (256: 256 KiB of shared memory, over the H200's 227)
         return KernelConfig(128, 128, 8, 2, mode)
     return KernelConfig(64, 64, 4, 3, mode)
 
