@@ -2,7 +2,7 @@
 simulation, across link bandwidth and prefill share, for 8B- and 70B-shaped models on 2 and 4
 GPUs.
 
-    python -m benchmarks.flip_map --out docs/results/2026-12-01/flip-map/map.json \\
+    python -m benchmarks.flip_map --out docs/results/2026-12-02/flip-map/map.json \\
         --figs docs/figs
 
 Every point replays one agent-fleet trace (`flip/workload.py`) through `flip/sim.py`: the real
