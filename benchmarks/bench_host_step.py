@@ -17,9 +17,12 @@ variable `PHASEFLIP_NULL_FORWARD` that the spawned ranks inherit. The engine ste
 (`EngineCore.step`: schedule, plan, send, sample, outputs) is the real one.
 
 Reported per decode step, median and p90 over `--steps` steps of a full batch of N decoding
-requests: the driver's wall time (`step()`), the driver's CPU time (all its threads), and each
-worker rank's CPU time (its whole process, from /proc, averaged over the window: its host work
-per step, since a null stage computes nothing). With `--pp-async-decode` a step decodes one of
+requests: the driver's wall time (`step()`), the driver's CPU time (all its threads, and its
+main thread alone), how often per step the driver thread lost its core (involuntary context
+switches: on a shared box, wall time past CPU time is mostly this, not the code), and each
+worker rank's CPU time (its whole process, from /proc in clock ticks, averaged over the window:
+its host work and its spin while it waits for the next plan, since a null stage computes
+nothing). With `--pp-async-decode` a step decodes one of
 pp_size groups, so the table adds the wall time per decode round (every request one token:
 the window's wall time over its decode tokens / N), which compares across layouts.
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import resource
 import time
 from typing import Any
 
@@ -90,6 +94,14 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _switches() -> tuple[int, int]:
+    """The driver thread's context switches so far: involuntary (another task took its core,
+    or a yield while it waited gave the core away) and voluntary (it slept). A step's wall
+    time past its CPU time is one of the two: preemptions say the box, sleeps the code."""
+    ru = resource.getrusage(resource.RUSAGE_THREAD)
+    return ru.ru_nivcsw, ru.ru_nvcsw
+
+
 def fill_decode_batch(core: EngineCore, args: argparse.Namespace, n: int,
                       max_new: int) -> None:
     """Submits N never-finishing requests and steps until all N decode (then warms up)."""
@@ -109,17 +121,20 @@ def run_config(args: argparse.Namespace, layout: str, n: int) -> dict[str, Any]:
             install_null_forward(core, n, core.model_cfg.vocab_size, args.seed)
         fill_decode_batch(core, args, n, max_new)
         workers = core._ranks.pids() if core._ranks is not None else []
-        wall, cpu = [], []
+        wall, cpu, thread_cpu = [], [], []
         gc.collect()
         w_cpu0 = [cpu_s(p) for p in workers]
         tokens0 = core.scheduler.stats.decode_tokens
+        switches0 = _switches()
         t0 = time.perf_counter()
         for _ in range(args.steps):
-            w, c = time.perf_counter(), time.process_time()
+            w, c, tc = time.perf_counter(), time.process_time(), time.thread_time()
             core.step()
             wall.append((time.perf_counter() - w) * 1e3)
             cpu.append((time.process_time() - c) * 1e3)
+            thread_cpu.append((time.thread_time() - tc) * 1e3)
         window_s = time.perf_counter() - t0
+        preempted, slept = ((b - a) / args.steps for a, b in zip(switches0, _switches()))
         rounds = (core.scheduler.stats.decode_tokens - tokens0) / n
         w_cpu = [(cpu_s(p) - c0) * 1e3 / args.steps for p, c0 in zip(workers, w_cpu0)]
         sched = core.scheduler
@@ -128,7 +143,9 @@ def run_config(args: argparse.Namespace, layout: str, n: int) -> dict[str, Any]:
     finally:
         core.close()
     return {"layout": layout, "num_requests": n, "driver_wall_ms": summarize(wall),
-            "driver_cpu_ms": summarize(cpu), "worker_cpu_ms_per_step": w_cpu,
+            "driver_cpu_ms": summarize(cpu), "driver_thread_cpu_ms": summarize(thread_cpu),
+            "driver_preempted_per_step": preempted, "driver_slept_per_step": slept,
+            "worker_cpu_ms_per_step": w_cpu,
             "steps_per_s": args.steps / window_s, "round_ms": window_s * 1e3 / rounds}
 
 
@@ -157,10 +174,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         workers = " ".join(f"{x:.3f}" for x in r["worker_cpu_ms_per_step"]) or "-"
         rows.append([r["layout"], r["num_requests"], f"{d['p50']:.3f} / {d['p90']:.3f}",
                      "-" if extra is None else f"{extra:+.3f}",
-                     f"{c['p50']:.3f}", workers, f"{r['steps_per_s']:.0f}",
-                     f"{r['round_ms']:.3f}"])
+                     f"{c['p50']:.3f}", f"{r['driver_thread_cpu_ms']['p50']:.3f}",
+                     f"{r['driver_preempted_per_step']:.2f}", workers,
+                     f"{r['steps_per_s']:.0f}", f"{r['round_ms']:.3f}"])
     print_table(["layout", "N", "driver wall p50/p90", "vs tp1", "driver cpu p50",
-                 "worker cpu/step (mean)", "steps/s", "round ms"], rows,
+                 "main thread cpu p50", "preempted/step", "worker cpu/step (mean)",
+                 "steps/s", "round ms"], rows,
                 title=f"Host time per decode step, ms (null forward, CPU, {args.steps} steps, "
                       f"best of {args.repeat}, overlap {'off' if args.no_overlap else 'on'}, "
                       f"HiCache {'on' if args.hicache else 'off'}, pp async decode "

@@ -31,4 +31,6 @@ def test_host_step_runs_every_layout(tmp_path, monkeypatch):
     for lay, r in rows.items():
         assert r["num_requests"] == 3 and r["driver_wall_ms"]["n"] == 6
         assert r["driver_wall_ms"]["p50"] > 0 and r["round_ms"] > 0
+        assert 0 < r["driver_thread_cpu_ms"]["p50"] and r["driver_thread_cpu_ms"]["n"] == 6
+        assert r["driver_preempted_per_step"] >= 0 and r["driver_slept_per_step"] >= 0
         assert len(r["worker_cpu_ms_per_step"]) == (0 if lay == "tp1" else 1)
