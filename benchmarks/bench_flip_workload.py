@@ -60,6 +60,7 @@ from benchmarks.bench_serving import (
 from benchmarks.common import percentile, print_table, write_json
 from benchmarks.flip_workload_sim import (
     calib_rate,
+    calib_rate_at,
     served,
     server_scales,
     sim_check,
@@ -236,11 +237,28 @@ def _engine_kwargs(serve_args: str) -> dict[str, Any]:
     return {k: v for k, v in vars(ns).items() if v != defaults[k]}
 
 
-def seeds(calib: dict[str, Any], decode: str, prefill: str) -> str:
+def prefill_step_tokens(serve_args: str) -> int:
+    """The prefill step a backlog runs in on a server with these flags (the policy's S):
+    min(chunk, --max-prefill-tokens), as the scheduler's budget."""
+    from phaseflip.config import EngineConfig
+
+    kw = _engine_kwargs(serve_args)
+    chunk = kw.get("chunked_prefill_size", EngineConfig.chunked_prefill_size)
+    most = kw.get("max_prefill_tokens", EngineConfig.max_prefill_tokens)
+    return min(chunk, most) if chunk > 0 else most
+
+
+def seeds(calib: dict[str, Any], decode: str, prefill: str,
+          step_tokens: int | None = None) -> str:
     """--flip-seed-* flags from the calibration: the prefill rates' ratio (steps that are
-    mostly prefill) and each direction's seam plus its refill, priced as the policy does."""
+    mostly prefill) and each direction's seam plus its refill, priced as the policy does.
+    `step_tokens`: the server's prefill step (S), at which its policy prices X and P from a
+    fitted a + b·tokens, so the ratio is taken at S too (a plain tokens ÷ seconds mixes the
+    layouts' different fixed costs into it); None: plain rates."""
     def rate(name: str) -> float:
-        return calib_rate(calib, name)
+        if step_tokens is None:
+            return calib_rate(calib, name)
+        return calib_rate_at(calib, name, step_tokens)
 
     def cost(target: str) -> float:
         out = []
@@ -267,7 +285,8 @@ def serve_flags(run: str, args: argparse.Namespace, calib: dict[str, Any] | None
         extra = (f" --tp-size {decode[0]} --pp-size {decode[1]} --enable-flip --flip-policy auto"
                  f" --flip-layouts {args.flip_layouts} {args.auto_args}")
         if calib is not None:
-            extra += " " + seeds(calib, layout_name(decode), layout_name(prefill))
+            extra += " " + seeds(calib, layout_name(decode), layout_name(prefill),
+                                 prefill_step_tokens(args.serve_args))
         if run == "auto-prior":  # the last --flip-seed-pp-speedup wins
             extra += f" --flip-seed-pp-speedup {args.prior_speedup}"
         return args.serve_args + extra

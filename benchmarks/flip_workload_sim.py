@@ -45,6 +45,19 @@ def calib_per_token_s(calib: dict[str, Any], name: str) -> float:
     return fit.per_token_s if fit is not None and fit.per_token_s > 0 else math.nan
 
 
+
+def calib_rate_at(calib: dict[str, Any], name: str, step_tokens: int) -> float:
+    """Prefill tokens/s of a layout's calibration steps priced at a step of `step_tokens`,
+    from the fit the policy makes (a + b·S: the rate its X and P are); the plain rate when
+    the steps give no fit; NaN if it has no prefill step."""
+    from phaseflip.flip.prefill_fit import PrefillCostModel
+
+    model = PrefillCostModel(1 << 30)
+    for x in calib["steps"].get(name, []):
+        model.observe(x["prompt_tokens"], x["decode_rows"], x["seconds"])
+    fit = model.fit()
+    return fit.rate_at(step_tokens) if fit is not None else calib_rate(calib, name)
+
 def server_scales(runs: list[dict[str, Any]], calib: dict[str, Any]
                   ) -> dict[tuple[int, int], float]:
     """Per layout: how much slower its *static* server run's steps were than the

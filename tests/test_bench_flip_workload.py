@@ -295,6 +295,24 @@ def run_with(flips: int, sim_flips: int, tps: float, sim_tps: float) -> dict:
             "sim_scaled": None}
 
 
+
+def test_the_seed_speedup_is_taken_at_the_servers_prefill_step():
+    """The policy prices X and P at the server's step S from a fitted a + b·tokens: the seed
+    ratio is taken there too. tp2: 0.1 s + 1 ms a token, pp2: 0.03 s + 0.1 ms; at S = 2048
+    P/X is 2.148/0.2348 = 9.15, where plain tokens ÷ seconds over the steps give 8.58."""
+    def steps(a: float, b: float) -> list[dict]:
+        return [{"prompt_tokens": n, "decode_rows": 0, "ctx_tokens": 0, "seconds": a + b * n}
+                for n in (256, 1024, 2048)]
+
+    calib = {"steps": {"tp2×pp1": steps(0.1, 1e-3), "tp1×pp2": steps(0.03, 1e-4)},
+             "seams": []}
+    want = (2048 / (0.1 + 2.048)) / (2048 / (0.03 + 0.2048))
+    flags = bfw.seeds(calib, "tp2×pp1", "tp1×pp2", 2048)
+    assert flags == f"--flip-seed-pp-speedup {1 / want:.4f}"
+    assert bfw.prefill_step_tokens("--chunked-prefill-size 2048 --max-prefill-tokens 4096") \
+        == 2048
+    assert bfw.prefill_step_tokens("--chunked-prefill-size 0 --max-prefill-tokens 4096") == 4096
+
 @pytest.mark.parametrize("flips, sim_flips, tps, sim_tps, ok", [
     (0, 0, 100.0, 114.0, True),
     (0, 1, 100.0, 100.0, False),  # a measured 0 asks for 0
