@@ -36,10 +36,14 @@ def is_fp8(dtype: torch.dtype) -> bool:
 
 
 class KVArena:
-    """The device memory a rank's KV pools live in, layout after layout (resident flips).
+    """The device memory a rank's KV pools live in, layout after layout (resident, host-image
+    and reload flips; not peer, whose build holds the old and the new shard at once).
 
     The launch layout's build reserves it: this rank's whole KV budget (what it could hold
-    alone, before the ranks agree on the smallest slot count); every later pool of any
+    alone, before the ranks agree on the smallest slot count) less `headroom`, the bytes a
+    later layout's shard on this rank needs beyond the launch layout's (weights that move at
+    a seam are loaded with the arena still held; 0 for resident weights, all parked before
+    the budget is read); every later pool of any
     layout views its first bytes, so a seam neither frees nor allocates the cache (on the
     H200 the 19 GiB pool's allocation was 0.09 s of a 0.25 s seam, and the free memory a
     rebuilt pool was sized from drifted) and every layout gets the budget a fresh launch
@@ -48,8 +52,9 @@ class KVArena:
     left by an earlier layout are never read: the scheduler's slot space starts empty at
     every seam. `free` returns it (the rank's end)."""
 
-    def __init__(self) -> None:
+    def __init__(self, headroom: int = 0) -> None:
         self.buffer: torch.Tensor | None = None
+        self.headroom = headroom  # bytes the launch budget leaves free (set by the rank)
 
     @property
     def nbytes(self) -> int:

@@ -27,6 +27,7 @@ from phaseflip.config import EngineConfig
 from phaseflip.distributed.group import DistSpec
 from phaseflip.distributed.plan_channel import plan_channel
 from phaseflip.distributed.worker import (
+    KV_ARENA_WEIGHTS,
     RELEASE,
     STOP,
     RankLayout,
@@ -94,10 +95,12 @@ class RankSet:
     def relayout(self, cfg: EngineConfig) -> RankLayout:
         """Every rank drops its layout and builds `cfg`'s; returns rank 0's. Once the ranks
         serve (the launch layout is built), a relayout is a seam's: its decode graphs are
-        captured on first use rather than all before the cutover. With resident weights the
-        pools live in each rank's KV arena (`KVArena`): the launch layout's fills it."""
-        layout = self._relayout(cfg, lazy_graphs=self.serving,
-                                kv_arena=cfg.flip_weights == "resident")
+        captured on first use rather than all before the cutover. With flips whose weights
+        are resident, host-image or reload (`KV_ARENA_WEIGHTS`; not peer) the pools live in
+        each rank's KV arena (`KVArena`): the launch layout's fills it, less the headroom a
+        larger shard of another layout needs on that rank."""
+        arena = cfg.enable_flip and cfg.flip_weights in KV_ARENA_WEIGHTS
+        layout = self._relayout(cfg, lazy_graphs=self.serving, kv_arena=arena)
         self.serving = True
         return layout
 

@@ -36,11 +36,13 @@ from phaseflip.distributed.plan_codec import PlanDecoder
 from phaseflip.distributed.reshard import PeerWeights, plan_between
 from phaseflip.distributed.stage import StageExecutor, StepMessage
 from phaseflip.distributed.watchdog import PositionTracker
+from phaseflip.flip.weights import shard_bytes
 from phaseflip.heap import release_freed_heap
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.cuda_graph import DecodeGraphs, GraphReuse
 from phaseflip.model.llama import LlamaForCausalLM
-from phaseflip.model.runner import ModelRunner, free_model
+from phaseflip.model.quant import Fp8Config, resolve_quantization
+from phaseflip.model.runner import ModelRunner, free_model, resolve_dtype
 from phaseflip.model.weight_image import WeightImage
 from phaseflip.threads import apply_cpu_threads
 
@@ -48,6 +50,11 @@ log = logging.getLogger("phaseflip.worker")
 
 STOP = "stop"  # leave: the engine's end
 RELEASE = "release"  # drop the layout you run (its weights, KV pool, graphs); keep the process
+# the flip weights whose layouts' KV pools live in the rank's KV arena (`KVArena`). Not peer:
+# its build holds the old shard (handed over) and the new one at once, so an arena reserved
+# at launch would have to leave a whole shard of headroom free for the seam, taken from
+# every layout's KV cache; peer pools are sized afresh from what is free instead.
+KV_ARENA_WEIGHTS = ("resident", "host-image", "reload")
 
 
 @dataclass
@@ -57,7 +64,7 @@ class Relayout:
 
     cfg: EngineConfig
     lazy_graphs: bool = False  # a seam's build: graphs captured on first use, not all now
-    kv_arena: bool = False  # the pool lives in the rank's KV arena (resident flips)
+    kv_arena: bool = False  # the pool lives in the rank's KV arena (`KV_ARENA_WEIGHTS`)
 
 
 @dataclass
@@ -110,7 +117,7 @@ class RankProcess:
         # peer weights: the released layout's config and model, until the next build
         self.handover: tuple[EngineConfig, LlamaForCausalLM] | None = None
         self.peer_plans: dict[tuple, list] = {}  # its moves by (old layout, new layout)
-        self.kv_arena = KVArena()  # resident flips: every layout's KV pool, one allocation
+        self.kv_arena = KVArena()  # every layout's KV pool, one allocation (KV_ARENA_WEIGHTS)
         self.tracker.set("idle")
 
     def kept_bytes(self) -> int:
@@ -220,6 +227,20 @@ class RankProcess:
             self.handover = None
         self.kv_arena.free()
 
+    def _arena(self, cfg: EngineConfig, model_cfg: ModelConfig,
+               device: torch.device) -> KVArena:
+        """The rank's KV arena for a build; the launch build (nothing reserved yet) of weights
+        that move at a seam first sets its headroom (`arena_headroom`), logged."""
+        arena = self.kv_arena
+        if not arena.nbytes and cfg.flip_weights != "resident":
+            quant = resolve_quantization(cfg.quantization, model_cfg.model_dir, cfg.load_format)
+            arena.headroom = arena_headroom(
+                self.rank, (cfg.tp_size, cfg.pp_size), self.spec.layouts, model_cfg,
+                resolve_dtype(cfg.dtype, model_cfg, device), quant)
+            log.info("rank %d: the KV arena leaves %.3f GiB free for its largest flip "
+                     "layout's shard", self.rank, arena.headroom / 2**30)
+        return arena
+
     def _build(self, cfg: EngineConfig, lazy_graphs: bool,
                peer: PeerWeights | None = None, kv_arena: bool = False) -> RankLayout:
         groups = self.fabric.groups(cfg.tp_size, cfg.pp_size)
@@ -240,7 +261,7 @@ class RankProcess:
 
         key = (cfg.tp_size, cfg.pp_size)
         reuse = None  # a seam's build of resident layouts: its parked graphs, if all agree
-        if kv_arena and lazy_graphs:
+        if kv_arena and lazy_graphs and cfg.flip_weights == "resident":  # (others' move)
             reuse = GraphReuse(self.parked_graphs.pop(key, None), lambda ok: bool(
                 least(int(ok), "agreeing on reusing the parked decode graphs")))
 
@@ -267,7 +288,8 @@ class RankProcess:
                                  device_share=_device_share(self.spec, device),
                                  resident=self.parked.pop(key, None),
                                  lazy_graphs=lazy_graphs, weights_from=peer,
-                                 kv_arena=self.kv_arena if kv_arena else None,
+                                 kv_arena=self._arena(cfg, model_cfg, device) if kv_arena
+                                 else None,
                                  graph_reuse=reuse)
         if self.rank == 0:  # the census's (it reads the allocator's snapshot)
             runner.graphs_kept_bytes = self.graphs_kept_bytes()
@@ -281,6 +303,15 @@ class RankProcess:
             part = rank_slice(runner.layout, model_cfg.num_layers, model_cfg.num_kv_heads)
             transfers = KVTransferEngine(runner.pool, self.frames, geo, part, device)
         return RankLayout(groups, runner, StageExecutor(runner, groups, tracker, transfers))
+
+
+def arena_headroom(rank: int, launch: tuple[int, int], layouts: tuple[tuple[int, int], ...],
+                   model_cfg: ModelConfig, dtype: torch.dtype, quant: Fp8Config | None) -> int:
+    """The bytes `rank`'s shard of its largest layout takes beyond its launch layout's (0 if
+    none is larger): a seam loads the next layout's weights with the KV arena still held, so
+    the launch budget must leave them free (an uneven PP split puts more on some ranks)."""
+    mine = [shard_bytes(model_cfg, tp, pp, dtype, quant)[rank] for tp, pp in {launch, *layouts}]
+    return max(0, max(mine) - shard_bytes(model_cfg, *launch, dtype, quant)[rank])
 
 
 def allocator_for_flips(cfg: EngineConfig) -> None:

@@ -164,8 +164,9 @@ class ModelRunner:
     captured each on its first use instead of all at build (a phase flip's seam).
     `weights_from`: fills the new (empty) model instead of the checkpoint (the peer strategy:
     slices kept from the old layout and received from the other ranks). `kv_arena`: the
-    rank's KV arena (resident flips): the pool lives in it, and once it holds memory the
-    pool takes as many slots as fit in it instead of sizing itself from what is free.
+    rank's KV arena (flips but peer's): the pool lives in it, and once it holds memory the
+    pool takes as many slots as fit in it instead of sizing itself from what is free; the
+    build that reserves it leaves the arena's `headroom` out of the budget it reads.
     `graph_reuse`: this layout's decode graphs parked at its last seam (resident weights),
     adopted if every address they captured is unchanged on every rank."""
 
@@ -213,6 +214,9 @@ class ModelRunner:
         n_layers = self.model.end_layer - self.model.start_layer
         kv_heads = self.model.layers[0].self_attn.num_kv_heads if n_layers else 0
         per_slot = KVPool.bytes_per_slot(n_layers, kv_heads, model_cfg.head_dim, self.kv_dtype)
+        # the build that reserves the arena leaves what a later layout's larger shard needs
+        self.kv_headroom = kv_arena.headroom if kv_arena is not None and not kv_arena.nbytes \
+            else 0
         if kv_arena is not None and kv_arena.nbytes and cfg.max_total_tokens is None:
             ps = cfg.page_size  # the rank's budget, reserved at launch, in this layout's slots
             local = kv_arena.nbytes // per_slot // ps * ps
@@ -361,12 +365,15 @@ class ModelRunner:
 
     def _tokens_from_memory(self) -> int:
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = (free - total * (1.0 - self.cfg.mem_fraction)) / self.device_share
+        headroom = self.kv_headroom
+        budget = ((free - total * (1.0 - self.cfg.mem_fraction)) / self.device_share
+                  - headroom)
         log.info("KV budget: %.2f GiB free of %.2f, %.2f GiB allocated and %.2f reserved here, "
-                 "%d rank(s) on the device: %.2f GiB for this rank's pool", free / 2**30,
-                 total / 2**30, torch.cuda.memory_allocated(self.device) / 2**30,
+                 "%d rank(s) on the device, %.2f GiB left for a later layout's larger shard: "
+                 "%.2f GiB for this rank's pool", free / 2**30, total / 2**30,
+                 torch.cuda.memory_allocated(self.device) / 2**30,
                  torch.cuda.memory_reserved(self.device) / 2**30, self.device_share,
-                 budget / 2**30)
+                 headroom / 2**30, budget / 2**30)
         m = self.model_cfg
         kv_heads = self.model.layers[0].self_attn.num_kv_heads
         n_layers = self.model.end_layer - self.model.start_layer
