@@ -509,10 +509,10 @@ def test_each_weights_strategy_matches_the_unflipped_run(model_dirs, strategy):
     two = SamplingParams(temperature=0.0, max_new_tokens=14, ignore_eos=True, logprobs=0, n=2)
     flips = {1: (1, 2), 4: (2, 1), 8: (1, 2)}
 
-    def run(engine: Engine, flips: dict) -> tuple[dict, list]:
+    def run(engine: Engine, flips: dict, seam=None) -> tuple[dict, list]:
         core = engine.core
         core.add_request("pair", prompts[0], two)
-        outs, censuses = _drive(engine, prompts, flips)
+        outs, censuses = _drive(engine, prompts, flips, seam)
         return outs, censuses
 
     with Engine(str(model_dirs["llama"]), **CFG) as e:
@@ -520,10 +520,23 @@ def test_each_weights_strategy_matches_the_unflipped_run(model_dirs, strategy):
     with Engine(str(model_dirs["llama"]), tp_size=2, flip_weights=strategy, **FLIP,
                 **CFG) as e:
         assert e.core.cfg.flip_weights == strategy
-        got, censuses = run(e, flips)
+        arena = e.core._ranks.rank0.kv_arena  # rank 0's pool: where each layout's lives
+        views = [e.core.runner.runner.pool.kv.data_ptr()]
+
+        def seam(when: str) -> None:  # after each flip: rank 0's pool, where it lives
+            pool = e.core.runner.runner.pool
+            if when == "after":
+                views.append(pool.kv.data_ptr() if pool.arena is arena else None)
+
+        got, censuses = run(e, flips, seam)
+        ptr = arena.buffer.data_ptr() if arena.nbytes else None
+    assert arena.nbytes == 0  # the engine's end frees it
     assert [c.weights for c in censuses] == [strategy] * 3
-    if strategy == "resident":  # every layout's pool in the launch layout's KV arena
+    if strategy != "peer":  # every layout's pool in the launch layout's KV arena (not peer:
+        assert views == [ptr] * 4, views  # its build holds two shards)
         assert {c.kv_slots_after for c in censuses} == {censuses[0].kv_slots_before}
+    else:
+        assert ptr is None and views[1:] == [None] * 3
     model_cfg = ModelConfig.from_dir(str(model_dirs["llama"]))
     for c, target in zip(censuses, flips.values(), strict=True):
         if strategy == "resident":
