@@ -79,7 +79,8 @@ class RankLayout:
                 graphs_parked: bool = False) -> LlamaForCausalLM | None:
         """Frees this rank's graphs, KV pool and (unless `keep_weights`) weights in place
         (after its HiCache copies finished: they read the pool), so the next layout sizes its
-        pool from what is free. `keep_weights`: returns the model, to be parked.
+        pool from what is free; a pool in the rank's KV arena lets go of its views only (the
+        next pool views the same memory). `keep_weights`: returns the model, to be parked.
         `graphs_parked`: the rank keeps parked decode graphs (and what they address)."""
         if self.stage.transfers is not None:
             self.stage.transfers.close()
