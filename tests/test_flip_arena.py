@@ -14,6 +14,14 @@ from tests.test_flip import CFG, FLIP
 pytestmark = pytest.mark.timeout(240, method="thread")  # signals cannot interrupt gloo
 
 
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory):
+    """The tiny llama with 3 layers: pp2 splits it unevenly (2 + 1)."""
+    from tests.conftest import build_model
+
+    return build_model(tmp_path_factory.mktemp("llama3"), "llama", num_hidden_layers=3)
+
+
 def test_resident_flips_reuse_one_kv_arena(model_dirs):
     """With resident weights every layout's KV pool lives in the memory the launch layout's
     pool took (the rank's `KVArena`): a seam allocates no pool and sizes none from free
@@ -36,15 +44,13 @@ def test_resident_flips_reuse_one_kv_arena(model_dirs):
         assert e.core.runner.runner.pool.arena is None
 
 
-def test_the_arena_gives_every_layout_a_fresh_launch_s_slots(tmp_path):
+def test_the_arena_gives_every_layout_a_fresh_launch_s_slots(llama3):
     """An uneven split (3 layers on pp2: 2 + 1) gives a rank fewer bytes per slot at launch
     than in tp2: the arena is the rank's own budget (here the cap in its largest layout), so
     every layout gets the slots a pool sized afresh (peer) gets (tp2 had 2 731 of 4 097 when
     the arena was the launch pool's agreed size). A failed group frees rank 0's arena with
     it."""
-    from tests.conftest import build_model
-
-    model = build_model(tmp_path / "llama3", "llama", num_hidden_layers=3)
+    model = llama3
     slots = {}
     for strategy in ("peer", "resident"):
         with Engine(str(model), pp_size=2, flip_weights=strategy, **FLIP, **CFG) as e:
@@ -62,7 +68,7 @@ def test_the_arena_gives_every_layout_a_fresh_launch_s_slots(tmp_path):
     assert slots["resident"] == slots["peer"], slots
 
 
-def test_a_larger_shard_elsewhere_is_left_out_of_the_arena(tmp_path, monkeypatch):
+def test_a_larger_shard_elsewhere_is_left_out_of_the_arena(llama3, monkeypatch):
     """Host-image and reload seams load the next layout's weights with the arena held, so a
     rank whose shard is larger in another layout (3 layers: pp2 puts 2 + 1, tp2 3 halves on
     each) reserves its KV budget less exactly that difference; the rank whose launch shard is
@@ -72,10 +78,8 @@ def test_a_larger_shard_elsewhere_is_left_out_of_the_arena(tmp_path, monkeypatch
     from phaseflip.flip.weights import shard_bytes
     from phaseflip.model.config import ModelConfig
     from phaseflip.model.runner import ModelRunner
-    from tests.conftest import build_model
 
-    model_cfg = ModelConfig.from_dir(build_model(tmp_path / "llama3", "llama",
-                                                 num_hidden_layers=3))
+    model_cfg = ModelConfig.from_dir(llama3)
     f32 = torch.float32
     pp2, tp2 = shard_bytes(model_cfg, 1, 2, f32), shard_bytes(model_cfg, 2, 1, f32)
     room = [arena_headroom(r, (1, 2), ((1, 2), (2, 1)), model_cfg, f32, None) for r in (0, 1)]
