@@ -71,6 +71,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="run every configuration this many times, round robin, and keep the "
                          "run of the lowest driver wall p50 (a shared machine's load comes "
                          "and goes; the least disturbed run is the closest to the code's cost)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time the parts of the driver's step (schedule, plan encode, "
+                         "plan to the ranks, rank 0's stage, the wait for logits, sampling, "
+                         "outputs): p50 per step of each; the wrappers add ~1 us a call")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     return ap.parse_args(argv)
@@ -92,6 +96,45 @@ def cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# The parts of the driver's step that --breakdown times: (label, the object's path from the
+# core, its method). A part the layout lacks (no plan encoder in one process) is left out.
+STEP_PARTS = (
+    ("schedule", "scheduler", "schedule"),
+    ("launch", "", "_launch"),
+    ("launch: plan encode", "runner.encoder", "encode"),
+    ("launch: plan to ranks", "runner.ranks", "broadcast"),
+    ("launch: rank 0 stage", "runner.stage", "run"),
+    ("wait for logits", "runner", "_collect"),
+    ("sample", "", "_sample_oldest"),
+    ("sample: choose", "sampling.sampler", "_choose"),
+    ("outputs: tokens", "outputs", "take_tokens"),
+    ("outputs: text", "", "_owed_text"),
+)
+
+
+def time_step_parts(core: EngineCore) -> dict[str, float]:
+    """Wraps each of STEP_PARTS on this core's objects (instance attributes, gone with the
+    core); returns the dict that each call adds its seconds to, by label."""
+    spent: dict[str, float] = {}
+    for label, path, name in STEP_PARTS:
+        obj: Any = core
+        for attr in filter(None, path.split(".")):
+            obj = getattr(obj, attr, None)
+        if obj is not None and hasattr(obj, name):
+            setattr(obj, name, _timed(getattr(obj, name), label, spent))
+    return spent
+
+
+def _timed(fn: Any, label: str, spent: dict[str, float]) -> Any:
+    def call(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            spent[label] = spent.get(label, 0.0) + time.perf_counter() - t
+    return call
 
 
 def _switches() -> tuple[int, int]:
@@ -122,17 +165,23 @@ def run_config(args: argparse.Namespace, layout: str, n: int) -> dict[str, Any]:
         fill_decode_batch(core, args, n, max_new)
         workers = core._ranks.pids() if core._ranks is not None else []
         wall, cpu, thread_cpu = [], [], []
+        spent = time_step_parts(core) if args.breakdown else None
+        parts: dict[str, list[float]] = {}
         gc.collect()
         w_cpu0 = [cpu_s(p) for p in workers]
         tokens0 = core.scheduler.stats.decode_tokens
         switches0 = _switches()
         t0 = time.perf_counter()
         for _ in range(args.steps):
+            if spent is not None:
+                spent.clear()
             w, c, tc = time.perf_counter(), time.process_time(), time.thread_time()
             core.step()
             wall.append((time.perf_counter() - w) * 1e3)
             cpu.append((time.process_time() - c) * 1e3)
             thread_cpu.append((time.thread_time() - tc) * 1e3)
+            for label in spent or ():
+                parts.setdefault(label, []).append(spent[label] * 1e3)
         window_s = time.perf_counter() - t0
         preempted, slept = ((b - a) / args.steps for a, b in zip(switches0, _switches()))
         rounds = (core.scheduler.stats.decode_tokens - tokens0) / n
@@ -146,7 +195,23 @@ def run_config(args: argparse.Namespace, layout: str, n: int) -> dict[str, Any]:
             "driver_cpu_ms": summarize(cpu), "driver_thread_cpu_ms": summarize(thread_cpu),
             "driver_preempted_per_step": preempted, "driver_slept_per_step": slept,
             "worker_cpu_ms_per_step": w_cpu,
+            "step_parts_ms_p50": {k: _p50(v, args.steps) for k, v in parts.items()},
             "steps_per_s": args.steps / window_s, "round_ms": window_s * 1e3 / rounds}
+
+
+def _p50(values: list[float], steps: int) -> float:
+    """The median per step of a part that some steps did not call (those count 0)."""
+    return summarize(values + [0.0] * (steps - len(values)))["p50"]
+
+
+def print_parts(results: list[dict[str, Any]]) -> None:
+    labels = [lab for lab, _, _ in STEP_PARTS
+              if any(lab in r["step_parts_ms_p50"] for r in results)]
+    rows = [[r["layout"], r["num_requests"],
+             *(f"{r['step_parts_ms_p50'][lab]:.3f}" if lab in r["step_parts_ms_p50"] else "-"
+               for lab in labels)] for r in results]
+    print_table(["layout", "N", *labels], rows,
+                title="Parts of the driver's step, p50 ms per step (--breakdown)")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -184,6 +249,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"best of {args.repeat}, overlap {'off' if args.no_overlap else 'on'}, "
                       f"HiCache {'on' if args.hicache else 'off'}, pp async decode "
                       f"{'on' if args.pp_async_decode else 'off'})")
+    if args.breakdown:
+        print_parts(results)
     return write_json(args.out, {
         "benchmark": "host_step", "null_forward": True, "steps": args.steps,
         "warmup_steps": args.warmup_steps, "prompt_len": args.prompt_len,

@@ -34,3 +34,27 @@ def test_host_step_runs_every_layout(tmp_path, monkeypatch):
         assert 0 < r["driver_thread_cpu_ms"]["p50"] and r["driver_thread_cpu_ms"]["n"] == 6
         assert r["driver_preempted_per_step"] >= 0 and r["driver_slept_per_step"] >= 0
         assert len(r["worker_cpu_ms_per_step"]) == (0 if lay == "tp1" else 1)
+
+
+def test_host_step_breakdown_times_the_parts_a_layout_has(tmp_path, monkeypatch):
+    """--breakdown times the parts of the driver's step: pp2 has a plan to encode and send and
+    logits to wait for; one process has neither (left out, not reported as 0)."""
+    import torch
+
+    from benchmarks import bench_host_step
+    from phaseflip.distributed.stage import NULL_FORWARD_ENV
+
+    monkeypatch.setenv(NULL_FORWARD_ENV, "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    try:
+        data = bench_host_step.main(["--layouts", "tp1,pp2", "--num-requests", "3",
+                                     "--steps", "6", "--warmup-steps", "2", "--breakdown"])
+    finally:
+        torch.set_num_threads(threads)
+    parts = {r["layout"]: r["step_parts_ms_p50"] for r in data["results"]}
+    ranks_only = {"launch: plan encode", "launch: plan to ranks", "wait for logits"}
+    assert ranks_only <= set(parts["pp2"]) and not ranks_only & set(parts["tp1"])
+    for p in parts.values():
+        assert {"schedule", "launch", "sample: choose"} <= set(p)
+        assert all(v >= 0 for v in p.values()) and p["sample: choose"] > 0
