@@ -15,6 +15,7 @@ from phaseflip.sampling.sampler import (
     apply_penalties,
     compute_logprobs,
     filter_logits,
+    greedy,
     step_seed,
 )
 
@@ -356,3 +357,14 @@ def test_shape_mismatch_and_empty_batch() -> None:
     with pytest.raises(ValueError, match="does not match"):
         Sampler().sample(torch.zeros(2, 4), [_row(SamplingParams())])
     assert Sampler().sample(torch.zeros(0, 4), []).token_ids == []
+
+
+def test_greedy_resolves_ties_to_the_lowest_id() -> None:
+    """Greedy's contract, whichever reduction runs (max on the CPU, argmax elsewhere): the
+    first maximal index, so ties resolve to the lowest id, as transformers' argmax does."""
+    logits = torch.full((3, 131072), -1.0)
+    logits[0, [7, 70_000, 131_071]] = 2.0
+    logits[1, [65_536, 65_537]] = 5.0
+    logits[2, :] = 0.0
+    assert greedy(logits).tolist() == [7, 65_536, 0]
+    assert torch.equal(greedy(logits), logits.argmax(dim=-1))

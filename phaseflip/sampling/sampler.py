@@ -251,6 +251,16 @@ def apply_penalties_batch(logits: torch.Tensor, rows: list[int],
         flat[keys] = flat[keys] - delta
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The first maximal index of each row (argmax's and max's contract alike). On the CPU
+    `max(dim=-1).indices` is the faster reduction: 0.68 ms against 1.65 for argmax over
+    256 rows of a 128k vocabulary (one process, null forward, `bench_host_step
+    --breakdown`); CUDA keeps argmax (unmeasured there)."""
+    if logits.device.type == "cpu":
+        return logits.max(dim=-1).indices
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
     """Chooses one token per row. Holds only the generator for unseeded random rows."""
 
@@ -327,8 +337,8 @@ class Sampler:
             if mask is not None:  # after the bans: a grammar row keeps only allowed tokens
                 apply_bitmask(work, mask[0], _on_device(mask[1], device))
 
-        # argmax returns the first maximal index: ties resolve to the lowest id, deterministically.
-        tokens = work.argmax(dim=-1)
+        # the first maximal index: ties resolve to the lowest id, deterministically
+        tokens = greedy(work)
 
         if random_rows:
             idx = to_device(random_rows, torch.long, device)
