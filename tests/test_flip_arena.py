@@ -72,9 +72,10 @@ def test_a_larger_shard_elsewhere_is_left_out_of_the_arena(llama3, monkeypatch):
     """Host-image and reload seams load the next layout's weights with the arena held, so a
     rank whose shard is larger in another layout (3 layers: pp2 puts 2 + 1, tp2 3 halves on
     each) reserves its KV budget less exactly that difference; the rank whose launch shard is
-    its largest loses nothing. Red without the headroom: the budget ignored it."""
+    its largest loses nothing; every rank also leaves the largest tensor's load transient.
+    Red without the headroom: the budget ignored it."""
     from phaseflip.config import EngineConfig
-    from phaseflip.distributed.worker import arena_headroom
+    from phaseflip.distributed.worker import arena_headroom, load_transient_bytes
     from phaseflip.flip.weights import shard_bytes
     from phaseflip.model.config import ModelConfig
     from phaseflip.model.runner import ModelRunner
@@ -83,8 +84,16 @@ def test_a_larger_shard_elsewhere_is_left_out_of_the_arena(llama3, monkeypatch):
     f32 = torch.float32
     pp2, tp2 = shard_bytes(model_cfg, 1, 2, f32), shard_bytes(model_cfg, 2, 1, f32)
     room = [arena_headroom(r, (1, 2), ((1, 2), (2, 1)), model_cfg, f32, None) for r in (0, 1)]
-    assert room == [max(0, tp2[r] - pp2[r]) for r in (0, 1)] and room[1] > 0, (room, pp2, tp2)
-    assert arena_headroom(1, (2, 1), ((2, 1), (1, 2)), model_cfg, f32, None) == 0
+    # plus the largest tensor's load: under TP a row-parallel tensor is uploaded whole first
+    load = load_transient_bytes(model_cfg, f32, None, ((1, 2), (2, 1)))
+    m = model_cfg
+    assert load == 4 * m.hidden_size * max(m.intermediate_size, (m.num_heads + 2 * (
+        m.num_kv_heads)) * m.head_dim)
+    assert room == [max(0, tp2[r] - pp2[r]) + load for r in (0, 1)] and room[1] > load
+    assert arena_headroom(1, (2, 1), ((2, 1), (1, 2)), model_cfg, f32, None) == load
+    assert load_transient_bytes(model_cfg, f32, None, ((1, 2), (1, 1))) == 0  # no TP
+    quant = load_transient_bytes(model_cfg, torch.bfloat16, object(), ((1, 2), (2, 1)))
+    assert quant == 13 * load // 4  # quantized to FP8 on the device whole: ~13 B an element
 
     # the budget a launch reads from free memory, on a fake device: 20 000 slots' bytes
     runner = ModelRunner(EngineConfig(model=str(model_cfg.model_dir), device="cpu",

@@ -239,7 +239,7 @@ class RankProcess:
                 self.rank, (cfg.tp_size, cfg.pp_size), self.spec.layouts, model_cfg,
                 resolve_dtype(cfg.dtype, model_cfg, device), quant)
             log.info("rank %d: the KV arena leaves %.3f GiB free for its largest flip "
-                     "layout's shard", self.rank, arena.headroom / 2**30)
+                     "layout's shard and a tensor's load", self.rank, arena.headroom / 2**30)
         return arena
 
     def _build(self, cfg: EngineConfig, lazy_graphs: bool,
@@ -312,7 +312,25 @@ def arena_headroom(rank: int, launch: tuple[int, int], layouts: tuple[tuple[int,
     none is larger): a seam loads the next layout's weights with the KV arena still held, so
     the launch budget must leave them free (an uneven PP split puts more on some ranks)."""
     mine = [shard_bytes(model_cfg, tp, pp, dtype, quant)[rank] for tp, pp in {launch, *layouts}]
-    return max(0, max(mine) - shard_bytes(model_cfg, *launch, dtype, quant)[rank])
+    larger = max(0, max(mine) - shard_bytes(model_cfg, *launch, dtype, quant)[rank])
+    return larger + load_transient_bytes(model_cfg, dtype, quant, layouts)
+
+
+def load_transient_bytes(model_cfg: ModelConfig, dtype: torch.dtype, quant: Fp8Config | None,
+                         layouts: tuple[tuple[int, int], ...]) -> int:
+    """The most a weight load holds on the device beyond the shard, one checkpoint tensor at a
+    time: a row-parallel tensor uploaded whole before it is cut (under TP), or a projection
+    quantized to FP8 on the device whole (its float copy, a float32 upcast, the scaled result
+    and the FP8 output: ~13 bytes an element, counted for the block-FP8 dequantize too). A
+    launch loads before its pool exists; a seam, with the arena held, needs this free."""
+    m = model_cfg
+    q = m.num_heads * m.head_dim
+    largest = max(m.intermediate_size * m.hidden_size,
+                  (q + 2 * m.num_kv_heads * m.head_dim) * m.hidden_size, q * m.hidden_size)
+    if quant is not None:
+        return 13 * largest
+    tp = any(t > 1 for t, _ in layouts)
+    return largest * torch.empty(0, dtype=dtype).element_size() if tp else 0
 
 
 def allocator_for_flips(cfg: EngineConfig) -> None:
