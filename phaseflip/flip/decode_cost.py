@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from statistics import median
 
 Layout = tuple[int, int]
 
@@ -41,7 +42,8 @@ class DecodeComparison:
 
 
 class DecodeCosts:
-    """Mean pure-decode step time (ms) per (layout, batch bucket), over the last WINDOW."""
+    """Median pure-decode step time (ms) per (layout, batch bucket), over the last WINDOW: a
+    median, so a step that captured a decode graph after a seam (0.3-0.5 s) moves nothing."""
 
     def __init__(self) -> None:
         self._ms: dict[tuple[Layout, int], deque[float]] = {}
@@ -49,19 +51,25 @@ class DecodeCosts:
     def observe(self, layout: Layout, rows: int, ms: float) -> None:
         self._ms.setdefault((layout, bucket(rows)), deque(maxlen=WINDOW)).append(ms)
 
-    def _mean(self, layout: Layout, b: int) -> float | None:
+    def _median(self, layout: Layout, b: int) -> float | None:
         steps = self._ms.get((layout, b))
-        return sum(steps) / len(steps) if steps and len(steps) >= MIN_STEPS else None
+        return median(steps) if steps and len(steps) >= MIN_STEPS else None
 
     def compare(self, here: Layout, there: Layout, rows: int | None
                 ) -> DecodeComparison | None:
-        """Both layouts' step at `rows`' bucket, else at the largest bucket both have
-        measured (an idle engine: the batch it last ran); None when they share none."""
+        """Both layouts' step at `rows`' bucket (None when they have not both measured it:
+        another batch size is no comparison); idle (`rows` None), at the largest bucket both
+        have measured."""
         shared = sorted({b for (lay, b) in self._ms if lay == here and
-                         self._mean(here, b) is not None and self._mean(there, b) is not None})
-        if not shared:
+                         self._median(here, b) is not None and self._median(there, b) is not None})
+        if rows:
+            if bucket(rows) not in shared:
+                return None
+            b = bucket(rows)
+        elif shared:
+            b = shared[-1]
+        else:
             return None
-        b = bucket(rows) if rows and bucket(rows) in shared else shared[-1]
         lo, hi = 1 << (b - 1), (1 << b) - 1
-        return DecodeComparison(self._mean(here, b), self._mean(there, b),  # type: ignore[arg-type]
+        return DecodeComparison(self._median(here, b), self._median(there, b),  # type: ignore[arg-type]
                                 f"{lo}-{hi}" if hi > lo else str(lo))
