@@ -356,7 +356,7 @@ def test_a_served_prefill_layout_stays_when_it_decodes_faster_than_the_decode_la
     assert pol.decide([], running, None).target is None  # busy, same answer
     many = [req(f"m{i}", [1, 2]) for i in range(64)]  # a batch neither measured: no
     assert pol.decide([], many, None).target == TP  # comparison, the premise stands
-    pol.observe_step(TP, 0, 3, 0.5)  # a graph captured after a seam: the median ignores it
+    pol.observe_step(PP, 0, 3, 0.5)  # a graph captured after a seam: the median ignores it
     assert pol.decide([], running, None).target is None
     for _ in range(16):  # pp2 only 5 % faster now: not clearly, so back
         pol.observe_step(PP, 0, 2, 0.092)
