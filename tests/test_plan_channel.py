@@ -291,9 +291,9 @@ def test_a_frame_across_the_rings_end_is_read_in_place(tmp_path):
 
 def test_a_hand_off_reader_spins_before_it_naps(tmp_path, monkeypatch):
     """A stage pipe's reader that finds nothing spins (yielding its core) for its spin time
-    before it naps: napping from the start overslept a hand-off by up to its wait (logits
-    0.3 ms late were seen ~0.6 ms late on the driver). Past the spin its naps stay short and
-    the deadline still holds (law 3: a missing hand-off is a named stall)."""
+    before it naps. Past the spin its naps stay at most PIPE_NAP_MAX_S (doubling to 1 ms they
+    overslept a hand-off by up to that) and the deadline still holds (law 3: a missing
+    hand-off is a named stall). The cap is red without it; the spin was already so."""
     import threading
 
     from phaseflip.distributed import plan_channel as pc

@@ -354,20 +354,12 @@ class ShmRing:
             self.ctl[waiting] = 0
 
     def _nap_for_data(self) -> None:
-        """A reader without a doorbell (a step's hand-off): spins for `spin_s` (yielding its
-        core), then naps of growing length, up to `wait_s` in all. Napping from the start
-        overslept a hand-off by up to its wait (naps doubling from 20 us: logits that came
-        0.3 ms into the driver's pp2 wait were seen ~0.6 ms in), and each nap's wake-up is
-        one more task for the scheduler to place."""
-        now = time.perf_counter()
-        spin_end, deadline = now + self.spin_s, now + (self.wait_s or FULL_RING_STALL_S)
-        nap = 20e-6
+        """A reader without a doorbell (a step's hand-off), past its spin (`_wait_for_data`):
+        naps of growing length, at most PIPE_NAP_MAX_S each, up to `wait_s` in all (naps
+        doubling to 1 ms overslept a hand-off by up to that much)."""
+        deadline, nap = time.monotonic() + (self.wait_s or FULL_RING_STALL_S), 20e-6
         while (head := int(self.ctl[0])) <= self.pos:
-            now = time.perf_counter()
-            if now < spin_end:
-                os.sched_yield()
-                continue
-            if now > deadline:
+            if time.monotonic() > deadline:
                 raise TimeoutError(f"no data from the peer in {self.wait_s:g} s")
             time.sleep(nap)
             nap = min(2 * nap, PIPE_NAP_MAX_S)
