@@ -104,6 +104,7 @@ def test_a_mapping_checks_each_tensor_once_when_asked(llama_dir, tmp_path):
     finally:
         image.close()
 
+
 def test_host_image_refused_with_dummy_weights():
     with pytest.raises(InvalidRequestError, match="--flip-weights auto or reload") as exc:
         EngineConfig(load_format="dummy", flip_weights="host-image", tp_size=2, **FLIP)
@@ -139,6 +140,23 @@ def test_auto_falls_back_to_reload_when_the_image_cannot_be_built(llama_dir, tmp
         image_for_engine(EngineConfig(flip_weights="host-image", **base))
     assert list(tmp_path.iterdir()) == []  # nothing half-built left behind
 
+
+
+@pytest.mark.timeout(120, method="thread")
+def test_an_engine_whose_planner_chose_the_image_falls_back_to_reload(llama_dir, tmp_path,
+                                                                    monkeypatch, caplog):
+    """The engine's planner resolves `auto` before the image is built, so the config says
+    host-image by then: a /dev/shm that cannot hold it must still fall back to reload
+    (it raised, refusing to launch), and the ranks are told reload."""
+    from phaseflip.flip import weights
+
+    monkeypatch.setattr(weights, "RESIDENT_MAX_SHARE", 0.0)  # the planner picks the image
+    monkeypatch.setattr(weight_image, "image_path", lambda: tmp_path / "missing" / "img")
+    with caplog.at_level(logging.WARNING, logger=weight_image.__name__), \
+            Engine(str(llama_dir), device="cpu", tp_size=2, **FLIP) as e:
+        assert e.core.weights_plan.strategy == "host-image"
+        assert e.core.weight_image is None and e.core.cfg.flip_weights == "reload"
+    assert "falling back to reload" in caplog.text
 
 def test_images_of_gone_engines_are_removed_and_headroom_is_kept(llama_dir, tmp_path,
                                                                    monkeypatch):

@@ -55,10 +55,13 @@ class EngineCore:
         # told (request id, error) when an accepted request ends by an error: its grammar,
         # compiled off the loop, failed (the engine process answers the client's 400 with it)
         self.request_failed: Callable[[str, InvalidRequestError], None] | None = None
+        auto = cfg.flip_weights == "auto"
         cfg = self._plan_flip_weights(cfg)  # `--flip-weights auto` resolved, once
         self._hicache = self._new_hicache(cfg)  # before the ranks: they map its host tier
         # the checkpoint in shared memory (flips' weights), the engine's until its end
-        self.weight_image = self._new_weight_image(cfg)
+        self.weight_image = self._new_weight_image(cfg, fallback=auto)
+        if self.weight_image is None and cfg.flip_weights == "host-image":
+            cfg = replace(cfg, flip_weights="reload")  # auto's fallback: no image was built
         self.scheduler = Scheduler(cfg, None, self.max_context)
         self._bundle: LayoutBundle | None = None
         self._ranks = None  # the rank processes (several ranks): they outlive every layout
@@ -144,10 +147,10 @@ class EngineCore:
         self.weights_plan = plan
         return replace(cfg, flip_weights=plan.strategy)
 
-    def _new_weight_image(self, cfg: EngineConfig):
+    def _new_weight_image(self, cfg: EngineConfig, fallback: bool = False):
         from phaseflip.model.weight_image import image_for_engine
 
-        image = image_for_engine(cfg)  # None: flips reload (model/weight_image.py)
+        image = image_for_engine(cfg, fallback)  # None: flips reload (model/weight_image.py)
         if image is not None:
             weakref.finalize(self, image.close)
         return image

@@ -389,16 +389,17 @@ def flip_weights_strategy(cfg: EngineConfig) -> str:
     return cfg.flip_weights if cfg.flip_weights in ("resident", "peer") else "host-image"
 
 
-def image_for_engine(cfg: EngineConfig) -> WeightImage | None:
+def image_for_engine(cfg: EngineConfig, fallback: bool = False) -> WeightImage | None:
     """The engine's image (None: strategy reload). "auto" falls back to reload, warning, when
-    the image cannot be built; "host-image" raises WeightImageError naming the fix."""
+    the image cannot be built; "host-image" raises WeightImageError naming the fix, unless
+    `fallback` (the engine's planner chose it for "auto": its config says host-image)."""
     if flip_weights_strategy(cfg) != "host-image":
         return None
     try:
         # page-locked only for GPU ranks (on a CPU run it would only make a CUDA context)
         return WeightImage.build(cfg.model, register=cfg.device != "cpu")
     except (OSError, WeightImageError) as exc:
-        if cfg.flip_weights == "host-image":
+        if cfg.flip_weights == "host-image" and not fallback:
             if isinstance(exc, WeightImageError):
                 raise
             raise WeightImageError(f"cannot build the host weight image ({exc}); enlarge "
