@@ -175,9 +175,7 @@ def test_one_step_of_the_size_priced_measures_the_rate_and_a_shorter_one_does_no
     """A burst's first full-budget step (8192 tokens) is the step its backlog runs in: it
     prices X as it ran, so the flip is not held 2 more TP steps (3 steps were asked: 8B on 4
     GPUs over 25 GB/s fell to 1.29x, 70B to 0.945 of the oracle). A 2048-token step prices a
-    2048-token backlog, not an 8192-token step's (law 5: still provisional, no flip). One
-    step decides only once LAG_MIN_STEPS steps could test run-ahead (before, its wall time may
-    be the step before's GPU time)."""
+    2048-token backlog, not an 8192-token step's (law 5: still provisional, no flip)."""
     from types import SimpleNamespace
 
     from phaseflip.flip.policy import MEASURED, FlipPolicy
@@ -188,9 +186,6 @@ def test_one_step_of_the_size_priced_measures_the_rate_and_a_shorter_one_does_no
     cfg = auto_cfg(chunked_prefill_size=8192, max_prefill_tokens=16384, flip_min_dwell_s=0)
     pol = FlipPolicy(cfg)
     pol.observe_step(TP, 2048, 0, 2048 / 5000)
-    assert pol.throughputs(2048)[0].provisional  # the first step: run-ahead untested
-    for _ in range(8):
-        pol.observe_step(TP, 0, 4, 0.02)  # background decode: the trail the test reads
     assert pol.throughputs(2048)[0].provenance == MEASURED
     assert pol.throughputs(8192)[0].provisional
     d = pol.decide(backlog(40_000), [], None)

@@ -186,11 +186,8 @@ class PrefillCostModel:
         tokens = [t for t, _ in self.steps]
         out = []
         # a step of S tokens or more prices S as it ran (or errs high, a = 0 below it: fewer
-        # flips); the 3 steps a burst waited in TP cost 8B tp4 at 25 GB/s 1.309 -> 1.294x.
-        # Only once the run-ahead test can run (LAG_MIN_STEPS steps paired): before, a step's
-        # wall time may be the step before's GPU time, and one step decides alone
-        one = bool(tokens) and max(tokens) >= step_tokens and len(self.trail) >= LAG_MIN_STEPS
-        if len(tokens) < MIN_SAMPLES and not one:
+        # flips); the 3 steps a burst waited in TP cost 8B tp4 at 25 GB/s 1.309 -> 1.294x
+        if len(tokens) < MIN_SAMPLES and not (tokens and max(tokens) >= step_tokens):
             out.append(f"{len(tokens)} of {MIN_SAMPLES} steps")
         if sum(tokens) < self.min_tokens:
             out.append(f"{sum(tokens)} of {self.min_tokens} tokens")
