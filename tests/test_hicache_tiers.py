@@ -358,6 +358,27 @@ def test_tiers_under_concurrent_threads(tmp_path: Path) -> None:
     assert len(list(disk.directory.rglob("*.page"))) == len(disk)
 
 
+
+def test_a_put_whose_page_is_unlinked_while_it_writes_indexes_nothing(tmp_path: Path,
+                                                                      monkeypatch) -> None:
+    """A put writes its file unlocked, then indexes it. Meanwhile a reader may index the file
+    and a delete (or an eviction) unlink it: the put must not index it again (an entry no
+    file holds: test_tiers_under_concurrent_threads failed once, 5 entries for 4 files).
+    The race played in one thread, deterministically: red without the check."""
+    disk = store(tmp_path, capacity=5 * PAGE_BYTES)
+    write = disk._write_atomic
+
+    def racing(path, chunks):
+        ok = write(path, chunks)
+        assert disk.get(KEYS[0]) is not None  # a reader finds the file and indexes it
+        assert disk.delete(KEYS[0])  # ... and it is unlinked, under the lock
+        return ok
+
+    monkeypatch.setattr(disk, "_write_atomic", racing)
+    assert disk.put(KEYS[0], page(0))
+    disk.check()
+    assert len(disk) == 0 and not list(disk.directory.rglob("*.page"))
+
 def test_a_miss_racing_a_put_of_the_same_page_keeps_its_entry(tmp_path: Path, monkeypatch) -> None:
     """A get whose open fails (the page was just evicted) while another thread puts the page
     back: the put's entry must survive the miss, or a file stays on disk that no entry counts

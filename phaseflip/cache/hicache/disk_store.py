@@ -236,8 +236,13 @@ class DiskPageStore:
                 self._stats.write_failures += 1
             return False
         with self._lock:
-            self._add(key, size)
             self._stats.bytes_written += size
+            # a reader may have indexed the file while this put wrote it, and an eviction or a
+            # delete unlinked it since: indexing it now would count a page no file holds
+            # (unlinks happen under the lock, so its absence here is current)
+            if not self.path(key).exists():
+                return True  # written, then evicted, as any page may be
+            self._add(key, size)
             self._evict_to(self.capacity_bytes, keep=key)  # concurrent puts may overshoot
         return True
 
