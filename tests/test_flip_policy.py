@@ -363,6 +363,37 @@ def test_a_served_prefill_layout_stays_when_it_decodes_faster_than_the_decode_la
     assert pol.decide([], running, None).target == TP
 
 
+def test_decode_steps_at_other_batch_sizes_bound_the_comparison():
+    """On one H200 the served burst left pp2 decoding 8-15 rows (7.4 ms a step) while tp2 had
+    only decoded the background's 4-7 (85 ms): no shared bucket, so auto went back to tp2 after
+    every burst. A step is no cheaper with more rows: pp2 at 8-15 bounds its step at 4-7 from
+    above, tp2 at 4-7 bounds its step at 8-15 from below, and both bounds say pp2 is faster.
+    The bounds never run the other way: tp2 measured only at larger batches proves nothing."""
+    from phaseflip.flip.decode_cost import DecodeCosts
+
+    clock = Clock()
+    pol = policy(clock=clock, flip_seed_to_pp_s=1.0, flip_seed_to_tp_s=1.0,
+                 flip_min_dwell_steps=0)
+    measure(pol, 1000, 2000)
+    for _ in range(4):
+        pol.observe_step(TP, 0, 5, 0.085)  # tp2: 85 ms at 5 rows (bucket 4-7)
+    pol.observe_flip(TP, PP, 1.0)
+    for _ in range(8):
+        pol.observe_step(PP, 0, 13, 0.0074)  # pp2: 7.4 ms at 13 rows (bucket 8-15)
+    running = [req(f"r{i}", [1, 2]) for i in range(5)]
+    for busy in (running, []):  # busy at 5 rows, and idle
+        d = pol.decide([], busy, None)
+        assert d.target is None and "decodes faster" in d.reason
+        assert d.numbers["decode_here_vs_back"]["here_rows"] == "8-15"
+        assert d.numbers["decode_here_vs_back"]["there_rows"] == "4-7"
+    costs = DecodeCosts()
+    for _ in range(4):
+        costs.observe(PP, 2, 7.4)  # here measured only at a smaller batch,
+        costs.observe(TP, 13, 85.0)  # there only at a larger one: no bound either way
+    for rows in (2, 5, 13, None):
+        assert costs.compare(PP, TP, rows) is None
+
+
 # ---------------------------------------------------------------------- config
 def test_config_refuses_what_cannot_work_and_makes_flags():
     with pytest.raises(InvalidRequestError, match="--enable-flip"):
