@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections import deque
 from collections.abc import Callable
 
@@ -25,6 +26,7 @@ from phaseflip.distributed.rank_set import RankSet
 from phaseflip.distributed.stage import StepMessage
 from phaseflip.forward_batch import ForwardBatch
 from phaseflip.model.weight_image import WeightImage
+from phaseflip.sampling.last_stage import SampledTokens, SampleSpec
 
 log = logging.getLogger(__name__)
 # Without stage pipes (NCCL, or gloo across nodes), each launched step's logits land in a
@@ -32,6 +34,9 @@ log = logging.getLogger(__name__)
 # received one, still being sampled). A new allocation outside the KV pool's budget, within
 # the device's share that --mem-fraction leaves over (a 128k vocabulary: 2 048 rows).
 IN_FLIGHT_LOGITS_BYTES = 1 << 30
+# Set (to anything) in the engine's environment: with PP, every step's logits travel to the
+# driver, which samples them (before the last stage sampled; benchmarks and tests compare)
+DRIVER_SAMPLES_ENV = "PHASEFLIP_PP_DRIVER_SAMPLES"
 
 
 class DistributedChannel(TransferChannel):
@@ -100,6 +105,9 @@ class DistributedRunner:
             raise
         self.groups, self.runner, self.stage = layout.groups, layout.runner, layout.stage
         self.decode_depth = self._decode_depth(cfg)
+        # the last stage is another rank: it samples the steps whose rows allow it
+        # (`sampling/last_stage.py`), and only their ids cross to rank 0
+        self.last_stage_samples = cfg.pp_size > 1 and not os.environ.get(DRIVER_SAMPLES_ENV)
 
     # the `Runner` protocol (model/runner.py), as rank 0 sees it
     @property
@@ -148,25 +156,31 @@ class DistributedRunner:
             raise RuntimeError("HiCache: the ranks map other host frames than the controller's")
         return self.hicache_channel
 
-    def forward(self, plan: ForwardBatch, future: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, plan: ForwardBatch, future: torch.Tensor | None = None,
+                sample: SampleSpec | None = None) -> torch.Tensor | SampledTokens:
         """The `Runner` forward. `future`: a run-ahead step's previous sampled tokens, on rank
-        0's device, which the plan's placeholders name (`StepMessage.future_len`)."""
-        logits = self._send(plan, fence=False, future=future)
+        0's device, which the plan's placeholders name (`StepMessage.future_len`). `sample`:
+        the rows the last stage samples (`last_stage_samples`): their ids come back, as
+        `SampledTokens`, instead of the logits."""
+        logits = self._send(plan, fence=False, future=future, sample=sample)
         return self._arrived(logits, self.step_no)
 
-    def launch(self, plan: ForwardBatch, future: torch.Tensor | None = None
-               ) -> Callable[[], torch.Tensor]:
+    def launch(self, plan: ForwardBatch, future: torch.Tensor | None = None,
+               sample: SampleSpec | None = None
+               ) -> Callable[[], torch.Tensor | SampledTokens]:
         """`forward` for a run-ahead step, handing back a wait for the logits: when they come
         from another rank (PP), the driver makes the previous step's outputs while the later
         stages run, and waits only when it samples. With `decode_depth` > 1 up to that many
         launched steps are in flight at once (the engine samples the oldest); else anything
         rank 0 sends first completes the receive (`_send`; law 3)."""
-        out = self._send(plan, fence=False, future=future, defer=True)
+        out = self._send(plan, fence=False, future=future, defer=True, sample=sample)
         if not callable(out):  # rank 0 is the last stage: the logits are here
             logits = self._arrived(out, self.step_no)
             return lambda: logits
-        rows = int(plan.logits_indices.numel())
-        awaited = _AwaitedLogits(self, out, self.step_no, rows * self._row_bytes + 8)
+        sample = sample if self.last_stage_samples else None
+        nbytes = (8 * len(sample.rows) if sample is not None
+                  else int(plan.logits_indices.numel()) * self._row_bytes)
+        awaited = _AwaitedLogits(self, out, self.step_no, nbytes + 8)
         self._awaited.append(awaited)
         return awaited
 
@@ -255,7 +269,8 @@ class DistributedRunner:
             self.hicache_channel.completed = self.step_no
 
     def _send(self, plan: ForwardBatch | None, fence: bool, future: torch.Tensor | None = None,
-              defer: bool = False) -> torch.Tensor | Callable[[], torch.Tensor] | None:
+              defer: bool = False, sample: SampleSpec | None = None
+              ) -> torch.Tensor | Callable[[], torch.Tensor] | None:
         overlap = self._may_overlap(plan, fence, defer)
         if not overlap:  # launched steps' logits first (law 3)
             self._receive_until(None)
@@ -268,7 +283,8 @@ class DistributedRunner:
         n_future = 0 if future is None or plan is None else int(future.numel())
         ids = self.tokens_on_host(future) if n_future else None
         msg = StepMessage(self.step_no, plan, channel.take() if channel else None, fence,
-                          n_future, ids, whole)
+                          n_future, ids, whole,
+                          sample if self.last_stage_samples and plan is not None else None)
         wire = dataclasses.replace(msg, plan=self.encoder.encode(plan)) if plan else msg
         try:
             with tracker.at("broadcasting the plan", self.step_no):

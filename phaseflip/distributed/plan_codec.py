@@ -27,6 +27,7 @@ import torch
 
 from phaseflip.cache.hicache.transfer import TransferOrders
 from phaseflip.forward_batch import ForwardBatch
+from phaseflip.sampling.last_stage import SampleSpec
 
 TENSOR_FIELDS = ("input_ids", "positions", "out_cache_loc", "kv_indptr", "logits_indices")
 
@@ -39,7 +40,8 @@ class StepMessage:
     step's plan names the previous step's sampled tokens by placeholder (`ForwardBatch`
     `future_pos`/`future_rows`); those `future_len` tokens are on rank 0's device only, and
     reach the other TP ranks of stage 0 by a broadcast on their TP group (`StageExecutor.run`).
-    Later stages need no token ids."""
+    Later stages need no token ids. `sample`: the rows the last stage samples, and how (with
+    PP: `sampling/last_stage.py`); their ids go to rank 0 instead of the logits."""
 
     step: int
     plan: ForwardBatch | None
@@ -50,6 +52,7 @@ class StepMessage:
     # a decode group kept in flight across steps (--pp-async-decode): the pipeline is filled
     # by the other groups' steps, so this step runs whole, as one micro-batch
     whole: bool = False
+    sample: SampleSpec | None = None
 
 
 @dataclass
@@ -181,7 +184,8 @@ _MAGIC = int.from_bytes(FRAME_MAGIC, "little")
 _HEAD = 8
 FRAME_ARRAYS = ("input_ids", "positions", "out_cache_loc", "kv_indptr", "logits_indices",
                 "extend_lens", "prefix_lens", "rows", "row_epochs", "future_pos",
-                "future_rows", "seq_lens", "reset", "starts", "slots", "full", "future_ids")
+                "future_rows", "seq_lens", "reset", "starts", "slots", "full", "future_ids",
+                "sample_rows", "sample_ints", "sample_floats")
 _FENCE, _WHOLE, _DECODE = 1, 2, 4  # _DECODE: one token a sequence, its lists not sent
 _WORD = struct.Struct("<q")
 
@@ -195,8 +199,10 @@ class StepFrame:
 
     def __init__(self, msg: StepMessage) -> None:
         plan, d = msg.plan, msg.plan.delta
+        sample = msg.sample or SampleSpec(None)  # type: ignore[arg-type]
+        floats = None if sample.floats is None else sample.floats.view(np.int64)  # bits
         values = [*(getattr(plan, f) for f in FRAME_ARRAYS[:11]), d.seq_lens, d.reset,
-                  d.starts, d.slots, d.full, msg.future_ids]
+                  d.starts, d.slots, d.full, msg.future_ids, sample.rows, sample.ints, floats]
         # a decode step's lists are all ones and seq_lens - 1: rebuilt, not sent (17 us of
         # list conversion at batch 256)
         decode = len(plan.input_ids) == len(plan.extend_lens)
@@ -267,8 +273,13 @@ def decode_frame(buf: bytearray | memoryview) -> StepMessage:
                         kv_indices=np.empty(0, dtype=np.int64), max_position=int(w[6]),
                         rows=got["rows"], row_epochs=got["row_epochs"], delta=delta,
                         future_pos=got["future_pos"], future_rows=got["future_rows"])
+    sample = None
+    if got["sample_rows"] is not None:
+        ints, floats = got["sample_ints"], got["sample_floats"]
+        sample = SampleSpec(got["sample_rows"], None if ints is None else ints.reshape(-1, 4),
+                            None if floats is None else floats.view(np.float64).reshape(-1, 3))
     return StepMessage(int(w[3]), plan, None, bool(flags & _FENCE), int(w[5]),
-                       got["future_ids"], bool(flags & _WHOLE))
+                       got["future_ids"], bool(flags & _WHOLE), sample)
 
 
 def _check_shapes(got: dict[str, np.ndarray | None], step: int, future_len: int,
@@ -281,7 +292,9 @@ def _check_shapes(got: dict[str, np.ndarray | None], step: int, future_len: int,
     need = [b >= 0, n["kv_indptr"] == b + 1, n["extend_lens"] == n["prefix_lens"] == lists,
             n["positions"] == n["input_ids"] == n["out_cache_loc"],
             not decode or n["input_ids"] == b,
-            n["future_pos"] == n["future_rows"], n["future_ids"] in (-1, future_len)]
+            n["future_pos"] == n["future_rows"], n["future_ids"] in (-1, future_len),
+            n["sample_ints"] == -1 and n["sample_floats"] == -1 or n["sample_rows"] >= 0
+            and n["sample_ints"] % 4 == 0 and n["sample_floats"] * 4 == n["sample_ints"] * 3]
     need += [n[k] == b for k in ("rows", "row_epochs", "reset", "starts")]
     if all(need):
         need += [n["slots"] == int((seq - starts).sum()),

@@ -5,9 +5,11 @@ the result on to stage s+1 with a non-blocking send, so it is already working on
 micro-batch while s+1 works on this one. Every receive has a matching send in the same step
 by construction (each stage handles the same micro-batches in the same order), and a stage
 posts its sends before it blocks on anything else. The last stage's TP rank 0 sends the logits
-to the driver: through a shared-memory pipe (gloo, one node), else by point-to-point on the
-logits' own group (`RankGroups.logits_group`), never blocking: rank 0 posts the receive when it
-launches the step, and the last stage waits for a send only before its next one.
+to the driver, or only the ids it sampled when the step message says which rows and how
+(`StepMessage.sample`, `sampling/last_stage.py`): through a shared-memory pipe (gloo, one
+node), else by point-to-point on the logits' own group (`RankGroups.logits_group`), never
+blocking: rank 0 posts the receive when it launches the step, and the last stage waits for a
+send only before its next one.
 
 With HiCache, every message also carries the driver's transfer orders; `run` issues them on the
 rank's `KVTransferEngine` before the forward, after ordering the forward behind the copies of
@@ -30,6 +32,7 @@ from phaseflip.distributed.plan_codec import StepMessage
 from phaseflip.distributed.watchdog import PositionTracker
 from phaseflip.forward_batch import ForwardBatch
 from phaseflip.model.runner import ModelRunner
+from phaseflip.sampling.last_stage import SampledTokens, SampleSpec, sample_parts
 
 # Benchmarks only (`benchmarks/bench_host_step.py`): set in the environment of the engine
 # process before its ranks are spawned, every rank's stage runs no model math.
@@ -90,6 +93,9 @@ class StageExecutor:
         # last stage's last logits (each with its buffer, kept alive until then)
         self._sends: list[tuple[object, torch.Tensor]] = []
         self._logits_send: tuple[object, torch.Tensor] | None = None
+        # what crossed to rank 0 from the last stage, counted by both: logits bytes, and
+        # sampled ids (`StepMessage.sample`)
+        self.shipped = {"logits_bytes": 0, "token_ids": 0}
 
     def run(self, msg: StepMessage, future: torch.Tensor | None = None,
             defer: bool = False) -> torch.Tensor | Callable[[], torch.Tensor] | None:
@@ -108,7 +114,7 @@ class StageExecutor:
                 xfer.execute(msg.transfers)
         if msg.future_len and self.first:
             future = self._share_future(msg, future)
-        out = (self.execute(msg.step, msg.plan, future, defer, msg.whole)
+        out = (self.execute(msg.step, msg.plan, future, defer, msg.whole, msg.sample)
                if msg.plan is not None else None)
         if msg.fence:
             with self.tracker.at("HiCache fence: waiting for copies and every rank", msg.step):
@@ -161,10 +167,11 @@ class StageExecutor:
         return buf.to(self.runner.device)
 
     def execute(self, step: int, plan: ForwardBatch, future: torch.Tensor | None = None,
-                defer: bool = False, whole: bool = False
-                ) -> torch.Tensor | Callable[[], torch.Tensor] | None:
-        """Runs the plan; returns the float32 logits on the driver, None elsewhere. `future`
-        (stage 0 of a run-ahead step): the tokens the plan's placeholders name. `whole`
+                defer: bool = False, whole: bool = False, sample: SampleSpec | None = None
+                ) -> torch.Tensor | SampledTokens | Callable | None:
+        """Runs the plan; returns the float32 logits on the driver (or with `sample`, when the
+        last stage is another rank, the ids it sampled), None elsewhere. `future` (stage 0 of
+        a run-ahead step): the tokens the plan's placeholders name. `whole`
         (`StepMessage.whole`): one micro-batch."""
         tr, runner = self.tracker, self.runner
         pending, logits = [], []
@@ -195,7 +202,7 @@ class StageExecutor:
             self.drain_sends(logits=False)
         self._sends = pending
         out = logits if logits and logits[0] is not None else None  # None: not TP rank 0
-        return self._logits_to_driver(step, plan, out, defer)
+        return self._logits_to_driver(step, plan, out, defer, sample)
 
     def drain_sends(self, logits: bool = True) -> None:
         """Waits for this rank's point-to-point sends in flight (and the last logits sent,
@@ -211,30 +218,55 @@ class StageExecutor:
             work.wait()
 
     def _logits_to_driver(self, step: int, plan: ForwardBatch,
-                          logits: list[torch.Tensor] | None, defer: bool = False):
-        """`logits`: the last stage's per micro-batch (TP rank 0), sent as one message."""
+                          logits: list[torch.Tensor] | None, defer: bool = False,
+                          sample: SampleSpec | None = None):
+        """`logits`: the last stage's per micro-batch (TP rank 0), sent as one message; with
+        `sample`, the ids sampled from them instead (int64, one small message)."""
         rank, last_rank0 = self.groups.rank, (self.spec.pp_size - 1) * self.spec.tp_size
         if rank == 0 and self.last:  # one part (TP): its logits as they are, not a copy
             return logits[0] if len(logits) == 1 else torch.cat(logits)
+        what = "logits" if sample is None else "sampled ids"
         if self.last and rank == last_rank0:
-            with self.tracker.at("send logits to rank 0", step):
+            if sample is not None:
+                with self.tracker.at("sample on the last stage", step):
+                    logits = [sample_parts(logits, sample)]
+            self._count(logits, sample)
+            with self.tracker.at(f"send {what} to rank 0", step):
                 if self.pipes is not None:
                     self._send_parts(logits, 0)
                 else:
                     self._isend_logits(logits)
         elif rank == 0:
-            rows = int(plan.logits_indices.numel())
+            if sample is None:
+                shape, dtype = ((int(plan.logits_indices.numel()),
+                                 self.runner.model_cfg.vocab_size), torch.float32)
+            else:
+                shape, dtype = (len(sample.rows),), torch.int64
             if self.pipes is None:
-                receive = self._irecv_logits(step, rows, last_rank0)
-                return receive if defer else receive()
+                receive = self._irecv_logits(step, shape, dtype, last_rank0, what)
+            else:
+                def receive() -> torch.Tensor:
+                    with self.tracker.at(f"recv {what} from rank {last_rank0}", step):
+                        return self._recv(shape, dtype, last_rank0)
 
-            def receive() -> torch.Tensor:
-                with self.tracker.at(f"recv logits from rank {last_rank0}", step):
-                    return self._recv((rows, self.runner.model_cfg.vocab_size),
-                                      torch.float32, last_rank0)
+            def arrived() -> torch.Tensor | SampledTokens:
+                t = receive()
+                self._count([t], sample)
+                if sample is None:
+                    return t
+                # ids in a pipe are valid until its next receive, but become the next
+                # step's run-ahead tokens (`InFlight`): a copy of their own (n x 8 bytes)
+                return SampledTokens(t.clone() if self.pipes is not None else t)
 
-            return receive if defer else receive()
+            return arrived if defer else arrived()
         return None
+
+    def _count(self, parts: list[torch.Tensor], sample: SampleSpec | None) -> None:
+        n = sum(t.numel() for t in parts)
+        if sample is None:
+            self.shipped["logits_bytes"] += 4 * n
+        else:
+            self.shipped["token_ids"] += n
 
     # -------------------------------------------------------------- point to point
     def _isend_logits(self, parts: list[torch.Tensor]) -> None:
@@ -249,19 +281,19 @@ class StageExecutor:
             self._logits_send[0].wait()
         self._logits_send = dist.isend(t, 0, group=self.groups.logits_group), t
 
-    def _irecv_logits(self, step: int, rows: int, src: int) -> Callable[[], torch.Tensor]:
+    def _irecv_logits(self, step: int, shape: tuple[int, ...], dtype: torch.dtype, src: int,
+                      what: str = "logits") -> Callable[[], torch.Tensor]:
         """Posts the receive of a step's logits now, into a buffer of its own, and returns
         the wait. Posted at launch, before the next decode group's stage-0 forward is queued:
         on NCCL an op's stream first waits for the compute stream as it is at issue time, so
         a receive posted later would wait for that forward; and the last stage's send is
         matched at once, whatever rank 0 does next."""
         device = "cpu" if self.staged else self.runner.device
-        buf = torch.empty((rows, self.runner.model_cfg.vocab_size), dtype=torch.float32,
-                          device=device)
+        buf = torch.empty(shape, dtype=dtype, device=device)
         work = dist.irecv(buf, src, group=self.groups.logits_group)
 
         def receive() -> torch.Tensor:
-            with self.tracker.at(f"recv logits from rank {src}", step):
+            with self.tracker.at(f"recv {what} from rank {src}", step):
                 work.wait()
             return buf.to(self.runner.device)
 

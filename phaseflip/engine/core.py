@@ -452,7 +452,7 @@ class EngineCore:
                 self.kv.check(self.scheduler.running)
             return self.outputs.emit_text()
         try:
-            logits = self.runner.forward(batch.plan)  # queued on the GPU; runs meanwhile
+            logits = self._forward(batch)  # queued on the GPU; runs meanwhile
         finally:  # made even if the forward fails: finished requests keep their last delta
             deltas = self._owed_text(sink)
         self.sampling.prompt_logprobs(batch, logits)
@@ -503,7 +503,7 @@ class EngineCore:
         logits = None
         try:
             if batch is not None:
-                logits = self._launch(batch.plan, prev.tokens if prev else None)
+                logits = self._launch(batch, prev.tokens if prev else None)
                 self.scheduler.advance(batch)
                 if self.flip_telemetry is not None:
                     self.flip_telemetry.on_items(batch.items)
@@ -538,13 +538,25 @@ class EngineCore:
         sampled in the step that launched it)."""
         return 1 if self._ranks is None else self.runner.decode_depth
 
-    def _launch(self, plan, future):
+    def _launch(self, batch: ScheduledBatch, future):
         """A run-ahead step's forward. A TP/PP runner hands back a wait for logits that come
         from another rank (PP): the previous step's outputs are made while the later stages
         run, and `sample_ahead` waits (`DistributedRunner.launch`)."""
         if self._ranks is not None:
-            return self.runner.launch(plan, future)
-        return self.runner.forward(plan, future)
+            return self.runner.launch(batch.plan, future, self._last_stage_spec(batch, True))
+        return self.runner.forward(batch.plan, future)
+
+    def _forward(self, batch: ScheduledBatch):
+        """A synchronous step's forward: logits, or the ids the last PP stage sampled."""
+        if self._ranks is not None:
+            return self.runner.forward(batch.plan, sample=self._last_stage_spec(batch, False))
+        return self.runner.forward(batch.plan)
+
+    def _last_stage_spec(self, batch: ScheduledBatch, ahead: bool):
+        """What the last PP stage samples in the driver's stead (None: logits to the driver)."""
+        if not getattr(self.runner, "last_stage_samples", False):
+            return None
+        return self.sampling.last_stage_spec(batch, ahead)
 
     def _drain(self) -> list[StreamDelta]:
         """Takes the in-flight steps' tokens, every launched one sampled first (before a

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from phaseflip.sampling.grammar import GrammarBook
+from phaseflip.sampling.last_stage import SampledTokens, SampleSpec, spec_for
 from phaseflip.sampling.params import SamplingParams
 from phaseflip.sampling.sampler import Sampler, SamplingInput, compute_logprobs, to_device
 from phaseflip.scheduler.scheduler import Scheduled, ScheduledBatch
@@ -62,12 +63,22 @@ class SamplingStep:
     def __init__(self, sampler: Sampler, grammars: GrammarBook | None = None) -> None:
         self.sampler, self.grammars = sampler, grammars
 
-    def sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> dict:
+    @staticmethod
+    def last_stage_spec(batch: ScheduledBatch, ahead: bool) -> SampleSpec | None:
+        """What the last pipeline stage may sample for this batch in the driver's stead (its
+        ids then come back as `SampledTokens`), or None: the logits come to the driver."""
+        return spec_for(batch, ahead)
+
+    def sample(self, batch: ScheduledBatch, logits: torch.Tensor | SampledTokens) -> dict:
         """{sampling item: (token, logprob or None, top logprobs or None)}, on the host.
-        Grammar masks are filled on the host first, while the device still runs the step."""
+        Grammar masks are filled on the host first, while the device still runs the step.
+        `SampledTokens`: the last stage chose the ids (`last_stage_spec`), nothing to do."""
         items = [it for it in batch.items if it.samples]
         if not items:
             return {}
+        if isinstance(logits, SampledTokens):
+            return {it: (t, None, None) for it, t in zip(items, logits.tokens.tolist(),
+                                                         strict=True)}
         mask = None if self.grammars is None else self.grammars.masks([it.req for it in items])
         out = self.sampler.sample(logit_rows(items, logits), _inputs(items), mask)
         result: dict[Scheduled, tuple] = {}
@@ -90,7 +101,14 @@ class SamplingStep:
         mask = None if self.grammars is None else self.grammars.masks([it.req for it in items])
         if callable(logits):
             logits = logits()
-        tokens = self.sampler.sample_on_device(logit_rows(items, logits), _inputs(items), mask)
+        if isinstance(logits, SampledTokens):  # chosen on the last stage (`last_stage_spec`)
+            if mask is not None or len(logits.tokens) != len(items):
+                raise RuntimeError("ids sampled on the last stage for a step that needs the "
+                                   "logits on the driver")
+            tokens = logits.tokens
+        else:
+            tokens = self.sampler.sample_on_device(logit_rows(items, logits), _inputs(items),
+                                                   mask)
         for i, it in enumerate(items):
             it.req.pending, it.req.future_row = 1, i
         if tokens.device.type != "cuda":

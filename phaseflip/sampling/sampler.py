@@ -341,23 +341,13 @@ class Sampler:
         tokens = greedy(work)
 
         if random_rows:
-            idx = to_device(random_rows, torch.long, device)
-            sub = work.index_select(0, idx)
             params_list = [inputs[i].params for i in random_rows]
-            temps = to_device([p.temperature for p in params_list], torch.float32, device)
-            # Shift by the row max before dividing so tiny temperatures cannot overflow to inf.
-            sub = (sub - sub.max(dim=-1, keepdim=True).values) / temps.unsqueeze(1)
-            sub = filter_logits(
-                sub,
-                top_k=[p.top_k for p in params_list],
-                top_p=[p.top_p for p in params_list],
-                min_p=[p.min_p for p in params_list],
-            )
             noise = self._exponential_noise(
-                [inputs[i] for i in random_rows], vocab, device, sub.dtype
+                [inputs[i] for i in random_rows], vocab, device, work.dtype
             )
-            # argmax(p / q) == argmax(logit - log q): the exponential race samples from softmax.
-            chosen = (sub - noise.clamp_min(_MIN_EXP).log()).argmax(dim=-1)
+            idx, chosen = race(work, random_rows, [p.temperature for p in params_list],
+                               [p.top_k for p in params_list], [p.top_p for p in params_list],
+                               [p.min_p for p in params_list], noise)
             tokens = tokens.index_copy(0, idx, chosen)
         return tokens, raw, want_logprobs
 
@@ -380,13 +370,45 @@ class Sampler:
             noise[torch.tensor(unseeded, dtype=torch.long, device=device)] = draw
         for j, inp in enumerate(rows):
             seed = inp.params.seed
-            if seed is None:
-                continue
-            gen = torch.Generator(device=device)
-            gen.manual_seed(step_seed(seed, len(inp.output_ids)))
-            # A fresh [V] tensor (not a row view) so the stream cannot depend on the row's offset.
-            noise[j] = torch.empty(vocab, device=device, dtype=dtype).exponential_(generator=gen)
+            if seed is not None:
+                noise[j] = _seeded_row(seed, len(inp.output_ids), vocab, device, dtype)
         return noise
+
+
+def _seeded_row(seed: int, step: int, vocab: int, device: torch.device,
+                dtype: torch.dtype) -> torch.Tensor:
+    """A seeded row's Exp(1) noise [V] at generation step `step`: (seed, step) alone."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(step_seed(seed, step))
+    # A fresh [V] tensor (not a row view) so the stream cannot depend on the row's offset.
+    return torch.empty(vocab, device=device, dtype=dtype).exponential_(generator=gen)
+
+
+def seeded_noise(seeds: list[int], steps: list[int], vocab: int, device: torch.device,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """`_exponential_noise` of rows that are all seeded, from their seeds and steps (what a
+    step message carries to the last pipeline stage, `sampling/last_stage.py`)."""
+    noise = torch.empty((len(seeds), vocab), device=device, dtype=dtype)
+    for j, (seed, step) in enumerate(zip(seeds, steps)):
+        noise[j] = _seeded_row(seed, step, vocab, device, dtype)
+    return noise
+
+
+def race(work: torch.Tensor, rows: list[int], temperatures: list[float], top_k: list[int],
+         top_p: list[float], min_p: list[float], noise: torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the rows as a device index, the ids drawn for them): `rows` of `work` [B, V] tempered,
+    filtered and raced against their Exp(1) `noise` [len(rows), V]. One function for the
+    driver's sampler and the last pipeline stage's, so the two draw the same ids."""
+    device = work.device
+    idx = to_device(rows, torch.long, device)
+    sub = work.index_select(0, idx)
+    temps = to_device(temperatures, torch.float32, device)
+    # Shift by the row max before dividing so tiny temperatures cannot overflow to inf.
+    sub = (sub - sub.max(dim=-1, keepdim=True).values) / temps.unsqueeze(1)
+    sub = filter_logits(sub, top_k=top_k, top_p=top_p, min_p=min_p)
+    # argmax(p / q) == argmax(logit - log q): the exponential race samples from softmax.
+    return idx, (sub - noise.clamp_min(_MIN_EXP).log()).argmax(dim=-1)
 
 
 def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, inputs: list[SamplingInput]

@@ -1,0 +1,169 @@
+"""Sampling on the last pipeline stage (issue 16): with PP, rank 0 says which rows to sample
+and how (`StepMessage.sample`), the last stage's TP rank 0 samples them and only the ids
+cross to rank 0. The oracle is the driver's own `Sampler` (unit tests) and one process
+(spawned ranks, under deadlines): the same tokens, ties included, for greedy and seeded rows;
+a step with a row that needs the logits (logprobs, unseeded random, ...) ships them whole.
+"""
+
+from __future__ import annotations
+
+import pickle
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from phaseflip import Engine, SamplingParams
+from phaseflip.distributed.driver import DRIVER_SAMPLES_ENV
+from phaseflip.distributed.group import NO_STAGE_PIPES_ENV
+from phaseflip.distributed.plan_codec import StepMessage, decode_frame
+from phaseflip.engine.sampling_step import _inputs, logit_rows
+from phaseflip.sampling.last_stage import sample_parts, spec_for
+from phaseflip.sampling.sampler import Sampler
+from tests.conftest import build_model, prompts_for
+from tests.test_plan_codec import _decode_step, _frame_bytes
+
+SPAWNS = pytest.mark.timeout(300, method="thread")  # signals cannot interrupt gloo
+
+
+def _batch(params: list[SamplingParams], outputs: int = 3, gap: int = 0, **req):
+    """Sampling items, one logits row each (`gap` rows skipped before every other one)."""
+    items, row = [], 0
+    for i, p in enumerate(params):
+        row += gap * (i % 2)
+        r = SimpleNamespace(params=p, prompt_ids=[1, 2], output_ids=list(range(outputs)),
+                            eos_ids=(0,), wants_prompt_logprobs=False)
+        for k, v in req.items():
+            setattr(r, k, v)
+        items.append(SimpleNamespace(req=r, samples=True, logit_row=row, num_logit_rows=1))
+        row += 1
+    return SimpleNamespace(items=items), row
+
+
+def _mixed_params() -> list[SamplingParams]:
+    return [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=7),
+            SamplingParams(temperature=1.0, top_k=1),  # greedy by top_k
+            SamplingParams(temperature=1.3, top_k=5, top_p=0.9, seed=2**64 - 3),
+            SamplingParams(temperature=0.5, min_p=0.2, seed=-5),
+            SamplingParams(temperature=0)] * 3
+
+
+@pytest.mark.parametrize("gap, cuts", [(0, [1]), (0, [2, 5]), (2, [3])])
+def test_the_last_stage_samples_what_the_driver_would(gap, cuts):
+    """Same ids as the driver's `Sampler` over the same logits: greedy rows (many ties: the
+    first maximal index), seeded rows with temperature/top-k/top-p/min-p, rows cut into
+    micro-batches, rows that are not consecutive."""
+    params = _mixed_params()
+    batch, rows = _batch(params, gap=gap)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 4, (rows, 50), generator=gen).float()  # ties everywhere
+    items = batch.items
+    want = Sampler(0).sample(logit_rows(items, logits), _inputs(items)).token_ids
+    spec = spec_for(batch, ahead=False)
+    assert spec is not None and len(spec.ints) == 9
+    parts = list(torch.tensor_split(logits, cuts))
+    assert sample_parts(parts, spec).tolist() == want
+    batch, _ = _batch([SamplingParams(temperature=0)] * 7, gap=gap)  # part by part
+    greedy = spec_for(batch, ahead=True)
+    assert greedy.ints is None
+    want = Sampler(0).sample(logit_rows(batch.items, logits), _inputs(batch.items)).token_ids
+    assert sample_parts(parts, greedy).tolist() == want
+
+
+@pytest.mark.parametrize("params, req, ahead", [
+    (SamplingParams(temperature=0, logprobs=2), {}, False),
+    (SamplingParams(temperature=0.7), {}, False),  # unseeded: the driver's stream
+    (SamplingParams(temperature=0.7, seed=3), {}, True),  # run ahead: output length lags
+    (SamplingParams(temperature=0, repetition_penalty=1.2), {}, False),
+    (SamplingParams(temperature=0, logit_bias={3: 1.0}), {}, False),
+    (SamplingParams(temperature=0, min_new_tokens=5, stop_token_ids=[4]), {}, False),
+    (SamplingParams(temperature=0, prompt_logprobs=1), {"wants_prompt_logprobs": True},
+     False),
+])
+def test_a_step_with_a_row_that_needs_the_logits_ships_them(params, req, ahead):
+    batch, _ = _batch([SamplingParams(temperature=0), params], **req)
+    assert spec_for(batch, ahead) is None
+    assert spec_for(_batch([SamplingParams(temperature=0)] * 2)[0], ahead) is not None
+
+
+def test_the_spec_survives_the_frame_and_the_pickle():
+    spec = spec_for(_batch(_mixed_params(), gap=1)[0], ahead=False)
+    msg = _decode_step(False)
+    msg = StepMessage(msg.step, msg.plan, None, msg.fence, msg.future_len, None, msg.whole,
+                      spec)
+    for got in (decode_frame(_frame_bytes(msg)).sample, pickle.loads(pickle.dumps(msg)).sample):
+        assert np.array_equal(got.rows, spec.rows) and np.array_equal(got.ints, spec.ints)
+        assert got.floats.dtype == np.float64 and np.array_equal(got.floats, spec.floats)
+    greedy = StepMessage(msg.step, msg.plan, sample=spec_for(_batch(
+        [SamplingParams(temperature=0)] * 3)[0], ahead=True))
+    got = decode_frame(_frame_bytes(greedy)).sample
+    assert got.ints is None and got.rows.tolist() == [0, 1, 2]
+    assert decode_frame(_frame_bytes(_decode_step(False))).sample is None
+
+
+# ------------------------------------------------------------------ spawned ranks
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """4 KV heads for tp=2."""
+    return build_model(tmp_path_factory.mktemp("lss") / "llama4", "llama",
+                       num_hidden_layers=4, num_key_value_heads=4)
+
+
+def _workloads():
+    """Greedy only (run ahead), then greedy + seeded random + n > 1 (synchronous steps, the
+    last stage samples the seeded rows), then the same with logprobs and an unseeded row
+    (steps that ship logits)."""
+    prompts = prompts_for(300)[:6]
+    greedy = [SamplingParams(temperature=0, max_new_tokens=6 + i) for i in range(6)]
+    seeded = [SamplingParams(temperature=0.9, top_p=0.9, seed=11 + i, n=1 + (i % 2),
+                             max_new_tokens=5) if i % 2 else greedy[i] for i in range(6)]
+    mixed = [SamplingParams(temperature=0, logprobs=2, max_new_tokens=4) if i == 0
+             else seeded[i] for i in range(6)]
+    return [(prompts, greedy), (prompts, seeded), (prompts, mixed)]
+
+
+def _run(model_dir, **cfg):
+    """Per workload: the outputs and what crossed to rank 0 (None: one process)."""
+    cfg = {"device": "cpu", "dtype": "float32", "max_total_tokens": 2048,
+           "dist_timeout_s": 60, "check_accounting": True} | cfg
+    out = []
+    with Engine(str(model_dir), **cfg) as e:
+        stage = getattr(e.core.runner, "stage", None)
+        for prompts, params in _workloads():
+            before = dict(stage.shipped) if stage is not None else None
+            outs = e.generate(prompts, params, use_tqdm=False)
+            got = [[(s.token_ids, s.finish_reason, s.logprobs is not None) for s in o.outputs]
+                   for o in outs]
+            shipped = None if stage is None else {
+                k: stage.shipped[k] - before[k] for k in before}
+            out.append((got, shipped))
+    return out
+
+
+@pytest.fixture(scope="module")
+def oracle(model_dir):
+    return [got for got, _ in _run(model_dir)]
+
+
+@SPAWNS
+@pytest.mark.parametrize("tp, pp, pipes", [(1, 2, True), (1, 2, False), (2, 2, True)])
+def test_ids_not_logits_cross_and_tokens_equal_one_process(model_dir, oracle, monkeypatch,
+                                                           tp, pp, pipes):
+    if not pipes:
+        monkeypatch.setenv(NO_STAGE_PIPES_ENV, "1")
+    runs = _run(model_dir, tp_size=tp, pp_size=pp)
+    assert [got for got, _ in runs] == oracle
+    (_, greedy), (_, seeded), (_, mixed) = runs
+    assert greedy["logits_bytes"] == 0 and greedy["token_ids"] > 0  # red without the feature
+    assert seeded["logits_bytes"] == 0 and seeded["token_ids"] > 0
+    assert mixed["logits_bytes"] > 0  # logprobs: those steps ship logits
+
+
+@SPAWNS
+def test_the_driver_samples_when_told(model_dir, oracle, monkeypatch):
+    """`PHASEFLIP_PP_DRIVER_SAMPLES`: the logits path, for comparison (benchmarks)."""
+    monkeypatch.setenv(DRIVER_SAMPLES_ENV, "1")
+    runs = _run(model_dir, pp_size=2)
+    assert [got for got, _ in runs] == oracle
+    assert all(s["token_ids"] == 0 and s["logits_bytes"] > 0 for _, s in runs)
