@@ -364,11 +364,11 @@ def test_a_served_prefill_layout_stays_when_it_decodes_faster_than_the_decode_la
 
 
 def test_decode_steps_at_other_batch_sizes_bound_the_comparison():
-    """On one H200 the served burst left pp2 decoding 8-15 rows (7.4 ms a step) while tp2 had
-    only decoded the background's 4-7 (85 ms): no shared bucket, so auto went back to tp2 after
-    every burst. A step is no cheaper with more rows: pp2 at 8-15 bounds its step at 4-7 from
-    above, tp2 at 4-7 bounds its step at 8-15 from below, and both bounds say pp2 is faster.
-    The bounds never run the other way: tp2 measured only at larger batches proves nothing."""
+    """On one H200 a served burst left pp2 decoding 8-15 rows (7.4 ms a step) while tp2 had
+    only decoded the background's 1-7 (85 ms): no shared bucket, so auto went back to tp2
+    after every burst. A step is no cheaper with more rows and no dearer than its rows run as
+    smaller steps, so each layout's steps bound the other buckets: pp2 at 2-3 rows bounds its
+    step at 8-15 by 8 x 7.4 = 59 ms, under tp2's 85 ms at 4-7; the bounds never claim more."""
     from phaseflip.flip.decode_cost import DecodeCosts
 
     clock = Clock()
@@ -381,17 +381,23 @@ def test_decode_steps_at_other_batch_sizes_bound_the_comparison():
     for _ in range(8):
         pol.observe_step(PP, 0, 13, 0.0074)  # pp2: 7.4 ms at 13 rows (bucket 8-15)
     running = [req(f"r{i}", [1, 2]) for i in range(5)]
-    for busy in (running, []):  # busy at 5 rows, and idle
+    for busy in (running, []):  # busy at 5 rows (monotone), and idle (at 8-15)
         d = pol.decide([], busy, None)
         assert d.target is None and "decodes faster" in d.reason
-        assert d.numbers["decode_here_vs_back"]["here_rows"] == "8-15"
         assert d.numbers["decode_here_vs_back"]["there_rows"] == "4-7"
     costs = DecodeCosts()
     for _ in range(4):
-        costs.observe(PP, 2, 7.4)  # here measured only at a smaller batch,
-        costs.observe(TP, 13, 85.0)  # there only at a larger one: no bound either way
-    for rows in (2, 5, 13, None):
-        assert costs.compare(PP, TP, rows) is None
+        costs.observe(PP, 2, 7.4)  # pp2 measured only at 2-3 rows
+        costs.observe(TP, 5, 85.0)
+    c = costs.compare(PP, TP, 13)  # a burst of 13: pp2 <= ceil(15 / 2) x 7.4 = 59.2 ms
+    assert c.here_faster and c.here_ms == pytest.approx(59.2) and c.here_rows == "2-3"
+    assert not costs.compare(PP, TP, 40).here_faster  # 32-63 rows: <= 32 x 7.4, no claim
+    costs = DecodeCosts()
+    for _ in range(4):
+        costs.observe(PP, 2, 7.4)
+        costs.observe(TP, 13, 60.0)  # tp2 only at 8-15: at 2-3 it is >= 60 / ceil(15/2)
+    c = costs.compare(PP, TP, 2)
+    assert c.there_ms == pytest.approx(7.5) and not c.here_faster  # 7.4 is not clearly
 
 
 # ---------------------------------------------------------------------- config

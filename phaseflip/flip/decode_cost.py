@@ -27,14 +27,13 @@ def bucket(rows: int) -> int:
 
 
 def _span(b: int) -> str:
-    lo, hi = 1 << (b - 1), (1 << b) - 1
-    return f"{lo}-{hi}" if hi > lo else str(lo)
+    return f"{_lo(b)}-{_hi(b)}" if _hi(b) > _lo(b) else str(_lo(b))
 
 
 @dataclass
 class DecodeComparison:
-    """Both layouts' step at one bucket, each read at the nearest bucket it measured that
-    bounds it (`here` at that bucket or a larger one, `there` at it or a smaller one)."""
+    """Both layouts' step at one bucket: `here` as an upper bound, `there` as a lower one,
+    each from the bucket that bounds it most tightly (`here_rows`, `there_rows`)."""
 
     here_ms: float
     there_ms: float
@@ -58,12 +57,14 @@ class DecodeCosts:
     """Median pure-decode step time (ms) per (layout, batch bucket), over the last WINDOW: a
     median, so a step that captured a decode graph after a seam (0.3-0.5 s) moves nothing.
 
-    Two layouts rarely measure the same bucket: on one H200 the served burst left pp2 decoding
-    8-15 rows while tp2 had only decoded the background's 4-7, so an exact-bucket comparison
-    found nothing and auto went back to a layout 11x slower, every burst. A decode step does not
-    get cheaper with more rows, so `here` measured at a larger bucket is an upper bound of its
-    step at the judged one, and `there` at a smaller bucket a lower bound: when the bounds
-    already say `here` is faster, it is (a bound, not an interpolation)."""
+    Two layouts rarely measure the same bucket: on one H200 a served burst left pp2 decoding
+    8-15 rows while tp2 had decoded only the background's 1-7, so an exact-bucket comparison
+    found nothing and auto went back to a layout 11x slower, every burst. Two facts of any
+    batched step bound one bucket by another, without a model: a step is no cheaper with more
+    rows (monotone), and no dearer than running its rows as several smaller steps
+    (subadditive: step(r) <= ceil(r / k) * step(k)). So `here` at any bucket bounds its step at
+    the judged one from above, `there` from below; when the bounds already say `here` is
+    faster, it is."""
 
     def __init__(self) -> None:
         self._ms: dict[tuple[Layout, int], deque[float]] = {}
@@ -81,18 +82,26 @@ class DecodeCosts:
 
     def compare(self, here: Layout, there: Layout, rows: int | None
                 ) -> DecodeComparison | None:
-        """Both layouts' step at `rows`' bucket, bounded as the class says (None when no
-        bound exists: neither measured near it); idle (`rows` None), at the largest bucket
-        that has one."""
+        """Both layouts' step at `rows`' bucket, bounded as the class says (None until both
+        have measured some bucket); idle (`rows` None), at the largest bucket either measured."""
         mine, theirs = self._measured(here), self._measured(there)
         if not mine or not theirs:
             return None
-        judged = [bucket(rows)] if rows else sorted(set(mine) | set(theirs), reverse=True)
-        for b in judged:
-            upper = [k for k in mine if k >= b]  # here's step at b is at most these
-            lower = [k for k in theirs if k <= b]  # there's step at b is at least these
-            if upper and lower:
-                hb = min(upper, key=lambda k: (mine[k], k))
-                tb = max(lower, key=lambda k: (theirs[k], -k))
-                return DecodeComparison(mine[hb], theirs[tb], _span(b), _span(hb), _span(tb))
-        return None
+        b = bucket(rows) if rows else max(set(mine) | set(theirs))
+        upper = {k: ms * (_ceil_div(_hi(b), _lo(k)) if k < b else 1) for k, ms in mine.items()}
+        lower = {k: ms / (_ceil_div(_hi(k), _lo(b)) if k > b else 1) for k, ms in theirs.items()}
+        hb = min(upper, key=lambda k: (upper[k], abs(k - b)))
+        tb = max(lower, key=lambda k: (lower[k], -abs(k - b)))
+        return DecodeComparison(upper[hb], lower[tb], _span(b), _span(hb), _span(tb))
+
+
+def _lo(b: int) -> int:
+    return 1 << (b - 1)
+
+
+def _hi(b: int) -> int:
+    return (1 << b) - 1
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
