@@ -102,6 +102,8 @@ def simulate_run(run: dict[str, Any], calib: dict[str, Any], trace: list[wl.Arri
         models[lay] = replace(models[lay], prompt_token_s=k * models[lay].prompt_token_s)
     known = set(EngineConfig.field_names())
     cfg = EngineConfig(**{k: v for k, v in (run["config"] or {}).items() if k in known})
+    if run.get("timeline"):  # the config is read after the run, in its last layout; the
+        cfg = cfg.with_layout(*_parse_name(run["timeline"][0]["layout"]))  # first sample's is
     if (cfg.tp_size, cfg.pp_size) not in models:
         return None
     seam = {(_parse_name(s["source"]), _parse_name(s["target"])): s["seconds"]

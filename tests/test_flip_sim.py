@@ -192,3 +192,28 @@ def test_one_step_of_the_size_priced_measures_the_rate_and_a_shorter_one_does_no
     assert not d.flip and "provisional" in d.reason, d.reason
     pol.observe_step(TP, 8192, 0, 8192 / 5000)
     assert pol.decide(backlog(40_000), [], None).target == PP  # N = 3000
+
+
+def test_an_auto_run_is_replayed_from_the_layout_it_launched_in():
+    """`config` is read from /server_info after the run, in the layout the run ended in: an
+    auto run that ended in pp2 was simulated from pp2, and its first simulated flip (to tp2 at
+    0.07 s, the idle flip back) was one the server never made."""
+    from benchmarks.flip_workload_sim import simulate_run
+    from phaseflip.flip import workload as wl
+
+    spec = wl.WorkloadSpec(duration_s=4.0, burst_every_s=10.0, background_rps=2.0,
+                           background_prompt_tokens=8, background_output_tokens=4, seed=1)
+    trace = wl.generate(spec)
+    steps = {name: [{"prompt_tokens": t, "decode_rows": r, "ctx_tokens": 0,
+                     "seconds": 0.01 + 1e-5 * t + 1e-3 * r}
+                    for t, r in ((0, 1), (0, 4), (64, 0), (512, 2), (2048, 0))]
+             for name in ("tp2×pp1", "tp1×pp2")}
+    calib = {"steps": steps, "seams": [
+        {"source": "tp2×pp1", "target": "tp1×pp2", "seconds": 0.1},
+        {"source": "tp1×pp2", "target": "tp2×pp1", "seconds": 0.1}]}
+    config = {"tp_size": 1, "pp_size": 2, "enable_flip": True, "flip_policy": "auto",
+              "flip_layouts": "tp2,pp2", "enable_hicache": True}
+    run = {"run": "auto", "config": config, "kv_capacity_tokens": 4096,
+           "timeline": [{"t_s": 0.04, "layout": "tp2×pp1"}, {"t_s": 3.0, "layout": "tp1×pp2"}]}
+    out = simulate_run(run, calib, trace)
+    assert out["layout_timeline"][0][1] == "tp2×pp1"
