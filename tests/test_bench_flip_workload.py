@@ -1,7 +1,8 @@
-"""bench_flip_workload's harness (issue 17): the time budget that lets a one-shot GPU run stop
-cleanly with its JSON written (a run that cannot fit is skipped, one that overruns is cut and
-keeps what it finished), the calibration's shape (unrecorded warm-ups, output cap, the return
-to the decode layout on one batch) and the simulator check. No server, no model: the HTTP
+"""bench_flip_workload's harness and its calibration (flip_calibration.py), issue 17: the time
+budget that lets a one-shot GPU run stop cleanly with its JSON written (a run that cannot fit
+is skipped, one that overruns is cut and keeps what it finished), the calibration's shape
+(unrecorded warm-ups, output cap, the return to the decode layout on one batch), its child
+process and seeds, and the simulator check. No server, no model: the HTTP
 client, the server launch and the engine are fakes."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks import bench_flip_workload as bfw
+from benchmarks import flip_calibration as fc
 from benchmarks.bench_serving import RequestResult
 from phaseflip.flip import workload as wl
 
@@ -135,7 +137,7 @@ def test_main_writes_the_json_after_every_run_and_simulates_no_cut_run(monkeypat
                 "timing": {"launch_s": 5.0, "replay_s": 1.0, "stop_s": 1.0}}
 
     monkeypatch.setattr(bfw, "serve_run", serve_run)
-    monkeypatch.setattr(bfw, "calibrate_isolated", lambda argv, limit: {
+    monkeypatch.setattr(fc, "calibrate_isolated", lambda argv, limit: {
         "steps": {"tp2×pp1": []}, "seams": []})
     res = bfw.main([*SPEC, "--runs", "tp2,pp2,tp2", "--out", str(out),
                     "--time-budget-s", "100"])
@@ -149,7 +151,7 @@ def test_a_failed_calibration_is_recorded_and_the_runs_go_on(monkeypatch, tmp_pa
     def broken(*_a):
         raise RuntimeError("CUDA out of memory")
 
-    monkeypatch.setattr(bfw, "calibrate_isolated", broken)
+    monkeypatch.setattr(fc, "calibrate_isolated", broken)
     monkeypatch.setattr(bfw, "serve_run", lambda run, a, t, calib, b, ls: {
         "run": run, "error": f"calib {calib}"})
     res = bfw.main([*SPEC, "--runs", "tp2", "--out", str(tmp_path / "r.json")])
@@ -168,7 +170,7 @@ def test_the_calibration_child_is_killed_past_its_limit_with_what_it_spawned(tmp
             "time.sleep(120)")
     t0 = time.monotonic()
     with pytest.raises(TimeoutError):
-        bfw.run_child([sys.executable, "-c", code, str(pid_file)], tmp_path / "none.json", 2.0)
+        fc.run_child([sys.executable, "-c", code, str(pid_file)], tmp_path / "none.json", 2.0)
     assert time.monotonic() - t0 < 30
     grandchild = int(pid_file.read_text())
     deadline = time.monotonic() + 10  # a rank the calibration spawned goes with it
@@ -187,12 +189,26 @@ def test_the_calibration_child_hands_back_its_json_or_its_failure(tmp_path):
 
     out = tmp_path / "c.json"
     code = f"import json; json.dump({{'steps': {{}}, 'seams': []}}, open({str(out)!r}, 'w'))"
-    assert bfw.run_child([sys.executable, "-c", code], out, 30) == {"steps": {}, "seams": []}
+    assert fc.run_child([sys.executable, "-c", code], out, 30) == {"steps": {}, "seams": []}
     with pytest.raises(RuntimeError, match="code 3"):
-        bfw.run_child([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "x.json", 30)
+        fc.run_child([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "x.json", 30)
+
+
+def test_the_calibration_module_does_not_import_the_benchmark():
+    """The dependency goes one way (the benchmark imports its calibration): the child runs
+    the benchmark by name, never an import of it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, benchmarks.flip_calibration; "
+            "print('benchmarks.bench_flip_workload' in sys.modules)")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert got.stdout.strip() == "False"
 
 
 def test_calibrate_only_writes_the_calibration_and_nothing_else(monkeypatch, tmp_path):
+    # main looks `calibrate` up in its own module's names (imported from flip_calibration)
     monkeypatch.setattr(bfw, "calibrate", lambda a, t: {"steps": {"tp2×pp1": []},
                                                           "seams": []})
     monkeypatch.setattr(bfw, "serve_run", lambda *a: pytest.fail("served in calibrate-only"))
@@ -227,11 +243,11 @@ class FakeCore:
         self.queued.clear()
 
     def flip(self, tp, pp):
-        src = bfw.layout_name((self.cfg.tp_size, self.cfg.pp_size))
+        src = fc.layout_name((self.cfg.tp_size, self.cfg.pp_size))
         self.cfg.tp_size, self.cfg.pp_size = tp, pp
         self.log.append(("flip", tp, pp))
         census = SimpleNamespace(total_s=0.1, as_dict=lambda: {
-            "source": src, "target": bfw.layout_name((tp, pp))})
+            "source": src, "target": fc.layout_name((tp, pp))})
         return census, []
 
 
@@ -259,7 +275,7 @@ def test_calibration_warms_each_layout_unrecorded_caps_outputs_and_returns_on_on
              "--background-output-tokens", "20",
              "--serve-args", "--model llama-3.1-8b --load-format dummy --page-size 16")
     trace = trace_of(a)
-    calib = bfw.calibrate(a, trace)
+    calib = fc.calibrate(a, trace)
     (model, config), = opened  # the server's --model is the engine's model
     assert model == "llama-3.1-8b" and config["load_format"] == "dummy"
     flips = [e[1:] for e in core.log if e[0] == "flip"]
@@ -307,11 +323,11 @@ def test_the_seed_speedup_is_taken_at_the_servers_prefill_step():
     calib = {"steps": {"tp2×pp1": steps(0.1, 1e-3), "tp1×pp2": steps(0.03, 1e-4)},
              "seams": []}
     want = (2048 / (0.1 + 2.048)) / (2048 / (0.03 + 0.2048))
-    flags = bfw.seeds(calib, "tp2×pp1", "tp1×pp2", 2048)
+    flags = fc.seeds(calib, "tp2×pp1", "tp1×pp2", 2048)
     assert flags == f"--flip-seed-pp-speedup {1 / want:.4f}"
-    assert bfw.prefill_step_tokens("--chunked-prefill-size 2048 --max-prefill-tokens 4096") \
+    assert fc.prefill_step_tokens("--chunked-prefill-size 2048 --max-prefill-tokens 4096") \
         == 2048
-    assert bfw.prefill_step_tokens("--chunked-prefill-size 0 --max-prefill-tokens 4096") == 4096
+    assert fc.prefill_step_tokens("--chunked-prefill-size 0 --max-prefill-tokens 4096") == 4096
 
 @pytest.mark.parametrize("flips, sim_flips, tps, sim_tps, ok", [
     (0, 0, 100.0, 114.0, True),
@@ -334,10 +350,10 @@ def test_seeds_leave_out_what_the_calibration_could_not_measure():
     seam = {"target": "tp1×pp2", "seconds": 0.2, "refill_tokens_prefilled": 0}
     calib = {"steps": {"tp2×pp1": [step], "tp1×pp2": [step | {"seconds": 0.05}]},
              "seams": [seam]}
-    flags = bfw.seeds(calib, "tp2×pp1", "tp1×pp2")
+    flags = fc.seeds(calib, "tp2×pp1", "tp1×pp2")
     assert flags == "--flip-seed-pp-speedup 2.0000 --flip-seed-to-pp-s 0.2000"  # no seam back
     calib["steps"]["tp1×pp2"] = [step | {"prompt_tokens": 8}]  # no prefill step measured
-    assert bfw.seeds(calib, "tp2×pp1", "tp1×pp2") == "--flip-seed-to-pp-s 0.2000"
+    assert fc.seeds(calib, "tp2×pp1", "tp1×pp2") == "--flip-seed-to-pp-s 0.2000"
 
 
 def test_after_a_cut_the_runs_that_finished_are_still_simulated(monkeypatch):
