@@ -44,6 +44,7 @@ from benchmarks.common import (
     summarize,
     write_json,
 )
+from benchmarks.gpu_busy import GpuBusySampler, add_gpu_busy_arg, format_busy, gpus_to_sample
 from phaseflip import Engine, SamplingParams
 from phaseflip.forward_batch import ForwardBatch
 from phaseflip.model.config import ModelConfig
@@ -191,24 +192,30 @@ def bench_phaseflip(engine: Engine, batch_size: int, args: argparse.Namespace,
         _run_batch(engine, prompts, min(args.output_len, 4), args.temperature)
     prefill_s, ttft_s, e2e_s, decode_s, prefill_steps = [], [], [], [], []
     mbu, mfu_decode, mfu_prefill = [], [], []
-    for it in tqdm(range(args.num_iters), desc=f"phaseflip bs={batch_size}", unit="iter"):
-        prompts = random_prompts([args.input_len] * batch_size, vocab,
-                                 args.seed + 1_000 * batch_size + it)
-        t0, t1, records = _run_batch(engine, prompts, args.output_len, args.temperature)
-        prefill = [r for r in records if not r.is_decode]
-        decode = [r for r in records if r.is_decode]
-        e2e_s.append(t1 - t0)
-        prefill_steps.append(len(prefill))
-        if prefill:
-            p_time = sum(r.seconds for r in prefill)
-            prefill_s.append(p_time)
-            ttft_s.append(prefill[-1].end - t0)
-            mfu_prefill.append(sum(cost.flops(r) for r in prefill) / p_time / args.peak_flops)
-        for r in decode:
-            decode_s.append(r.seconds)
-            mbu.append(cost.bytes(r) / r.seconds / args.peak_bandwidth)
-            mfu_decode.append(cost.flops(r) / r.seconds / args.peak_flops)
+    gpus, why_not = gpus_to_sample(engine, args.gpu_busy)
+    windows: list[tuple[float, float]] = []  # each iteration's decode steps (GPU busy region)
+    with GpuBusySampler(gpus, note=why_not) as sampler:
+        for it in tqdm(range(args.num_iters), desc=f"phaseflip bs={batch_size}", unit="iter"):
+            prompts = random_prompts([args.input_len] * batch_size, vocab,
+                                     args.seed + 1_000 * batch_size + it)
+            t0, t1, records = _run_batch(engine, prompts, args.output_len, args.temperature)
+            prefill = [r for r in records if not r.is_decode]
+            decode = [r for r in records if r.is_decode]
+            if decode:
+                windows.append((decode[0].start, decode[-1].end))
+            e2e_s.append(t1 - t0)
+            prefill_steps.append(len(prefill))
+            if prefill:
+                p_time = sum(r.seconds for r in prefill)
+                prefill_s.append(p_time)
+                ttft_s.append(prefill[-1].end - t0)
+                mfu_prefill.append(sum(cost.flops(r) for r in prefill) / p_time / args.peak_flops)
+            for r in decode:
+                decode_s.append(r.seconds)
+                mbu.append(cost.bytes(r) / r.seconds / args.peak_bandwidth)
+                mfu_decode.append(cost.flops(r) / r.seconds / args.peak_flops)
     step = summarize(decode_s)
+    busy = sampler.summary(windows, step["p50"] if decode_s else None)
     p_med = statistics.median(prefill_s) if prefill_s else float("nan")
     return {
         "batch_size": batch_size,
@@ -222,6 +229,8 @@ def bench_phaseflip(engine: Engine, batch_size: int, args: argparse.Namespace,
         "mfu_decode": statistics.median(mfu_decode) if mfu_decode else float("nan"),
         "mfu_prefill": statistics.median(mfu_prefill) if mfu_prefill else float("nan"),
         "prefill_steps_per_iter": max(prefill_steps),
+        "gpu_busy": busy,  # per GPU over the decode steps, NVML (see benchmarks.gpu_busy)
+        "host_bubble_ms_per_step": busy["host_bubble_ms_per_step"],  # estimate, worst GPU
         "decode_step_times_s": decode_s,
     }
 
@@ -337,6 +346,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--hf", action="store_true", help="also time transformers generate")
     ap.add_argument("--hf-batch-sizes", default=None, help="default: --batch-sizes")
     ap.add_argument("--hf-cache", default="static", choices=["static", "dynamic"])
+    add_gpu_busy_arg(ap)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     return ap.parse_args(argv)
 
@@ -421,15 +431,20 @@ def _print(result: dict[str, Any]) -> None:
         return 100.0 * x
 
     headers = ["batch", "prefill s", "prefill tok/s", "TTFT s", "decode p50 ms", "decode p90 ms",
-               "decode tok/s", "MBU %", "MFU prefill %", "MFU decode %"]
+               "decode tok/s", "MBU %", "MFU prefill %", "MFU decode %", "GPU busy % (NVML)",
+               "host bubble ms/step (est.)"]
     rows = [[r["batch_size"], r["prefill_s"], r["prefill_tokens_per_s"], r["ttft_s"],
              1e3 * r["decode_step_s"]["p50"], 1e3 * r["decode_step_s"]["p90"],
              r["decode_tokens_per_s"], pct(r["mbu_decode"]), pct(r["mfu_prefill"]),
-             pct(r["mfu_decode"])] for r in result["results"]]
+             pct(r["mfu_decode"]), format_busy(r["gpu_busy"]), r["host_bubble_ms_per_step"]]
+            for r in result["results"]]
     print_table(headers, rows, title=(
         f"phaseflip latency: {result['model']} ({result['load_format']}, {result['dtype']}, "
         f"{result['device']}, tp={result['tp_size']} pp={result['pp_size']}), "
         f"input {result['input_len']}, output {result['output_len']}"))
+    for r in result["results"]:
+        if r["gpu_busy"]["note"] and r["gpu_busy"]["devices"] is not None:  # on GPUs: say why
+            print(f"GPU busy, batch {r['batch_size']}: {r['gpu_busy']['note']}")
     hf = [r for r in result["results"] if r.get("hf")]
     if hf:
         headers = ["batch", "phaseflip prefill s", "transformers prefill s", "prefill ratio",

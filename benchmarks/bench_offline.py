@@ -28,12 +28,14 @@ from tqdm.auto import tqdm
 from benchmarks.common import (
     add_model_args,
     add_workload_args,
+    fmt,
     make_workload,
     parse_engine_args,
     print_table,
     release_engine,
     write_json,
 )
+from benchmarks.gpu_busy import GpuBusySampler, add_gpu_busy_arg, format_busy, gpus_to_sample
 from phaseflip import Engine, SamplingParams
 
 
@@ -54,6 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--hf-max-duration-s", type=float, default=None,
                     help="start no transformers batch after this long; the rates then cover "
                          "the batches done (marked partial)")
+    add_gpu_busy_arg(ap)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     return ap.parse_args(argv)
 
@@ -90,6 +93,7 @@ class Progress:
         self.started: set[str] = set()
         self.finished = 0
         self.output_tokens = 0
+        self.steps = 0
 
     def __enter__(self) -> Progress:
         step = self.core.step
@@ -100,6 +104,7 @@ class Progress:
             if self.deadline is not None and time.perf_counter() > self.deadline:
                 raise _DeadlineReached
             deltas = step()
+            self.steps += 1
             for d in deltas:
                 self.output_tokens += len(d.token_ids)
                 if d.token_ids:
@@ -175,6 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     params = [SamplingParams(max_new_tokens=n, temperature=args.temperature, ignore_eos=True)
               for n in work.output_lens]
     dtype, device = engine.core.runner.dtype, engine.core.runner.device
+    gpus, why_not = gpus_to_sample(engine, args.gpu_busy)
     try:
         if args.num_warmup:
             warm = make_workload("fixed", args.num_warmup, min(64, max_context // 2), 4,
@@ -184,14 +190,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         deadline = t0 + args.max_duration_s if args.max_duration_s else None
         complete = True
-        with Progress(engine, deadline) as progress:
+        with GpuBusySampler(gpus, note=why_not) as sampler, Progress(engine, deadline) as progress:
             try:
                 outs = engine.generate(work.prompts, params, use_tqdm=True)
             except _DeadlineReached:
                 complete = False
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
     finally:
         release_engine(engine)
     if complete:
@@ -203,6 +209,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rates = _rates(progress.finished, progress.input_tokens, progress.output_tokens, seconds)
         rates["requests_started"] = len(progress.started)
     rates["complete"] = complete
+    step_s = seconds / progress.steps if progress.steps else None  # mean wall time of a step
+    busy = sampler.summary([(t0, t0 + seconds)], step_s)
     if not complete:
         print(f"stopped at --max-duration-s {args.max_duration_s}: PARTIAL run, "
               f"{progress.finished}/{len(work.prompts)} requests finished")
@@ -222,6 +230,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "output_lens": work.output_lens,
         "num_prompts": len(work.prompts),
         "phaseflip": rates,
+        "engine_steps": progress.steps,
+        "gpu_busy": busy,  # per GPU over the whole run, NVML (see benchmarks.gpu_busy)
+        "host_bubble_ms_per_step": busy["host_bubble_ms_per_step"],  # estimate, worst GPU
         "hf": None,
     }
     if args.hf:  # shown and saved first: the reference run may fail on its own
@@ -237,7 +248,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def _print(result: dict[str, Any]) -> None:
     headers = ["engine", "requests", "in tokens", "out tokens", "seconds", "req/s", "in tok/s",
-               "out tok/s", "total tok/s"]
+               "out tok/s", "total tok/s", "GPU busy % (NVML)", "host bubble ms/step (est.)"]
+    busy = result.get("gpu_busy") or {}
     rows = []
     for name, key in (("phaseflip", "phaseflip"), ("transformers", "hf")):
         r = result.get(key)
@@ -245,11 +257,15 @@ def _print(result: dict[str, Any]) -> None:
             rows.append([name + ("" if r.get("complete", True) else " (PARTIAL)"),
                          r["num_requests"], r["input_tokens"], r["output_tokens"],
                          r["duration_s"], r["requests_per_s"], r["input_tokens_per_s"],
-                         r["output_tokens_per_s"], r["total_tokens_per_s"]])
+                         r["output_tokens_per_s"], r["total_tokens_per_s"],
+                         *((format_busy(busy), busy.get("host_bubble_ms_per_step"))
+                           if key == "phaseflip" else ("-", None))])
     print_table(headers, rows, title=(
         f"offline throughput: {result['model']} ({result['load_format']}, {result['dtype']}, "
         f"{result['device']}, tp={result['tp_size']} pp={result['pp_size']}), "
         f"dataset {result['dataset']}"))
+    if busy.get("devices") is not None and busy["note"]:  # on GPUs: why a figure is missing
+        print(f"GPU busy (whole run, mean step {fmt(busy['step_ms'])} ms): {busy['note']}")
     ours, hf = result.get("phaseflip"), result.get("hf")
     if ours and hf and hf["output_tokens_per_s"] > 0:
         print(f"phaseflip / transformers, output tok/s: "
