@@ -224,3 +224,28 @@ def test_benchmarks_survive_a_failing_sampler(fake_smi, monkeypatch):
                               "--dataset", "fixed", "--input-len", "4", "--output-len", "3",
                               "--num-warmup", "0", "--gpu-busy", "off"])
     assert off["gpu_busy"]["note"] == "--gpu-busy off" and off["gpu_busy"]["devices"] is None
+
+
+def test_engine_gpus_places_ranks_like_rank_device(monkeypatch):
+    import torch
+
+    def engine(device: torch.device, world: int, nnodes: int = 1) -> types.SimpleNamespace:
+        return types.SimpleNamespace(
+            core=types.SimpleNamespace(runner=types.SimpleNamespace(device=device)),
+            config=types.SimpleNamespace(world_size=world, nnodes=nnodes))
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(uuid=f"u{i}"))
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert gpu_busy.engine_gpus(engine(cuda0, 4)) == {"GPU-u0": [0, 2], "GPU-u1": [1, 3]}
+    assert gpu_busy.engine_gpus(engine(cuda1, 1)) == {"GPU-u1": [0]}
+    assert gpu_busy.engine_gpus(engine(cuda0, 4, nnodes=2)) == {"GPU-u0": [0], "GPU-u1": [1]}
+    assert gpu_busy.engine_gpus(engine(torch.device("cpu"), 1)) is None
+
+    def no_uuid(i: int):
+        raise AttributeError("uuid")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_uuid)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    assert gpu_busy.engine_gpus(engine(cuda0, 2)) == {"5": [0], "7": [1]}
