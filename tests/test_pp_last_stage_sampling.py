@@ -147,12 +147,16 @@ def oracle(model_dir):
 
 
 @SPAWNS
-@pytest.mark.parametrize("tp, pp, pipes", [(1, 2, True), (1, 2, False), (2, 2, True)])
+@pytest.mark.parametrize("tp, pp, pipes, cfg", [
+    (1, 2, True, {}), (1, 2, False, {}), (2, 2, True, {}), (1, 3, True, {}),
+    (1, 2, True, {"pp_async_decode": True}),  # decode groups in flight
+    (2, 2, False, {"pp_async_decode": True, "max_running_requests": 6}),
+])
 def test_ids_not_logits_cross_and_tokens_equal_one_process(model_dir, oracle, monkeypatch,
-                                                           tp, pp, pipes):
+                                                           tp, pp, pipes, cfg):
     if not pipes:
         monkeypatch.setenv(NO_STAGE_PIPES_ENV, "1")
-    runs = _run(model_dir, tp_size=tp, pp_size=pp)
+    runs = _run(model_dir, tp_size=tp, pp_size=pp, **cfg)
     assert [got for got, _ in runs] == oracle
     (_, greedy), (_, seeded), (_, mixed) = runs
     assert greedy["logits_bytes"] == 0 and greedy["token_ids"] > 0  # red without the feature
