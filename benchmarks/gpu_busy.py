@@ -196,6 +196,7 @@ class GpuBusySampler:
         self._notes: list[str] = [note] if note else []
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._terminating = threading.Event()  # stop() ends the child: its exit is no failure
         self._thread: threading.Thread | None = None
         self._proc: subprocess.Popen[str] | None = None
         self._nvml: Any = None
@@ -295,11 +296,11 @@ class GpuBusySampler:
             for dev in self.gpus or {}:
                 if _matches(dev, index, uuid):
                     self._add(Sample(t, dev, pct))
-        if not self._stop.is_set():
-            try:
-                rc = proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                rc = None
+        try:
+            rc = proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            rc = None
+        if not (self._terminating.is_set() and rc in (-signal.SIGTERM, -signal.SIGKILL)):
             self._fail(f"{self.smi} stopped early (exit {rc}): {' | '.join(self._unparsed)}")
 
     def stop(self) -> None:
@@ -307,6 +308,7 @@ class GpuBusySampler:
         self._stop.set()
         proc = self._proc
         if proc is not None and proc.poll() is None:
+            self._terminating.set()
             proc.terminate()
             try:
                 proc.wait(timeout=STOP_TIMEOUT_S)
