@@ -45,10 +45,11 @@ class DistributedChannel(TransferChannel):
 
     Why completion is known without any extra message: every rank executes a message's orders
     before its forward and orders that forward after the copies of all EARLIER messages
-    (`StageExecutor.run`). The logits of step m reach the driver only after every rank ran its
-    part of forward m: TP ranks all-reduce in every layer, stage s+1 needs stage s's hidden
-    states, and the logits come from the last stage. So when forward m has returned, the copies
-    of every message < m are done on every rank; a fence (all ranks synchronise their copies,
+    (`StageExecutor.run`). The logits of step m (or the ids the last stage sampled from them)
+    reach the driver only after every rank ran its part of forward m: TP ranks all-reduce in
+    every layer, stage s+1 needs stage s's hidden states, and the logits come from the last
+    stage. So when forward m has returned, the copies of every message < m are done on every
+    rank; a fence (all ranks synchronise their copies,
     then meet in a barrier) completes its own message too. Loads of message t are *visible* as
     soon as t is sent: any later forward is ordered after them on every rank.
     """

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from phaseflip.sampling.sampler import greedy, race, seeded_noise
+from phaseflip.sampling.sampler import greedy, race, seeded_noise, to_device
 
 _MASK64 = (1 << 64) - 1
 
@@ -90,7 +90,7 @@ def _take(logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         return logits[:0]
     if int(rows[-1]) - int(rows[0]) == n - 1 and bool((np.diff(rows) == 1).all()):
         return logits[int(rows[0]) : int(rows[0]) + n]
-    return logits[torch.from_numpy(np.ascontiguousarray(rows)).to(logits.device)]
+    return logits[to_device(rows.tolist(), torch.long, logits.device)]  # no stream sync
 
 
 def sample_rows(logits: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
