@@ -106,6 +106,8 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"logit_bias": {1: NAN}}, "logit_bias"),
     ({"logit_bias": {1: 100.5}}, "logit_bias"),
     ({"logit_bias": {1: -101.0}}, "logit_bias"),
+    ({"top_k": 2**31}, "top_k"),
+    ({"top_k": 2**63}, "top_k"),
     ({"n": 0}, "n"),
     ({"n": 129}, "n"),
     ({"seed": 1.5}, "seed"),

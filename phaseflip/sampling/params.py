@@ -16,6 +16,7 @@ from phaseflip.sampling.grammar import GrammarSpec
 MAX_N = 128
 PENALTY_RANGE = 2.0
 LOGIT_BIAS_RANGE = 100.0
+TOP_K_MAX = 2**31 - 1  # any k past the vocabulary keeps every token
 
 
 def _is_int(x: Any) -> bool:
@@ -132,9 +133,10 @@ class SamplingParams:
         if not 0.0 < top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
         top_k = _require_int(self.top_k, "top_k")
-        if top_k < -1:
-            raise InvalidRequestError(
-                f"top_k must be -1 or 0 (disabled) or a positive integer, got {top_k}",
+        if not -1 <= top_k <= TOP_K_MAX:  # past the vocabulary it filters nothing; past
+            raise InvalidRequestError(  # int32 it overflowed the sampler's tensors
+                f"top_k must be -1 or 0 (disabled) or a positive integer up to {TOP_K_MAX}, "
+                f"got {top_k}",
                 param="top_k",
             )
         min_p = _require_finite(self.min_p, "min_p")
