@@ -19,7 +19,7 @@ from phaseflip.distributed.driver import DRIVER_SAMPLES_ENV
 from phaseflip.distributed.group import NO_STAGE_PIPES_ENV
 from phaseflip.distributed.plan_codec import StepMessage, decode_frame
 from phaseflip.engine.sampling_step import _inputs, logit_rows
-from phaseflip.sampling.last_stage import sample_parts, spec_for
+from phaseflip.sampling.last_stage import SpecBuilder, sample_parts, spec_for
 from phaseflip.sampling.sampler import Sampler
 from tests.conftest import build_model, prompts_for
 from tests.test_plan_codec import _decode_step, _frame_bytes
@@ -85,6 +85,20 @@ def test_a_step_with_a_row_that_needs_the_logits_ships_them(params, req, ahead):
     batch, _ = _batch([SamplingParams(temperature=0), params], **req)
     assert spec_for(batch, ahead) is None
     assert spec_for(_batch([SamplingParams(temperature=0)] * 2)[0], ahead) is not None
+
+
+def test_the_builder_remembers_verdicts_per_params_object():
+    """The engine's builder keeps each params object's verdict: a new object (even at a
+    reused id) is judged anew, and the memory is bounded."""
+    builder = SpecBuilder()
+    builder.LIMIT = 2
+    greedy = _batch([SamplingParams(temperature=0)] * 3)[0]
+    assert builder.spec(greedy, ahead=True).rows.tolist() == [0, 1, 2]
+    for _ in range(3):  # fresh objects, freed after each spec: ids come back
+        assert builder.spec(_batch([SamplingParams(temperature=0, logprobs=1)])[0],
+                            ahead=False) is None
+        assert builder.spec(_batch([SamplingParams(temperature=0)])[0], ahead=True) is not None
+    assert len(builder._kinds) <= 2
 
 
 def test_the_spec_survives_the_frame_and_the_pickle():

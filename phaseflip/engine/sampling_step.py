@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from phaseflip.sampling.grammar import GrammarBook
-from phaseflip.sampling.last_stage import SampledTokens, SampleSpec, spec_for
+from phaseflip.sampling.last_stage import SampledTokens, SampleSpec, SpecBuilder
 from phaseflip.sampling.params import SamplingParams
 from phaseflip.sampling.sampler import Sampler, SamplingInput, compute_logprobs, to_device
 from phaseflip.scheduler.scheduler import Scheduled, ScheduledBatch
@@ -62,12 +62,12 @@ def logit_rows(items: list[Scheduled], logits: torch.Tensor) -> torch.Tensor:
 class SamplingStep:
     def __init__(self, sampler: Sampler, grammars: GrammarBook | None = None) -> None:
         self.sampler, self.grammars = sampler, grammars
+        self.specs = SpecBuilder()
 
-    @staticmethod
-    def last_stage_spec(batch: ScheduledBatch, ahead: bool) -> SampleSpec | None:
+    def last_stage_spec(self, batch: ScheduledBatch, ahead: bool) -> SampleSpec | None:
         """What the last pipeline stage may sample for this batch in the driver's stead (its
         ids then come back as `SampledTokens`), or None: the logits come to the driver."""
-        return spec_for(batch, ahead)
+        return self.specs.spec(batch, ahead)
 
     def sample(self, batch: ScheduledBatch, logits: torch.Tensor | SampledTokens) -> dict:
         """{sampling item: (token, logprob or None, top logprobs or None)}, on the host.

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from phaseflip.sampling.params import SamplingParams
 from phaseflip.sampling.sampler import greedy, race, seeded_noise, to_device
 
 _MASK64 = (1 << 64) - 1
@@ -53,34 +54,81 @@ class SampledTokens:
         return SampledTokens(self.tokens.clone())
 
 
-def spec_for(batch, ahead: bool) -> SampleSpec | None:
-    """The spec of a scheduled batch, or None when some row needs the logits on the driver.
-    `ahead`: a run-ahead step (its output lengths lag by the tokens in flight: greedy only)."""
-    rows: list[int] = []
-    ints: list[tuple[int, int, int, int]] = []
-    floats: list[tuple[float, float, float]] = []
-    for it in batch.items:
-        req = it.req
-        if it.num_logit_rows and req.wants_prompt_logprobs:  # read from the logits
-            return None
-        if not it.samples:
-            continue
-        p = req.params
-        if (p.logprobs is not None or p.grammar is not None or p.has_penalties
-                or len(req.output_ids) < p.min_new_tokens):
-            return None
-        if not p.is_greedy:
-            if ahead or p.seed is None:
+# a params object's verdict (`SpecBuilder.kind`): its base in the low bits, then flags for
+# what depends on the request's progress
+_LOGITS, _GREEDY, _SEEDED = 0, 1, 2
+_MIN_NEW, _PROMPT_LP = 4, 8
+
+
+def _kind(p: SamplingParams) -> int:
+    if p.logprobs is not None or p.grammar is not None or p.has_penalties:
+        base = _LOGITS
+    elif p.is_greedy:
+        base = _GREEDY
+    else:
+        base = _LOGITS if p.seed is None else _SEEDED
+    return (base | (_MIN_NEW if p.min_new_tokens else 0)
+            | (_PROMPT_LP if p.prompt_logprobs is not None else 0))
+
+
+class SpecBuilder:
+    """Builds the driver's `SampleSpec`s, remembering each params object's verdict (the
+    checks per row cost ~90 us a step at batch 256; `SamplingParams` are treated as
+    immutable). Held by the engine's `SamplingStep`: no module state."""
+
+    LIMIT = 8192  # params objects remembered at most (then forgotten all at once)
+
+    def __init__(self) -> None:
+        self._kinds: dict[int, tuple[SamplingParams, int]] = {}
+
+    def kind(self, p: SamplingParams) -> int:
+        got = self._kinds.get(id(p))
+        if got is not None and got[0] is p:  # the object itself held: its id is not reused
+            return got[1]
+        if len(self._kinds) >= self.LIMIT:
+            self._kinds.clear()
+        k = _kind(p)
+        self._kinds[id(p)] = (p, k)
+        return k
+
+    def spec(self, batch, ahead: bool) -> SampleSpec | None:
+        """The spec of a scheduled batch, or None when some row needs the logits on the
+        driver. `ahead`: a run-ahead step (output lengths lag by the tokens in flight: greedy
+        rows only)."""
+        rows: list[int] = []
+        ints: list[tuple[int, int, int, int]] = []
+        floats: list[tuple[float, float, float]] = []
+        kind = self.kind
+        for it in batch.items:
+            req = it.req
+            p = req.params
+            k = kind(p)
+            if k & _PROMPT_LP and it.num_logit_rows and req.wants_prompt_logprobs:
+                return None  # read from the logits
+            if not it.samples:
+                continue
+            if k & _MIN_NEW and len(req.output_ids) < p.min_new_tokens:
+                return None  # its stop ids are banned: the driver's sampler does that
+            base = k & 3
+            if base == _LOGITS:
                 return None
-            seed = p.seed & _MASK64  # as int64 bits (step_seed masks it the same way)
-            ints.append((len(rows), p.top_k, seed - (1 << 64) if seed >> 63 else seed,
-                         len(req.output_ids)))
-            floats.append((p.temperature, p.top_p, p.min_p))
-        rows.append(it.logit_row + it.num_logit_rows - 1)
-    if not ints:
-        return SampleSpec(np.asarray(rows, dtype=np.int64))
-    return SampleSpec(np.asarray(rows, dtype=np.int64), np.array(ints, dtype=np.int64),
-                      np.array(floats, dtype=np.float64))
+            if base == _SEEDED:
+                if ahead:
+                    return None
+                seed = p.seed & _MASK64  # as int64 bits (step_seed masks it the same way)
+                ints.append((len(rows), p.top_k, seed - (1 << 64) if seed >> 63 else seed,
+                             len(req.output_ids)))
+                floats.append((p.temperature, p.top_p, p.min_p))
+            rows.append(it.logit_row + it.num_logit_rows - 1)
+        if not ints:
+            return SampleSpec(np.asarray(rows, dtype=np.int64))
+        return SampleSpec(np.asarray(rows, dtype=np.int64), np.array(ints, dtype=np.int64),
+                          np.array(floats, dtype=np.float64))
+
+
+def spec_for(batch, ahead: bool) -> SampleSpec | None:
+    """`SpecBuilder.spec` without a memory (tests)."""
+    return SpecBuilder().spec(batch, ahead)
 
 
 def _take(logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
