@@ -185,3 +185,35 @@ def test_the_driver_samples_when_told(model_dir, oracle, monkeypatch):
     runs = _run(model_dir, pp_size=2)
     assert [got for got, _ in runs] == oracle
     assert all(s["token_ids"] == 0 and s["logits_bytes"] > 0 for _, s in runs)
+
+
+@pytest.mark.timeout(90, method="thread")
+@pytest.mark.parametrize("pipes", [True, False])
+def test_a_missing_hand_off_on_the_ids_path_is_a_named_stall(model_dir, monkeypatch, pipes):
+    """Law 3 with ids crossing: stage 1 is sent one of a plan's two micro-batches; rank 0's
+    wait for the ids and stage 1's hidden receive both end in the group's deadline, named
+    with every rank's position."""
+    from phaseflip.distributed.watchdog import DistributedStallError
+
+    if not pipes:
+        monkeypatch.setenv(NO_STAGE_PIPES_ENV, "1")
+    e = Engine(str(model_dir), device="cpu", max_total_tokens=2048, pp_size=2,
+               dist_timeout_s=3)
+    try:
+        core = e.core
+        for p in prompts_for(300)[:2]:
+            core.add_request(f"r{len(p)}", p, SamplingParams(temperature=0, max_new_tokens=2))
+        batch = core.scheduler.schedule()
+        runner = core.runner
+        spec = core.sampling.last_stage_spec(batch, ahead=False)
+        assert runner.last_stage_samples and spec is not None
+        first_only = batch.plan.split(2)[0]
+        runner.stage.micro_batches = lambda _plan: [first_only]  # the defect under test
+        with pytest.raises(DistributedStallError) as err:
+            runner.launch(batch.plan, None, spec)()
+        msg = str(err.value)
+        assert "rank 0: step 1, recv sampled ids from rank 1" in msg
+        assert "rank 1: step 1, recv hidden of micro-batch 1 from rank 0" in msg
+    finally:
+        core.runner.close(graceful=False)
+        e.core = None
