@@ -179,8 +179,11 @@ class DistributedRunner:
             logits = self._arrived(out, self.step_no)
             return lambda: logits
         sample = sample if self.last_stage_samples else None
-        nbytes = (8 * len(sample.rows) if sample is not None
-                  else int(plan.logits_indices.numel()) * self._row_bytes)
+        if sample is not None:  # the ids (and a mixed step's logits of the driver's rows)
+            shape, dtype = sample.message(self.runner.model_cfg.vocab_size)
+            nbytes = shape[0] * dtype.itemsize
+        else:
+            nbytes = int(plan.logits_indices.numel()) * self._row_bytes
         awaited = _AwaitedLogits(self, out, self.step_no, nbytes + 8)
         self._awaited.append(awaited)
         return awaited

@@ -185,7 +185,7 @@ _HEAD = 8
 FRAME_ARRAYS = ("input_ids", "positions", "out_cache_loc", "kv_indptr", "logits_indices",
                 "extend_lens", "prefix_lens", "rows", "row_epochs", "future_pos",
                 "future_rows", "seq_lens", "reset", "starts", "slots", "full", "future_ids",
-                "sample_rows", "sample_ints", "sample_floats")
+                "sample_rows", "sample_ints", "sample_floats", "sample_ship")
 _FENCE, _WHOLE, _DECODE = 1, 2, 4  # _DECODE: one token a sequence, its lists not sent
 _WORD = struct.Struct("<q")
 
@@ -202,7 +202,8 @@ class StepFrame:
         sample = msg.sample or SampleSpec(None)  # type: ignore[arg-type]
         floats = None if sample.floats is None else sample.floats.view(np.int64)  # bits
         values = [*(getattr(plan, f) for f in FRAME_ARRAYS[:11]), d.seq_lens, d.reset,
-                  d.starts, d.slots, d.full, msg.future_ids, sample.rows, sample.ints, floats]
+                  d.starts, d.slots, d.full, msg.future_ids, sample.rows, sample.ints, floats,
+                  sample.ship]
         # a decode step's lists are all ones and seq_lens - 1: rebuilt, not sent (17 us of
         # list conversion at batch 256)
         decode = len(plan.input_ids) == len(plan.extend_lens)
@@ -277,7 +278,8 @@ def decode_frame(buf: bytearray | memoryview) -> StepMessage:
     if got["sample_rows"] is not None:
         ints, floats = got["sample_ints"], got["sample_floats"]
         sample = SampleSpec(got["sample_rows"], None if ints is None else ints.reshape(-1, 4),
-                            None if floats is None else floats.view(np.float64).reshape(-1, 3))
+                            None if floats is None else floats.view(np.float64).reshape(-1, 3),
+                            got["sample_ship"])
     return StepMessage(int(w[3]), plan, None, bool(flags & _FENCE), int(w[5]),
                        got["future_ids"], bool(flags & _WHOLE), sample)
 
@@ -293,14 +295,22 @@ def _check_shapes(got: dict[str, np.ndarray | None], step: int, future_len: int,
             n["positions"] == n["input_ids"] == n["out_cache_loc"],
             not decode or n["input_ids"] == b,
             n["future_pos"] == n["future_rows"], n["future_ids"] in (-1, future_len),
-            n["sample_ints"] == -1 and n["sample_floats"] == -1 or n["sample_rows"] >= 0
-            and n["sample_ints"] % 4 == 0 and n["sample_floats"] * 4 == n["sample_ints"] * 3]
+            _sample_lengths_agree(n)]
     need += [n[k] == b for k in ("rows", "row_epochs", "reset", "starts")]
     if all(need):
         need += [n["slots"] == int((seq - starts).sum()),
                  n["full"] in (-1, int(seq.sum())), got["kv_indptr"][-1] == seq.sum()]
     if not all(need):
         raise PlanFrameError(f"step frame {step}: its arrays' lengths disagree ({n})")
+
+
+def _sample_lengths_agree(n: dict[str, int]) -> bool:
+    """A step's `SampleSpec` arrays: none without rows; ints [k, 4] and floats [k, 3] both or
+    neither."""
+    rows, ints, floats = n["sample_rows"], n["sample_ints"], n["sample_floats"]
+    if rows < 0:
+        return ints == floats == n["sample_ship"] == -1
+    return ints == floats == -1 or (ints >= 0 and ints % 4 == 0 and 4 * floats == 3 * ints)
 
 
 def _ranges(begin: np.ndarray, end: np.ndarray) -> np.ndarray:

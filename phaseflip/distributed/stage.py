@@ -32,7 +32,7 @@ from phaseflip.distributed.plan_codec import StepMessage
 from phaseflip.distributed.watchdog import PositionTracker
 from phaseflip.forward_batch import ForwardBatch
 from phaseflip.model.runner import ModelRunner
-from phaseflip.sampling.last_stage import SampledTokens, SampleSpec, sample_parts
+from phaseflip.sampling.last_stage import SampledTokens, SampleSpec, pack
 
 # Benchmarks only (`benchmarks/bench_host_step.py`): set in the environment of the engine
 # process before its ranks are spawned, every rank's stage runs no model math.
@@ -221,27 +221,31 @@ class StageExecutor:
                           logits: list[torch.Tensor] | None, defer: bool = False,
                           sample: SampleSpec | None = None):
         """`logits`: the last stage's per micro-batch (TP rank 0), sent as one message; with
-        `sample`, the ids sampled from them instead (int64, one small message)."""
+        `sample`, the ids sampled from them instead (one small message), and the logits of
+        the driver's rows of a mixed step with them (`SampleSpec.message`)."""
         rank, last_rank0 = self.groups.rank, (self.spec.pp_size - 1) * self.spec.tp_size
         if rank == 0 and self.last:  # one part (TP): its logits as they are, not a copy
             return logits[0] if len(logits) == 1 else torch.cat(logits)
         what = "logits" if sample is None else "sampled ids"
         if self.last and rank == last_rank0:
-            if sample is not None:
+            if sample is None:
+                self.shipped["logits_bytes"] += 4 * sum(t.numel() for t in logits)
+            else:
                 with self.tracker.at("sample on the last stage", step):
-                    logits = [sample_parts(logits, sample)]
-            self._count(logits, sample)
+                    logits, nbytes = pack(logits, sample)
+                self.shipped["logits_bytes"] += nbytes
+                self.shipped["token_ids"] += len(sample.rows)
             with self.tracker.at(f"send {what} to rank 0", step):
                 if self.pipes is not None:
                     self._send_parts(logits, 0)
                 else:
                     self._isend_logits(logits)
         elif rank == 0:
+            vocab = self.runner.model_cfg.vocab_size
             if sample is None:
-                shape, dtype = ((int(plan.logits_indices.numel()),
-                                 self.runner.model_cfg.vocab_size), torch.float32)
+                shape, dtype = (int(plan.logits_indices.numel()), vocab), torch.float32
             else:
-                shape, dtype = (len(sample.rows),), torch.int64
+                shape, dtype = sample.message(vocab)
             if self.pipes is None:
                 receive = self._irecv_logits(step, shape, dtype, last_rank0, what)
             else:
@@ -251,22 +255,19 @@ class StageExecutor:
 
             def arrived() -> torch.Tensor | SampledTokens:
                 t = receive()
-                self._count([t], sample)
                 if sample is None:
+                    self.shipped["logits_bytes"] += 4 * t.numel()
                     return t
-                # ids in a pipe are valid until its next receive, but become the next
-                # step's run-ahead tokens (`InFlight`): a copy of their own (n x 8 bytes)
-                return SampledTokens(t.clone() if self.pipes is not None else t)
+                self.shipped["token_ids"] += len(sample.rows)
+                out = SampledTokens.unpack(t, sample, vocab, copy=self.pipes is not None)
+                if out.logits is not None:
+                    self.shipped["logits_bytes"] += 4 * out.logits.numel()
+                # (copy: ids in a pipe are valid until its next receive, but become the
+                # next step's run-ahead tokens, `InFlight`)
+                return out
 
             return arrived if defer else arrived()
         return None
-
-    def _count(self, parts: list[torch.Tensor], sample: SampleSpec | None) -> None:
-        n = sum(t.numel() for t in parts)
-        if sample is None:
-            self.shipped["logits_bytes"] += 4 * n
-        else:
-            self.shipped["token_ids"] += n
 
     # -------------------------------------------------------------- point to point
     def _isend_logits(self, parts: list[torch.Tensor]) -> None:

@@ -51,6 +51,23 @@ def _inputs(items: list[Scheduled]) -> list[SamplingInput]:
             for it in items]
 
 
+def _others(n: int, local: list[int]) -> list[int]:
+    """The positions in range(n) not in `local` (ascending)."""
+    if not local:
+        return list(range(n))
+    mine = set(local)
+    return [i for i in range(n) if i not in mine]
+
+
+def _local_mask(mask, local: list[int]):
+    """A grammar mask of a step's items, for its `local` items only (a constrained row is
+    always one of them: `SpecBuilder`)."""
+    if mask is None:
+        return None
+    at = {p: j for j, p in enumerate(local)}
+    return [at[r] for r in mask[0]], mask[1]
+
+
 def logit_rows(items: list[Scheduled], logits: torch.Tensor) -> torch.Tensor:
     """The sampling rows of `logits`, in item order."""
     rows = [it.logit_row + it.num_logit_rows - 1 for it in items]
@@ -76,12 +93,20 @@ class SamplingStep:
         items = [it for it in batch.items if it.samples]
         if not items:
             return {}
-        if isinstance(logits, SampledTokens):
-            return {it: (t, None, None) for it, t in zip(items, logits.tokens.tolist(),
-                                                         strict=True)}
         mask = None if self.grammars is None else self.grammars.masks([it.req for it in items])
-        out = self.sampler.sample(logit_rows(items, logits), _inputs(items), mask)
         result: dict[Scheduled, tuple] = {}
+        if isinstance(logits, SampledTokens):  # the last stage's rows, then the driver's
+            local = logits.local
+            there = _others(len(items), local)
+            for i, t in zip(there, logits.tokens.tolist(), strict=True):
+                result[items[i]] = (t, None, None)
+            if not local:
+                return result
+            items, mask = [items[i] for i in local], _local_mask(mask, local)
+            rows = logits.rows([it.logit_row + it.num_logit_rows - 1 for it in items])
+        else:
+            rows = logit_rows(items, logits)
+        out = self.sampler.sample(rows, _inputs(items), mask)
         for i, it in enumerate(items):
             lp = out.logprobs[i] if out.logprobs is not None else None
             top = out.top_logprobs[i] if out.top_logprobs is not None else None
@@ -102,10 +127,7 @@ class SamplingStep:
         if callable(logits):
             logits = logits()
         if isinstance(logits, SampledTokens):  # chosen on the last stage (`last_stage_spec`)
-            if mask is not None or len(logits.tokens) != len(items):
-                raise RuntimeError("ids sampled on the last stage for a step that needs the "
-                                   "logits on the driver")
-            tokens = logits.tokens
+            tokens = self._merge(items, logits, mask)
         else:
             tokens = self.sampler.sample_on_device(logit_rows(items, logits), _inputs(items),
                                                    mask)
@@ -119,8 +141,23 @@ class SamplingStep:
         done.record()
         return InFlight(items, tokens, host, done)
 
+    def _merge(self, items: list[Scheduled], got: SampledTokens, mask) -> torch.Tensor:
+        """The step's tokens in item order on the device: the last stage's ids, and the
+        driver's rows (a mixed step) sampled here from the logits that came with them."""
+        local = got.local
+        if not local:
+            return got.tokens
+        mine = [items[i] for i in local]
+        rows = got.rows([it.logit_row + it.num_logit_rows - 1 for it in mine])
+        drawn = self.sampler.sample_on_device(rows, _inputs(mine), _local_mask(mask, local))
+        device = got.tokens.device
+        tokens = torch.empty(len(items), dtype=torch.int64, device=device)
+        tokens[to_device(_others(len(items), local), torch.long, device)] = got.tokens
+        tokens[to_device(local, torch.long, device)] = drawn
+        return tokens
+
     @staticmethod
-    def prompt_logprobs(batch: ScheduledBatch, logits: torch.Tensor) -> None:
+    def prompt_logprobs(batch: ScheduledBatch, logits: torch.Tensor | SampledTokens) -> None:
         """Records the logprobs of the prompt tokens whose logits this step computed."""
         for it in batch.items:
             req = it.req
@@ -130,7 +167,8 @@ class SamplingStep:
             n = max(0, min(it.start + it.extend_len, last) - it.start)
             if n == 0:
                 continue
-            rows = logits[it.logit_row : it.logit_row + n]
+            rows = (logits.block(it.logit_row, n) if isinstance(logits, SampledTokens)
+                    else logits[it.logit_row : it.logit_row + n])
             targets = torch.tensor(req.prompt_ids[it.start + 1 : it.start + 1 + n],
                                    device=rows.device)
             k = req.params.prompt_logprobs or 0

@@ -10,9 +10,11 @@ the tokens equal one process's bit for bit.
 
 Only rows whose choice is a function of the logits and of what the plan carries qualify:
 greedy rows, and (synchronous steps) seeded random rows, whose draw depends on (seed, step)
-alone (`sampler.seeded_noise`). A step with any other row (logprobs, a grammar, penalties or
-logit bias, an active min_new_tokens ban, an unseeded random row, prompt logprobs) ships its
-logits whole, as before: the whole step falls back, never part of it.
+alone (`sampler.seeded_noise`). The other rows (logprobs, a grammar, penalties or logit bias,
+an active min_new_tokens ban, an unseeded random row, prompt logprobs) are the driver's: a
+mixed step sends the ids of the last stage's rows and the logits of the driver's rows only
+(`SampleSpec.ship`), in one message. A step with none of the last stage's rows ships its
+logits as before.
 """
 
 from __future__ import annotations
@@ -31,27 +33,71 @@ _MASK64 = (1 << 64) - 1
 @dataclass
 class SampleSpec:
     """What the last stage samples, in the driver's item order. `rows`: int64 [n], the logits
-    rows. Random rows (seeded): `ints` int64 [k, 4] (item index, top_k, seed as 64 bits, step
-    = output length) and `floats` float64 [k, 3] (temperature, top_p, min_p); None when every
-    row is greedy."""
+    rows. Random rows (seeded): `ints` int64 [k, 4] (index into `rows`, top_k, seed as 64
+    bits, step = output length) and `floats` float64 [k, 3] (temperature, top_p, min_p);
+    None when every row is greedy. `ship`: int64 [m], ascending, the logits rows sent back
+    too (the driver's rows: its sampling items' and prompt logprobs'), or None. `local`
+    (rank 0 only, not on the wire): the positions, among the step's sampling items, of
+    those the driver samples."""
 
     rows: np.ndarray
     ints: np.ndarray | None = None
     floats: np.ndarray | None = None
+    ship: np.ndarray | None = None
+    local: list[int] | None = None
+
+    def message(self, vocab: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """The shape and dtype of the last stage's message: the ids, or (with `ship`) the
+        ids' bytes then the shipped logits' (float32), as one byte tensor."""
+        n = len(self.rows)
+        if self.ship is None:
+            return (n,), torch.int64
+        return (8 * n + 4 * len(self.ship) * vocab,), torch.uint8
 
 
 @dataclass
 class SampledTokens:
-    """A step's sampled ids (int64 [n], item order) where its logits would be: what the
-    driver's `SamplingStep` takes in place of the logits."""
+    """A step's sampled ids (int64 [n], the spec's rows) where its logits would be: what the
+    driver's `SamplingStep` takes in place of the logits; with a mixed step, also the logits
+    of the driver's rows (`logits` [m, V], the spec's `ship` rows)."""
 
     tokens: torch.Tensor
+    spec: SampleSpec | None = None
+    logits: torch.Tensor | None = None
+
+    @staticmethod
+    def unpack(t: torch.Tensor, spec: SampleSpec, vocab: int, copy: bool) -> SampledTokens:
+        """From the last stage's message `t` (`SampleSpec.message`); `copy`: the ids get a
+        buffer of their own (they become the next run-ahead step's tokens)."""
+        if spec.ship is None:
+            return SampledTokens(t.clone() if copy else t, spec)
+        n = 8 * len(spec.rows)
+        ids = t[:n].view(torch.int64)
+        return SampledTokens(ids.clone() if copy else ids, spec,
+                             t[n:].view(torch.float32).view(len(spec.ship), vocab))
 
     def to(self, device: torch.device) -> SampledTokens:
-        return SampledTokens(self.tokens.to(device))
+        logits = None if self.logits is None else self.logits.to(device)
+        return SampledTokens(self.tokens.to(device), self.spec, logits)
 
     def clone(self) -> SampledTokens:
-        return SampledTokens(self.tokens.clone())
+        logits = None if self.logits is None else self.logits.clone()
+        return SampledTokens(self.tokens.clone(), self.spec, logits)
+
+    @property
+    def local(self) -> list[int]:
+        """Positions of the sampling items the driver samples (from `logits`)."""
+        return (self.spec.local or []) if self.spec is not None else []
+
+    def rows(self, first: list[int]) -> torch.Tensor:
+        """`logits` at the logits rows `first` (each one of the spec's `ship`)."""
+        at = np.searchsorted(self.spec.ship, np.asarray(first, dtype=np.int64))
+        return _take(self.logits, at)
+
+    def block(self, first: int, n: int) -> torch.Tensor:
+        """`logits` at the logits rows [first, first + n) (shipped whole, in order)."""
+        at = int(np.searchsorted(self.spec.ship, first))
+        return self.logits[at : at + n]
 
 
 # a params object's verdict (`SpecBuilder.kind`): its base in the low bits, then flags for
@@ -92,38 +138,47 @@ class SpecBuilder:
         return k
 
     def spec(self, batch, ahead: bool) -> SampleSpec | None:
-        """The spec of a scheduled batch, or None when some row needs the logits on the
-        driver. `ahead`: a run-ahead step (output lengths lag by the tokens in flight: greedy
-        rows only)."""
+        """The spec of a scheduled batch, or None when the last stage has no row of it to
+        sample (then the logits come whole). `ahead`: a run-ahead step (output lengths lag by
+        the tokens in flight: its seeded rows are the driver's)."""
         rows: list[int] = []
         ints: list[tuple[int, int, int, int]] = []
         floats: list[tuple[float, float, float]] = []
-        kind = self.kind
+        ship: list[int] = []
+        local: list[int] = []
+        kind, pos = self.kind, 0
         for it in batch.items:
             req = it.req
             p = req.params
             k = kind(p)
-            if k & _PROMPT_LP and it.num_logit_rows and req.wants_prompt_logprobs:
-                return None  # read from the logits
+            lp = bool(k & _PROMPT_LP and it.num_logit_rows and req.wants_prompt_logprobs)
+            if lp:  # read from the logits: every row of it goes to the driver
+                ship.extend(range(it.logit_row, it.logit_row + it.num_logit_rows))
             if not it.samples:
                 continue
-            if k & _MIN_NEW and len(req.output_ids) < p.min_new_tokens:
-                return None  # its stop ids are banned: the driver's sampler does that
-            base = k & 3
-            if base == _LOGITS:
-                return None
-            if base == _SEEDED:
-                if ahead:
-                    return None
-                seed = p.seed & _MASK64  # as int64 bits (step_seed masks it the same way)
-                ints.append((len(rows), p.top_k, seed - (1 << 64) if seed >> 63 else seed,
-                             len(req.output_ids)))
-                floats.append((p.temperature, p.top_p, p.min_p))
-            rows.append(it.logit_row + it.num_logit_rows - 1)
-        if not ints:
-            return SampleSpec(np.asarray(rows, dtype=np.int64))
-        return SampleSpec(np.asarray(rows, dtype=np.int64), np.array(ints, dtype=np.int64),
-                          np.array(floats, dtype=np.float64))
+            row, base = it.logit_row + it.num_logit_rows - 1, k & 3
+            if (lp or base == _LOGITS or (base == _SEEDED and ahead)
+                    or (k & _MIN_NEW and len(req.output_ids) < p.min_new_tokens)):
+                local.append(pos)  # the driver's (a min_new_tokens ban: its sampler's)
+                if not lp:
+                    ship.append(row)
+            else:
+                if base == _SEEDED:
+                    seed = p.seed & _MASK64  # as int64 bits (step_seed masks it the same)
+                    ints.append((len(rows), p.top_k, seed - (1 << 64) if seed >> 63 else seed,
+                                 len(req.output_ids)))
+                    floats.append((p.temperature, p.top_p, p.min_p))
+                rows.append(row)
+            pos += 1
+        if not rows:
+            return None
+        spec = SampleSpec(np.asarray(rows, dtype=np.int64))
+        if ints:
+            spec.ints = np.array(ints, dtype=np.int64)
+            spec.floats = np.array(floats, dtype=np.float64)
+        if ship:
+            spec.ship, spec.local = np.asarray(ship, dtype=np.int64), local
+        return spec
 
 
 def spec_for(batch, ahead: bool) -> SampleSpec | None:
@@ -155,6 +210,18 @@ def sample_rows(logits: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
     at, chosen = race(work, idx, floats[:, 0].tolist(), ints[:, 1].tolist(),
                       floats[:, 1].tolist(), floats[:, 2].tolist(), noise)
     return tokens.index_copy(0, at, chosen)
+
+
+def pack(parts: list[torch.Tensor], spec: SampleSpec) -> tuple[list[torch.Tensor], int]:
+    """The last stage's message from its micro-batches' logits (`SampleSpec.message`), as
+    parts to send back to back, and the logits bytes in it."""
+    if spec.ship is None:
+        return [sample_parts(parts, spec)], 0
+    logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+    ids = sample_rows(logits, spec)
+    shipped = _take(logits, spec.ship).float().contiguous()
+    return ([ids.view(torch.uint8), shipped.view(-1).view(torch.uint8)],
+            4 * shipped.numel())
 
 
 def sample_parts(parts: list[torch.Tensor], spec: SampleSpec) -> torch.Tensor:
