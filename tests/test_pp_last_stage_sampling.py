@@ -7,6 +7,7 @@ a step with a row that needs the logits (logprobs, unseeded random, ...) ships t
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from types import SimpleNamespace
 
@@ -140,6 +141,41 @@ def test_a_mixed_step_samples_as_one_process(ahead):
         asked = {it for it in batch.items if it.req.params.logprobs is not None}
         assert {it: v if it in asked else v[0] for it, v in out.items()} == {
             it: v if it in asked else v[0] for it, v in want.items()}
+
+
+class _Grammars:
+    """A grammar book whose constrained rows (params with a grammar) allow tokens 3 and 9."""
+
+    def masks(self, reqs):
+        rows = [i for i, r in enumerate(reqs) if r.params.grammar is not None]
+        if not rows:
+            return None
+        bitmask = torch.zeros((len(rows), 2), dtype=torch.int32)  # 50 tokens: 2 words
+        bitmask[:, 0] = (1 << 3) | (1 << 9)
+        return rows, bitmask
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_mixed_step_with_grammar_rows_masks_them_on_the_driver(ahead):
+    """Constrained rows are the driver's; their masks follow them into the driver's part of
+    a mixed step (`_local_mask`), and the step equals one process's."""
+    free, bound = SamplingParams(temperature=0), SamplingParams(temperature=0)
+    bound = dataclasses.replace(bound, grammar=object())  # `SpecBuilder` reads only `is None`
+    batch, rows = _batch([free, bound, free, free, bound, free])
+    logits = torch.randn(rows, 50, generator=torch.Generator().manual_seed(2))
+    spec = SpecBuilder().spec(batch, ahead)
+    assert spec.local == [1, 4]
+    got = _through_the_wire(logits, spec, [2])
+    if ahead:
+        out = SamplingStep(Sampler(0), _Grammars()).sample_ahead(batch, lambda: got).tokens
+        want = SamplingStep(Sampler(0), _Grammars()).sample_ahead(batch, logits).tokens
+        assert torch.equal(out, want)
+    else:
+        out = SamplingStep(Sampler(0), _Grammars()).sample(batch, got)
+        want = SamplingStep(Sampler(0), _Grammars()).sample(batch, logits)
+        assert out == want
+    tokens = [int(t) for t in out] if ahead else [out[it][0] for it in batch.items]
+    assert tokens[1] in (3, 9) and tokens[4] in (3, 9)
 
 
 def test_the_builder_remembers_verdicts_per_params_object():
