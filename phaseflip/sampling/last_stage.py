@@ -151,6 +151,11 @@ class SpecBuilder:
             req = it.req
             p = req.params
             k = kind(p)
+            if k == _GREEDY:  # most rows: no flag to check
+                if it.samples:
+                    rows.append(it.logit_row + it.num_logit_rows - 1)
+                    pos += 1
+                continue
             lp = bool(k & _PROMPT_LP and it.num_logit_rows and req.wants_prompt_logprobs)
             if lp:  # read from the logits: every row of it goes to the driver
                 ship.extend(range(it.logit_row, it.logit_row + it.num_logit_rows))
