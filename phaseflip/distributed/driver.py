@@ -1,5 +1,6 @@
 """The driver's side of a multi-rank layout: spawn the local worker ranks, then for every step
-broadcast the forward plan, run stage 0 / TP rank 0 itself and collect the logits.
+broadcast the forward plan, run stage 0 / TP rank 0 itself and collect the logits (or, with
+PP, the ids the last stage sampled for the rows the plan marked: `sampling/last_stage.py`).
 
 `DistributedRunner` stands in for `ModelRunner` inside `EngineCore`, so the scheduler (the one
 decider) does not know how many ranks execute its plans. With HiCache it is handed the node's
