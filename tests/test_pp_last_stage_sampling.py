@@ -18,7 +18,7 @@ import torch
 from phaseflip import Engine, SamplingParams
 from phaseflip.distributed.driver import DRIVER_SAMPLES_ENV
 from phaseflip.distributed.group import NO_STAGE_PIPES_ENV
-from phaseflip.distributed.plan_codec import StepMessage, decode_frame
+from phaseflip.distributed.plan_codec import PlanFrameError, StepMessage, decode_frame
 from phaseflip.engine.sampling_step import SamplingStep, _inputs, logit_rows
 from phaseflip.sampling.last_stage import (
     SampledTokens,
@@ -193,7 +193,7 @@ def test_the_builder_remembers_verdicts_per_params_object():
 
 
 def test_the_spec_survives_the_frame_and_the_pickle():
-    spec = spec_for(_batch(_mixed_params(), gap=1)[0], ahead=False)
+    spec = spec_for(_batch(_mixed_params()[:5], gap=1)[0], ahead=False)  # rows 0..6 of 8
     msg = _decode_step(False)
     msg = StepMessage(msg.step, msg.plan, None, msg.fence, msg.future_len, None, msg.whole,
                       spec)
@@ -212,6 +212,25 @@ def test_the_spec_survives_the_frame_and_the_pickle():
     got = decode_frame(_frame_bytes(greedy)).sample
     assert got.ints is None and got.rows.tolist() == [0, 1, 2]
     assert decode_frame(_frame_bytes(_decode_step(False))).sample is None
+
+
+@pytest.mark.parametrize("bad", ["row", "ship", "item"])
+def test_a_spec_that_names_rows_the_plan_lacks_is_a_frame_error(bad: str):
+    """A row past the plan's logits would make the last stage send fewer ids than rank 0
+    waits for (a hang on NCCL) or index out of bounds on the device: refused at decode."""
+    msg = _decode_step(False)
+    n = len(msg.plan.logits_indices)
+    spec = spec_for(_batch([SamplingParams(temperature=0.7, seed=3)] * 2)[0], ahead=False)
+    if bad == "row":
+        spec.rows = np.array([0, n], dtype=np.int64)
+    elif bad == "ship":
+        spec.ship = np.array([n], dtype=np.int64)
+    else:
+        spec.ints = spec.ints.copy()
+        spec.ints[1, 0] = 2
+    msg = StepMessage(msg.step, msg.plan, sample=spec)
+    with pytest.raises(PlanFrameError, match="lengths disagree"):
+        decode_frame(_frame_bytes(msg))
 
 
 # ------------------------------------------------------------------ spawned ranks

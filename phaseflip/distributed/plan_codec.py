@@ -299,9 +299,24 @@ def _check_shapes(got: dict[str, np.ndarray | None], step: int, future_len: int,
     need += [n[k] == b for k in ("rows", "row_epochs", "reset", "starts")]
     if all(need):
         need += [n["slots"] == int((seq - starts).sum()),
-                 n["full"] in (-1, int(seq.sum())), got["kv_indptr"][-1] == seq.sum()]
+                 n["full"] in (-1, int(seq.sum())), got["kv_indptr"][-1] == seq.sum(),
+                 _sample_rows_in_range(got, n["logits_indices"])]
     if not all(need):
         raise PlanFrameError(f"step frame {step}: its arrays' lengths disagree ({n})")
+
+
+def _sample_rows_in_range(got: dict[str, np.ndarray | None], logit_rows: int) -> bool:
+    """The spec's rows name logits rows of this plan, and its random rows name spec rows: an
+    index past either would make the last stage send fewer ids than rank 0 waits for (a hang
+    on NCCL) or index out of bounds on the device."""
+    rows, ints, ship = got["sample_rows"], got["sample_ints"], got["sample_ship"]
+    if rows is None:
+        return True
+    inside = [a for a in (rows, ship) if a is not None and len(a)]
+    if any(int(a.min()) < 0 or int(a.max()) >= logit_rows for a in inside):
+        return False
+    items = None if ints is None or not len(ints) else ints.reshape(-1, 4)[:, 0]
+    return items is None or (int(items.min()) >= 0 and int(items.max()) < len(rows))
 
 
 def _sample_lengths_agree(n: dict[str, int]) -> bool:
