@@ -110,7 +110,7 @@ def test_broken_plan_is_a_named_stall_not_a_hang(deep_dir):
         assert plan.batch_size >= 2
         runner = core.runner
         first_only = plan.split(2)[0]
-        runner.stage.micro_batches = lambda _plan: [first_only]  # the defect under test
+        runner.stage.micro_batches = lambda _plan, _parts=0: [first_only]  # the defect under test
         start = time.monotonic()
         with pytest.raises(DistributedStallError) as err:
             runner.forward(plan)

@@ -188,7 +188,7 @@ def test_a_missing_hand_off_without_stage_pipes_is_a_named_stall(deep_dir, monke
         runner = core.runner
         assert runner.stage.pipes is None
         first_only = plan.split(2)[0]
-        runner.stage.micro_batches = lambda _plan: [first_only]  # the defect under test
+        runner.stage.micro_batches = lambda _plan, _parts=0: [first_only]  # the defect under test
         with pytest.raises(DistributedStallError) as err:
             runner.launch(plan)()
         msg = str(err.value)

@@ -360,7 +360,7 @@ def test_a_missing_hand_off_on_the_ids_path_is_a_named_stall(model_dir, monkeypa
         spec = core.sampling.last_stage_spec(batch, ahead=False)
         assert runner.last_stage_samples and spec is not None
         first_only = batch.plan.split(2)[0]
-        runner.stage.micro_batches = lambda _plan: [first_only]  # the defect under test
+        runner.stage.micro_batches = lambda _plan, _parts=0: [first_only]  # the defect under test
         with pytest.raises(DistributedStallError) as err:
             runner.launch(batch.plan, None, spec)()
         msg = str(err.value)

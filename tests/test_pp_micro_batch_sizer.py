@@ -65,3 +65,14 @@ def test_a_window_that_is_no_cost_line_is_not_used_and_a_kept_fit_survives():
     for _ in range(64):
         s.observe(4096, 0.05 + 1e-5 * 4096)  # the chosen size fills the window
     assert s.fit() == pytest.approx((0.05, 1e-5))
+
+
+def test_the_part_count_rides_the_step_frame():
+    import dataclasses
+
+    from phaseflip.distributed.plan_codec import decode_frame
+    from tests.test_plan_codec import _decode_step, _frame_bytes
+
+    msg = dataclasses.replace(_decode_step(False), parts=5)
+    assert decode_frame(_frame_bytes(msg)).parts == 5
+    assert decode_frame(_frame_bytes(_decode_step(False))).parts == 0  # the token rule

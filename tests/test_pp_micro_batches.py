@@ -22,6 +22,7 @@ interpret_without_cuda()  # before triton is imported (the Triton case below)
 
 from phaseflip import Engine, SamplingParams  # noqa: E402
 from phaseflip.config import EngineConfig  # noqa: E402
+from phaseflip.distributed.driver import PARTS_BY_TOKENS_ENV  # noqa: E402
 from phaseflip.distributed.stage import StageExecutor  # noqa: E402
 from phaseflip.errors import InvalidRequestError  # noqa: E402
 from phaseflip.forward_batch import ForwardBatch  # noqa: E402
@@ -245,7 +246,7 @@ def _prompts() -> list[list[int]]:
     return [a, fresh[0], a[:200] + fresh[1], fresh[2]]  # prompt 2 hits prompt 0's prefix
 
 
-def _serve(model_dir, **cfg) -> tuple[list, list[int]]:
+def _serve(model_dir, sizer=None, **cfg) -> tuple[list, list[int]]:
     """Two rounds (so round 2 hits the prefix cache); per request its tokens, prompt logprobs
     and cached tokens; and, under pp, how many micro-batches rank 0 cut each step into."""
     cfg = {"device": "cpu", "dtype": "float32", "max_total_tokens": 4096, "dist_timeout_s": 60,
@@ -257,11 +258,13 @@ def _serve(model_dir, **cfg) -> tuple[list, list[int]]:
     prompts, counts = _prompts(), []
     with Engine(str(model_dir), **cfg) as e:
         stage = getattr(e.core.runner, "stage", None)
+        if sizer is not None:  # rank 0's part count in the step message, stubbed
+            e.core.runner.sizer = sizer
         if stage is not None:
             cut = stage.micro_batches
 
-            def counted(plan: ForwardBatch) -> list[ForwardBatch]:
-                counts.append(len(mbs := cut(plan)))
+            def counted(plan: ForwardBatch, parts: int = 0) -> list[ForwardBatch]:
+                counts.append(len(mbs := cut(plan, parts)))
                 return mbs
 
             stage.micro_batches = counted
@@ -273,7 +276,8 @@ def _serve(model_dir, **cfg) -> tuple[list, list[int]]:
 
 
 @pytest.mark.timeout(120, method="thread")  # signals cannot interrupt gloo
-def test_pp2_long_prompts_cut_into_pieces_match_single_process(model_dirs):
+def test_pp2_long_prompts_cut_into_pieces_match_single_process(model_dirs, monkeypatch):
+    monkeypatch.setenv(PARTS_BY_TOKENS_ENV, "1")  # the token rule: T // 16, at most 8
     want, _ = _serve(model_dirs["llama"])
     got, counts = _serve(model_dirs["llama"], pp_size=2, pp_min_micro_batch_tokens=16)
     assert max(counts) == 8 and counts.count(2) > 0  # 128-token chunks in 8; decodes in 2
@@ -283,3 +287,20 @@ def test_pp2_long_prompts_cut_into_pieces_match_single_process(model_dirs):
         assert (lp is None) == (lp_w is None)
         if lp is not None:
             assert lp[0] is None and lp[1:] == pytest.approx(lp_w[1:], abs=1e-4)
+
+
+@pytest.mark.timeout(120, method="thread")  # signals cannot interrupt gloo
+def test_every_stage_cuts_a_prompt_step_as_rank_0_says(model_dirs):
+    """Rank 0's part count (by its measured stage time, `micro_batch.py`) rides the step
+    message and every stage cuts by it: the other stage's process cutting by the token rule
+    (8 parts here) would receive hidden states of other shapes. Stubbed at 3: every prompt
+    step is cut in 3, decode steps in 2 (1 for one sequence), and the tokens equal one
+    process."""
+    want, _ = _serve(model_dirs["llama"])
+    got, counts = _serve(model_dirs["llama"], SimpleNamespace(parts=lambda tokens: 3),
+                         pp_size=2, pp_min_micro_batch_tokens=16)
+    assert 3 in counts and set(counts) <= {1, 2, 3}  # never the token rule's 8
+    for (tok, lp, cached), (tok_w, lp_w, cached_w) in zip(got, want):
+        assert tok == tok_w and cached == cached_w
+        if lp is not None:
+            assert lp[1:] == pytest.approx(lp_w[1:], abs=1e-4)

@@ -22,6 +22,7 @@ import torch
 from phaseflip.cache.hicache.frames import HostFrames
 from phaseflip.cache.hicache.transfer import TransferChannel, TransferOrders
 from phaseflip.config import EngineConfig
+from phaseflip.distributed.micro_batch import MicroBatchSizer, PartClock
 from phaseflip.distributed.plan_codec import PlanEncoder
 from phaseflip.distributed.rank_set import RankSet
 from phaseflip.distributed.stage import StepMessage
@@ -38,6 +39,9 @@ IN_FLIGHT_LOGITS_BYTES = 1 << 30
 # Set (to anything) in the engine's environment: with PP, every step's logits travel to the
 # driver, which samples them (before the last stage sampled; benchmarks and tests compare)
 DRIVER_SAMPLES_ENV = "PHASEFLIP_PP_DRIVER_SAMPLES"
+# Set (to anything): every PP prompt step is cut by the token rule, not by rank 0's measured
+# stage time (`micro_batch.py`; benchmarks compare)
+PARTS_BY_TOKENS_ENV = "PHASEFLIP_PP_PARTS_BY_TOKENS"
 
 
 class DistributedChannel(TransferChannel):
@@ -110,6 +114,11 @@ class DistributedRunner:
         # the last stage is another rank: it samples the steps whose rows allow it
         # (`sampling/last_stage.py`), and only their ids cross to rank 0
         self.last_stage_samples = cfg.pp_size > 1 and not os.environ.get(DRIVER_SAMPLES_ENV)
+        # prompt steps cut by stage time: rank 0 times its own parts (`micro_batch.py`)
+        self.sizer = (MicroBatchSizer(cfg.pp_size, cfg.pp_min_micro_batch_tokens)
+                      if cfg.pp_size > 1 and not os.environ.get(PARTS_BY_TOKENS_ENV) else None)
+        if self.sizer is not None:
+            self.stage.part_clock = PartClock(self.sizer, self.runner.device)
 
     # the `Runner` protocol (model/runner.py), as rank 0 sees it
     @property
@@ -289,7 +298,8 @@ class DistributedRunner:
         ids = self.tokens_on_host(future) if n_future else None
         msg = StepMessage(self.step_no, plan, channel.take() if channel else None, fence,
                           n_future, ids, whole,
-                          sample if self.last_stage_samples and plan is not None else None)
+                          sample if self.last_stage_samples and plan is not None else None,
+                          self._parts(plan, whole))
         wire = dataclasses.replace(msg, plan=self.encoder.encode(plan)) if plan else msg
         try:
             with tracker.at("broadcasting the plan", self.step_no):
@@ -301,6 +311,14 @@ class DistributedRunner:
             raise err from e
         finally:
             tracker.set("idle")
+
+    def _parts(self, plan: ForwardBatch | None, whole: bool) -> int:
+        """The micro-batches of a step with prompt tokens, by rank 0's measured stage time
+        (0: decode steps, and every step with `PHASEFLIP_PP_PARTS_BY_TOKENS=1`)."""
+        if self.sizer is None or plan is None or whole or plan.num_tokens == plan.batch_size:
+            return 0
+        self.stage.part_clock.harvest()
+        return self.sizer.parts(plan.num_tokens)
 
     @staticmethod
     def tokens_on_host(future: torch.Tensor):

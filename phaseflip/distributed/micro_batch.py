@@ -16,7 +16,10 @@ part count in the step message; every stage cuts the plan by it. Until the fit i
 
 from __future__ import annotations
 
+import time
 from collections import deque
+
+import torch
 
 WINDOW = 64  # prompt parts kept for the fit
 MIN_PARTS = 8  # parts observed before the fit is used
@@ -92,3 +95,36 @@ class MicroBatchSizer:
                 "fixed_s": None if fit is None else fit[0],
                 "per_token_s": None if fit is None else fit[1],
                 "rule": "tokens" if fit is None else "stage time"}
+
+
+class PartClock:
+    """Times rank 0's prompt parts for a `MicroBatchSizer`, from the part's forward to its
+    hand-off posted. On a GPU the forward only launches, so a part is an event pair on the
+    stream, read once done (`harvest`, never waiting); on the CPU the wall time is the part's."""
+
+    def __init__(self, sizer: MicroBatchSizer, device: torch.device) -> None:
+        self.sizer = sizer
+        self.cuda = device.type == "cuda"
+        self._pending: deque[tuple[int, object, object]] = deque()
+
+    def start(self) -> object:
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def stop(self, began: object, tokens: int) -> None:
+        if not self.cuda:
+            self.sizer.observe(tokens, time.perf_counter() - began)  # type: ignore[operator]
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._pending.append((tokens, began, end))
+
+    def harvest(self) -> None:
+        """The parts whose events have completed, into the sizer (in order; stops at the
+        first still running)."""
+        while self._pending and self._pending[0][2].query():  # type: ignore[attr-defined]
+            tokens, began, end = self._pending.popleft()
+            self.sizer.observe(tokens, 1e-3 * began.elapsed_time(end))  # type: ignore[attr-defined]

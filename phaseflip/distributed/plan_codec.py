@@ -53,6 +53,9 @@ class StepMessage:
     # by the other groups' steps, so this step runs whole, as one micro-batch
     whole: bool = False
     sample: SampleSpec | None = None
+    # the micro-batches a step with prompt tokens is cut into, rank 0's choice by stage time
+    # (`distributed/micro_batch.py`); 0: every stage applies the token rule
+    parts: int = 0
 
 
 @dataclass
@@ -217,7 +220,7 @@ class StepFrame:
         flags = ((_FENCE if msg.fence else 0) | (_WHOLE if msg.whole else 0)
                  | (_DECODE if decode else 0))
         head = np.array([_MAGIC, words, 0, msg.step, flags, msg.future_len, plan.max_position,
-                         0], dtype=np.int64)
+                         msg.parts], dtype=np.int64)
         self.parts[:0] = [head, lens]
         self.nbytes = 8 * words
 
@@ -280,8 +283,10 @@ def decode_frame(buf: bytearray | memoryview) -> StepMessage:
         sample = SampleSpec(got["sample_rows"], None if ints is None else ints.reshape(-1, 4),
                             None if floats is None else floats.view(np.float64).reshape(-1, 3),
                             got["sample_ship"])
+    if int(w[7]) < 0:
+        raise PlanFrameError(f"step frame {int(w[3])}: {int(w[7])} micro-batches")
     return StepMessage(int(w[3]), plan, None, bool(flags & _FENCE), int(w[5]),
-                       got["future_ids"], bool(flags & _WHOLE), sample)
+                       got["future_ids"], bool(flags & _WHOLE), sample, int(w[7]))
 
 
 def _check_shapes(got: dict[str, np.ndarray | None], step: int, future_len: int,

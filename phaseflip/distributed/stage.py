@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from phaseflip.cache.hicache.transfer import KVTransferEngine
 from phaseflip.distributed.group import RankGroups
+from phaseflip.distributed.micro_batch import PartClock, token_rule
 from phaseflip.distributed.plan_channel import StagePipes
 from phaseflip.distributed.plan_codec import StepMessage
 from phaseflip.distributed.watchdog import PositionTracker
@@ -96,6 +97,8 @@ class StageExecutor:
         # what crossed to rank 0 from the last stage, counted by both: logits bytes, and
         # sampled ids (`StepMessage.sample`)
         self.shipped = {"logits_bytes": 0, "token_ids": 0}
+        # rank 0's: times its prompt parts for the part count by stage time (the driver's)
+        self.part_clock: PartClock | None = None
 
     def run(self, msg: StepMessage, future: torch.Tensor | None = None,
             defer: bool = False) -> torch.Tensor | Callable[[], torch.Tensor] | None:
@@ -114,8 +117,8 @@ class StageExecutor:
                 xfer.execute(msg.transfers)
         if msg.future_len and self.first:
             future = self._share_future(msg, future)
-        out = (self.execute(msg.step, msg.plan, future, defer, msg.whole, msg.sample)
-               if msg.plan is not None else None)
+        out = (self.execute(msg.step, msg.plan, future, defer, msg.whole, msg.sample,
+                            msg.parts) if msg.plan is not None else None)
         if msg.fence:
             with self.tracker.at("HiCache fence: waiting for copies and every rank", msg.step):
                 self.drain_sends()
@@ -132,8 +135,9 @@ class StageExecutor:
     def last(self) -> bool:
         return self.groups.pp_rank == self.spec.pp_size - 1
 
-    def micro_batches(self, plan: ForwardBatch) -> list[ForwardBatch]:
-        """The plan cut for the pipeline; every stage cuts the same plan the same way.
+    def micro_batches(self, plan: ForwardBatch, parts: int = 0) -> list[ForwardBatch]:
+        """The plan cut for the pipeline; every stage cuts the same plan the same way: into
+        `parts` (rank 0's choice by stage time, `StepMessage.parts`) when given.
 
         Decode-only steps: pp_size parts, as a decode micro-batch costs a full read of the
         stage's weights for few FLOPs, so more parts only add time. Steps with prompt tokens
@@ -147,8 +151,9 @@ class StageExecutor:
         tokens = plan.num_tokens
         if tokens == plan.batch_size:  # one token per sequence: decode only
             return plan.split(p)
-        parts = tokens // self.runner.cfg.pp_min_micro_batch_tokens
-        return plan.split(min(max(parts, p), 4 * p))
+        if parts > 0:
+            return plan.split(parts)
+        return plan.split(token_rule(tokens, p, self.runner.cfg.pp_min_micro_batch_tokens))
 
     def _share_future(self, msg: StepMessage, future: torch.Tensor | None) -> torch.Tensor:
         """Stage 0's TP ranks all get rank 0's `future` tokens (one small broadcast on their
@@ -167,8 +172,8 @@ class StageExecutor:
         return buf.to(self.runner.device)
 
     def execute(self, step: int, plan: ForwardBatch, future: torch.Tensor | None = None,
-                defer: bool = False, whole: bool = False, sample: SampleSpec | None = None
-                ) -> torch.Tensor | SampledTokens | Callable | None:
+                defer: bool = False, whole: bool = False, sample: SampleSpec | None = None,
+                parts: int = 0) -> torch.Tensor | SampledTokens | Callable | None:
         """Runs the plan; returns the float32 logits on the driver (or with `sample`, when the
         last stage is another rank, the ids it sampled), None elsewhere. `future` (stage 0 of
         a run-ahead step): the tokens the plan's placeholders name. `whole`
@@ -177,10 +182,11 @@ class StageExecutor:
         pending, logits = [], []
         if future is not None and runner.device.type == "cpu":  # filled once, before the cut
             plan, future = plan.with_future_tokens(future), None
-        parts = ([plan] if whole else self.micro_batches(plan))
-        if future is not None and len(parts) > 1:  # host plan, device tokens: per part
-            _place_futures(plan, parts)
-        for i, mb in enumerate(parts):
+        cut = [plan] if whole else self.micro_batches(plan, parts)
+        if future is not None and len(cut) > 1:  # host plan, device tokens: per part
+            _place_futures(plan, cut)
+        clock = self.part_clock if plan.num_tokens > plan.batch_size else None
+        for i, mb in enumerate(cut):
             hidden = residual = None
             if future is not None:  # placeholders filled on the device, no host read
                 mb = mb.to(runner.device).with_future_tokens(future)
@@ -192,12 +198,15 @@ class StageExecutor:
             if self.last:  # through the LM head: logits on TP rank 0, None on the others
                 with tr.at(f"forward micro-batch {i}", step):  # all but the last part kept
                     logits.append(self.model.stage_logits(mb, hidden, residual,
-                                                          keep=i < len(parts) - 1))
+                                                          keep=i < len(cut) - 1))
                 continue
+            began = clock.start() if clock is not None else None
             with tr.at(f"forward micro-batch {i}", step):
                 h, r = self.model.run_stage(mb, hidden, residual)
             dst = self.groups.stage_rank(self.groups.pp_rank + 1)
             pending.append(self._isend(torch.stack((h, r)), dst))  # one message
+            if clock is not None:
+                clock.stop(began, mb.num_tokens)
         with tr.at("drain the previous step's sends", step):  # this step's stay in flight
             self.drain_sends(logits=False)
         self._sends = pending
