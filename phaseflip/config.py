@@ -124,7 +124,8 @@ class ParallelConfig:
     """With --pp-size > 1, a step with prompt tokens is cut into about T / this many
     micro-batches (at least pp_size, at most 4 * pp_size; one long prompt is cut too), so the
     pipeline bubble (p-1)/(m+p-1) shrinks while each micro-batch stays large enough for
-    efficient matmuls. Decode-only steps always use pp_size micro-batches."""
+    efficient matmuls; once rank 0 has timed its own parts, into the count its measured
+    stage time says is fastest. Decode-only steps always use pp_size micro-batches."""
     pp_async_decode: bool = False
     """With --pp-size > 1 and overlap scheduling (on NCCL unmeasured on GPUs): the running
     requests decode in pp_size groups, each its own step, kept in flight across steps so
