@@ -31,6 +31,7 @@ from phaseflip.config import EngineConfig
 from phaseflip.distributed.symm_allreduce import all_reduce_path
 from phaseflip.distributed.watchdog import StepWatchdog
 from phaseflip.engine.core import EngineCore
+from phaseflip.engine.warmup import warm_up
 from phaseflip.errors import InvalidRequestError, PhaseflipError
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.loader import load_tokenizer
@@ -60,6 +61,8 @@ class EngineServer:
         self.core.seam_listener = lambda target: self.send(m.FlipState(target))
         self.core.request_failed = self._request_failed  # (a grammar that failed to compile)
         self.watchdog = StepWatchdog(cfg.watchdog_timeout_s, self._on_stall)
+        if not cfg.skip_warmup:  # the first client should not pay for the kernels' compile
+            warm_up(self.core)
         self.send(self._ready())
 
     def _ready(self) -> m.Ready:
