@@ -50,6 +50,8 @@ def test_a_small_fixed_cost_cuts_as_finely_as_allowed():
     s = MicroBatchSizer(pp_size=2, min_tokens=1024)
     feed(s, 1e-6, 2.5e-5)
     assert s.parts(200) == 3  # 200 // 64: the largest count with parts of 64+ tokens
+    assert s.parts(103) == 2  # a mixed step's few tokens: still pp_size parts, as before
+    assert s.parts(1) == 1
 
 
 def test_a_window_that_is_no_cost_line_is_not_used_and_a_kept_fit_survives():

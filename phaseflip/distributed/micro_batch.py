@@ -24,7 +24,7 @@ import torch
 WINDOW = 64  # prompt parts kept for the fit
 MIN_PARTS = 8  # parts observed before the fit is used
 MIN_SPREAD = 1.5  # largest / smallest part in the window: a line needs two distinct sizes
-MIN_PART_TOKENS = 64  # no part shorter than this (the fit's line is not measured there)
+MIN_PART_TOKENS = 64  # no more parts than this many tokens each allow, past pp_size
 
 
 def token_rule(tokens: int, pp_size: int, min_tokens: int) -> int:
@@ -86,7 +86,7 @@ class MicroBatchSizer:
         fit = self.fit()
         if fit is None:
             return token_rule(tokens, p, self.min_tokens)
-        most = max(1, min(4 * p, tokens // MIN_PART_TOKENS))
+        most = min(tokens, max(p, min(4 * p, tokens // MIN_PART_TOKENS)))  # p as before
         return min(range(1, most + 1), key=lambda m: pipeline_s(m, tokens, p, *fit))
 
     def snapshot(self) -> dict[str, float | int | str | None]:
