@@ -33,12 +33,13 @@ def warm_up(core: Any, force: bool = False) -> float | None:
     sched, observer = core.scheduler, core.flip_telemetry
     stats = dataclasses.replace(sched.stats)
     vocab = core.model_cfg.vocab_size
-    prompt = [1 + (7 * i) % (vocab - 1) for i in range(PROMPT_TOKENS)]
+    n = max(2, min(PROMPT_TOKENS, core.max_context - 2))  # a model's context may be short
+    prompt = [1 + (7 * i) % max(vocab - 1, 1) for i in range(n)]
     params = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
     core.flip_telemetry = None
     try:
-        for n, rid in ((PROMPT_TOKENS - 13, RID), (PROMPT_TOKENS, RID + "-prefix")):
-            core.add_request(rid, prompt[:n], params)  # the second extends a cached prefix
+        for k, rid in ((max(1, n - 13), RID), (n, RID + "-prefix")):
+            core.add_request(rid, prompt[:k], params)  # the second extends a cached prefix
             while core.has_work():
                 core.step()
     finally:
