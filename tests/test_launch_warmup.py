@@ -51,3 +51,25 @@ def test_skip_warmup_is_a_flag():
     add_config_flags(parser)
     assert parser.parse_args(["--skip-warmup"]).skip_warmup is True
     assert parser.parse_args([]).skip_warmup is False
+
+
+@pytest.mark.timeout(120, method="thread")  # signals cannot interrupt gloo
+def test_pp_stage_times_are_measured_and_the_warm_up_leaves_none(model_dirs):
+    """Rank 0 times its prompt parts for the part count (`micro_batch.py`); the warm-up's
+    parts carried the kernels' compile on a GPU, so they are forgotten."""
+    with Engine(str(model_dirs["llama"]), device="cpu", max_total_tokens=4096, pp_size=2,
+                dist_timeout_s=60) as e:
+        sizer = e.core.runner.sizer
+        warm_up(e.core, force=True)
+        assert sizer.snapshot()["parts_observed"] == 0
+        e.generate([[7] * 300, [9] * 120], GREEDY, use_tqdm=False)
+        e.core.runner.stage.part_clock.harvest()
+        assert sizer.snapshot()["parts_observed"] > 0  # the clock feeds the sizer
+
+
+def test_a_short_context_fits_the_warm_up_and_a_tiny_pool_skips_it(model_dirs):
+    with Engine(str(model_dirs["llama"]), device="cpu", max_total_tokens=2048,
+                max_model_len=8) as e:
+        assert warm_up(e.core, force=True) > 0  # a 6-token prompt, then its prefix hit
+    with Engine(str(model_dirs["llama"]), device="cpu", max_total_tokens=16) as e:
+        assert warm_up(e.core, force=True) is None  # refused like a request: skipped

@@ -78,3 +78,39 @@ def test_the_part_count_rides_the_step_frame():
     msg = dataclasses.replace(_decode_step(False), parts=5)
     assert decode_frame(_frame_bytes(msg)).parts == 5
     assert decode_frame(_frame_bytes(_decode_step(False))).parts == 0  # the token rule
+
+
+def test_one_stall_does_not_poison_the_fit():
+    """A compile or a preempted host (2 s on the H200) in one part: plain least squares over
+    the window made every later 1 500-token step run whole (a = 55 ms); the stall is left out
+    and the cut stays the best one (~sqrt(b T / a) = 6 parts)."""
+    s = MicroBatchSizer(pp_size=2, min_tokens=1024)
+    feed(s, 0.001, 2.5e-5, sizes=(375, 750, 1500))
+    s.observe(750, 2.0)
+    for _ in range(64):
+        s.observe(1500, 0.001 + 2.5e-5 * 1500)
+    assert s.parts(1500) == 6 and s.outliers == 1
+    a, b = s.fit()
+    assert a == pytest.approx(0.001) and b == pytest.approx(2.5e-5)
+
+
+def test_stalls_in_a_row_are_new_costs_and_a_stale_fit_is_forgotten():
+    s = MicroBatchSizer(pp_size=2, min_tokens=1024)
+    feed(s, 0.001, 2.5e-5)
+    for i in range(16):  # every part 10x dearer from now on (another tenant, a slower link)
+        t = (256, 1024)[i % 2]
+        s.observe(t, 10 * (0.001 + 2.5e-5 * t))
+    assert s.fit() == pytest.approx((0.01, 2.5e-4))
+    s.forget()
+    assert s.fit() is None and s.parts(4096) == token_rule(4096, 2, 1024)
+
+
+def test_a_negative_intercept_is_clamped_not_refused():
+    """Prefill attention grows with the square of the prompt: the line's intercept can fall
+    below zero; the fit goes through the origin instead of leaving the token rule for good."""
+    s = MicroBatchSizer(pp_size=2, min_tokens=1024)
+    for i in range(16):
+        t = (512, 1024, 2048, 4096)[i % 4]
+        s.observe(t, 1e-5 * t + 2e-9 * t * t)
+    a, b = s.fit()
+    assert a == 0.0 and b > 0

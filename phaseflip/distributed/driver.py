@@ -312,6 +312,12 @@ class DistributedRunner:
         finally:
             tracker.set("idle")
 
+    def forget_timings(self) -> None:
+        """The prompt parts' stage times start over (after a launch warm-up, whose parts
+        carried the kernels' compile)."""
+        if self.sizer is not None:
+            self.stage.part_clock.forget()
+
     def _parts(self, plan: ForwardBatch | None, whole: bool) -> int:
         """The micro-batches of a step with prompt tokens, by rank 0's measured stage time
         (0: decode steps, and every step with `PHASEFLIP_PP_PARTS_BY_TOKENS=1`)."""

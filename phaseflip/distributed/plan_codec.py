@@ -283,8 +283,9 @@ def decode_frame(buf: bytearray | memoryview) -> StepMessage:
         sample = SampleSpec(got["sample_rows"], None if ints is None else ints.reshape(-1, 4),
                             None if floats is None else floats.view(np.float64).reshape(-1, 3),
                             got["sample_ship"])
-    if int(w[7]) < 0:
-        raise PlanFrameError(f"step frame {int(w[3])}: {int(w[7])} micro-batches")
+    if not 0 <= int(w[7]) <= len(got["input_ids"]):
+        raise PlanFrameError(f"step frame {int(w[3])}: {int(w[7])} micro-batches of "
+                             f"{len(got['input_ids'])} tokens")
     return StepMessage(int(w[3]), plan, None, bool(flags & _FENCE), int(w[5]),
                        got["future_ids"], bool(flags & _WHOLE), sample, int(w[7]))
 

@@ -5,8 +5,9 @@ did not, so the first client request paid for them. On the H200 the FP8 extend k
 compile made the first request of an 8B FP8 server take 2.29 s against 0.20 s for the next,
 and at 4 req/s the eleven requests queued behind it waited 0.38-1.55 s. The warm-up runs one
 request with a cached prefix (so the extend kernel runs with and without one), then leaves
-the engine as it found it: the prefix tree emptied, the step counters restored, and no flip
-observer fed (a 2 s step would skew the policy's fitted step costs).
+the engine as it found it: the prefix tree emptied, the step counters restored, no flip
+observer fed (a 2 s step would skew the policy's fitted step costs) and, with PP, the
+prompt parts' stage times forgotten (`distributed/micro_batch.py`), for the same reason.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import logging
 import time
 from typing import Any
 
+from phaseflip.errors import PhaseflipError
 from phaseflip.sampling.params import SamplingParams
 
 log = logging.getLogger("phaseflip.engine")
 
-PROMPT_TOKENS = 48  # not a multiple of 16 with its prefix hit either (Triton specializes on it)
+PROMPT_TOKENS = 48  # the second request's; the first has 13 fewer (an odd length)
 RID = "phaseflip-warmup"
 
 
@@ -36,6 +38,11 @@ def warm_up(core: Any, force: bool = False) -> float | None:
     n = max(2, min(PROMPT_TOKENS, core.max_context - 2))  # a model's context may be short
     prompt = [1 + (7 * i) % max(vocab - 1, 1) for i in range(n)]
     params = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
+    try:
+        core.validate(prompt, params)
+    except PhaseflipError as e:  # a pool or context too small for it: nothing to warm
+        log.warning("launch warm-up skipped: %s", e)
+        return None
     core.flip_telemetry = None
     try:
         for k, rid in ((max(1, n - 13), RID), (n, RID + "-prefix")):
@@ -44,6 +51,9 @@ def warm_up(core: Any, force: bool = False) -> float | None:
                 core.step()
     finally:
         core.flip_telemetry = observer
+    forget = getattr(core.runner, "forget_timings", None)  # PP: the parts' stage times
+    if forget is not None:  # carried the compile (`micro_batch.py`)
+        forget()
     if core.hicache is not None:  # in-flight copies lock tree nodes until done
         core.hicache.quiesce()
     core.kv.tree.evict_all_and_reset()

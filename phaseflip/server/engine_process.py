@@ -62,8 +62,22 @@ class EngineServer:
         self.core.request_failed = self._request_failed  # (a grammar that failed to compile)
         self.watchdog = StepWatchdog(cfg.watchdog_timeout_s, self._on_stall)
         if not cfg.skip_warmup:  # the first client should not pay for the kernels' compile
-            warm_up(self.core)
+            self._warm_up()
         self.send(self._ready())
+
+    def _warm_up(self) -> None:
+        """`warm_up`, watched as a step is (a wedged rank is a named stall, not a launch that
+        never ends); a failure closes the engine and names the warm-up."""
+        self.watchdog.beat(True)
+        try:
+            warm_up(self.core)
+        except Exception:
+            log.error("launch warm-up failed (--skip-warmup serves without it)")
+            self.watchdog.close()
+            self.core.close()
+            raise
+        finally:
+            self.watchdog.beat(False)
 
     def _ready(self) -> m.Ready:
         """What the front end validates requests against; sent again after a flip, whose new
