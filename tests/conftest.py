@@ -117,6 +117,27 @@ def prompts_for(vocab: int, seed: int = 0, shared: bool = True) -> list[list[int
     return out
 
 
+@contextmanager
+def pp2_losing_a_micro_batch(model_dir, **cfg):
+    """A pp2 engine on the CPU with one step scheduled (two prompts), whose plan stage 1 gets
+    only the first of its two micro-batches: the defect the named-stall tests provoke.
+    Yields (core, the scheduled batch); the ranks are stopped after."""
+    from phaseflip import Engine, SamplingParams
+
+    e = Engine(str(model_dir), device="cpu", pp_size=2, **cfg)
+    try:
+        core = e.core
+        for p in prompts_for(300)[:2]:
+            core.add_request(f"r{len(p)}", p, SamplingParams(temperature=0, max_new_tokens=2))
+        batch = core.scheduler.schedule()
+        first_only = batch.plan.split(2)[0]
+        core.runner.stage.micro_batches = lambda _plan, _parts=0: [first_only]
+        yield core, batch
+    finally:
+        e.core.runner.close(graceful=False)
+        e.core = None
+
+
 @pytest.fixture
 def make_engine():
     """Builds engines and checks at teardown that each one's KV pool balances and is idle."""

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from phaseflip import Engine, SamplingParams
-from tests.conftest import build_model, prompts_for
+from tests.conftest import build_model, pp2_losing_a_micro_batch, prompts_for
 
 pytestmark = pytest.mark.timeout(180, method="thread")  # signals cannot interrupt gloo
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
@@ -101,26 +101,17 @@ def test_broken_plan_is_a_named_stall_not_a_hang(deep_dir):
     naming every rank's position, well within the test deadline."""
     from phaseflip.distributed.watchdog import DistributedStallError
 
-    e = Engine(str(deep_dir), device="cpu", max_total_tokens=4096, pp_size=2, dist_timeout_s=5)
-    try:
-        core = e.core
-        for p in prompts_for(300)[:2]:
-            core.add_request(f"r{len(p)}", p, GREEDY)
-        plan = core.scheduler.schedule().plan
+    with pp2_losing_a_micro_batch(deep_dir, max_total_tokens=4096, dist_timeout_s=5) as (
+            core, batch):
+        plan = batch.plan
         assert plan.batch_size >= 2
-        runner = core.runner
-        first_only = plan.split(2)[0]
-        runner.stage.micro_batches = lambda _plan, _parts=0: [first_only]  # the defect under test
         start = time.monotonic()
         with pytest.raises(DistributedStallError) as err:
-            runner.forward(plan)
+            core.runner.forward(plan)
         msg = str(err.value)
         assert time.monotonic() - start < 30
         assert "rank 0: step 1, recv logits from rank 1" in msg
         assert "rank 1: step 1, recv hidden of micro-batch 1 from rank 0" in msg
-    finally:
-        core.runner.close(graceful=False)
-        e.core = None
 
 
 def _descendants(pid: int) -> list[int]:

@@ -21,7 +21,7 @@ from phaseflip.distributed.driver import IN_FLIGHT_LOGITS_BYTES, DistributedRunn
 from phaseflip.distributed.group import NO_STAGE_PIPES_ENV, DistSpec, logits_groups
 from phaseflip.scheduler.request import Req
 from phaseflip.scheduler.scheduler import Scheduler
-from tests.conftest import build_model, prompts_for
+from tests.conftest import build_model, pp2_losing_a_micro_batch, prompts_for
 
 SPAWNS = pytest.mark.timeout(300, method="thread")  # signals cannot interrupt gloo
 
@@ -178,25 +178,15 @@ def test_a_missing_hand_off_without_stage_pipes_is_a_named_stall(deep_dir, monke
     from phaseflip.distributed.watchdog import DistributedStallError
 
     monkeypatch.setenv(NO_STAGE_PIPES_ENV, "1")
-    e = Engine(str(deep_dir), device="cpu", max_total_tokens=4096, pp_size=2,
-               dist_timeout_s=3)
-    try:
-        core = e.core
-        for p in prompts_for(300)[:2]:
-            core.add_request(f"r{len(p)}", p, SamplingParams(temperature=0, max_new_tokens=2))
-        plan = core.scheduler.schedule().plan
+    with pp2_losing_a_micro_batch(deep_dir, max_total_tokens=4096, dist_timeout_s=3) as (
+            core, batch):
         runner = core.runner
         assert runner.stage.pipes is None
-        first_only = plan.split(2)[0]
-        runner.stage.micro_batches = lambda _plan, _parts=0: [first_only]  # the defect under test
         with pytest.raises(DistributedStallError) as err:
-            runner.launch(plan)()
+            runner.launch(batch.plan)()
         msg = str(err.value)
         assert "rank 0: step 1, recv logits from rank 1" in msg
         assert "rank 1: step 1, recv hidden of micro-batch 1 from rank 0" in msg
-    finally:
-        core.runner.close(graceful=False)
-        e.core = None
 
 
 @SPAWNS

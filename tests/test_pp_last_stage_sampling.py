@@ -28,7 +28,7 @@ from phaseflip.sampling.last_stage import (
     spec_for,
 )
 from phaseflip.sampling.sampler import Sampler
-from tests.conftest import build_model, prompts_for
+from tests.conftest import build_model, pp2_losing_a_micro_batch, prompts_for
 from tests.test_plan_codec import _decode_step, _frame_bytes
 
 SPAWNS = pytest.mark.timeout(300, method="thread")  # signals cannot interrupt gloo
@@ -349,23 +349,13 @@ def test_a_missing_hand_off_on_the_ids_path_is_a_named_stall(model_dir, monkeypa
 
     if not pipes:
         monkeypatch.setenv(NO_STAGE_PIPES_ENV, "1")
-    e = Engine(str(model_dir), device="cpu", max_total_tokens=2048, pp_size=2,
-               dist_timeout_s=3)
-    try:
-        core = e.core
-        for p in prompts_for(300)[:2]:
-            core.add_request(f"r{len(p)}", p, SamplingParams(temperature=0, max_new_tokens=2))
-        batch = core.scheduler.schedule()
+    with pp2_losing_a_micro_batch(model_dir, max_total_tokens=2048, dist_timeout_s=3) as (
+            core, batch):
         runner = core.runner
         spec = core.sampling.last_stage_spec(batch, ahead=False)
         assert runner.last_stage_samples and spec is not None
-        first_only = batch.plan.split(2)[0]
-        runner.stage.micro_batches = lambda _plan, _parts=0: [first_only]  # the defect under test
         with pytest.raises(DistributedStallError) as err:
             runner.launch(batch.plan, None, spec)()
         msg = str(err.value)
         assert "rank 0: step 1, recv sampled ids from rank 1" in msg
         assert "rank 1: step 1, recv hidden of micro-batch 1 from rank 0" in msg
-    finally:
-        core.runner.close(graceful=False)
-        e.core = None
