@@ -58,12 +58,13 @@ class MicroBatchSizer:
         self._kept: tuple[float, float] | None = None  # the last fit, while sizes converge
         self._stalls: list[tuple[int, float]] = []  # outliers in a row, not in the window
         self.outliers = 0
+        self._dirty = False  # parts observed since the last fit
 
     def forget(self) -> None:
         """Back to the token rule, nothing measured (after a launch warm-up: its parts
         carried the kernels' compile)."""
         self._parts.clear()
-        self._kept, self._stalls, self.outliers = None, [], 0
+        self._kept, self._stalls, self.outliers, self._dirty = None, [], 0, False
 
     def observe(self, tokens: int, seconds: float) -> None:
         """One prompt part's stage time on rank 0 (its forward, launch to finish)."""
@@ -80,17 +81,19 @@ class MicroBatchSizer:
             self._parts.extend(self._stalls)
         self._stalls = []
         self._parts.append((tokens, seconds))
+        self._dirty = True
         self.fit()  # keeps the window's line before same-size parts can crowd it out
 
     def fit(self) -> tuple[float, float] | None:
         """(a, b) of seconds = a + b * tokens over the window; the last such fit while the
         window cannot make one (its parts converged on one size once the fit chose it); None
         until measured, or once the window's line is no cost."""
-        enough = len(self._parts) >= MIN_PARTS
-        xs = [t for t, _ in self._parts]
-        if not enough or max(xs) < MIN_SPREAD * min(xs):
+        if not self._dirty:
             return self._kept
-        self._kept = _robust_line(list(self._parts))
+        self._dirty = False
+        xs = [t for t, _ in self._parts]
+        if len(xs) >= MIN_PARTS and max(xs) >= MIN_SPREAD * min(xs):
+            self._kept = _robust_line(list(self._parts))
         return self._kept
 
     def parts(self, tokens: int) -> int:
