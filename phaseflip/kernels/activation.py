@@ -9,6 +9,12 @@ functions torch's CUDA kernel compiles to, not Triton's default `exp` (ex2.appro
 
 One read of gate and up, one write of the output: the torch path's extra round trip through the
 materialised `silu(gate)` is the saving. No host syncs; capturable in a CUDA graph once compiled.
+
+`silu_and_mul_fp8` feeds an FP8 linear (`down`): a program owns a whole row, takes the |max| of
+the rounded products in a first pass and recomputes them in a second to write the FP8 row
+(`kernels/fp8_quant.py`'s helpers), bitwise `per_token_quant` of `silu_and_mul`'s output, with
+that 16-bit output written only on request. The recompute re-reads gate and up (from L2) in
+place of the quantization kernel's two reads of the output and its launch.
 """
 
 from __future__ import annotations
@@ -18,7 +24,29 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from phaseflip.kernels.fp8_quant import (
+    FP8_MAX,
+    MIN_SCALE,
+    empty_fp8_rows,
+    fp8_quantize,
+    fp8_row_scale,
+)
+
 BLOCK = 1024
+ROW_BLOCK = 2048  # columns a step of the one-program-per-row FP8 kernel
+
+
+@triton.jit
+def _silu_mul(X_ROW, OUT, cols, mask, n_cols, LIBDEVICE: tl.constexpr):
+    """silu(gate) * up at `cols` of one row, rounded to OUT's dtype as the torch path rounds."""
+    g = tl.load(X_ROW + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(X_ROW + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    if LIBDEVICE:
+        e = libdevice.exp(-g)
+    else:
+        e = tl.exp(-g)
+    s = tl.math.div_rn(g, 1.0 + e).to(OUT.dtype.element_ty).to(tl.float32)
+    return (s * u).to(OUT.dtype.element_ty)
 
 
 @triton.jit
@@ -30,14 +58,35 @@ def _silu_and_mul_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    g = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(X + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    if LIBDEVICE:
-        e = libdevice.exp(-g)
-    else:
-        e = tl.exp(-g)
-    s = tl.math.div_rn(g, 1.0 + e).to(OUT.dtype.element_ty).to(tl.float32)
-    tl.store(OUT + row * stride_out + cols, (s * u).to(OUT.dtype.element_ty), mask=mask)
+    out = _silu_mul(X + row * stride_x, OUT, cols, mask, n_cols, LIBDEVICE)
+    tl.store(OUT + row * stride_out + cols, out, mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(
+    X, OUT, Q, SCALE, n_cols, stride_x, stride_out,
+    BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, STORE_OUT: tl.constexpr,
+    FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
+):
+    """Row pid0 whole: pass 1 its maximum (and the 16-bit row), pass 2 the FP8 row."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], tl.float32)
+    for c0 in range(0, n_cols, BLOCK):
+        cols = c0 + offs
+        mask = cols < n_cols
+        out = _silu_mul(X + row * stride_x, OUT, cols, mask, n_cols, LIBDEVICE)
+        if STORE_OUT:
+            tl.store(OUT + row * stride_out + cols, out, mask=mask)
+        amax = tl.maximum(amax, tl.abs(out.to(tl.float32)))  # masked columns are 0
+    scale = fp8_row_scale(tl.max(amax, 0), FP8_MAX_C, MIN_SCALE_C)
+    tl.store(SCALE + row, scale)
+    for c0 in range(0, n_cols, BLOCK):
+        cols = c0 + offs
+        mask = cols < n_cols
+        out = _silu_mul(X + row * stride_x, OUT, cols, mask, n_cols, LIBDEVICE)
+        q = fp8_quantize(out.to(tl.float32), scale, Q, FP8_MAX_C)
+        tl.store(Q + row * n_cols + cols, q, mask=mask)
 
 
 # triton.jit chose compiled or interpreted when the kernel was defined; libdevice is GPU only.
@@ -69,3 +118,25 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         BLOCK=BLOCK, LIBDEVICE=_LIBDEVICE, num_warps=4,
     )
     return out
+
+
+def silu_and_mul_fp8(x: torch.Tensor, keep_out: bool = False
+                     ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """`silu_and_mul(x)` for x [T, 2I] and its per-token FP8 quantization in one kernel:
+    (out [T, I] or None unless `keep_out`, x_q [T, I] float8_e4m3fn, scale [T, 1] float32),
+    bitwise `(out, *per_token_quant(out))`."""
+    if x.dim() != 2 or x.shape[-1] % 2 or x.stride(-1) != 1:
+        raise ValueError(f"need [T, 2I] gate|up rows with a unit last stride, got shape "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+    t, n = x.shape[0], x.shape[1] // 2
+    out = torch.empty((t, n), dtype=x.dtype, device=x.device) if keep_out else None
+    q, scale = empty_fp8_rows(t, n, x.device)
+    if t == 0 or n == 0:
+        return out, q, scale
+    out_arg = out if out is not None else x  # only its dtype is read when not written
+    _silu_and_mul_fp8_kernel[(t,)](
+        x, out_arg, q, scale, n, x.stride(0), out_arg.stride(0),
+        BLOCK=min(ROW_BLOCK, triton.next_power_of_2(n)), LIBDEVICE=_LIBDEVICE,
+        STORE_OUT=keep_out, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE, num_warps=8,
+    )
+    return out, q, scale

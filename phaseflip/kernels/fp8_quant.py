@@ -7,6 +7,10 @@ CUDA graph. Here a program owns one token row: it takes the row's |x| maximum (o
 a TP group's whole-row maximum), writes the scale, and writes the FP8 row, reading x twice.
 Bitwise what the torch code computes: float32 math, an IEEE-rounded divide (`div_rn`), the
 range clamp, round-to-nearest-even to e4m3.
+
+`fp8_row_scale` and `fp8_quantize` are that math as `@triton.jit` helpers: the kernels that
+produce a linear's input (`norm.py`, `activation.py`) call them to emit the FP8 row and its
+scale themselves, bitwise what `per_token_quant` makes of their 16-bit output.
 """
 
 from __future__ import annotations
@@ -17,6 +21,19 @@ import triton.language as tl
 
 FP8_MAX = 448.0
 MIN_SCALE = 1e-12
+
+
+@triton.jit
+def fp8_row_scale(amax, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr):
+    """A row's scale from its |x| maximum (float32): amax / 448, IEEE-rounded, at least 1e-12."""
+    return tl.maximum(tl.math.div_rn(amax, FP8_MAX_C), MIN_SCALE_C)
+
+
+@triton.jit
+def fp8_quantize(x, scale, Q, FP8_MAX_C: tl.constexpr):
+    """float32 x / scale (IEEE-rounded), clamped to e4m3's range, cast (RNE) to Q's dtype."""
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX_C), FP8_MAX_C)
+    return y.to(Q.dtype.element_ty)
 
 
 @triton.jit
@@ -36,13 +53,18 @@ def _per_token_quant_kernel(
             x = tl.load(X + row * stride_x + k0 + offs, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
         amax = tl.max(amax, 0)
-    scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX_C), MIN_SCALE_C)
+    scale = fp8_row_scale(amax, FP8_MAX_C, MIN_SCALE_C)
     tl.store(SCALE + row, scale)
     for k0 in range(0, K, BLOCK):
         mask = k0 + offs < K
         x = tl.load(X + row * stride_x + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-        y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX_C), FP8_MAX_C)
-        tl.store(Q + row * stride_q + k0 + offs, y.to(Q.dtype.element_ty), mask=mask)
+        tl.store(Q + row * stride_q + k0 + offs, fp8_quantize(x, scale, Q, FP8_MAX_C), mask=mask)
+
+
+def empty_fp8_rows(t: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised (x_q [t, k] float8_e4m3fn, scale [t, 1] float32) for a kernel to fill."""
+    return (torch.empty((t, k), dtype=torch.float8_e4m3fn, device=device),
+            torch.empty((t, 1), dtype=torch.float32, device=device))
 
 
 def per_token_quant(x: torch.Tensor, amax: torch.Tensor | None = None
@@ -52,8 +74,7 @@ def per_token_quant(x: torch.Tensor, amax: torch.Tensor | None = None
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError("x must be [T, K] with unit last stride")
     t, k = x.shape
-    q = torch.empty((t, k), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((t, 1), dtype=torch.float32, device=x.device)
+    q, scale = empty_fp8_rows(t, k, x.device)
     if t == 0:
         return q, scale
     amax_arg = amax.reshape(t).contiguous() if amax is not None else scale

@@ -15,6 +15,12 @@ A program normalises BLOCK_R rows of BLOCK_N >= N channels held in registers: ea
 once and written once. Rows are addressed as `[A, B]` with two strides, so a `[T, H, D]` view of
 the fused qkv output (Qwen3's per-head q_norm/k_norm) needs no copy. No host syncs, no
 data-dependent allocation: capturable in a CUDA graph once compiled.
+
+`rms_norm_fp8` / `fused_add_rms_norm_fp8` are the same kernel feeding an FP8 linear: from the
+rounded output row still in registers they also write its per-token FP8 quantization (x_q, scale),
+bitwise `per_token_quant` of the 16-bit output (`kernels/fp8_quant.py`'s helpers: amax of the
+rounded row, `div_rn`, clamp, RNE cast), and writing the 16-bit output itself is optional. That
+saves the quantization's launch and its two reads of the row.
 """
 
 from __future__ import annotations
@@ -23,15 +29,26 @@ import torch
 import triton
 import triton.language as tl
 
+from phaseflip.kernels.fp8_quant import (
+    FP8_MAX,
+    MIN_SCALE,
+    empty_fp8_rows,
+    fp8_quantize,
+    fp8_row_scale,
+)
+
 
 @triton.jit
 def _rms_norm_kernel(
-    X, R, W, OUT, R_OUT,
+    X, R, W, OUT, R_OUT, Q, SCALE,
     num_rows, inner, n_cols, eps, inv_n,
     sx_a, sx_b, sr_a, sr_b, so_a, so_b, sro_a, sro_b,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, STORE_OUT: tl.constexpr, QUANT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
 ):
-    """Rows [pid * BLOCK_R, +BLOCK_R): row r is (r // inner, r % inner) of an [A, B, N] view."""
+    """Rows [pid * BLOCK_R, +BLOCK_R): row r is (r // inner, r % inner) of an [A, B, N] view.
+    QUANT: also row r of Q [num_rows, N] (FP8) and SCALE [num_rows] from the rounded output."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows < num_rows)[:, None] & (cols < n_cols)[None, :]
@@ -47,7 +64,14 @@ def _rms_norm_kernel(
     y = (xf * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
     w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
     out = (w[None, :] * y).to(OUT.dtype.element_ty)
-    tl.store(OUT + (a * so_a + b * so_b)[:, None] + cols[None, :], out, mask=mask)
+    if STORE_OUT:
+        tl.store(OUT + (a * so_a + b * so_b)[:, None] + cols[None, :], out, mask=mask)
+    if QUANT:  # masked columns hold 0: they do not raise a row's maximum
+        of = out.to(tl.float32)
+        scale = fp8_row_scale(tl.max(tl.abs(of), axis=1), FP8_MAX_C, MIN_SCALE_C)
+        tl.store(SCALE + rows, scale, mask=rows < num_rows)
+        q = fp8_quantize(of, scale[:, None], Q, FP8_MAX_C)
+        tl.store(Q + rows.to(tl.int64)[:, None] * n_cols + cols[None, :], q, mask=mask)
 
 
 def _rows(t: torch.Tensor, what: str) -> tuple[int, int, int, int]:
@@ -64,13 +88,18 @@ def _rows(t: torch.Tensor, what: str) -> tuple[int, int, int, int]:
 
 def _launch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-    out: torch.Tensor, residual_out: torch.Tensor | None,
+    out: torch.Tensor | None, residual_out: torch.Tensor | None,
+    quant: tuple[torch.Tensor, torch.Tensor] | None = None, out_dtype: torch.dtype | None = None,
 ) -> None:
+    """`out` None: not written (then `quant`, the (x_q, scale) to fill, is, and `out_dtype` is
+    the dtype the output is rounded to before quantizing)."""
     n = x.shape[-1]
     if weight.shape != (n,):
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match rows of {n}")
     a, inner, sx_a, sx_b = _rows(x, "x")
-    _, _, so_a, so_b = _rows(out, "out")
+    so_a = so_b = 0
+    if out is not None:
+        _, _, so_a, so_b = _rows(out, "out")
     sr_a = sr_b = sro_a = sro_b = 0
     if residual is not None and residual_out is not None:
         _, _, sr_a, sr_b = _rows(residual, "residual")
@@ -82,12 +111,16 @@ def _launch(
     block_r = max(1, min(triton.next_power_of_2(num_rows), 2048 // block_n))
     num_warps = min(max(block_r * block_n // 512, 1), 16)
     grid = (triton.cdiv(num_rows, block_r),)
+    # a stand-in of the output's dtype where the output is not written (only its type is read)
+    out_arg = out if out is not None else x if x.dtype == out_dtype else weight
+    q, scale = quant if quant is not None else (out_arg, out_arg)
     _rms_norm_kernel[grid](
-        x, residual if residual is not None else x, weight, out,
-        residual_out if residual_out is not None else out,
+        x, residual if residual is not None else x, weight, out_arg,
+        residual_out if residual_out is not None else out_arg, q, scale,
         num_rows, inner, n, eps, 1.0 / n,
         sx_a, sx_b, sr_a, sr_b, so_a, so_b, sro_a, sro_b,
-        HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_N=block_n,
+        HAS_RESIDUAL=residual is not None, STORE_OUT=out is not None, QUANT=quant is not None,
+        BLOCK_R=block_r, BLOCK_N=block_n, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
         num_warps=num_warps, enable_fp_fusion=False,
     )
 
@@ -126,3 +159,40 @@ def fused_add_rms_norm(
                          f"{residual.dtype}, weight {weight.dtype}")
     _launch(x, residual, weight, eps, x, residual)
     return x, residual
+
+
+def rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, keep_out: bool = False
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """`rms_norm(x)` for x [T, N] and its per-token FP8 quantization in one pass:
+    (out [T, N] or None unless `keep_out`, x_q [T, N] float8_e4m3fn, scale [T, 1] float32),
+    bitwise `(out, *per_token_quant(out))`."""
+    _need_rows(x)
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device) if keep_out else None
+    quant = empty_fp8_rows(x.shape[0], x.shape[1], x.device)
+    _launch(x, None, weight, eps, out, None, quant, out_dtype)
+    return (out, *quant)
+
+
+def fused_add_rms_norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    keep_out: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`fused_add_rms_norm` (in place, same rules) for x [T, N] that also quantizes the normed
+    rows per token: (x or None unless `keep_out`, residual, x_q, scale), bitwise
+    `per_token_quant` of the normed rows. Without `keep_out` x's contents are left stale."""
+    _need_rows(x)
+    if residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    if not (x.dtype == residual.dtype == weight.dtype):
+        raise ValueError(f"in-place fused add+norm needs one dtype, got x {x.dtype}, residual "
+                         f"{residual.dtype}, weight {weight.dtype}")
+    quant = empty_fp8_rows(x.shape[0], x.shape[1], x.device)
+    _launch(x, residual, weight, eps, x if keep_out else None, residual, quant, x.dtype)
+    return (x if keep_out else None, residual, *quant)
+
+
+def _need_rows(x: torch.Tensor) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"FP8 output needs [T, N] rows, got shape {tuple(x.shape)}")

@@ -7,6 +7,8 @@ are identities, so the single-process path is the general path.
 
 `RMSNorm` and `SiluAndMul` run fused Triton kernels (`phaseflip.kernels`) on CUDA tensors when
 triton is installed, and the torch code (`forward_native`, the oracle) everywhere else.
+Asked to (`quantize=True`, when the FP8 linear they feed says `takes_fp8_input`), those kernels
+also quantize their output per token and hand the linear an `Fp8Activation` in its place.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch import nn
 
 from phaseflip.layout import Layout
 from phaseflip.model.quant import FP8_DTYPE, Fp8Config, scaled_linear
-from phaseflip.model.quant.fp8 import token_amax, weight_only
+from phaseflip.model.quant.fp8 import Fp8Activation, takes_scaled_mm, token_amax, weight_only
 
 WeightLoader = Callable[..., None]
 
@@ -46,14 +48,28 @@ def use_fused_kernels(x: torch.Tensor) -> bool:
     return HAS_TRITON and x.is_cuda
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_input_fusable(x: torch.Tensor, weight: torch.Tensor,
+                      weight_scale: torch.Tensor | None) -> bool:
+    """Whether the kernel producing `x` (16-bit [T, K] rows, the whole row of each token)
+    should quantize them for this linear: FP8 weights, the fused kernels in use, and rows the
+    linear sends to `_scaled_mm` (not the skinny weight-only path, not the reference). Shapes
+    and types only: no sync, so a CUDA graph captures the same choice it replays."""
+    return (weight_scale is not None and use_fused_kernels(x) and x.dim() == 2
+            and x.element_size() == 2 and takes_scaled_mm(x, weight))
+
+
+def linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor,
+           bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None
+           ) -> torch.Tensor:
     """`F.linear`, or on CUDA for the few rows of a small decode batch the skinny-GEMM kernel,
     which streams the weight at close to HBM bandwidth where cuBLAS' GEMM tiles do not
     (`kernels/linear.py`; the row cut-over is measured per shape). An FP8 weight (with its
-    per-row `weight_scale`) runs the scaled FP8 GEMM (`model.quant.fp8`)."""
+    per-row `weight_scale`) runs the scaled FP8 GEMM (`model.quant.fp8`), which also takes
+    rows quantized already (`Fp8Activation`)."""
     if weight_scale is not None:
         return scaled_linear(x, weight, weight_scale, bias)
+    if isinstance(x, Fp8Activation):
+        raise TypeError("an Fp8Activation feeds FP8 weights only")
     if use_fused_kernels(x) and x.dim() == 2:
         from phaseflip.kernels.linear import skinny_linear
         from phaseflip.kernels.linear_configs import should_use_skinny
@@ -74,6 +90,10 @@ def _weight_params(shape: tuple[int, int], dtype: torch.dtype, quant: Fp8Config 
     return _param(shape, FP8_DTYPE, loader), _param(shape[:1], torch.float32, scale_loader)
 
 
+# What a norm or activation hands the next linear: its 16-bit rows, or those rows quantized
+Normed = torch.Tensor | Fp8Activation
+
+
 def _dense_rows(*ts: torch.Tensor) -> bool:
     """The fused kernels' layout: 1-3 dims, unit last stride (rows themselves may be strided)."""
     return all(1 <= t.dim() <= 3 and t.stride(-1) == 1 for t in ts)
@@ -86,6 +106,9 @@ class RMSNorm(nn.Module):
     carries the residual stream without a separate add. On CUDA with triton the fused kernel
     does this IN PLACE (x receives the normed rows, residual the sum, and those two tensors are
     returned): callers must not reuse the old x or residual. The decoder layers do not.
+    `quantize=True` (only where `takes_fp8_input` of the linear fed said so): the normed rows
+    come back as an `Fp8Activation` where the kernel runs (x's contents then left stale), as a
+    tensor otherwise.
     """
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
@@ -99,17 +122,38 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, quantize: bool = False
+    ) -> Normed | tuple[Normed, torch.Tensor]:
         if use_fused_kernels(x):
-            from phaseflip.kernels.norm import fused_add_rms_norm, rms_norm
+            from phaseflip.kernels import norm
 
+            if quantize and x.dim() == 2:
+                return self._forward_fp8(x, residual)
             if residual is None and _dense_rows(x):
-                return rms_norm(x, self.weight, self.eps)
-            if (residual is not None and _dense_rows(x, residual) and residual.shape == x.shape
-                    and x.dtype == residual.dtype == self.weight.dtype):
-                return fused_add_rms_norm(x, residual, self.weight, self.eps)
+                return norm.rms_norm(x, self.weight, self.eps)
+            if self._fusable_add(x, residual):
+                return norm.fused_add_rms_norm(x, residual, self.weight, self.eps)
         return self.forward_native(x, residual)
+
+    def _fusable_add(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        return (residual is not None and _dense_rows(x, residual) and residual.shape == x.shape
+                and x.dtype == residual.dtype == self.weight.dtype)
+
+    def _forward_fp8(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> Normed | tuple[Normed, torch.Tensor]:
+        """The kernel path for [T, N] rows, the normed rows quantized per token."""
+        from phaseflip.kernels import norm
+
+        dtype = torch.promote_types(self.weight.dtype, x.dtype)
+        if residual is None and _dense_rows(x):
+            _, x_q, scale = norm.rms_norm_fp8(x, self.weight, self.eps)
+            return Fp8Activation(x_q, scale, dtype)
+        if self._fusable_add(x, residual):
+            _, residual, x_q, scale = norm.fused_add_rms_norm_fp8(x, residual, self.weight,
+                                                                  self.eps)
+            return Fp8Activation(x_q, scale, dtype), residual
+        return self.forward(x, residual)
 
     def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -149,7 +193,11 @@ class MergedColumnParallelLinear(nn.Module):
             raise ValueError(f"shape mismatch in shard {shard_id}: {dst.shape} vs {src.shape}")
         dst.copy_(src)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_fp8_input(self, x: torch.Tensor) -> bool:
+        """Whether the kernel producing x should hand this layer x's FP8 rows instead."""
+        return fp8_input_fusable(x, self.weight, self.weight_scale)
+
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.weight_scale)
 
 
@@ -201,7 +249,12 @@ class QKVParallelLinear(nn.Module):
             raise ValueError(f"shape mismatch in {shard_id}: {dst.shape} vs {src.shape}")
         dst.copy_(src)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def takes_fp8_input(self, x: torch.Tensor) -> bool:
+        """Whether the kernel producing x should hand this layer x's FP8 rows instead."""
+        return fp8_input_fusable(x, self.weight, self.weight_scale)
+
+    def forward(self, x: torch.Tensor | Fp8Activation
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         qkv = linear(x, self.weight, self.bias, self.weight_scale)
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
@@ -231,7 +284,15 @@ class RowParallelLinear(nn.Module):
             loaded = loaded.to(param.device, non_blocking=True)
         default_weight_loader(param, loaded.narrow(1, self.in_start, self.in_local))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_fp8_input(self, x: torch.Tensor) -> bool:
+        """As the column-parallel layers, at tp_size 1 only: under TP, x is this rank's slice
+        of each row and its scale the whole row's (a max-reduce the producer cannot do)."""
+        return self.layout.tp_size == 1 and fp8_input_fusable(x, self.weight, self.weight_scale)
+
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        if isinstance(x, Fp8Activation) and self.layout.tp_size > 1:
+            raise ValueError("a TP shard of a row cannot arrive quantized: its scale is the "
+                             "whole row's (takes_fp8_input is False under TP)")
         if (self.weight_scale is not None and self.layout.tp_size > 1
                 and not weight_only(x, self.weight)):
             # FP8: each rank holds a slice of every token's row; its activation scale is the
@@ -305,13 +366,18 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 class SiluAndMul(nn.Module):
-    """silu(gate) * up for x = [gate | up] along the last dim (a fused kernel on CUDA)."""
+    """silu(gate) * up for x = [gate | up] along the last dim (a fused kernel on CUDA).
+    `quantize=True` (where the FP8 linear fed `takes_fp8_input`): [T, 2I] rows come back
+    quantized per token, an `Fp8Activation`, where the kernel runs."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, quantize: bool = False) -> Normed:
         if use_fused_kernels(x) and x.stride(-1) == 1 and x.shape[-1] % 2 == 0:
-            from phaseflip.kernels.activation import silu_and_mul
+            from phaseflip.kernels import activation
 
-            return silu_and_mul(x)
+            if quantize and x.dim() == 2:
+                _, x_q, scale = activation.silu_and_mul_fp8(x)
+                return Fp8Activation(x_q, scale, x.dtype)
+            return activation.silu_and_mul(x)
         return self.forward_native(x)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from phaseflip.model.layers import (
     default_weight_loader,
 )
 from phaseflip.model.quant import Fp8Config, convert_checkpoint
+from phaseflip.model.quant.fp8 import Fp8Activation
 from phaseflip.model.rope import RotaryBatch, RotaryEmbedding
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
@@ -64,7 +65,7 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | Fp8Activation,
         batch: ForwardBatch,
         rotary: RotaryBatch,
         pool: KVPool,
@@ -96,8 +97,11 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, layout, dtype, quant)
         self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        # the SiLU kernel quantizes for `down` where that is bitwise what `down` would do
+        quantize = self.down_proj.takes_fp8_input(gate_up[..., : gate_up.shape[-1] // 2])
+        return self.down_proj(self.act(gate_up, quantize=quantize))
 
 
 class DecoderLayer(nn.Module):
@@ -110,12 +114,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, x, residual, batch, rotary, pool, backend):
+        # each norm quantizes its output for the FP8 projection it feeds where that projection
+        # would quantize it the same way itself (`takes_fp8_input`: shapes only, graph-safe)
+        quantize = self.self_attn.qkv_proj.takes_fp8_input(x)
         if residual is None:
-            residual, x = x, self.input_layernorm(x)
+            residual, x = x, self.input_layernorm(x, quantize=quantize)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm(x, residual, quantize=quantize)
         x = self.self_attn(x, batch, rotary, pool, backend)
-        x, residual = self.post_attention_layernorm(x, residual)
+        quantize = self.mlp.gate_up_proj.takes_fp8_input(x)
+        x, residual = self.post_attention_layernorm(x, residual, quantize=quantize)
         return self.mlp(x), residual
 
 

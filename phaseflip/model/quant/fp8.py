@@ -10,11 +10,17 @@ unmeasured). Everywhere else — CPU, and shapes or dtypes the CUDA kernel does 
 take — the same product is computed in float32 from the FP8 values (`scaled_linear_ref`): it
 rounds x and W exactly as the GPU path does and differs from it only by accumulation order, so
 it is the oracle the accuracy tests measure.
+
+On the `_scaled_mm` path the per-token quantization of a linear's input may already have been
+done by the kernel that produced it (an RMSNorm, SiLU·mul: `kernels/norm.py`,
+`kernels/activation.py`): the linear then receives an `Fp8Activation` instead of the tensor,
+bitwise what it would have quantized itself.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +28,17 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 _MIN_SCALE = 1e-12  # an all-zero row keeps a finite scale (its values quantize to 0)
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+@dataclass(frozen=True)
+class Fp8Activation:
+    """An FP8 linear's input rows, quantized per token by the kernel that produced them: what
+    `scaled_mm_linear` would feed `_scaled_mm`, bitwise. Made only where the linear takes that
+    path on these rows (`takes_scaled_mm`) and its input is the whole row (no TP amax)."""
+
+    x_q: torch.Tensor  # [T, K] float8_e4m3fn
+    scale: torch.Tensor  # [T, 1] float32, per token
+    dtype: torch.dtype  # the 16-bit activations' dtype: the linear's output dtype
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,6 +142,12 @@ def weight_only(x: torch.Tensor, w_q: torch.Tensor) -> bool:
     return 1 <= rows <= FP8_SKINNY_MAX_M and x.shape[-1] % 16 == 0
 
 
+def takes_scaled_mm(x: torch.Tensor, w_q: torch.Tensor) -> bool:
+    """Whether `scaled_linear` sends these rows to `_scaled_mm` (quantizing them per token):
+    neither the weight-only skinny path nor the float32 reference."""
+    return not weight_only(x, w_q) and _scaled_mm_ok(x, w_q)
+
+
 def _quantize_on_gpu(x: torch.Tensor, amax: torch.Tensor | None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_tokens`, bitwise, as one Triton kernel when triton is installed (the torch
@@ -136,7 +159,7 @@ def _quantize_on_gpu(x: torch.Tensor, amax: torch.Tensor | None
     return per_token_quant(x if x.stride(-1) == 1 else x.contiguous(), amax)
 
 
-def scaled_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+def scaled_linear(x: torch.Tensor | Fp8Activation, w_q: torch.Tensor, w_scale: torch.Tensor,
                   bias: torch.Tensor | None = None, amax: torch.Tensor | None = None
                   ) -> torch.Tensor:
     """y = x W^T for an FP8 weight (per-row `w_scale`) with per-token dynamic activation
@@ -145,7 +168,12 @@ def scaled_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     Row-wise scaling produces bf16 only: fp16/fp32 models get the bf16 product cast to their
     dtype (its 8 bits of mantissa are not what limits an FP8 GEMM). The bias is added after
     the GEMM. Every op is capturable in a CUDA graph (no host sync, static shapes). `amax`:
-    the token rows' maxima ([T, 1] float32) when `x` is a slice of the rows (`token_amax`)."""
+    the token rows' maxima ([T, 1] float32) when `x` is a slice of the rows (`token_amax`).
+    An `Fp8Activation` goes straight to `_scaled_mm` (its rows are quantized already)."""
+    if isinstance(x, Fp8Activation):
+        if amax is not None:
+            raise ValueError("an Fp8Activation holds whole rows quantized: no amax applies")
+        return _scaled_mm(x.x_q, x.scale, w_q, w_scale, bias, x.dtype)
     if weight_only(x, w_q):  # small decode batch: weight-only FP8, no activation rounding
         from phaseflip.kernels.linear import skinny_linear
 
@@ -162,10 +190,15 @@ def scaled_mm_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     row-wise `torch._scaled_mm`), whatever M: what the skinny kernel is timed against."""
     shape = x.shape
     x_q, sx = _quantize_on_gpu(x.reshape(-1, shape[-1]), amax)
+    y = _scaled_mm(x_q, sx, w_q, w_scale, bias, x.dtype)
+    return y.reshape(*shape[:-1], w_q.shape[0])
+
+
+def _scaled_mm(x_q: torch.Tensor, sx: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+               bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """[T, N] in `dtype` from per-token quantized rows: one row-wise `torch._scaled_mm`."""
     y = torch._scaled_mm(x_q, w_q.t(), scale_a=sx, scale_b=w_scale.view(1, -1),
                          out_dtype=torch.bfloat16)
-    if y.dtype != x.dtype:
-        y = y.to(x.dtype)
-    if bias is not None:
-        y = y + bias
-    return y.reshape(*shape[:-1], w_q.shape[0])
+    if y.dtype != dtype:
+        y = y.to(dtype)
+    return y + bias if bias is not None else y

@@ -1,0 +1,302 @@
+"""FP8 per-token quantization fused into RMSNorm (+ residual add) and SiLU·mul.
+
+The contract is bitwise: the fused kernels' (x_q, scale) equal the 16-bit output the plain
+kernel writes today followed by `per_token_quant` (the rounding to 16 bits first, then the amax
+of the rounded row, `div_rn`, clamp, RNE cast), and a tiny FP8 Llama's logits are bitwise the
+same with and without the fusion. Runs on CUDA when present, else on the CPU through Triton's
+interpreter; the model-level test forces the fused path on CPU tensors (kernel dispatch and
+`_scaled_mm` eligibility patched, `torch._scaled_mm` emulated in float32: both paths use the
+same emulation, so only the quantization differs between them).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from triton_interpreter import interpret_without_cuda
+
+interpret_without_cuda()  # before triton is imported
+pytest.importorskip("triton")
+
+from phaseflip.kernels import activation, fp8_quant, norm  # noqa: E402
+from phaseflip.kernels.activation import silu_and_mul, silu_and_mul_fp8  # noqa: E402
+from phaseflip.kernels.fp8_quant import per_token_quant  # noqa: E402
+from phaseflip.kernels.norm import (  # noqa: E402
+    fused_add_rms_norm,
+    fused_add_rms_norm_fp8,
+    rms_norm,
+    rms_norm_fp8,
+)
+from phaseflip.layout import Layout  # noqa: E402
+from phaseflip.model import layers  # noqa: E402
+from phaseflip.model.quant import fp8  # noqa: E402
+from phaseflip.model.quant.fp8 import Fp8Activation, quantize_tokens  # noqa: E402
+
+# a gate of -100 overflows exp(-g) to inf in float32, as in torch: silu is then -0
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ON_GPU = DEVICE.type == "cuda"
+HALF = [torch.bfloat16, torch.float16]
+EPS = 1e-6
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _rows(t: int, k: int, dtype: torch.dtype, seed: int, huge: float) -> torch.Tensor:
+    """Rows spanning six decades, one all zeros, one with a huge outlier, one constant tiny
+    row (FP8 subnormals after scaling)."""
+    x = torch.randn(t, k, generator=_gen(seed)) * torch.logspace(-3, 3, t)[:, None]
+    x[1] = 0
+    x[2, k // 3] = huge
+    x[3] = 1e-3
+    return x.to(dtype).to(DEVICE)
+
+
+def _same_fp8(got: tuple, want: tuple) -> None:
+    (q, s), (wq, ws) = got, want
+    assert q.dtype == torch.float8_e4m3fn and q.shape == wq.shape
+    assert s.dtype == torch.float32 and s.shape == ws.shape == (q.shape[0], 1)
+    assert torch.equal(s, ws), (s - ws).abs().max()
+    assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8)), \
+        int((q.view(torch.uint8) != wq.view(torch.uint8)).sum())
+
+
+def _weight(k: int, dtype: torch.dtype, seed: int, gain: float = 1.0) -> torch.Tensor:
+    return ((1 + 0.3 * torch.randn(k, generator=_gen(seed))) * gain).to(dtype).to(DEVICE)
+
+
+# ------------------------------------------------------------------------------ the kernels
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("k", [64, 200, 4099])  # one block, ragged, odd (block 8192)
+@pytest.mark.parametrize("gain", [1.0, 300.0])  # outputs past e4m3's 448: the scale absorbs
+def test_rms_norm_fp8_is_norm_then_per_token_quant(dtype, k, gain):
+    x, w = _rows(19, k, dtype, k, 3e4), _weight(k, dtype, k, gain)
+    want_out = rms_norm(x, w, EPS)
+    out, q, s = rms_norm_fp8(x, w, EPS, keep_out=True)
+    assert torch.equal(out, want_out)  # the 16-bit output as today
+    _same_fp8((q, s), per_token_quant(want_out))
+    _same_fp8((q, s), quantize_tokens(want_out))  # and the torch oracle's
+    none, q2, s2 = rms_norm_fp8(x, w, EPS)
+    assert none is None
+    _same_fp8((q2, s2), (q, s))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("k", [64, 200, 4099])
+@pytest.mark.parametrize("keep_out", [True, False])
+def test_fused_add_rms_norm_fp8_is_add_norm_then_per_token_quant(dtype, k, keep_out):
+    x, r = _rows(21, k, dtype, k, 3e4), _rows(21, k, dtype, k + 1, -2e4)
+    w = _weight(k, dtype, k + 2)
+    want_out, want_res = fused_add_rms_norm(x.clone(), r.clone(), w, EPS)
+    xk, rk = x.clone(), r.clone()
+    out, res, q, s = fused_add_rms_norm_fp8(xk, rk, w, EPS, keep_out=keep_out)
+    assert res.data_ptr() == rk.data_ptr() and torch.equal(res, want_res)  # in place, as today
+    if keep_out:
+        assert out.data_ptr() == xk.data_ptr() and torch.equal(out, want_out)
+    else:
+        assert out is None and torch.equal(xk, x)  # x not written at all
+    _same_fp8((q, s), per_token_quant(want_out))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("n", [64, 200, 3001])  # one step, ragged, two steps of 2048 + ragged
+def test_silu_and_mul_fp8_is_silu_then_per_token_quant(dtype, n):
+    # the products stay finite in the dtype (an inf row has a NaN FP8 row either way)
+    huge, gain = (250.0, 0.03) if dtype == torch.float16 else (1e15, 3.0)
+    g = _rows(23, 2 * n, dtype, n, huge) * gain
+    want_out = silu_and_mul(g)
+    out, q, s = silu_and_mul_fp8(g, keep_out=True)
+    assert torch.equal(out, want_out)
+    _same_fp8((q, s), per_token_quant(want_out))
+    none, q2, s2 = silu_and_mul_fp8(g)
+    assert none is None
+    _same_fp8((q2, s2), (q, s))
+
+
+def test_strided_gate_up_rows_and_empty_batches():
+    g = _rows(18, 2 * 320, torch.bfloat16, 0, 50.0)
+    wide = torch.zeros(18, 1000, dtype=torch.bfloat16, device=DEVICE)
+    wide[:, :640] = g
+    _same_fp8(silu_and_mul_fp8(wide[:, :640])[1:], per_token_quant(silu_and_mul(g)))
+    w = _weight(64, torch.bfloat16, 0)
+    empty = torch.empty(0, 64, dtype=torch.bfloat16, device=DEVICE)
+    for got in (rms_norm_fp8(empty, w, EPS)[1:],
+                fused_add_rms_norm_fp8(empty, empty.clone(), w, EPS)[2:],
+                silu_and_mul_fp8(torch.empty(0, 128, dtype=torch.bfloat16, device=DEVICE))[1:]):
+        assert got[0].shape == (0, 64) and got[1].shape == (0, 1)
+    with pytest.raises(ValueError, match=r"\[T, N\]"):
+        rms_norm_fp8(empty.view(0, 1, 64), w, EPS)
+
+
+def test_the_rounding_order_is_what_the_comparisons_see():
+    """Quantizing the float32 product before its 16-bit rounding (the tempting shortcut) gives
+    other FP8 bits on these inputs, so the bitwise tests above can tell the two orders apart."""
+    x, w = _rows(19, 200, torch.bfloat16, 200, 3e4).cpu(), _weight(200, torch.bfloat16, 200)
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype).float()
+    unrounded = w.cpu().float() * y
+    want_q, _ = quantize_tokens(unrounded.to(x.dtype))
+    shortcut_q, _ = quantize_tokens(unrounded)
+    assert not torch.equal(shortcut_q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+# ------------------------------------------------------------- the decision and the model
+
+
+def _cpu_scaled_mm(a, b, scale_a, scale_b, out_dtype):
+    """`torch._scaled_mm` with row-wise scales, in float32 (exact FP8 products, one order)."""
+    return ((a.float() @ b.float()) * scale_a * scale_b).to(out_dtype)
+
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch):
+    """The fused kernels and the `_scaled_mm` path taken on CPU tensors (the real row rule:
+    K and N multiples of 16), `_scaled_mm` emulated; returns the kernel-call counter."""
+    monkeypatch.setattr(layers, "use_fused_kernels", lambda x: True)
+    monkeypatch.setattr(fp8, "_scaled_mm_ok", lambda x, w: x.numel() > 0
+                        and x.shape[-1] % 16 == 0 and w.shape[0] % 16 == 0)
+    monkeypatch.setattr(torch, "_scaled_mm", _cpu_scaled_mm, raising=False)
+    calls: dict[str, int] = {}
+    for mod, name in ((norm, "rms_norm_fp8"), (norm, "fused_add_rms_norm_fp8"),
+                      (activation, "silu_and_mul_fp8"), (fp8_quant, "per_token_quant")):
+        fn = getattr(mod, name)
+
+        def counted(*args, _fn=fn, _name=name, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _fn(*args, **kwargs)
+
+        monkeypatch.setattr(mod, name, counted)
+    return calls
+
+
+def test_which_linears_are_handed_fp8_rows(fused_on_cpu):
+    """Only FP8 weights on the `_scaled_mm` path with whole rows: never bf16 weights, float32
+    activations, the reference path (K not a multiple of 16), nor a TP shard of a row."""
+    from phaseflip.model.quant import Fp8Config
+
+    quant, bf16 = Fp8Config("float"), torch.bfloat16
+    x = torch.randn(20, 64, dtype=bf16)
+    col = layers.MergedColumnParallelLinear(64, [32, 32], False, Layout(), bf16, quant)
+    assert col.takes_fp8_input(x)
+    assert not col.takes_fp8_input(x.float())
+    assert not col.takes_fp8_input(torch.randn(20, 40, dtype=bf16))
+    plain = layers.MergedColumnParallelLinear(64, [32, 32], False, Layout(), bf16)
+    assert not plain.takes_fp8_input(x)
+    assert layers.RowParallelLinear(64, 32, False, Layout(), bf16, quant).takes_fp8_input(x)
+    shard = layers.RowParallelLinear(128, 32, False, Layout(0, 2), bf16, quant)
+    assert not shard.takes_fp8_input(x)
+    with pytest.raises(ValueError, match="whole row"):
+        shard(Fp8Activation(*quantize_tokens(x), bf16))
+
+
+def test_the_decision_follows_the_gemm_path_on_cuda(monkeypatch):
+    """Unpatched: CPU tensors never fuse; on (simulated) CUDA the skinny weight-only rows
+    (<= FP8_SKINNY_MAX_M of 16-bit x) do not, the rows `_scaled_mm` takes do."""
+    from phaseflip.model.quant import Fp8Config
+
+    col = layers.QKVParallelLinear(64, 16, 4, 2, False, Layout(), torch.bfloat16,
+                                   Fp8Config("float"))
+    small, big = (torch.randn(m, 64, dtype=torch.bfloat16) for m in (fp8.FP8_SKINNY_MAX_M, 17))
+    assert not col.takes_fp8_input(big)  # CPU
+    monkeypatch.setattr(layers, "use_fused_kernels", lambda x: True)
+    monkeypatch.setattr(fp8, "_scaled_mm_ok", lambda x, w: True)
+    monkeypatch.setattr(fp8, "weight_only", lambda x, w: x.shape[0] <= fp8.FP8_SKINNY_MAX_M)
+    assert not col.takes_fp8_input(small) and col.takes_fp8_input(big)
+
+
+def _tiny_fp8_llama(tmp_path):
+    from phaseflip.model.config import ModelConfig
+    from phaseflip.model.dummy import init_dummy_weights
+    from phaseflip.model.llama import LlamaForCausalLM
+    from phaseflip.model.quant import Fp8Config
+
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 96,
+           "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "vocab_size": 128, "rms_norm_eps": 1e-6,
+           "rope_theta": 10000.0, "max_position_embeddings": 64, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(ModelConfig.from_dir(tmp_path), Layout(), torch.bfloat16,
+                                 Fp8Config("float"))
+    init_dummy_weights(model, 0)
+    gen = _gen(5)
+    for name, p in model.named_parameters():
+        if "layernorm" in name:  # gains of one would make w * y exact: no rounding to see
+            p.data.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+def test_fp8_llama_logits_are_bitwise_the_same_with_the_fusion(tmp_path, monkeypatch,
+                                                               fused_on_cpu):
+    """Two prefills (24 tokens) through a 2-layer Qwen2-style FP8 model (QKV bias): with the
+    fusion, each layer's qkv, gate_up and down take FP8 rows from the norms and the SiLU
+    (only o_proj still calls `per_token_quant`), and the logits equal the unfused run's."""
+    from phaseflip.attention.torch_ref import TorchRefAttention
+    from phaseflip.cache.kv_pool import KVPool
+    from phaseflip.forward_batch import ForwardBatch
+
+    model = _tiny_fp8_llama(tmp_path)
+    seqs = [11, 13]
+    t = sum(seqs)
+    batch = ForwardBatch(
+        input_ids=torch.randint(0, 128, (t,), generator=_gen(1)),
+        positions=torch.cat([torch.arange(n) for n in seqs]),
+        out_cache_loc=torch.arange(1, t + 1), extend_lens=seqs, prefix_lens=[0, 0],
+        kv_indptr=torch.tensor([0, seqs[0], t]), kv_indices=torch.arange(1, t + 1),
+        logits_indices=torch.arange(t), max_position=max(seqs) - 1,
+    ).to(DEVICE)
+
+    def logits() -> torch.Tensor:
+        pool = KVPool(t + 8, (0, 2), 2, 24, torch.bfloat16, DEVICE)
+        with torch.inference_mode():
+            return model.compute_logits(model(batch, pool, TorchRefAttention())[0])
+
+    fused = logits()
+    assert fused_on_cpu == {"rms_norm_fp8": 1, "fused_add_rms_norm_fp8": 3,
+                            "silu_and_mul_fp8": 2, "per_token_quant": 2}
+    fused_on_cpu.clear()
+    monkeypatch.setattr(layers, "fp8_input_fusable", lambda *a: False)  # today's path
+    unfused = logits()
+    assert fused_on_cpu == {"per_token_quant": 8}
+    assert torch.equal(fused, unfused)
+
+
+# ------------------------------------------------------------------------------ CUDA only
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_fused_kernels_capture_in_a_cuda_graph():
+    """The three FP8 variants replay from a CUDA graph on new inputs, bitwise as unfused."""
+    t, hidden, inter, dtype = 64, 1024, 2816, torch.bfloat16
+    w = _weight(hidden, dtype, 0)
+    x = torch.empty(t, hidden, device=DEVICE, dtype=dtype)
+    res, g = torch.empty_like(x), torch.empty(t, 2 * inter, device=DEVICE, dtype=dtype)
+
+    def step():
+        return (rms_norm_fp8(x, w, EPS)[1:], fused_add_rms_norm_fp8(x, res, w, EPS)[2:],
+                silu_and_mul_fp8(g)[1:])
+
+    def fill(seed: int) -> None:
+        gen = torch.Generator(device=DEVICE).manual_seed(seed)
+        for buf in (x, res, g):
+            buf.copy_(torch.randn(buf.shape, generator=gen, device=DEVICE) * 3)
+
+    fill(0)
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    fill(7)
+    x0, r0, g0 = x.clone(), res.clone(), g.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    _same_fp8(outs[0], per_token_quant(rms_norm(x0, w, EPS)))
+    _same_fp8(outs[1], per_token_quant(fused_add_rms_norm(x0.clone(), r0.clone(), w, EPS)[0]))
+    _same_fp8(outs[2], per_token_quant(silu_and_mul(g0)))
