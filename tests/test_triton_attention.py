@@ -203,6 +203,60 @@ def test_metadata_reused_across_layers_and_rebuilt_per_batch():
     assert backend._meta is not first and backend._meta.is_decode
 
 
+def test_large_decode_batch_launches_longest_first():
+    # 12 sequences x 2 KV heads: more programs than two waves of the interpreter's 8 "SMs",
+    # so the backend sorts (`orders_decode`) and the kernel reads rows through the order
+    assert kernels.orders_decode(12, 2, 1, kernels.num_sms(DEVICE))
+    backend = TritonAttention()
+    lens = [5, 40, 0, 17, 33, 2, 60, 9, 1, 26, 48, 12]
+    run_case([(n, 1) for n in lens], backend=backend, layers=2)
+    assert backend._meta.order is not None
+    want = sorted(range(len(lens)), key=lambda i: -lens[i])
+    assert [lens[i] for i in backend._meta.order.tolist()] == [lens[i] for i in want]
+
+
+def test_any_launch_order_gives_the_same_rows():
+    gen = torch.Generator().manual_seed(3)
+    lens = [7, 31, 2, 19, 44, 1]
+    total = sum(lens)
+    cache = torch.randn(total + 4, 2, 32, generator=gen).to(DEVICE)
+    q = torch.randn(len(lens), 8, 32, generator=gen).to(DEVICE)
+    indptr = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=DEVICE)
+    indices = torch.randperm(total, generator=gen).to(DEVICE)
+    plan = kernels.plan_decode(len(lens), 2, 1, max(lens), 8, num_splits=2, min_chunk=16)
+    base = kernels.decode_attention(q, cache, cache, indptr, indices, 0.2, plan)
+    order = kernels.decode_order(indptr)
+    assert order.tolist() == sorted(range(len(lens)), key=lambda i: -lens[i])
+    for o in (order, torch.randperm(len(lens), generator=gen).to(DEVICE)):
+        got = kernels.decode_attention(q, cache, cache, indptr, indices, 0.2, plan, order=o)
+        assert torch.equal(got, base)
+    with pytest.raises(ValueError, match="order must be"):
+        kernels.decode_attention(q, cache, cache, indptr, indices, 0.2, plan, order=order[:3])
+
+
+def test_a_reused_decode_batch_is_sorted_again_at_every_forward():
+    # a CUDA graph reuses one batch object (its metadata) for every replay: the order must be
+    # recomputed by each forward (at its first layer), not kept from the capture's warm-up
+    backend = TritonAttention()
+    lens = [5, 40, 0, 17, 33, 2, 60, 9, 1, 26, 48, 12]
+    gen = torch.Generator().manual_seed(0)
+    batch = make_batch([(n, 1) for n in lens], gen)
+    pool = KVPool(int(batch.kv_indices.max()) + 8, (0, 2), 2, 32, torch.float32, DEVICE)
+    q = torch.randn(len(lens), 8, 32, generator=gen).to(DEVICE)
+    kv = torch.randn(len(lens), 2, 32, generator=gen).to(DEVICE)
+    for layer in (0, 1):
+        backend.forward(layer, q, kv, kv, batch, pool, 0.2)
+    first = backend._meta.order.tolist()
+    # the next replay: same batch object, the lengths reversed in the static buffer
+    new_lens = list(reversed(lens))
+    batch.kv_indptr.copy_(torch.tensor([0] + torch.tensor(new_lens).cumsum(0).tolist()))
+    for layer in (0, 1):
+        backend.forward(layer, q, kv, kv, batch, pool, 0.2)
+    again = backend._meta.order.tolist()
+    assert again != first
+    assert [new_lens[i] for i in again] == sorted(new_lens, reverse=True)
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="larger shapes are too slow interpreted")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_gpu_long_contexts(dtype):

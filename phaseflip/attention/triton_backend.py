@@ -48,6 +48,10 @@ class _BatchMeta:
     max_kv_len: int
     qo_indptr: torch.Tensor | None = None
     by_layout: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    # decode: the launch order (longest first) and the layer that sorts it, the first one a
+    # forward reaches: every forward re-sorts there, so a graph's capture records the sort
+    order: torch.Tensor | None = None
+    order_layer: int | None = None
 
 
 class TritonAttention:
@@ -104,6 +108,16 @@ class TritonAttention:
         self._meta = _BatchMeta(batch=batch, is_decode=True, max_kv_len=max_kv_len)
         return self._meta
 
+    @staticmethod
+    def _decode_order(meta: _BatchMeta, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        """The batch's sequences longest first, sorted once a forward: at the layer that
+        sorted first (so the warm-up runs of a graph capture do not leave the capture a
+        stale order), reused by the others."""
+        if meta.order is None or layer_id == meta.order_layer:
+            meta.order = kernels.decode_order(batch.kv_indptr)
+            meta.order_layer = layer_id
+        return meta.order
+
     def forward(
         self,
         layer_id: int,
@@ -157,10 +171,14 @@ class TritonAttention:
                                                   q.device)
                 cached = meta.by_layout[key] = (plan, ws)
             plan, ws = cached
+            order = None
+            if kernels.orders_decode(batch.batch_size, num_kv_heads, -(-group // cfg.block_m),
+                                     kernels.num_sms(q.device)):
+                order = self._decode_order(meta, layer_id, batch)
             return kernels.decode_attention(
                 q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, scale, plan,
                 sliding_window=sliding_window, out=out, workspace=ws, config=cfg,
-                k_scale=k_scale, v_scale=v_scale,
+                k_scale=k_scale, v_scale=v_scale, order=order,
             )
         cfg = self.extend_config or kernels.extend_config(dtype, head_dim, q.device,
                                                           k_cache.dtype)

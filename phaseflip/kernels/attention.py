@@ -48,14 +48,15 @@ from phaseflip.kernels.attention_plan import (
     fp8_dot_mode,
     fp8_scales,
     num_sms,
+    orders_decode,
     plan_decode,
 )
 
 # the planning names callers reach through this module (`kernels.decode_config`, ...)
 __all__ = [
     "FP8_DECODE_DOT", "FP8_DOT_MODES", "FP8_EXTEND_DOT", "LOG2E", "DecodePlan", "KernelConfig",
-    "compute_dtype", "decode_attention", "decode_config", "decode_workspace", "extend_attention",
-    "extend_config", "extend_tiles", "num_sms", "plan_decode",
+    "compute_dtype", "decode_attention", "decode_config", "decode_order", "decode_workspace",
+    "extend_attention", "extend_config", "extend_tiles", "num_sms", "orders_decode", "plan_decode",
 ]
 
 LOG2E = 1.4426950408889634
@@ -115,22 +116,28 @@ def _fp8_widen(k, v, q, FP8_DOT: tl.constexpr):
     return k, v
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
-    Q, K, V, KV_INDPTR, KV_INDICES, OUT, MID_O, MID_M, MID_L, K_SCALE, V_SCALE,
+    Q, K, V, KV_INDPTR, KV_INDICES, ORDER, OUT, MID_O, MID_M, MID_L, K_SCALE, V_SCALE,
     qk_scale, window, min_chunk, num_splits,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
-    KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr, HAS_ORDER: tl.constexpr,
 ):
-    """One (sequence, KV head, head block, split): attend the group's queries over one chunk."""
-    b = tl.program_id(0)
-    kvh = tl.program_id(1) // HEAD_BLOCKS
-    hblk = tl.program_id(1) % HEAD_BLOCKS
+    """One (KV head, head block, sequence, split): attend the group's queries over one chunk.
+
+    The KV head varies fastest in launch order, so a sequence's heads run side by side and
+    read the same pages' rows together; with ORDER the sequences launch longest first (the
+    backend sorts them), so the long ones do not start last and set the grid's tail."""
+    kvh = tl.program_id(0) // HEAD_BLOCKS
+    hblk = tl.program_id(0) % HEAD_BLOCKS
+    b = tl.program_id(1)
+    if HAS_ORDER:
+        b = tl.load(ORDER + b)
     split = tl.program_id(2)
-    num_heads = tl.num_programs(1) // HEAD_BLOCKS * GROUP
+    num_heads = tl.num_programs(0) // HEAD_BLOCKS * GROUP
 
     offs_g = hblk * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_g < GROUP
@@ -192,7 +199,7 @@ def _decode_split_kernel(
                  mask=mask_h[:, None] & mask_d[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     OUT, MID_O, MID_M, MID_L, num_splits, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -268,7 +275,9 @@ def _extend_block(
     return acc, l_i, m_new
 
 
-@triton.jit
+# num_tiles varies with every batch: specializing it (== 1, divisible by 16) would compile a
+# new variant mid-serving the first time a batch's tile count lands in another class
+@triton.jit(do_not_specialize=["num_tiles"])
 def _extend_kernel(
     Q, K, V, QO_INDPTR, KV_INDPTR, KV_INDICES, TILES, OUT, K_SCALE, V_SCALE,
     qk_scale, window, num_tiles,
@@ -357,6 +366,13 @@ def decode_workspace(batch_size: int, num_heads: int, head_dim: int, plan: Decod
     )
 
 
+def decode_order(kv_indptr: torch.Tensor) -> torch.Tensor:
+    """The sequences of a decode batch longest first (int64 [B], on kv_indptr's device): a
+    device sort, so a CUDA graph re-sorts at every replay. Ties keep no particular order;
+    any permutation gives the same outputs, each row's program writes only its own."""
+    return torch.argsort(kv_indptr[1:] - kv_indptr[:-1], descending=True)
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -372,11 +388,13 @@ def decode_attention(
     config: KernelConfig | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence (q row b = sequence b) over its paged context.
 
     q: [B, H, D]; caches [slots, KVH, D]; kv_indptr [B+1] / kv_indices (device, any int dtype).
-    An FP8 cache needs `k_scale` / `v_scale` (float32 [KVH], `KVPool.scales`).
+    An FP8 cache needs `k_scale` / `v_scale` (float32 [KVH], `KVPool.scales`). `order` (device
+    ints [B], a permutation of the rows, `decode_order`) is the order sequences launch in.
     `plan` comes from `plan_decode` with the same `config.block_n`. Returns out [B, H*D] in q's
     dtype (written into `out` when given). `workspace` (from `decode_workspace`) may be reused
     across calls of one batch; it is allocated here when omitted and the plan splits.
@@ -402,16 +420,19 @@ def decode_attention(
         mid_o, mid_m, mid_l = workspace or decode_workspace(
             batch_size, num_heads, head_dim, plan, q.device)
     block_d = triton.next_power_of_2(head_dim)
-    grid = (batch_size, num_kv_heads * head_blocks, plan.num_splits)
+    if order is not None and order.shape != (batch_size,):
+        raise ValueError(f"order must be [{batch_size}], got {tuple(order.shape)}")
+    grid = (num_kv_heads * head_blocks, batch_size, plan.num_splits)
     _decode_split_kernel[grid](
-        q, k_cache, v_cache, kv_indptr, kv_indices, out, mid_o, mid_m, mid_l, k_scale, v_scale,
+        q, k_cache, v_cache, kv_indptr, kv_indices, kv_indptr if order is None else order,
+        out, mid_o, mid_m, mid_l, k_scale, v_scale,
         scale * LOG2E, sliding_window or 0, plan.min_chunk, plan.num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), head_dim,
         GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_H=cfg.block_m, BLOCK_N=cfg.block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_WINDOW=sliding_window is not None,
         DIRECT=direct, DOT_PREC=dot_precision(dtype), KV_FP8=kv_fp8, FP8_DOT=fp8_dot,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_ORDER=order is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not direct:
         _decode_reduce_kernel[(batch_size, num_heads)](
