@@ -12,6 +12,10 @@ same emulation, so only the quantization differs between them).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,6 +137,27 @@ def test_strided_gate_up_rows_and_empty_batches():
         assert got[0].shape == (0, 64) and got[1].shape == (0, 1)
     with pytest.raises(ValueError, match=r"\[T, N\]"):
         rms_norm_fp8(empty.view(0, 1, 64), w, EPS)
+
+
+def test_fp8_variants_sum_squares_in_the_plain_kernels_order():
+    """On the GPU the bitwise contract also needs the FP8 variants to sum the squares in the
+    plain kernel's order (the interpreter above cannot show it): compiled for sm_90 here, every
+    variant's sum runs in one layout. Left unhinted, the FP8 store (16 bytes = 16 values a
+    thread) pulls the whole row into a 16-a-thread layout where the 16-bit kernel has 8."""
+    import triton.backends
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("Triton's NVIDIA backend is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    shapes = ["4096", "5120", "8192", "2048:fp16", "128:bf16:4"]  # N[:dtype[:rows]]
+    proc = subprocess.run([sys.executable, str(root / "tests" / "norm_reduce_layouts.py"),
+                           *shapes], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for shape, layouts in json.loads(proc.stdout).items():
+        assert len(set(layouts.values())) == 1, (shape, layouts)
 
 
 def test_the_rounding_order_is_what_the_comparisons_see():
