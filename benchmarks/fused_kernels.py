@@ -24,7 +24,15 @@ differ at all (rotary should be bit-identical; RMSNorm/SiLU may differ by 1-2 ul
 elements, see tests/test_fused_kernels.py). The last table sums one decoder layer's worth
 (2 add_rms_norm + silu_and_mul + rotary).
 
+`--fp8` times instead the FP8 per-token quantization fused into its producer (the FP8 model's
+path for more than 16 rows) against the separate kernels it replaces, at T = 64, 300, 1024,
+8192 and K = 4096, 14336: `add_rms_norm+fp8` (`fused_add_rms_norm_fp8`, no 16-bit output) vs
+`fused_add_rms_norm` then `per_token_quant`, and `silu_and_mul+fp8` ([T, 2K] -> FP8 [T, K]) vs
+`silu_and_mul` then `per_token_quant`. Its check columns count the FP8 bytes and scales that
+differ between the two (the contract is 0: bitwise).
+
     python -m benchmarks.fused_kernels --out fused_kernels.json
+    python -m benchmarks.fused_kernels --fp8 --out fused_fp8_quant.json
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -44,6 +53,8 @@ HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
 DTYPE = torch.bfloat16
 EPS = 1e-5
 TOKENS = (1, 64, 256, 4096, 8192)
+FP8_TOKENS = (64, 300, 1024, 8192)
+FP8_K = (HIDDEN, INTER)
 
 
 def bench(fn: Callable[[], object], quick: bool) -> float:
@@ -196,6 +207,61 @@ def kv_store_rows(t: int, qkv: torch.Tensor, positions: torch.Tensor, rope, pool
         * DTYPE.itemsize + 2 * t * KV_HEADS * HEAD_DIM * pool_dtype.itemsize)
 
 
+def fp8_quant_rows(t: int, k: int, quick: bool, dev: torch.device) -> list[dict]:
+    """Fused producer + FP8 quantization vs the producer then `per_token_quant`, at [T, K]."""
+    from phaseflip.kernels.activation import silu_and_mul, silu_and_mul_fp8
+    from phaseflip.kernels.fp8_quant import per_token_quant
+    from phaseflip.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_fp8
+
+    e = DTYPE.itemsize
+    w = torch.empty(k, device=dev, dtype=DTYPE).normal_(1.0, 0.2)
+    x = torch.randn(t, k, device=dev, dtype=DTYPE)
+    res = torch.randn(t, k, device=dev, dtype=DTYPE) * 4
+    gate_up = torch.randn(t, 2 * k, device=dev, dtype=DTYPE) * 3
+
+    def separate_norm(xs: torch.Tensor, rs: torch.Tensor):
+        return per_token_quant(fused_add_rms_norm(xs, rs, w, EPS)[0])
+
+    def separate_silu(g: torch.Tensor):
+        return per_token_quant(silu_and_mul(g))
+
+    cases = [
+        # op, fused, separate (both on their own copies: in place), minimal bytes moved
+        ("add_rms_norm+fp8", lambda a: fused_add_rms_norm_fp8(*a, w, EPS)[2:],
+         lambda a: separate_norm(*a), lambda: (x.clone(), res.clone()), t * k * (3 * e + 1)),
+        ("silu_and_mul+fp8", lambda a: silu_and_mul_fp8(a)[1:], separate_silu,
+         lambda: gate_up, t * k * (2 * e + 1)),
+    ]
+    rows = []
+    for op, fused, separate, fresh, nbytes in cases:
+        (q, s), (wq, ws) = fused(fresh()), separate(fresh())  # correctness on fresh inputs
+        args_f, args_s = fresh(), fresh()
+        f_us, s_us = bench(partial(fused, args_f), quick), bench(partial(separate, args_s), quick)
+        rows.append({"op": op, "tokens": t, "K": k, "fused_us": f_us, "separate_us": s_us,
+                     "speedup": s_us / f_us, "GBps": nbytes / (f_us * 1e-6) / 1e9,
+                     "q_bytes_differ": int((q.view(torch.uint8) != wq.view(torch.uint8)).sum()),
+                     "scales_differ": int((s != ws).sum())})
+    return rows
+
+
+def main_fp8(args, dev: torch.device) -> None:
+    import triton
+
+    tokens = args.tokens or list(FP8_TOKENS)
+    rows = [r for t in tokens for k in FP8_K for r in fp8_quant_rows(t, k, args.quick, dev)]
+    print(f"\n{torch.cuda.get_device_name()}  triton {triton.__version__}  torch "
+          f"{torch.__version__}  bf16 -> float8_e4m3fn per token")
+    print_table(
+        ["op", "T", "K", "fused us", "separate us", "speedup", "GB/s (fused)", "q bytes differ",
+         "scales differ"],
+        [[r["op"], r["tokens"], r["K"], r["fused_us"], r["separate_us"], r["speedup"], r["GBps"],
+          r["q_bytes_differ"], r["scales_differ"]] for r in rows],
+        title="FP8 per-token quantization fused into its producer vs separate kernels",
+    )
+    write_json(args.out, {"benchmark": "fused_kernels_fp8_quant", "dtype": str(DTYPE),
+                          "rows": rows})
+
+
 def measure_copy_TBps(dev: torch.device, quick: bool) -> float:
     a = torch.empty(1024**3, dtype=DTYPE, device=dev).normal_()  # 2 GiB
     b = torch.empty_like(a)
@@ -206,14 +272,19 @@ def measure_copy_TBps(dev: torch.device, quick: bool) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="JSON results path")
-    ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS),
-                    help="token counts T (default: %(default)s)")
+    ap.add_argument("--tokens", type=int, nargs="+",
+                    help=f"token counts T (default: {TOKENS}; with --fp8 {FP8_TOKENS})")
     ap.add_argument("--quick", action="store_true", help="shorter do_bench windows")
+    ap.add_argument("--fp8", action="store_true",
+                    help="time the FP8 quantization fused into add+norm and SiLU*mul instead")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
     dev = torch.device("cuda")
     torch.manual_seed(0)
+    if args.fp8:
+        return main_fp8(args, dev)
+    args.tokens = args.tokens or list(TOKENS)
 
     import triton
 
