@@ -38,7 +38,9 @@ from phaseflip.kernels.fp8_quant import (
 )
 
 
-@triton.jit
+# num_rows (the batch's token count) is not specialized: a count turning 1 or a multiple of 16
+# would otherwise compile another kernel mid-serving, per variant (plain and FP8)
+@triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
     X, R, W, OUT, R_OUT, Q, SCALE,
     num_rows, inner, n_cols, eps, inv_n,
