@@ -91,7 +91,7 @@ def _weight_params(shape: tuple[int, int], dtype: torch.dtype, quant: Fp8Config 
 
 
 # What a norm or activation hands the next linear: its 16-bit rows, or those rows quantized
-Normed = torch.Tensor | Fp8Activation
+LinearInput = torch.Tensor | Fp8Activation
 
 
 def _dense_rows(*ts: torch.Tensor) -> bool:
@@ -123,7 +123,7 @@ class RMSNorm(nn.Module):
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None, quantize: bool = False
-    ) -> Normed | tuple[Normed, torch.Tensor]:
+    ) -> LinearInput | tuple[LinearInput, torch.Tensor]:
         if use_fused_kernels(x):
             from phaseflip.kernels import norm
 
@@ -141,7 +141,7 @@ class RMSNorm(nn.Module):
 
     def _forward_fp8(
         self, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> Normed | tuple[Normed, torch.Tensor]:
+    ) -> LinearInput | tuple[LinearInput, torch.Tensor]:
         """The kernel path for [T, N] rows, the normed rows quantized per token."""
         from phaseflip.kernels import norm
 
@@ -370,7 +370,7 @@ class SiluAndMul(nn.Module):
     `quantize=True` (where the FP8 linear fed `takes_fp8_input`): [T, 2I] rows come back
     quantized per token, an `Fp8Activation`, where the kernel runs."""
 
-    def forward(self, x: torch.Tensor, quantize: bool = False) -> Normed:
+    def forward(self, x: torch.Tensor, quantize: bool = False) -> LinearInput:
         if use_fused_kernels(x) and x.stride(-1) == 1 and x.shape[-1] % 2 == 0:
             from phaseflip.kernels import activation
 
