@@ -18,3 +18,35 @@ def test_pool_report_counts_slots_of_loads_in_flight(llama_dir, make_engine, mon
     monkeypatch.undo()
     core.kv.allocator.free(held)
     assert pool_accounting(core).balanced
+
+
+def test_a_slow_step_is_logged_and_can_dump_its_stack(llama_dir, make_engine, monkeypatch,
+                                                      caplog, capfd):
+    """A step that stalls every stream (an FP8 server's ~1.8 s stall had no log line) is
+    logged with what it held, and with the trace knob its Python stack is dumped mid-step."""
+    import logging
+    import time
+
+    from phaseflip.sampling.params import SamplingParams
+    from phaseflip.server import engine_process as ep
+
+    engine = make_engine(llama_dir)
+    server = ep.EngineServer.__new__(ep.EngineServer)
+    server.core, server.send, server.trace_after_s = engine.core, lambda msg: None, 0.05
+    engine.core.add_request("r", [1, 2, 3], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    step = engine.core.step
+
+    def slow_step(**kw):
+        time.sleep(0.3)
+        return step(**kw)
+
+    monkeypatch.setattr(engine.core, "step", slow_step)
+    monkeypatch.setattr(ep, "SLOW_STEP_S", 0.2)
+    with caplog.at_level(logging.WARNING, logger="phaseflip.engine"):
+        server._timed_step()
+    assert any("slow step" in r.getMessage() and "3 prompt tokens" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert "slow_step" in capfd.readouterr().err  # the stack dumped while it slept
+    monkeypatch.undo()
+    while engine.core.has_work():
+        engine.core.step()

@@ -206,9 +206,10 @@ def test_metadata_reused_across_layers_and_rebuilt_per_batch():
 def test_large_decode_batch_launches_longest_first():
     # 12 sequences x 2 KV heads: more programs than two waves of the interpreter's 8 "SMs",
     # so the backend sorts (`orders_decode`) and the kernel reads rows through the order
-    assert kernels.orders_decode(12, 2, 1, kernels.num_sms(DEVICE))
+    sms = kernels.num_sms(DEVICE)
+    lens = [5, 40, 0, 17, 33, 2, 60, 9, 1, 26, 48, 12] * (1 + sms // 12)  # (12 on the CPU)
+    assert kernels.orders_decode(len(lens), 2, 1, sms)
     backend = TritonAttention()
-    lens = [5, 40, 0, 17, 33, 2, 60, 9, 1, 26, 48, 12]
     run_case([(n, 1) for n in lens], backend=backend, layers=2)
     assert backend._meta.order is not None
     want = sorted(range(len(lens)), key=lambda i: -lens[i])

@@ -41,6 +41,11 @@ from phaseflip.threads import apply_cpu_threads
 
 log = logging.getLogger("phaseflip.engine")
 IDLE_POLL_MS = 1000
+# A step this long stalls every running stream by as much: logged with what it held. With
+# PHASEFLIP_SLOW_STEP_TRACE_S=<seconds>, a step running past that also dumps every thread's
+# Python stack (faulthandler), so a stall with no other log line names its own cause.
+SLOW_STEP_S = 1.0
+TRACE_ENV = "PHASEFLIP_SLOW_STEP_TRACE_S"
 EXIT_FAILED, EXIT_STALLED = 1, 3  # the engine process's exit codes besides 0
 
 
@@ -61,6 +66,7 @@ class EngineServer:
         self.core.seam_listener = lambda target: self.send(m.FlipState(target))
         self.core.request_failed = self._request_failed  # (a grammar that failed to compile)
         self.watchdog = StepWatchdog(cfg.watchdog_timeout_s, self._on_stall)
+        self.trace_after_s = float(os.environ.get(TRACE_ENV) or 0) or None
         if not cfg.skip_warmup:  # the first client should not pay for the kernels' compile
             self._warm_up()
         self.send(self._ready())
@@ -106,12 +112,31 @@ class EngineServer:
             else:
                 self.core.check_alive()
             if self.core.has_work():
-                self._send_deltas(self.core.step(sink=self._send_deltas))
+                self._timed_step()
                 if self.core.cfg is not self.cfg:  # the flip policy re-laid the ranks out
                     self.cfg = self.core.cfg
                     self.send(self._ready())
             elif self.cfg.check_accounting:
                 self.core.kv.check(self.core.scheduler.running)
+
+    def _timed_step(self) -> None:
+        """One engine step; a slow one is logged with its prompt tokens and decode rows."""
+        sched = self.core.scheduler
+        stats, t0 = sched.stats, time.perf_counter()
+        prompt0, decode0 = stats.prefill_tokens, stats.decode_tokens
+        if self.trace_after_s:
+            faulthandler.dump_traceback_later(self.trace_after_s, file=sys.stderr)
+        try:
+            self._send_deltas(self.core.step(sink=self._send_deltas))
+        finally:
+            if self.trace_after_s:
+                faulthandler.cancel_dump_traceback_later()
+        seconds = time.perf_counter() - t0
+        if seconds >= SLOW_STEP_S:
+            log.warning("slow step: %.2f s, %d prompt tokens, %d decode rows; %d running, "
+                        "%d waiting (%s=<s> dumps the stack of a step that long)", seconds,
+                        stats.prefill_tokens - prompt0, stats.decode_tokens - decode0,
+                        len(sched.running), len(sched.waiting), TRACE_ENV)
 
     def _send_deltas(self, deltas: list) -> None:
         if deltas:
