@@ -86,7 +86,9 @@ def test_rms_norm_fp8_is_norm_then_per_token_quant(dtype, k, gain):
     out, q, s = rms_norm_fp8(x, w, EPS, keep_out=True)
     assert torch.equal(out, want_out)  # the 16-bit output as today
     _same_fp8((q, s), per_token_quant(want_out))
-    _same_fp8((q, s), quantize_tokens(want_out))  # and the torch oracle's
+    # and the torch oracle's, on the CPU: CUDA torch divides by a Python scalar as a multiply
+    # by its reciprocal (an ulp off IEEE at times), the kernels and CPU torch divide exactly
+    _same_fp8((q.cpu(), s.cpu()), quantize_tokens(want_out.cpu()))
     none, q2, s2 = rms_norm_fp8(x, w, EPS)
     assert none is None
     _same_fp8((q2, s2), (q, s))

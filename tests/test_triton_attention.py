@@ -239,7 +239,7 @@ def test_a_reused_decode_batch_is_sorted_again_at_every_forward():
     # a CUDA graph reuses one batch object (its metadata) for every replay: the order must be
     # recomputed by each forward (at its first layer), not kept from the capture's warm-up
     backend = TritonAttention()
-    lens = [5, 40, 0, 17, 33, 2, 60, 9, 1, 26, 48, 12]
+    lens = [5, 40, 0, 17, 33, 2, 60, 9, 1, 26, 48, 12] * (1 + kernels.num_sms(DEVICE) // 12)
     gen = torch.Generator().manual_seed(0)
     batch = make_batch([(n, 1) for n in lens], gen)
     pool = KVPool(int(batch.kv_indices.max()) + 8, (0, 2), 2, 32, torch.float32, DEVICE)
