@@ -142,10 +142,10 @@ def plan_decode(
 def orders_decode(batch_size: int, num_kv_heads: int, head_blocks: int, sms: int) -> bool:
     """Whether a decode launch should take its sequences longest first (`decode_order`).
 
-    Only a grid of several waves has a tail to shorten: on the H200 (`attention_kernels
-    --variable`, ShareGPT-like contexts, one layer) head-major launch with the longest first
-    took 104 against 132 us at 300 sequences (FP8 pool) and 333 against 359 us at 1 000,
-    and did nothing at 32, where the sort would be a launch for nothing.
+    Only a grid of several waves has a tail to shorten: on the H200 (ShareGPT-like contexts,
+    one 8B layer; docs/kernels.md, "Decode launch order") head-major launch with the longest
+    first took 104 against 133 us at 300 sequences (FP8 pool) and 333 against 359 us at
+    1 000, and nothing at 32, where the sort (16-46 us a step) would buy nothing.
     """
     return batch_size * num_kv_heads * head_blocks > 2 * sms
 
