@@ -216,6 +216,21 @@ def test_large_decode_batch_launches_longest_first():
     assert [lens[i] for i in backend._meta.order.tolist()] == [lens[i] for i in want]
 
 
+@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("window", [None, 9])
+def test_mixed_batch_one_token_sequences_take_the_decode_kernel(splits, window):
+    # prefills and decodes in one batch: the decodes go to the decode kernel (split or not,
+    # windowed or not), the extend kernel gets tiles for the prefills only; both match the
+    # reference, and so does the batch with the route off
+    seqs = [(30, 1), (0, 20), (12, 1), (5, 7), (40, 1), (0, 1)]
+    for mixed in (True, False):
+        backend = TritonAttention(mixed_decode=mixed, decode_splits=splits)
+        run_case(seqs, backend=backend, window=window, layers=2)
+        tiles = next(v for k, v in backend._meta.by_layout.items() if k[0] == "tiles")
+        tiled = set(tiles[0].tolist())
+        assert tiled == ({1, 3} if mixed else set(range(len(seqs))))
+
+
 def test_any_launch_order_gives_the_same_rows():
     gen = torch.Generator().manual_seed(3)
     lens = [7, 31, 2, 19, 44, 1]

@@ -60,6 +60,8 @@ class TritonAttention:
     `decode_splits` forces the split-K count and `decode_min_chunk` the smallest split;
     `decode_config` / `extend_config` replace the per-dtype launch shapes (all for tests and
     tuning). By default the split count is planned per batch from the GPU's SM count.
+    `mixed_decode=False` sends a mixed batch's one-token sequences through the extend kernel
+    with the others (as before the decode kernel took them; for A/B runs and tests).
     """
 
     name = "triton"
@@ -72,7 +74,9 @@ class TritonAttention:
         decode_min_chunk: int = 256,
         decode_config: kernels.KernelConfig | None = None,
         extend_config: kernels.KernelConfig | None = None,
+        mixed_decode: bool = True,
     ) -> None:
+        self.mixed_decode = mixed_decode
         self.decode_splits = decode_splits
         self.decode_min_chunk = decode_min_chunk
         self.decode_config = decode_config
@@ -180,16 +184,60 @@ class TritonAttention:
                 sliding_window=sliding_window, out=out, workspace=ws, config=cfg,
                 k_scale=k_scale, v_scale=v_scale, order=order,
             )
+        assert meta.qo_indptr is not None
+        one_token = self._mixed_decode(meta, batch, key, q.device, num_heads, head_dim,
+                                       k_cache.dtype, sliding_window)
+        if one_token is not None:  # a mixed batch's one-token sequences: the decode kernel
+            seqs, plan, ws, dcfg = one_token
+            kernels.mixed_decode_attention(
+                q, k_cache, v_cache, meta.qo_indptr, batch.kv_indptr, batch.kv_indices, seqs,
+                scale, plan, out, sliding_window=sliding_window, workspace=ws, config=dcfg,
+                k_scale=k_scale, v_scale=v_scale,
+            )
         cfg = self.extend_config or kernels.extend_config(dtype, head_dim, q.device,
                                                           k_cache.dtype)
         tkey = ("tiles", group, cfg.block_m)
         tiles = meta.by_layout.get(tkey)
         if tiles is None:
-            host = kernels.extend_tiles(batch.extend_lens, batch.prefix_lens, group, cfg.block_m)
+            ext = batch.extend_lens
+            if one_token is not None:  # their rows are done: no tiles for them
+                ext = [0 if e == 1 else e for e in ext]
+            host = kernels.extend_tiles(ext, batch.prefix_lens, group, cfg.block_m)
             tiles = meta.by_layout[tkey] = _to_device(host, q.device)
-        assert meta.qo_indptr is not None
         return kernels.extend_attention(
             q, k_cache, v_cache, meta.qo_indptr, batch.kv_indptr, batch.kv_indices, tiles,
             scale, sliding_window=sliding_window, out=out, config=cfg,
             k_scale=k_scale, v_scale=v_scale,
         )
+
+    def _mixed_decode(self, meta: _BatchMeta, batch: ForwardBatch, key: tuple[Any, ...],
+                      device: torch.device, num_heads: int, head_dim: int,
+                      kv_dtype: torch.dtype, window: int | None) -> tuple | None:
+        """(sequences, plan, workspace, config) for the decode kernel over the one-token
+        sequences of a batch that also extends longer ones, or None (no such sequence, or
+        `mixed_decode` off). In the extend kernel each of them costs a BLOCK_M-row tile per
+        KV head for `group` rows; the decode kernel reads its keys once for the group. They
+        launch longest first (host lengths, no sort on the device)."""
+        mkey = ("mixed", *key)
+        if mkey in meta.by_layout:
+            return meta.by_layout[mkey]
+        ext, pre = batch.extend_lens, batch.prefix_lens
+        one = [i for i, e in enumerate(ext) if e == 1]
+        found = None
+        if self.mixed_decode and one and len(one) < len(ext):
+            one.sort(key=lambda i: -pre[i])
+            num_kv_heads, group, _, dtype, _ = key
+            cfg = self.decode_config or kernels.decode_config(dtype, head_dim, group, device,
+                                                              kv_dtype)
+            longest = max(pre[i] for i in one) + 1
+            plan = kernels.plan_decode(
+                len(one), num_kv_heads, -(-group // cfg.block_m),
+                min(longest, window) if window is not None else longest,
+                kernels.num_sms(device), num_splits=self.decode_splits,
+                min_chunk=self.decode_min_chunk)
+            ws = None
+            if plan.num_splits > 1:
+                ws = kernels.decode_workspace(len(ext), num_heads, head_dim, plan, device)
+            found = (_to_device(one, device), plan, ws, cfg)
+        meta.by_layout[mkey] = found
+        return found

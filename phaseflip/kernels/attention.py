@@ -56,7 +56,8 @@ from phaseflip.kernels.attention_plan import (
 __all__ = [
     "FP8_DECODE_DOT", "FP8_DOT_MODES", "FP8_EXTEND_DOT", "LOG2E", "DecodePlan", "KernelConfig",
     "compute_dtype", "decode_attention", "decode_config", "decode_order", "decode_workspace",
-    "extend_attention", "extend_config", "extend_tiles", "num_sms", "orders_decode", "plan_decode",
+    "extend_attention", "extend_config", "extend_tiles", "mixed_decode_attention", "num_sms",
+    "orders_decode", "plan_decode",
 ]
 
 LOG2E = 1.4426950408889634
@@ -118,24 +119,30 @@ def _fp8_widen(k, v, q, FP8_DOT: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
-    Q, K, V, KV_INDPTR, KV_INDICES, ORDER, OUT, MID_O, MID_M, MID_L, K_SCALE, V_SCALE,
+    Q, K, V, KV_INDPTR, KV_INDICES, ORDER, QO, OUT, MID_O, MID_M, MID_L, K_SCALE, V_SCALE,
     qk_scale, window, min_chunk, num_splits,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
     KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr, HAS_ORDER: tl.constexpr,
+    HAS_QO: tl.constexpr,
 ):
     """One (KV head, head block, sequence, split): attend the group's queries over one chunk.
 
     The KV head varies fastest in launch order, so a sequence's heads run side by side and
     read the same pages' rows together; with ORDER the sequences launch longest first (the
-    backend sorts them), so the long ones do not start last and set the grid's tail."""
+    backend sorts them), so the long ones do not start last and set the grid's tail. With QO
+    (a mixed batch's one-token sequences, ORDER listing them) sequence b's query and output
+    are token row QO[b] rather than row b."""
     kvh = tl.program_id(0) // HEAD_BLOCKS
     hblk = tl.program_id(0) % HEAD_BLOCKS
     b = tl.program_id(1)
     if HAS_ORDER:
         b = tl.load(ORDER + b)
+    t = b.to(tl.int64)
+    if HAS_QO:
+        t = tl.load(QO + b).to(tl.int64)
     split = tl.program_id(2)
     num_heads = tl.num_programs(0) // HEAD_BLOCKS * GROUP
 
@@ -151,7 +158,7 @@ def _decode_split_kernel(
     lo, hi = _split_range(seq_len, window, min_chunk, num_splits, split, HAS_WINDOW, BLOCK_N)
 
     q = tl.load(
-        Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        Q + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
         mask=mask_h[:, None] & mask_d[None, :], other=0.0,
     )
     if KV_FP8:  # this KV head's K scale folds into the softmax scale
@@ -186,7 +193,7 @@ def _decode_split_kernel(
     if DIRECT:
         out = acc / l_i[:, None]
         tl.store(
-            OUT + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            OUT + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
             out.to(OUT.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :],
         )
     else:
@@ -201,11 +208,18 @@ def _decode_split_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
-    OUT, MID_O, MID_M, MID_L, num_splits, stride_ot, stride_oh,
+    OUT, MID_O, MID_M, MID_L, ORDER, QO, num_splits, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_ORDER: tl.constexpr, HAS_QO: tl.constexpr,
 ):
-    """Merge one (sequence, head)'s split partials: rescale each to the global max and sum."""
+    """Merge one (sequence, head)'s split partials: rescale each to the global max and sum.
+    ORDER / QO as in the split kernel (a mixed batch's one-token sequences)."""
     b = tl.program_id(0)
+    if HAS_ORDER:
+        b = tl.load(ORDER + b)
+    t = b.to(tl.int64)
+    if HAS_QO:
+        t = tl.load(QO + b).to(tl.int64)
     h = tl.program_id(1)
     num_heads = tl.num_programs(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -220,7 +234,7 @@ def _decode_reduce_kernel(
     m_max = tl.max(m, 0)  # finite: split 0 always holds the first key
     w = tl.exp2(m - m_max)
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
-    tl.store(OUT + b * stride_ot + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty),
+    tl.store(OUT + t * stride_ot + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty),
              mask=mask_d)
 
 
@@ -399,9 +413,50 @@ def decode_attention(
     dtype (written into `out` when given). `workspace` (from `decode_workspace`) may be reused
     across calls of one batch; it is allocated here when omitted and the plan splits.
     """
+    batch_size = q.shape[0]
+    if order is not None and order.shape != (batch_size,):
+        raise ValueError(f"order must be [{batch_size}], got {tuple(order.shape)}")
+    return _decode(q, k_cache, v_cache, kv_indptr, kv_indices, scale, plan, order, None,
+                   batch_size, sliding_window, out, workspace, config, k_scale, v_scale)
+
+
+def mixed_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    seqs: torch.Tensor,
+    scale: float,
+    plan: DecodePlan,
+    out: torch.Tensor,
+    *,
+    sliding_window: int | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    config: KernelConfig | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The decode kernel for the one-token sequences `seqs` (device ints, launch order) of a
+    mixed batch: q [T, H, D] token rows, sequence b's query at row qo_indptr[b]; writes those
+    rows of `out` [T, H*D] and no other. The extend kernel would give each of them a whole
+    BLOCK_M tile of 128 rows per KV head for its `group` rows (`plan_decode` for len(seqs))."""
+    num_seqs = kv_indptr.numel() - 1
+    return _decode(q, k_cache, v_cache, kv_indptr, kv_indices, scale, plan, seqs, qo_indptr,
+                   num_seqs, sliding_window, out, workspace, config, k_scale, v_scale)
+
+
+def _decode(q, k_cache, v_cache, kv_indptr, kv_indices, scale: float, plan: DecodePlan,
+            order: torch.Tensor | None, qo: torch.Tensor | None, num_seqs: int,
+            sliding_window: int | None, out: torch.Tensor | None,
+            workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+            config: KernelConfig | None, k_scale: torch.Tensor | None,
+            v_scale: torch.Tensor | None) -> torch.Tensor:
+    """Launches the split kernel (and the reduce when the plan splits) over the sequences
+    `order` lists (all `num_seqs` when None); partials are indexed by sequence."""
     group, head_dim = check_layout(q, k_cache, v_cache)
-    batch_size, num_heads = q.shape[0], q.shape[1]
-    num_kv_heads = k_cache.shape[1]
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     if q.stride(-1) != 1:
         q = q.contiguous()
     kv_fp8, k_scale, v_scale = fp8_scales(q, k_cache, k_scale, v_scale)
@@ -409,8 +464,9 @@ def decode_attention(
     cfg = config or decode_config(dtype, head_dim, group, q.device, k_cache.dtype)
     fp8_dot = fp8_dot_mode(cfg, kv_fp8, dtype)
     if out is None:
-        out = torch.empty(batch_size, num_heads * head_dim, dtype=q.dtype, device=q.device)
-    if batch_size == 0:
+        out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype, device=q.device)
+    programs = num_seqs if order is None else order.numel()
+    if programs == 0:
         return out
     head_blocks = triton.cdiv(group, cfg.block_m)
     direct = plan.num_splits == 1
@@ -418,13 +474,13 @@ def decode_attention(
         mid_o = mid_m = mid_l = out  # unused
     else:
         mid_o, mid_m, mid_l = workspace or decode_workspace(
-            batch_size, num_heads, head_dim, plan, q.device)
+            num_seqs, num_heads, head_dim, plan, q.device)
     block_d = triton.next_power_of_2(head_dim)
-    if order is not None and order.shape != (batch_size,):
-        raise ValueError(f"order must be [{batch_size}], got {tuple(order.shape)}")
-    grid = (num_kv_heads * head_blocks, batch_size, plan.num_splits)
+    order_arg = kv_indptr if order is None else order
+    qo_arg = kv_indptr if qo is None else qo
+    grid = (num_kv_heads * head_blocks, programs, plan.num_splits)
     _decode_split_kernel[grid](
-        q, k_cache, v_cache, kv_indptr, kv_indices, kv_indptr if order is None else order,
+        q, k_cache, v_cache, kv_indptr, kv_indices, order_arg, qo_arg,
         out, mid_o, mid_m, mid_l, k_scale, v_scale,
         scale * LOG2E, sliding_window or 0, plan.min_chunk, plan.num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
@@ -432,13 +488,17 @@ def decode_attention(
         GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_H=cfg.block_m, BLOCK_N=cfg.block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_WINDOW=sliding_window is not None,
         DIRECT=direct, DOT_PREC=dot_precision(dtype), KV_FP8=kv_fp8, FP8_DOT=fp8_dot,
-        HAS_ORDER=order is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_ORDER=order is not None, HAS_QO=qo is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not direct:
-        _decode_reduce_kernel[(batch_size, num_heads)](
-            out, mid_o, mid_m, mid_l, plan.num_splits, out.stride(0), head_dim,
-            HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_S=max(2, triton.next_power_of_2(plan.num_splits)), num_warps=4,
+        # a plain decode batch reduces every sequence (its order only reorders the launch)
+        subset = qo is not None
+        _decode_reduce_kernel[(programs, num_heads)](
+            out, mid_o, mid_m, mid_l, order_arg, qo_arg, plan.num_splits, out.stride(0),
+            head_dim, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_S=max(2, triton.next_power_of_2(plan.num_splits)),
+            HAS_ORDER=subset, HAS_QO=subset, num_warps=4,
         )
     return out
 
