@@ -117,6 +117,19 @@ def _fp8_widen(k, v, q, FP8_DOT: tl.constexpr):
     return k, v
 
 
+@triton.jit
+def _decode_row(pid, ORDER, QO, HAS_ORDER: tl.constexpr, HAS_QO: tl.constexpr):
+    """(sequence, token row) of a decode program: the pid-th sequence of ORDER (or the pid-th),
+    whose query and output sit at row QO[b] (or row b)."""
+    b = pid
+    if HAS_ORDER:
+        b = tl.load(ORDER + pid)
+    t = b.to(tl.int64)
+    if HAS_QO:
+        t = tl.load(QO + b).to(tl.int64)
+    return b, t
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     Q, K, V, KV_INDPTR, KV_INDICES, ORDER, QO, OUT, MID_O, MID_M, MID_L, K_SCALE, V_SCALE,
@@ -137,12 +150,7 @@ def _decode_split_kernel(
     are token row QO[b] rather than row b."""
     kvh = tl.program_id(0) // HEAD_BLOCKS
     hblk = tl.program_id(0) % HEAD_BLOCKS
-    b = tl.program_id(1)
-    if HAS_ORDER:
-        b = tl.load(ORDER + b)
-    t = b.to(tl.int64)
-    if HAS_QO:
-        t = tl.load(QO + b).to(tl.int64)
+    b, t = _decode_row(tl.program_id(1), ORDER, QO, HAS_ORDER, HAS_QO)
     split = tl.program_id(2)
     num_heads = tl.num_programs(0) // HEAD_BLOCKS * GROUP
 
@@ -214,12 +222,7 @@ def _decode_reduce_kernel(
 ):
     """Merge one (sequence, head)'s split partials: rescale each to the global max and sum.
     ORDER / QO as in the split kernel (a mixed batch's one-token sequences)."""
-    b = tl.program_id(0)
-    if HAS_ORDER:
-        b = tl.load(ORDER + b)
-    t = b.to(tl.int64)
-    if HAS_QO:
-        t = tl.load(QO + b).to(tl.int64)
+    b, t = _decode_row(tl.program_id(0), ORDER, QO, HAS_ORDER, HAS_QO)
     h = tl.program_id(1)
     num_heads = tl.num_programs(1)
     offs_s = tl.arange(0, BLOCK_S)
