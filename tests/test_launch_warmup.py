@@ -32,6 +32,29 @@ def test_the_warm_up_leaves_the_engine_as_it_found_it(model_dirs):
     assert got == want
 
 
+def test_the_warm_up_runs_a_prefill_an_extend_of_a_cached_prefix_and_a_mixed_step(
+        model_dirs, monkeypatch):
+    """Every attention build a server's first requests need: a prefill, an extend over a cached
+    prefix, and a step mixing a decode with an extend (the decode kernel's mixed-batch build,
+    which no graph capture compiles: without it the first mixed step compiled mid-serving)."""
+    from phaseflip.forward_batch import ForwardBatch
+
+    seen: list[tuple[list[int], list[int]]] = []
+    orig = ForwardBatch.from_table.__func__
+
+    def record(cls, *args, **kwargs):
+        batch = orig(cls, *args, **kwargs)
+        seen.append((list(batch.extend_lens), list(batch.prefix_lens)))
+        return batch
+
+    monkeypatch.setattr(ForwardBatch, "from_table", classmethod(record))
+    with Engine(str(model_dirs["llama"]), device="cpu", max_total_tokens=2048) as e:
+        warm_up(e.core, force=True)
+    assert any(all(p == 0 for p in pre) and max(ext) > 1 for ext, pre in seen), seen
+    assert any(p > 0 and x > 1 for ext, pre in seen for x, p in zip(ext, pre)), seen
+    assert any(1 in ext and max(ext) > 1 for ext, _ in seen), seen  # the mixed step
+
+
 @pytest.mark.timeout(120, method="thread")  # signals cannot interrupt gloo
 def test_the_warm_up_feeds_no_flip_policy(model_dirs):
     with Engine(str(model_dirs["llama"]), device="cpu", max_total_tokens=2048, tp_size=2,

@@ -203,15 +203,23 @@ def test_metadata_reused_across_layers_and_rebuilt_per_batch():
     assert backend._meta is not first and backend._meta.is_decode
 
 
-def test_large_decode_batch_launches_longest_first():
+def test_large_decode_batch_launches_longest_first(monkeypatch):
     # 12 sequences x 2 KV heads: more programs than two waves of the interpreter's 8 "SMs",
     # so the backend sorts (`orders_decode`) and the kernel reads rows through the order
     sms = kernels.num_sms(DEVICE)
     lens = [5, 40, 0, 17, 33, 2, 60, 9, 1, 26, 48, 12] * (1 + sms // 12)  # (12 on the CPU)
     assert kernels.orders_decode(len(lens), 2, 1, sms)
+    launched = []
+    decode = kernels.decode_attention
+
+    def record(*args, **kwargs):
+        launched.append(kwargs.get("order"))
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "decode_attention", record)
     backend = TritonAttention()
     run_case([(n, 1) for n in lens], backend=backend, layers=2)
-    assert backend._meta.order is not None
+    assert len(launched) == 2 and all(o is backend._meta.order for o in launched)
     want = sorted(range(len(lens)), key=lambda i: -lens[i])
     assert [lens[i] for i in backend._meta.order.tolist()] == [lens[i] for i in want]
 

@@ -3,8 +3,8 @@
 `forward` stores the new tokens' K/V at `batch.out_cache_loc` (a torch index_put; the model
 skips it with `kv_stored=True`, its rotary kernel having written the rows), then runs the
 split-K decode kernel when every sequence has one new token, else the tiled extend kernel
-(prefill, chunked prefill and mixed decode+prefill batches alike). See
-`phaseflip.kernels.attention` for the kernels.
+(prefill, chunked prefill) — in a mixed batch the extend kernel for the longer sequences and
+the decode kernel for the one-token ones. See `phaseflip.kernels.attention` for the kernels.
 
 Per-batch metadata. A model forward calls `forward` once per layer with the same
 `ForwardBatch`, and the metadata (query offsets, the extend tile list, the decode split plan and
@@ -235,9 +235,8 @@ class TritonAttention:
                 min(longest, window) if window is not None else longest,
                 kernels.num_sms(device), num_splits=self.decode_splits,
                 min_chunk=self.decode_min_chunk)
-            ws = None
-            if plan.num_splits > 1:
-                ws = kernels.decode_workspace(len(ext), num_heads, head_dim, plan, device)
+            # (always through the partials: `mixed_decode_attention` never writes directly)
+            ws = kernels.decode_workspace(len(ext), num_heads, head_dim, plan, device)
             found = (_to_device(one, device), plan, ws, cfg)
         meta.by_layout[mkey] = found
         return found

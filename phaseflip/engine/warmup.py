@@ -4,7 +4,8 @@ Decode kernels compile while their CUDA graphs are captured at launch; the prefi
 did not, so the first client request paid for them. On the H200 the FP8 extend kernel's
 compile made the first request of an 8B FP8 server take 2.29 s against 0.20 s for the next,
 and at 4 req/s the eleven requests queued behind it waited 0.38-1.55 s. The warm-up runs one
-request with a cached prefix (so the extend kernel runs with and without one), then leaves
+request with a cached prefix (so the extend kernel runs with and without one) while the first
+still decodes (a mixed step: the decode kernel's mixed-batch build), then leaves
 the engine as it found it: the prefix tree emptied, the step counters restored, no flip
 observer fed (a 2 s step would skew the policy's fitted step costs) and, with PP, the
 prompt parts' stage times forgotten (`distributed/micro_batch.py`), for the same reason.
@@ -24,6 +25,22 @@ log = logging.getLogger("phaseflip.engine")
 
 PROMPT_TOKENS = 48  # the second request's; the first has 13 fewer (an odd length)
 RID = "phaseflip-warmup"
+MIXED_STEPS = 2  # steps the first request runs alone (its prefill, then a decode)
+
+
+def _run_requests(core: Any, prompt: list[int], n: int, params: SamplingParams) -> None:
+    """The first request prefills and starts decoding; the second, which extends its cached
+    prefix, arrives meanwhile, so one step mixes a decode with an extend (the decode kernel's
+    mixed-batch build, `mixed_decode_attention`, compiles there too)."""
+    first = dataclasses.replace(params, max_new_tokens=params.max_new_tokens + MIXED_STEPS)
+    core.add_request(RID, prompt[: max(1, n - 13)], first)
+    for _ in range(MIXED_STEPS):  # until the first request decodes
+        if not core.has_work():
+            break
+        core.step()
+    core.add_request(RID + "-prefix", prompt[:n], params)
+    while core.has_work():
+        core.step()
 
 
 def warm_up(core: Any, force: bool = False) -> float | None:
@@ -45,10 +62,7 @@ def warm_up(core: Any, force: bool = False) -> float | None:
         return None
     core.flip_telemetry = None
     try:
-        for k, rid in ((max(1, n - 13), RID), (n, RID + "-prefix")):
-            core.add_request(rid, prompt[:k], params)  # the second extends a cached prefix
-            while core.has_work():
-                core.step()
+        _run_requests(core, prompt, n, params)
     finally:
         core.flip_telemetry = observer
     forget = getattr(core.runner, "forget_timings", None)  # PP: the parts' stage times
@@ -60,5 +74,6 @@ def warm_up(core: Any, force: bool = False) -> float | None:
     for f in dataclasses.fields(stats):
         setattr(sched.stats, f.name, getattr(stats, f.name))
     seconds = time.perf_counter() - t0
-    log.info("launch warm-up: one prefill with and without a cached prefix in %.2f s", seconds)
+    log.info("launch warm-up: a prefill, then an extend of its cached prefix beside its "
+             "decode, in %.2f s", seconds)
     return seconds

@@ -15,11 +15,12 @@ first kernel normalises and writes the output itself and the reduce is skipped.
 
 Extend (prefill, chunked prefill, mixed batches) is flash-attention style: a program owns a tile
 of BLOCK_M *packed rows* of one sequence, where row r is query r // group of query head
-r % group of one KV head, so K/V tiles are again loaded once per group, and a decode sequence
-inside a mixed batch costs `group` rows instead of a whole BLOCK_M tile per head. Key blocks
-entirely below the tile's first query position need no causal mask; only the blocks on the
-diagonal are masked. Tiles are listed on the host (from the host-side `extend_lens`) longest
-first, so the grid has no dead programs and the heavy diagonal tiles start early.
+r % group of one KV head, so K/V tiles are again loaded once per group. (A one-token sequence
+would still cost a whole BLOCK_M tile per head for its `group` rows, so in a mixed batch those
+go to the decode kernel instead, `mixed_decode_attention`, and only the others are tiled.)
+Key blocks entirely below the tile's first query position need no causal mask; only the blocks
+on the diagonal are masked. Tiles are listed on the host (from the host-side `extend_lens`)
+longest first, so the grid has no dead programs and the heavy diagonal tiles start early.
 
 Everything the kernels need from the batch is either already on the device (`kv_indptr`,
 `kv_indices`) or derived from host lists once per batch (`qo_indptr`, the tile list, the split
@@ -450,6 +451,11 @@ def mixed_decode_attention(
                    num_seqs, sliding_window, out, workspace, config, k_scale, v_scale)
 
 
+# Partials merged by one reduce program (the plan's split cap): one build for every split count,
+# so a plan that splits differently never compiles another reduce mid-serving
+REDUCE_SPLITS = 64
+
+
 def _decode(q, k_cache, v_cache, kv_indptr, kv_indices, scale: float, plan: DecodePlan,
             order: torch.Tensor | None, qo: torch.Tensor | None, num_seqs: int,
             sliding_window: int | None, out: torch.Tensor | None,
@@ -472,7 +478,9 @@ def _decode(q, k_cache, v_cache, kv_indptr, kv_indices, scale: float, plan: Deco
     if programs == 0:
         return out
     head_blocks = triton.cdiv(group, cfg.block_m)
-    direct = plan.num_splits == 1
+    # a mixed batch's decodes always go through the partials and the reduce: one build of
+    # each kernel whatever the plan, which the launch warm-up's one mixed step compiles
+    direct = plan.num_splits == 1 and qo is None
     if direct:
         mid_o = mid_m = mid_l = out  # unused
     else:
@@ -500,7 +508,7 @@ def _decode(q, k_cache, v_cache, kv_indptr, kv_indices, scale: float, plan: Deco
         _decode_reduce_kernel[(programs, num_heads)](
             out, mid_o, mid_m, mid_l, order_arg, qo_arg, plan.num_splits, out.stride(0),
             head_dim, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_S=max(2, triton.next_power_of_2(plan.num_splits)),
+            BLOCK_S=max(REDUCE_SPLITS, triton.next_power_of_2(plan.num_splits)),
             HAS_ORDER=subset, HAS_QO=subset, num_warps=4,
         )
     return out
