@@ -229,7 +229,7 @@ def run_case(name: str, seqs: list[tuple[int, int]], kv_dtype: torch.dtype, args
         if args.sweep:
             sweep, sweep_err = decode_sweep(run, seqs, plan, ws, fp8, device)
     else:
-        tiles = next(iter(meta.by_layout.values()))
+        tiles = next(v for k, v in meta.by_layout.items() if k[0] == "tiles")
         splits = 0
 
         def run_extend(cfg, t_dev, quick: bool = True) -> tuple[float, float]:
