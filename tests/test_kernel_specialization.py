@@ -1,0 +1,49 @@
+"""Kernels do not specialize on counts that change with every batch.
+
+Triton compiles a variant per value class of an int argument (== 1, divisible by 16, other).
+A count that follows the batch (rows, tiles, splits) would then compile a new variant the first
+time a batch lands in another class — mid-serving, stalling every stream (an FP8 server at
+4 req/s stalled 1.76 s once on the H200; see docs/kernels.md). The decorators are read from
+the source, so the check runs without a GPU (the interpreter drops them).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+KERNELS = Path(importlib.util.find_spec("phaseflip").origin).parent / "kernels"
+
+# kernel -> the batch-dependent int arguments it must not specialize on
+UNSPECIALIZED = {
+    ("attention.py", "_decode_split_kernel"): {"num_splits"},
+    ("attention.py", "_decode_reduce_kernel"): {"num_splits"},
+    ("attention.py", "_extend_kernel"): {"num_tiles"},
+    ("norm.py", "_rms_norm_kernel"): {"num_rows"},
+    ("linear.py", "_skinny_kernel"): {"M", "num_splits"},
+}
+
+
+def _do_not_specialize(path: Path, name: str) -> set[str]:
+    tree = ast.parse(path.read_text())
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name)
+    for dec in fn.decorator_list:
+        if isinstance(dec, ast.Call):
+            for kw in dec.keywords:
+                if kw.arg == "do_not_specialize":
+                    return {ast.literal_eval(e) for e in kw.value.elts}
+    return set()
+
+
+@pytest.mark.parametrize(("where", "names"), UNSPECIALIZED.items(),
+                         ids=[k[1] for k in UNSPECIALIZED])
+def test_batch_dependent_ints_are_not_specialized(where, names):
+    path = KERNELS / where[0]
+    assert names <= _do_not_specialize(path, where[1])
+    params = {a.arg for a in next(
+        n for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, ast.FunctionDef) and n.name == where[1]).args.args}
+    assert names <= params  # (a renamed argument would silently specialize again)
