@@ -157,18 +157,12 @@ class TritonAttention:
         meta = self._batch_meta(batch, q.device)
         key = (num_kv_heads, group, head_dim, dtype, sliding_window)
         if meta.is_decode:
-            cfg = self.decode_config or kernels.decode_config(dtype, head_dim, group, q.device,
-                                                              k_cache.dtype)
+            cfg = self._decode_cfg(dtype, head_dim, group, q.device, k_cache.dtype)
+            head_blocks = -(-group // cfg.block_m)
             cached = meta.by_layout.get(key)
             if cached is None:
-                max_len = meta.max_kv_len
-                if sliding_window is not None:
-                    max_len = min(max_len, sliding_window)
-                plan = kernels.plan_decode(
-                    batch.batch_size, num_kv_heads, -(-group // cfg.block_m), max_len,
-                    kernels.num_sms(q.device), num_splits=self.decode_splits,
-                    min_chunk=self.decode_min_chunk,
-                )
+                plan = self._plan(batch.batch_size, num_kv_heads, head_blocks, meta.max_kv_len,
+                                  sliding_window, q.device)
                 ws = None
                 if plan.num_splits > 1:
                     ws = kernels.decode_workspace(batch.batch_size, num_heads, head_dim, plan,
@@ -176,7 +170,7 @@ class TritonAttention:
                 cached = meta.by_layout[key] = (plan, ws)
             plan, ws = cached
             order = None
-            if kernels.orders_decode(batch.batch_size, num_kv_heads, -(-group // cfg.block_m),
+            if kernels.orders_decode(batch.batch_size, num_kv_heads, head_blocks,
                                      kernels.num_sms(q.device)):
                 order = self._decode_order(meta, layer_id, batch)
             return kernels.decode_attention(
@@ -210,6 +204,21 @@ class TritonAttention:
             k_scale=k_scale, v_scale=v_scale,
         )
 
+    def _decode_cfg(self, dtype: torch.dtype, head_dim: int, group: int,
+                    device: torch.device, kv_dtype: torch.dtype) -> kernels.KernelConfig:
+        return self.decode_config or kernels.decode_config(dtype, head_dim, group, device,
+                                                           kv_dtype)
+
+    def _plan(self, sequences: int, num_kv_heads: int, head_blocks: int, max_len: int,
+              window: int | None, device: torch.device) -> kernels.DecodePlan:
+        """The split plan of a decode launch over `sequences` whose longest attended range
+        is `max_len` keys (clipped to the window)."""
+        if window is not None:
+            max_len = min(max_len, window)
+        return kernels.plan_decode(sequences, num_kv_heads, head_blocks, max_len,
+                                   kernels.num_sms(device), num_splits=self.decode_splits,
+                                   min_chunk=self.decode_min_chunk)
+
     def _mixed_decode(self, meta: _BatchMeta, batch: ForwardBatch, key: tuple[Any, ...],
                       device: torch.device, num_heads: int, head_dim: int,
                       kv_dtype: torch.dtype, window: int | None) -> tuple | None:
@@ -227,14 +236,9 @@ class TritonAttention:
         if self.mixed_decode and one and len(one) < len(ext):
             one.sort(key=lambda i: -pre[i])
             num_kv_heads, group, _, dtype, _ = key
-            cfg = self.decode_config or kernels.decode_config(dtype, head_dim, group, device,
-                                                              kv_dtype)
-            longest = max(pre[i] for i in one) + 1
-            plan = kernels.plan_decode(
-                len(one), num_kv_heads, -(-group // cfg.block_m),
-                min(longest, window) if window is not None else longest,
-                kernels.num_sms(device), num_splits=self.decode_splits,
-                min_chunk=self.decode_min_chunk)
+            cfg = self._decode_cfg(dtype, head_dim, group, device, kv_dtype)
+            plan = self._plan(len(one), num_kv_heads, -(-group // cfg.block_m),
+                              max(pre[i] for i in one) + 1, window, device)
             # (always through the partials: `mixed_decode_attention` never writes directly)
             ws = kernels.decode_workspace(len(ext), num_heads, head_dim, plan, device)
             found = (_to_device(one, device), plan, ws, cfg)
