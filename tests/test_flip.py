@@ -1,6 +1,6 @@
 """The phase flip's seam over real ranks (gloo on CPU): TP ⇄ PP mid-generation.
 
-MISSION C6's correctness bar: greedy outputs identical with and without flips, no request lost
+The flip's correctness bar: greedy outputs identical with and without flips, no request lost
 or duplicated across any number of flips, pool accounting exact after every seam (the seam
 checks it and raises), three and more cycles in a row without drift.
 """

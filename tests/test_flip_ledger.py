@@ -1,4 +1,4 @@
-"""What a flip costs after its cutover (MISSION C6): the refill of the retracted requests in the
+"""What a flip costs after its cutover (docs/design.md): the refill of the retracted requests in the
 seam census, and the warm-up ledger of served latency by rounds since the cutover. Law 5: a
 number nothing measured (a refill in progress, a band with nothing compared) is None, never 0.
 """

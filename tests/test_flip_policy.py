@@ -1,4 +1,4 @@
-"""The automatic flip policy (MISSION C6 "Policy (auto)"): the break-even cost model priced per
+"""The automatic flip policy (docs/design.md, "Phase flip"): the break-even cost model priced per
 direction (law 7), pending work priced by residency (law 8), estimates that say where they
 come from (law 5), a dwell that stops thrash, and one engine that flips by itself on gloo ranks
 with outputs equal to an unflipped run."""

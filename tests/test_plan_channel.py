@@ -248,7 +248,7 @@ def _cpu_s(pid: int) -> float:
 
 def test_an_idle_rank_sleeps():
     """Readers spin between messages of a busy spell (no doorbell to pay), but an idle rank
-    stops spinning within SPIN_MAX_S and uses no CPU (C10: idle is idle)."""
+    stops spinning within SPIN_MAX_S and uses no CPU (idle is idle)."""
     procs, out = _spawn(2, "idle")
     try:
         assert out.get(timeout=60) == (0, "sent", None)

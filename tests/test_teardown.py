@@ -1,4 +1,4 @@
-"""An engine that is closed gives back everything it took (issue 14 item 1, MISSION C1).
+"""An engine that is closed gives back everything it took (docs/design.md).
 
 CPU: after `Engine.shutdown` the closed engine's big tensors (weights, KV pool) and the objects
 holding them are unreachable: weak references to them die. GPU (`-m gpu`, skipped without

@@ -1,4 +1,4 @@
-"""The host-image weights strategy of the phase flip (MISSION C6 (c), `model/weight_image.py`):
+"""The host-image weights strategy of the phase flip (`model/weight_image.py`):
 the checkpoint in one shared-memory file, checksummed, which a flip's new ranks copy their
 shards from instead of reading the checkpoint again."""
 

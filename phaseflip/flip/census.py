@@ -1,4 +1,4 @@
-"""The seam census (MISSION C6): what one flip did and what each segment of its seam cost.
+"""The seam census (docs/design.md): what one flip did and what each segment of its seam cost.
 
 Every field is None until something measured it (law 5). The seam (`flip/seam.py`) fills the
 segments and the relayout's readings; the ledger (`flip/ledger.py`) completes the refill

@@ -1,4 +1,4 @@
-"""What a phase flip costs after its cutover (MISSION C6): the refill of the requests retracted
+"""What a phase flip costs after its cutover (docs/design.md): the refill of the requests retracted
 at the seam, completed in the seam census, and the warm-up ledger of served latency.
 
 The engine's flip observer (`flip/telemetry.py`) feeds a `FlipLedger` when flips are on:

@@ -1,4 +1,4 @@
-"""The automatic flip policy (`--flip-policy auto`, MISSION C6): flip when the flip pays.
+"""The automatic flip policy (`--flip-policy auto`, docs/design.md): flip when the flip pays.
 
 Cost model. Serving P uncached prefill tokens takes U/X seconds in the decode layout (TP) and
 U/P in the prefill layout (PP), X and P being their prefill throughputs. A flip there and back

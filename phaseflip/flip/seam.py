@@ -111,7 +111,7 @@ def run_seam(host: LayoutHost, tp_size: int, pp_size: int) -> SeamCensus:
 
 def _fence(host: LayoutHost, census: SeamCensus, segment) -> None:
     """Every cached prefix into the host tier; a fence that fails abandons the flip before
-    anything changed (law 9, C6), unless it stopped the rank group: then no layout is left."""
+    anything changed (law 9), unless it stopped the rank group: then no layout is left."""
     try:
         with segment("fence"):
             host.hicache.fence()

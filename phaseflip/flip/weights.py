@@ -1,4 +1,4 @@
-"""Weight strategies of a flip (MISSION C6): how the new layout's ranks get their weights, and
+"""Weight strategies of a flip (docs/design.md): how the new layout's ranks get their weights, and
 the planner that picks one at launch.
 
 - `resident` (dual-resident): every layout the ranks may run keeps its shards on the device;

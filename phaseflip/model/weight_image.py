@@ -1,4 +1,4 @@
-"""The host-image weights strategy of the phase flip (MISSION C6 (c)): the checkpoint's tensors,
+"""The host-image weights strategy of the phase flip (docs/design.md): the checkpoint's tensors,
 as stored (names, shapes, dtypes), in ONE shared-memory file of the node, so a flip's new ranks
 copy their shards from host memory instead of reading the checkpoint from disk again.
 
