@@ -16,7 +16,9 @@ hit) and measures, `--repeats` times:
             when serving; `decode gap` is the longest wait between two tokens of the
             background decodes over the same steps (the inter-token gap the mixed step makes)
   mixed     the wall of the step that carries the prompt, the device synchronized before and
-            after it (the step's own time, launch and kernels)
+            after it (the step's own time, launch and kernels); `forward host` is the host
+            time of its `runner.forward` call alone (kernels queued, not awaited): near the
+            wall, the step is bound by launching, not by the GPU
   decode    a decode-only step's wall once the new request is done (steps back to back, one
             sync at each end, as `profile_decode`): the baseline the mixed step is against
 
@@ -109,6 +111,25 @@ class Deliveries:
             self.bg_s.append(now)
 
 
+class ForwardTimer:
+    """The host time of each `runner.forward` call (this core's runner only): on CUDA the
+    forward returns once its kernels are queued, so a mixed step whose forward takes as long
+    on the host as the whole step is bound by launching, not by the GPU. No profiler runs."""
+
+    def __init__(self, runner: Any) -> None:
+        self.last_ms: float | None = None
+        forward = runner.forward
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return forward(*a, **kw)
+            finally:
+                self.last_ms = 1e3 * (time.perf_counter() - t0)
+
+        runner.forward = timed
+
+
 class MixedBench:
     """The engine core, its background decodes and the new requests ("probes") timed."""
 
@@ -118,6 +139,7 @@ class MixedBench:
         self.cuda = self.core.runner.device.type == "cuda"
         self.sync: Callable[[], None] = torch.cuda.synchronize if self.cuda else (lambda: None)
         self.steps = StepLog(self.core)
+        self.forward = ForwardTimer(self.core.runner)
         self.serial = 0  # request ids and prompt seeds: every prompt distinct
         room = self.core.max_context - args.context - 8
         if room < 16:
@@ -184,18 +206,21 @@ class MixedBench:
         """The wall of each step that carries the new prompt (one, unless chunked), the
         device synchronized before and after it."""
         rid = self._add(PROBE_PREFIX, length, self.probe_params)
-        req, walls, kinds = self.probe_req(rid), [], []
+        req, walls, kinds, host = self.probe_req(rid), [], [], []
         while req.kv_len < len(req.prompt_ids):
             self.sync()
+            self.forward.last_ms = None
             t0 = time.perf_counter()
             self.core.step()
             self.sync()
             walls.append(1e3 * (time.perf_counter() - t0))
             kinds.append(self.steps.kind())
+            host.append(self.forward.last_ms or 0.0)
             if len(walls) > 64:
                 raise RuntimeError(f"the prompt of {rid} never finished prefilling")
         self.settle(rid)
-        return {"mixed_ms": sum(walls), "step_walls_ms": walls, "kinds": kinds}
+        return {"mixed_ms": sum(walls), "forward_host_ms": sum(host), "step_walls_ms": walls,
+                "kinds": kinds}
 
     def decode_step_ms(self) -> float:
         """A steady decode-only step's wall (back to back, one sync at each end)."""
@@ -312,6 +337,7 @@ def measure(bench: MixedBench, settings: list[str], backend: Any) -> list[dict[s
             rows.append({
                 "mixed_decode": setting, "prompt_len": length,
                 "mixed_step_ms": summarize([s["mixed_ms"] for s in synced]),
+                "forward_host_ms": summarize([s["forward_host_ms"] for s in synced]),
                 "ttft_ms": summarize([c["ttft_ms"] for c in client]),
                 "bg_gap_max_ms": summarize([c["bg_gap_max_ms"] for c in client]),
                 "decode_step_ms": summarize(decode),
@@ -337,12 +363,14 @@ def profiles(bench: MixedBench, rows: list[dict[str, Any]], backend: Any) -> Non
 
 def print_results(result: dict[str, Any]) -> None:
     rows = [[r["mixed_decode"], r["prompt_len"], r["mixed_step_ms"]["p50"],
-             r["mixed_step_ms"]["min"], r["ttft_ms"]["p50"], r["bg_gap_max_ms"]["p50"],
+             r["mixed_step_ms"]["min"], r["forward_host_ms"]["p50"], r["ttft_ms"]["p50"],
+             r["bg_gap_max_ms"]["p50"],
              r["decode_step_ms"]["p50"], r["profile"]["wall_ms_profiled"],
              r["profile"]["kernel_ms"], r["profile"]["kernel_launches"],
              r["profile"]["launches_per_layer"], r["profile"]["launch_api_ms"]]
             for r in result["rows"]]
-    print_table(["mixed_decode", "prompt", "mixed p50 ms", "mixed min ms", "TTFT p50 ms",
+    print_table(["mixed_decode", "prompt", "mixed p50 ms", "mixed min ms",
+                 "forward host p50 ms", "TTFT p50 ms",
                  "decode gap p50 ms", "decode step ms", "profiled wall ms", "kernel ms",
                  "launches", "launches/layer", "launch API ms"], rows,
                 title=f"one new prompt joining {result['decodes']} decodes (context "

@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `benchmarks` is a top-level folder, not an installed package
     sys.path.insert(0, str(ROOT))
 
-ROW_KEYS = {"mixed_decode", "prompt_len", "mixed_step_ms", "ttft_ms", "bg_gap_max_ms",
-            "decode_step_ms", "steps_to_first_token", "prompt_step_kinds", "client_passes",
-            "synced_passes", "profile"}
+ROW_KEYS = {"mixed_decode", "prompt_len", "mixed_step_ms", "forward_host_ms", "ttft_ms",
+            "bg_gap_max_ms", "decode_step_ms", "steps_to_first_token", "prompt_step_kinds",
+            "client_passes", "synced_passes", "profile"}
 PROFILE_KEYS = {"kind", "wall_ms_profiled", "kernel_ms", "kernel_launches", "launches_per_layer",
                 "memcpy_memset", "launch_api_calls", "launch_api_ms", "host_ms", "num_layers",
                 "gpu_idle_ms", "top_kernels_ms"}
@@ -45,6 +45,8 @@ def test_profile_mixed_step_smoke(tmp_path):
         # every new prompt was one step that also carried the two decodes
         assert r["prompt_step_kinds"] == [["mixed"]] and r["profile"]["kind"] == "mixed"
         assert r["mixed_step_ms"]["p50"] > 0 and r["decode_step_ms"]["p50"] > 0
+        # the forward is part of the step (on the CPU nothing runs behind the host's back)
+        assert 0 < r["forward_host_ms"]["p50"] <= r["mixed_step_ms"]["p50"]
         # overlapped: the mixed step's token reaches the client in the step after it
         assert r["steps_to_first_token"] == [2]
         assert r["ttft_ms"]["p50"] > 0 and r["bg_gap_max_ms"]["p50"] > 0
