@@ -22,7 +22,9 @@ replayed from one graph, against 16.06e9 bytes / 4.2 TB/s.
     python -m benchmarks.linear_kernels --fp8-weights --tune --no-model-pass \
         --out results/linear_fp8.json     # FP8 weights: skinny vs the _scaled_mm path
 
-With `--fp8-weights` the weights are FP8 with row scales and x stays `--dtype`; the cuBLAS
+With `--fp8-weights --w8a8` x is quantized per token first (the model's path on a GPU with FP8
+MMAs; the timing excludes that quantization, which the model fuses into the norm before).
+With `--fp8-weights` alone the weights are FP8 with row scales and x stays `--dtype`; the cuBLAS
 columns are then `model.quant.fp8.scaled_mm_linear` (per-token quantization + `_scaled_mm`),
 bytes count one per weight (the LM head included, which the model keeps in bf16), and the
 printed cut-over is `FP8_SKINNY_MAX_M`'s.
@@ -101,14 +103,17 @@ def run_shape(n: int, k: int, ms: list[int], args, device: torch.device) -> list
         base = F.linear
     weight_bytes = n * k * wdtype.itemsize
     rows = []
+    w8a8 = args.w8a8
     for m in ms:
         x = torch.randn(m, k, device=device).to(dtype)
         y = torch.empty(m, n, dtype=dtype, device=device)
-        picked = linear_configs.pick_config(m, n, k, wdtype, device)
-        default = linear_configs.default_config(m, n, k, wdtype, device)
+        picked = linear_configs.pick_config(m, n, k, wdtype, device, w8a8=w8a8)
+        default = linear_configs.default_config(m, n, k, wdtype, device, w8a8=w8a8)
+        x_in, xs = fp8.quantize_tokens(x) if w8a8 else (x, None)  # W8A8: the rows' FP8 form
 
-        def skinny(w, cfg, x=x, y=y):
+        def skinny(w, cfg, x=x_in, xs=xs, y=y):
             return partial(linear.skinny_linear, x, w[0], None, y, weight_scale=w[1],
+                           x_scale=xs, out_dtype=dtype if xs is not None else None,
                            config=cfg)
 
         cycle = [ws[i % copies] for i in range(args.calls)]
@@ -258,6 +263,9 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--fp8-weights", action="store_true",
                     help="FP8 weights with row scales (x stays --dtype); the baseline column "
                          "is then the _scaled_mm path (per-token quantization + cuBLASLt)")
+    ap.add_argument("--w8a8", action="store_true",
+                    help="with --fp8-weights: the skinny kernel takes x quantized per token "
+                         "(FP8 MMAs; the model's path on GPUs with them) instead of 16-bit x")
     ap.add_argument("--tune", action="store_true",
                     help="sweep candidate_configs first (minutes: ~100 compiles) and time the "
                          "winners; the table is written next to --out as *.tuned.json")
@@ -270,6 +278,8 @@ def _parse_args() -> argparse.Namespace:
                     help="no GPU needed: compile every candidate config for sm_90 and print "
                          "registers / spills / shared memory, then exit")
     args = ap.parse_args()
+    if args.w8a8 and not args.fp8_weights:
+        ap.error("--w8a8 needs --fp8-weights")
     args.dtype = getattr(torch, args.dtype)
     return args
 
@@ -292,7 +302,8 @@ def _tune(args: argparse.Namespace, by_nk: dict, ms: list[int], device: torch.de
     if not args.tune:
         return {}
     best = linear_tune.tune(list(by_nk), args.dtype, device, m_values=ms,
-                            weight_dtype=torch.float8_e4m3fn if args.fp8_weights else None)
+                            weight_dtype=torch.float8_e4m3fn if args.fp8_weights else None,
+                            w8a8=args.w8a8)
     table_path = args.out.with_suffix(".tuned.json")
     table_path.parent.mkdir(parents=True, exist_ok=True)
     linear_configs.TUNED.save(table_path)

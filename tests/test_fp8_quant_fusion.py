@@ -224,8 +224,10 @@ def test_which_linears_are_handed_fp8_rows(fused_on_cpu):
 
 
 def test_the_decision_follows_the_gemm_path_on_cuda(monkeypatch):
-    """Unpatched: CPU tensors never fuse; on (simulated) CUDA the skinny weight-only rows
-    (<= FP8_SKINNY_MAX_M of 16-bit x) do not, the rows `_scaled_mm` takes do."""
+    """Unpatched: CPU tensors never fuse. On (simulated) CUDA with FP8 MMAs every row count
+    quantizes (the skinny kernel's W8A8 loop for a few rows, `_scaled_mm` beyond), so the
+    producer quantizes for both; rows routed weight-only (`FP8_WEIGHT_ONLY_MAX_M`, or a GPU
+    without FP8 MMAs) stay 16-bit."""
     from phaseflip.model.quant import Fp8Config
 
     col = layers.QKVParallelLinear(64, 16, 4, 2, False, Layout(), torch.bfloat16,
@@ -234,7 +236,13 @@ def test_the_decision_follows_the_gemm_path_on_cuda(monkeypatch):
     assert not col.takes_fp8_input(big)  # CPU
     monkeypatch.setattr(layers, "use_fused_kernels", lambda x: True)
     monkeypatch.setattr(fp8, "_scaled_mm_ok", lambda x, w: True)
-    monkeypatch.setattr(fp8, "weight_only", lambda x, w: x.shape[0] <= fp8.FP8_SKINNY_MAX_M)
+    monkeypatch.setattr(fp8, "skinny_rows", lambda x, w: x.shape[0] <= fp8.FP8_SKINNY_MAX_M)
+    monkeypatch.setattr(fp8, "_fp8_mma", lambda index: True)
+    assert col.takes_fp8_input(small) and col.takes_fp8_input(big)
+    monkeypatch.setattr(fp8, "FP8_WEIGHT_ONLY_MAX_M", fp8.FP8_SKINNY_MAX_M)
+    assert not col.takes_fp8_input(small) and col.takes_fp8_input(big)
+    monkeypatch.setattr(fp8, "FP8_WEIGHT_ONLY_MAX_M", 0)
+    monkeypatch.setattr(fp8, "_fp8_mma", lambda index: False)
     assert not col.takes_fp8_input(small) and col.takes_fp8_input(big)
 
 

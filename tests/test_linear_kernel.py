@@ -340,3 +340,76 @@ def test_fp8_weight_needs_its_scale():
         skinny_linear(x, w_q)
     with pytest.raises(ValueError, match="FP8 weight"):
         skinny_linear(x.float(), w_q, weight_scale=torch.ones(16, device=DEVICE))
+
+
+def _w8a8_operands(m: int, n: int, k: int, seed: int = 11):
+    """Per-token FP8 x and per-row FP8 W (as `model.quant.fp8` makes them), and the float32
+    product of those FP8 values with both scales: what the W8A8 loop must return."""
+    from phaseflip.model.quant.fp8 import quantize_rows, quantize_tokens
+
+    gen = torch.Generator().manual_seed(seed)
+    x_q, sx = quantize_tokens(torch.randn(m, k, generator=gen))
+    w_q, sw = quantize_rows(torch.randn(n, k, generator=gen) * 3)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16)
+    want = (x_q.float() @ w_q.float().t()) * sx * sw[None, :] + b.float()
+    return x_q.to(DEVICE), sx.to(DEVICE), w_q.to(DEVICE), sw.to(DEVICE), b.to(DEVICE), want
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("m,n,k", [(1, 17, 64), (3, 256, 100), (8, 17, 512), (16, 33, 128)])
+def test_w8a8_matches_fp8_product(variant, m, n, k):
+    """FP8 x (per-token scales) times an FP8 weight (row scales) = the float32 product of the
+    same FP8 values, scaled by both, to bf16's output rounding; every loop, split or not.
+    Red if either scale is dropped or applied along the wrong axis."""
+    if not serves(variant, m):
+        pytest.skip("the ew loop serves M <= 8")
+    x_q, sx, w_q, sw, b, want = _w8a8_operands(m, n, k)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    got = skinny_linear(x_q, w_q, b, out, weight_scale=sw, x_scale=sx,
+                        out_dtype=torch.bfloat16, config=VARIANTS[variant])
+    assert got.data_ptr() == out.data_ptr() and torch.isfinite(got).all()
+    err = ((got.float().cpu() - want).norm() / want.norm()).item()
+    assert err < 1e-2, f"relative error {err:.3g} ({variant})"
+
+
+def test_w8a8_operand_rules():
+    x_q, sx, w_q, sw, b, _ = _w8a8_operands(2, 16, 32)
+    bf16 = torch.bfloat16
+    with pytest.raises(ValueError, match="FP8 x needs an FP8 weight"):
+        skinny_linear(x_q, w_q, weight_scale=sw, out_dtype=bf16)  # no x_scale
+    with pytest.raises(ValueError, match="FP8 x needs an FP8 weight"):
+        skinny_linear(x_q, w_q, weight_scale=sw, x_scale=sx[:1], out_dtype=bf16)
+    with pytest.raises(ValueError, match="FP8 x needs an FP8 weight"):  # x_scale, 16-bit x
+        skinny_linear(x_q.to(bf16), w_q, weight_scale=sw, x_scale=sx)
+    with pytest.raises(ValueError, match="16-bit out_dtype"):
+        skinny_linear(x_q, w_q, weight_scale=sw, x_scale=sx)
+    with pytest.raises(ValueError, match="bias must be"):
+        skinny_linear(x_q, w_q, b.float(), weight_scale=sw, x_scale=sx, out_dtype=bf16)
+    with pytest.raises(ValueError, match="out must be"):
+        skinny_linear(x_q, w_q, None, torch.empty(2, 16, device=DEVICE), weight_scale=sw,
+                      x_scale=sx, out_dtype=bf16)
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_fp8_linear_routes_few_rows_to_w8a8(monkeypatch, m):
+    """`scaled_linear` on a few rows (a GPU with FP8 MMAs simulated on the interpreter):
+    quantized per token, then the skinny kernel's W8A8 loop, which agrees with the float32
+    reference of the same FP8 values (`scaled_linear_ref`) to accumulation order; a producer's
+    `Fp8Activation` takes the same kernel. Red if the rows went weight-only (unquantized x)."""
+    from phaseflip.model.quant import fp8
+
+    monkeypatch.setattr(fp8, "skinny_rows", lambda x, w: x.numel() // x.shape[-1] <= 16)
+    monkeypatch.setattr(fp8, "_fp8_mma", lambda index: True)
+    monkeypatch.setattr(fp8, "_quantize_on_gpu", fp8.quantize_tokens)
+    launched = []
+    real = linear.skinny_linear
+    monkeypatch.setattr(linear, "skinny_linear",
+                        lambda *a, **kw: launched.append(kw.get("x_scale")) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(m, 96, generator=gen) * 4).to(torch.bfloat16)
+    w_q, sw = fp8.quantize_rows(torch.randn(48, 96, generator=gen))
+    want = fp8.scaled_linear_ref(x, w_q, sw).float()
+    for arg in (x.to(DEVICE), fp8.Fp8Activation(*fp8.quantize_tokens(x.to(DEVICE)), x.dtype)):
+        got = fp8.scaled_linear(arg, w_q.to(DEVICE), sw.to(DEVICE)).float().cpu()
+        assert ((got - want).norm() / want.norm()).item() < 1e-2
+    assert len(launched) == 2 and all(s is not None for s in launched)

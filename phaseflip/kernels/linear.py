@@ -19,11 +19,13 @@ once); x (M x K, a few KB) is re-read from L1/L2 every chunk. The config picks t
   still far below their rate) and Triton's software pipeliner keeps `num_stages` W tiles in
   flight with cp.async (it does not pipeline the elementwise loop's loads).
 
-FP8 weights (e4m3, one float32 scale per row of W): the same loops read one byte per weight,
-convert it in registers (to fp32 for "ew", to x's dtype for "dot": exact, e4m3 fits in bf16)
-and scale the row's sum once at the store. x stays in its 16-bit dtype, so a small decode batch
-pays no activation quantization and streams half the bytes of bf16 (`model/quant/fp8.py` sends
-M <= KERNEL_MAX_M here instead of `torch._scaled_mm`, whose tiles are built for large M).
+FP8 weights (e4m3, one float32 scale per row of W): the same loops read one byte per weight.
+With 16-bit x (W8A16) the weight is converted in registers (to fp32 for "ew", to x's dtype for
+"dot": exact, e4m3 fits in bf16) and each row's sum scaled once at the store. With FP8 x
+(W8A8: quantized per token, one float32 scale per row of x) the "dot" loop feeds both FP8
+tiles to the FP8 MMA as they are, with no conversion in the loop, and the store applies both
+scales; on the H200 that streamed 2.7-3.9 TB/s where W8A16's conversions held the 8B
+projections to 1.6-2.6 (`model/quant/fp8.py` routes a few rows here, `_scaled_mm` beyond).
 
 Rows past N and x rows past M are clamped to the last valid row (duplicate reads, masked
 stores), so no load is masked when K is a multiple of BLOCK_K.
@@ -145,8 +147,9 @@ def _rows_ew(X, W, M, rows_w, k_lo, k_hi, stride_xm, stride_wn,
 @triton.jit
 def _rows_dot(X, W, rows_x, rows_w, k_lo, k_hi, stride_xm, stride_wn,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Tensor cores, swap-AB (W tile on the MMA's M side): returns [BLOCK_M, BLOCK_N] fp32."""
+              EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, W8A8: tl.constexpr):
+    """Tensor cores, swap-AB (W tile on the MMA's M side): returns [BLOCK_M, BLOCK_N] fp32.
+    W8A8: FP8 W and FP8 x go to the FP8 MMA as they are (no conversion in the loop)."""
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = W + rows_w[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = X + rows_x[None, :] * stride_xm + (k_lo + offs_k)[:, None]  # x^T: [BLOCK_K, BM]
@@ -159,15 +162,20 @@ def _rows_dot(X, W, rows_x, rows_w, k_lo, k_hi, stride_xm, stride_wn,
             mask_k = (k0 + offs_k) < k_hi
             w = tl.load(w_ptrs, mask=mask_k[None, :], other=0.0, eviction_policy="evict_first")
             x = tl.load(x_ptrs, mask=mask_k[:, None], other=0.0)
-        acc = tl.dot(w.to(x.dtype), x, acc, input_precision=DOT_PREC)  # FP8 W: exact upcast
+        if W8A8:
+            acc = tl.dot(w, x, acc)
+        else:
+            acc = tl.dot(w.to(x.dtype), x, acc, input_precision=DOT_PREC)  # FP8 W: exact upcast
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     return tl.trans(acc)
 
 
 @triton.jit
-def _store_rows(acc, B, S, Y, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl.constexpr,
-                HAS_SCALE: tl.constexpr):
+def _store_rows(acc, B, S, XS, Y, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl.constexpr,
+                HAS_SCALE: tl.constexpr, HAS_XSCALE: tl.constexpr):
+    if HAS_XSCALE:  # FP8 x: its rows' (tokens') scales
+        acc = acc * tl.load(XS + tl.minimum(offs_m, M - 1))[:, None]
     if HAS_SCALE:  # FP8 W: its rows' scales, once per output element
         acc = acc * tl.load(S + tl.minimum(offs_n, N - 1))[None, :]
     if HAS_BIAS:
@@ -180,11 +188,12 @@ def _store_rows(acc, B, S, Y, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl.cons
 
 @triton.jit(do_not_specialize=["M", "num_splits"])
 def _skinny_kernel(
-    X, W, B, S, Y, PARTIALS, COUNTERS,
+    X, W, B, S, XS, Y, PARTIALS, COUNTERS,
     M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, num_splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LOOP: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     VEC: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_XSCALE: tl.constexpr,
 ):
     """Program (n tile, split): rows [pid_n*BLOCK_N, +BLOCK_N) of y over one K chunk."""
     pid_n = tl.program_id(0)
@@ -197,7 +206,7 @@ def _skinny_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     if LOOP == "dot":
         acc = _rows_dot(X, W, rows_x, rows_w, k_lo, k_hi, stride_xm, stride_wn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC)
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, HAS_XSCALE)
     else:
         acc = _rows_ew(X, W, M, rows_w, k_lo, k_hi, stride_xm, stride_wn,
                        BLOCK_M, BLOCK_N, BLOCK_K, VEC, EVEN_K)
@@ -218,10 +227,12 @@ def _skinny_kernel(
             total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for s in range(0, num_splits):
                 total += tl.load(tile + s * tile_elems, cache_modifier=".cg")
-            _store_rows(total, B, S, Y, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, HAS_SCALE)
+            _store_rows(total, B, S, XS, Y, offs_m, offs_n, M, N, stride_ym, HAS_BIAS,
+                        HAS_SCALE, HAS_XSCALE)
             tl.store(COUNTERS + pid_n, 0)
     else:
-        _store_rows(acc, B, S, Y, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, HAS_SCALE)
+        _store_rows(acc, B, S, XS, Y, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, HAS_SCALE,
+                    HAS_XSCALE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -306,9 +317,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             y2: torch.Tensor, n: int, cfg: SkinnyConfig, workspace: SplitKWorkspace | None,
-            reserve_n: int | None = None, weight_scale: torch.Tensor | None = None) -> None:
+            reserve_n: int | None = None, weight_scale: torch.Tensor | None = None,
+            x_scale: torch.Tensor | None = None) -> None:
     """Launch on 2-D x [M, K] / y [M, >=n]; `reserve_n` sizes the workspace for a larger N
-    than launched (warmup's proxy weights); `weight_scale`: an FP8 weight's row scales."""
+    than launched (warmup's proxy weights); `weight_scale`: an FP8 weight's row scales;
+    `x_scale`: FP8 x's row scales (W8A8)."""
     m, k = x2.shape
     bm = cfg.block_m(m)
     if cfg.loop == "ew" and bm > 8:
@@ -325,13 +338,46 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         partials, counters = y2, y2  # unused
     _skinny_kernel[(tiles, num_splits)](
         x2, weight, bias if bias is not None else weight,
-        weight_scale if weight_scale is not None else y2, y2, partials, counters,
+        weight_scale if weight_scale is not None else y2,
+        x_scale if x_scale is not None else y2, y2, partials, counters,
         m, n, k, x2.stride(0), weight.stride(0), y2.stride(0), k_per_split, num_splits,
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LOOP=cfg.loop,
         SPLIT=split, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         VEC=16 // weight.element_size(), DOT_PREC=_dot_precision(x2.dtype),
-        HAS_SCALE=weight_scale is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_SCALE=weight_scale is not None, HAS_XSCALE=x_scale is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def _check_operands(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
+                    x_scale: torch.Tensor | None, out_dtype: torch.dtype | None
+                    ) -> torch.dtype:
+    """The operand rules of `skinny_linear`; returns the output dtype."""
+    if x.device.type != "cuda" and not _interpreting():
+        raise ValueError("skinny_linear needs CUDA tensors (or TRITON_INTERPRET=1); "
+                         "use torch.nn.functional.linear on the CPU")
+    n, k = weight.shape
+    fp8_w, fp8_x = weight.element_size() == 1, x.element_size() == 1
+    if x.shape[-1] != k or (x.dtype != weight.dtype and not fp8_w):
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not match weight "
+                         f"{tuple(weight.shape)} {weight.dtype}")
+    if fp8_w != (weight_scale is not None) or (fp8_w and (
+            x.element_size() == 4 or weight_scale.shape != (n,)
+            or weight_scale.dtype != torch.float32)):
+        raise ValueError("an FP8 weight needs 16-bit or FP8 x and its float32 row scales [N] "
+                         "(and only an FP8 weight takes weight_scale)")
+    if fp8_x != (x_scale is not None) or (fp8_x and (
+            not fp8_w or x_scale.dtype != torch.float32
+            or x_scale.numel() != x.numel() // max(k, 1) or not x_scale.is_contiguous())):
+        raise ValueError("FP8 x needs an FP8 weight and its contiguous float32 row scales "
+                         "(one per row of x; only FP8 x takes x_scale)")
+    if weight.stride(1) != 1:
+        raise ValueError("weight must be contiguous along K (row-major [N, K])")
+    if not fp8_x:
+        return x.dtype
+    if out_dtype is None or out_dtype.itemsize != 2:
+        raise ValueError("FP8 x needs a 16-bit out_dtype")
+    return out_dtype
 
 
 def skinny_linear(
@@ -341,34 +387,25 @@ def skinny_linear(
     out: torch.Tensor | None = None,
     *,
     weight_scale: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
     config: SkinnyConfig | None = None,
     workspace: SplitKWorkspace | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for few rows: x [..., K], weight [N, K] (K contiguous),
     bias [N]; fp32 accumulation, output in x's dtype (written into `out`, [..., N], when given).
     An FP8 `weight` comes with `weight_scale` (float32 [N]): y = (x @ W^T) * scale (+ b).
+    FP8 x (W8A8, per-token quantized) comes with `x_scale` (float32, one per row) and
+    `out_dtype` (16-bit): y = (x_q @ W_q^T) * x_scale[:, None] * scale (+ b), FP8 MMAs.
 
     `config` pins a launch shape (tests, tuning); otherwise the tuned table or the heuristic
     picks one. No host syncs; allocates only `out` when it is omitted (and the split-K
     workspace the first time a shape needs more of it — call `warmup` before graph capture).
     """
-    if x.device.type != "cuda" and not _interpreting():
-        raise ValueError("skinny_linear needs CUDA tensors (or TRITON_INTERPRET=1); "
-                         "use torch.nn.functional.linear on the CPU")
+    dtype = _check_operands(x, weight, weight_scale, x_scale, out_dtype)
     n, k = weight.shape
-    fp8 = weight.element_size() == 1
-    if x.shape[-1] != k or (x.dtype != weight.dtype and not fp8):
-        raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not match weight "
-                         f"{tuple(weight.shape)} {weight.dtype}")
-    if fp8 != (weight_scale is not None) or (fp8 and (
-            x.element_size() != 2 or weight_scale.shape != (n,)
-            or weight_scale.dtype != torch.float32)):
-        raise ValueError("an FP8 weight needs 16-bit x and its float32 row scales [N] "
-                         "(and only an FP8 weight takes weight_scale)")
-    if weight.stride(1) != 1:
-        raise ValueError("weight must be contiguous along K (row-major [N, K])")
-    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
-        raise ValueError(f"bias must be [{n}] of dtype {x.dtype}")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != dtype):
+        raise ValueError(f"bias must be [{n}] of dtype {dtype}")
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), k)
     if x2.stride(-1) != 1:
@@ -378,9 +415,9 @@ def skinny_linear(
         raise ValueError(f"skinny_linear handles at most {KERNEL_MAX_M} rows (got {m}); "
                          f"use torch.nn.functional.linear")
     if out is None:
-        out = torch.empty(*lead, n, dtype=x.dtype, device=x.device)
-    elif out.shape != (*lead, n) or out.dtype != x.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be {(*lead, n)} of dtype {x.dtype}, contiguous in N")
+        out = torch.empty(*lead, n, dtype=dtype, device=x.device)
+    elif out.shape != (*lead, n) or out.dtype != dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {(*lead, n)} of dtype {dtype}, contiguous in N")
     if m == 0 or n == 0:
         return out
     y2 = out.view(-1, n) if out.dim() != 2 else out
@@ -391,8 +428,9 @@ def skinny_linear(
         return out
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
-    cfg = config or pick_config(m, n, k, weight.dtype, x.device)
-    _launch(x2, weight, bias, y2, n, cfg, workspace, weight_scale=weight_scale)
+    cfg = config or pick_config(m, n, k, weight.dtype, x.device, w8a8=x_scale is not None)
+    _launch(x2, weight, bias, y2, n, cfg, workspace, weight_scale=weight_scale,
+            x_scale=x_scale)
     return out
 
 
@@ -412,11 +450,12 @@ def _proxy_rows(n: int) -> int:
 
 def warmup(shapes: Iterable[tuple[int, int]], dtype: torch.dtype, device: torch.device, *,
            m_values: Sequence[int] = DEFAULT_M_VALUES, bias: bool = False,
-           weight_dtype: torch.dtype | None = None) -> None:
+           weight_dtype: torch.dtype | None = None, w8a8: bool = False) -> None:
     """Compile (and load) the kernel for every (N, K) in `shapes` x M bucket in `m_values`, and
     size the split-K workspace, so that later calls — in particular inside CUDA-graph capture —
     compile and allocate nothing (`dtype`: x's; `weight_dtype`: the weights' when they
-    differ, FP8). Call it after loading/tuning configs (`TUNED`): it warms the
+    differ, FP8; `w8a8`: FP8 x as well, `dtype` the output's). Call it after loading/tuning
+    configs (`TUNED`): it warms the
     configs `pick_config` returns now (`linear_tune.tune` measures new ones).
 
     Launches use proxy weights of `_proxy_rows(N)` rows (same compiled variant as the real N),
@@ -434,8 +473,9 @@ def warmup(shapes: Iterable[tuple[int, int]], dtype: torch.dtype, device: torch.
         b = torch.zeros(rows, dtype=dtype, device=device) if bias else None
         scale = torch.ones(rows, device=device) if w.element_size() == 1 else None
         for m in m_values:
-            x = torch.zeros(m, k, dtype=dtype, device=device)
+            x = torch.zeros(m, k, dtype=w.dtype if w8a8 else dtype, device=device)
+            xs = torch.ones(m, device=device) if w8a8 else None
             y = torch.empty(m, rows, dtype=dtype, device=device)
-            _launch(x, w, b, y, rows, pick_config(m, n, k, wdtype, device), ws, reserve_n=n,
-                    weight_scale=scale)
+            cfg = pick_config(m, n, k, wdtype, device, w8a8=w8a8)
+            _launch(x, w, b, y, rows, cfg, ws, reserve_n=n, weight_scale=scale, x_scale=xs)
     torch.cuda.synchronize(device)

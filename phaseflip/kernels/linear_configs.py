@@ -121,19 +121,22 @@ _DOT_SHAPES = [(32, 128, 4, 4), (64, 128, 4, 4), (64, 64, 4, 6), (32, 256, 4, 3)
 
 
 def default_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, *,
-                   sms: int | None = None) -> SkinnyConfig:
+                   sms: int | None = None, w8a8: bool = False) -> SkinnyConfig:
     """Heuristic launch shape per M bucket (before/without `tune`; shapes from the table above).
 
     M = 1: ew 8 rows x 1024 columns. M = 2: ew 8 x 512. M >= 4: dot 32 x 128, 4 stages (the
     tensor cores' 16-row padding costs nothing at this arithmetic intensity, and cp.async
-    pipelining keeps more bytes in flight than ew's registers can). Split-K from `auto_split`
-    for `sms` SMs (default: the device's).
+    pipelining keeps more bytes in flight than ew's registers can). W8A8 (FP8 x and W), every
+    M: dot 128 x 128, 8 warps (the H200 probe's best for qkv and o at M 4-8, 2.7-3.2 TB/s).
+    Split-K from `auto_split` for `sms` SMs (default: the device's).
     """
     bucket = m_bucket(m)
     if device.type != "cuda":  # interpreter: small blocks so tiny test shapes cross blocks
-        return SkinnyConfig(16, 32, 4, 1, 1, "dot" if bucket >= 16 else "ew")
+        return SkinnyConfig(16, 32, 4, 1, 1, "dot" if bucket >= 16 or w8a8 else "ew")
     half = 2 if dtype == torch.float32 else 1
-    if bucket == 1 and dtype.itemsize == 1:  # FP8 W: twice the rows for bf16's bytes in flight
+    if w8a8:
+        cfg = SkinnyConfig(128, 128, 8, 4, 1, "dot")
+    elif bucket == 1 and dtype.itemsize == 1:  # FP8 W: twice the rows for bf16's bytes in flight
         cfg = SkinnyConfig(16, 1024, 4, 1, 1, "ew")
     elif bucket == 1:
         cfg = SkinnyConfig(8, 1024 // half, 4, 1, 1, "ew")
@@ -146,15 +149,16 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.dev
 
 
 def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, *,
-                      sms: int | None = None) -> list[SkinnyConfig]:
+                      sms: int | None = None, w8a8: bool = False) -> list[SkinnyConfig]:
     """The sweep `tune` times for one (M bucket, N, K): the shapes above (ew for M <= 8, dot
-    for all), each with split-K {1, auto, 2x auto}. Two compiled variants per shape (split or
-    not): the split count is a runtime argument."""
+    for all; dot only for W8A8), each with split-K {1, auto, 2x auto}. Two compiled variants
+    per shape (split or not): the split count is a runtime argument."""
     bucket = m_bucket(m)
     half = 2 if dtype == torch.float32 else 1
     sms = sms or num_sms(device)
     out: list[SkinnyConfig] = []
-    for loop, shapes in (("ew", _EW_SHAPES.get(bucket, [])), ("dot", _DOT_SHAPES)):
+    ew = [] if w8a8 else _EW_SHAPES.get(bucket, [])
+    for loop, shapes in (("ew", ew), ("dot", _DOT_SHAPES)):
         if dtype.itemsize == 1:  # FP8 W: the same bytes per tile hold twice the K columns
             shapes = shapes + [(bn, 2 * bk, w, s) for bn, bk, w, s in shapes if bk <= 1024]
         for bn, bk, warps, stages in shapes:
@@ -166,21 +170,30 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype, device: torch.
     return list(dict.fromkeys(out))
 
 
+# The table's name for launches whose x is FP8 too (W8A8), beside the weight dtype's name.
+W8A8_SUFFIX = "+a8"
+
+
 class ConfigTable:
-    """Measured best configs keyed by (M bucket, N, K, dtype name); overrides the heuristic."""
+    """Measured best configs keyed by (M bucket, N, K, dtype name); overrides the heuristic.
+    The dtype name is the weight's, with `W8A8_SUFFIX` when x is FP8 as well."""
 
     def __init__(self) -> None:
         self.entries: dict[tuple[int, int, int, str], SkinnyConfig] = {}
 
     @staticmethod
-    def key(m: int, n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int, str]:
-        return (m_bucket(m), n, k, str(dtype).removeprefix("torch."))
+    def key(m: int, n: int, k: int, dtype: torch.dtype, w8a8: bool = False
+            ) -> tuple[int, int, int, str]:
+        name = str(dtype).removeprefix("torch.") + (W8A8_SUFFIX if w8a8 else "")
+        return (m_bucket(m), n, k, name)
 
-    def get(self, m: int, n: int, k: int, dtype: torch.dtype) -> SkinnyConfig | None:
-        return self.entries.get(self.key(m, n, k, dtype))
+    def get(self, m: int, n: int, k: int, dtype: torch.dtype, w8a8: bool = False
+            ) -> SkinnyConfig | None:
+        return self.entries.get(self.key(m, n, k, dtype, w8a8))
 
-    def put(self, m: int, n: int, k: int, dtype: torch.dtype, cfg: SkinnyConfig) -> None:
-        self.entries[self.key(m, n, k, dtype)] = cfg
+    def put(self, m: int, n: int, k: int, dtype: torch.dtype, cfg: SkinnyConfig,
+            w8a8: bool = False) -> None:
+        self.entries[self.key(m, n, k, dtype, w8a8)] = cfg
 
     def to_json(self) -> list[dict]:
         return [{"m_bucket": b, "n": n, "k": k, "dtype": d, **asdict(c)}
@@ -212,9 +225,11 @@ def load_bundled_configs(device: torch.device) -> Path | None:
     return path
 
 
-def pick_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
-                ) -> SkinnyConfig:
-    return TUNED.get(m, n, k, dtype) or default_config(m, n, k, dtype, device)
+def pick_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, *,
+                w8a8: bool = False) -> SkinnyConfig:
+    """The tuned entry, else the heuristic (`dtype`: the weight's; `w8a8`: x is FP8 too)."""
+    return (TUNED.get(m, n, k, dtype, w8a8)
+            or default_config(m, n, k, dtype, device, w8a8=w8a8))
 
 
 def should_use_skinny(m: int, n: int, k: int) -> bool:

@@ -63,16 +63,30 @@ def fp8_weights(n: int, k: int, copies: int, device: torch.device
     return out
 
 
+def _rows(m: int, k: int, dtype: torch.dtype, device: torch.device, w8a8: bool
+          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.dtype | None]:
+    """Random x [m, k] as `tune` feeds it: `dtype` rows, or (W8A8) FP8 rows with per-row
+    scales (the per-token quantization of `model.quant.fp8`, not imported: kernels sit below
+    model) and the output dtype."""
+    x = torch.randn(m, k, device=device)
+    if not w8a8:
+        return x.to(dtype), None, None
+    fp8 = torch.float8_e4m3fn
+    scale = x.abs().amax(dim=1).clamp_min(1e-12) / torch.finfo(fp8).max
+    return (x / scale[:, None]).to(fp8), scale, dtype
+
+
 def tune(shapes: Iterable[tuple[int, int]], dtype: torch.dtype, device: torch.device, *,
          m_values: Sequence[int] = DEFAULT_M_VALUES, table: ConfigTable = TUNED,
-         calls: int = 16, weight_dtype: torch.dtype | None = None
+         calls: int = 16, weight_dtype: torch.dtype | None = None, w8a8: bool = False
          ) -> dict[tuple[int, int, int], tuple[SkinnyConfig, float]]:
     """Time `candidate_configs` for each (M bucket, N, K) with `graph_time_us` over up to
     `calls` calls cycling through L2-busting weight copies (4 per copy: a weight far larger than
     the L2 needs few); store the fastest in `table`. Returns {(m, n, k): (best config, µs per
     call)}. Allocates real-size weights; not for capture. ~100 compiles on a cold Triton cache
     for all M buckets, then well under a second per (shape, M). `weight_dtype`: the weights'
-    when not x's (FP8, with row scales); its table entries are keyed by it."""
+    when not x's (FP8, with row scales); its table entries are keyed by it. `w8a8`: x is FP8
+    as well, with row scales (`dtype` is then the output's); keyed apart (`W8A8_SUFFIX`)."""
     if device.type != "cuda":
         raise ValueError("tune needs a CUDA device")
     wdtype = weight_dtype or dtype
@@ -82,19 +96,20 @@ def tune(shapes: Iterable[tuple[int, int]], dtype: torch.dtype, device: torch.de
         ws = (fp8_weights(n, k, copies, device) if wdtype.itemsize == 1 else
               [(torch.randn(n, k, device=device).to(dtype), None) for _ in range(copies)])
         for m in dict.fromkeys(m_values):
-            x = torch.randn(m, k, device=device).to(dtype)
+            x, xs, out_dtype = _rows(m, k, dtype, device, w8a8)
             y = torch.empty(m, n, dtype=dtype, device=device)
             timed: list[tuple[float, SkinnyConfig]] = []
-            for cfg in candidate_configs(m, n, k, wdtype, device):
+            for cfg in candidate_configs(m, n, k, wdtype, device, w8a8=w8a8):
                 fns = [partial(skinny_linear, x, ws[i % copies][0], None, y,
-                               weight_scale=ws[i % copies][1], config=cfg)
+                               weight_scale=ws[i % copies][1], x_scale=xs,
+                               out_dtype=out_dtype, config=cfg)
                        for i in range(min(calls, 4 * copies))]
                 try:
                     timed.append((graph_time_us(fns, replays=5), cfg))
                 except (RuntimeError, TritonError):  # e.g. out of shared memory: skip
                     continue
             us, cfg = min(timed, key=lambda t: t[0])
-            table.put(m, n, k, wdtype, cfg)
+            table.put(m, n, k, wdtype, cfg, w8a8)
             best[(m, n, k)] = (cfg, us)
         del ws
     return best

@@ -222,7 +222,6 @@ class DecodeGraphs:
             return
         from phaseflip.kernels import linear as skinny
         from phaseflip.kernels import linear_configs as cfgs
-        from phaseflip.model.quant.fp8 import FP8_SKINNY_MAX_M
 
         cfgs.load_bundled_configs(self.device)
         weights = [p for n, p in self.model.named_parameters()
@@ -232,13 +231,27 @@ class DecodeGraphs:
         shapes = {(w.shape[0], w.shape[1]) for w in weights}
         m_values = [b for b in self.sizes if b <= cfgs.KERNEL_MAX_M
                     and any(cfgs.should_use_skinny(b, n, k) for n, k in shapes)]
-        for wdtype in {w.dtype for w in weights}:  # FP8 projections take every M <= the max
+        for wdtype in {w.dtype for w in weights}:
             same = {(w.shape[0], w.shape[1]) for w in weights if w.dtype == wdtype}
-            ms = m_values if wdtype.itemsize > 1 else [
-                b for b in self.sizes if b <= FP8_SKINNY_MAX_M]
-            if ms:
+            if wdtype.itemsize > 1:
+                if m_values:
+                    skinny.warmup(same, self.model.dtype, self.device, m_values=m_values)
+                continue
+            for w8a8, ms in self._fp8_sizes():  # FP8 projections take every M <= the max
                 skinny.warmup(same, self.model.dtype, self.device, m_values=ms,
-                              weight_dtype=wdtype)
+                              weight_dtype=wdtype, w8a8=w8a8)
+
+    def _fp8_sizes(self) -> list[tuple[bool, list[int]]]:
+        """The captured sizes the FP8 linears send to the skinny kernel, by loop: (W8A8,
+        sizes), as `model.quant.fp8` routes them."""
+        from phaseflip.model.quant import fp8
+
+        by_mode: dict[bool, list[int]] = {}
+        for b in self.sizes:
+            x = torch.empty(b, 16, dtype=self.model.dtype, device=self.device)
+            if fp8.skinny_rows(x, x):
+                by_mode.setdefault(not fp8.weight_only(x, x), []).append(b)
+        return sorted(by_mode.items())
 
     @torch.inference_mode()
     def prepare(self) -> None:

@@ -22,7 +22,7 @@ from torch import nn
 
 from phaseflip.layout import Layout
 from phaseflip.model.quant import FP8_DTYPE, Fp8Config, scaled_linear
-from phaseflip.model.quant.fp8 import Fp8Activation, takes_scaled_mm, token_amax, weight_only
+from phaseflip.model.quant.fp8 import Fp8Activation, quantizes_rows, token_amax, weight_only
 
 WeightLoader = Callable[..., None]
 
@@ -52,10 +52,10 @@ def fp8_input_fusable(x: torch.Tensor, weight: torch.Tensor,
                       weight_scale: torch.Tensor | None) -> bool:
     """Whether the kernel producing `x` (16-bit [T, K] rows, the whole row of each token)
     should quantize them for this linear: FP8 weights, the fused kernels in use, and rows the
-    linear sends to `_scaled_mm` (not the skinny weight-only path, not the reference). Shapes
+    linear quantizes per token (`quantizes_rows`: not weight-only, not the reference). Shapes
     and types only: no sync, so a CUDA graph captures the same choice it replays."""
     return (weight_scale is not None and use_fused_kernels(x) and x.dim() == 2
-            and x.element_size() == 2 and takes_scaled_mm(x, weight))
+            and x.element_size() == 2 and quantizes_rows(x, weight))
 
 
 def linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor,
@@ -297,8 +297,8 @@ class RowParallelLinear(nn.Module):
                 and not weight_only(x, self.weight)):
             # FP8: each rank holds a slice of every token's row; its activation scale is the
             # WHOLE row's (one small max-reduce), so TP rounds exactly as one process and PP do.
-            # (A few rows go weight-only, unquantized: no scale to agree on; every rank has the
-            # same rows, so all take the same branch.)
+            # (Rows that go weight-only stay unquantized: no scale to agree on; every rank has
+            # the same rows, so all take the same branch.)
             amax = self.layout.tp_comm.all_reduce_max(token_amax(x))
             part = scaled_linear(x, self.weight, self.weight_scale, None, amax)
         else:

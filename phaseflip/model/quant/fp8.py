@@ -5,13 +5,14 @@ Weights are held as `float8_e4m3fn` with one float32 scale per output channel (r
 `x ≈ x_q * sx[:, None]`, and a linear is `y = (x_q @ W_q^T) * sx[:, None] * scale[None, :]`.
 
 On CUDA that product is one `torch._scaled_mm` with row-wise scales (cuBLASLt, FP8 tensor
-cores, Hopper and later; not run on a GPU in this repository's CI: the H200 numbers are
-unmeasured). Everywhere else — CPU, and shapes or dtypes the CUDA kernel does not
-take — the same product is computed in float32 from the FP8 values (`scaled_linear_ref`): it
-rounds x and W exactly as the GPU path does and differs from it only by accumulation order, so
-it is the oracle the accuracy tests measure.
+cores, Hopper and later), or for a few rows (a small decode batch) the skinny kernel's W8A8
+loop (`kernels/linear.py`), which streams the weight at close to HBM bandwidth where cuBLAS'
+tiles do not; neither runs in this repository's CI. Everywhere else — CPU, and shapes or
+dtypes the CUDA kernels do not take — the same product is computed in float32 from the FP8
+values (`scaled_linear_ref`): it rounds x and W exactly as the GPU paths do and differs from
+them only by accumulation order, so it is the oracle the accuracy tests measure.
 
-On the `_scaled_mm` path the per-token quantization of a linear's input may already have been
+On both GPU paths the per-token quantization of a linear's input may already have been
 done by the kernel that produced it (an RMSNorm, SiLU·mul: `kernels/norm.py`,
 `kernels/activation.py`): the linear then receives an `Fp8Activation` instead of the tensor,
 bitwise what it would have quantized itself.
@@ -19,6 +20,7 @@ bitwise what it would have quantized itself.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass
 
@@ -33,8 +35,8 @@ _HAS_TRITON = importlib.util.find_spec("triton") is not None
 @dataclass(frozen=True)
 class Fp8Activation:
     """An FP8 linear's input rows, quantized per token by the kernel that produced them: what
-    `scaled_mm_linear` would feed `_scaled_mm`, bitwise. Made only where the linear takes that
-    path on these rows (`takes_scaled_mm`) and its input is the whole row (no TP amax)."""
+    `scaled_linear` would quantize itself, bitwise. Made only where the linear quantizes these
+    rows (`quantizes_rows`) and its input is the whole row (no TP amax)."""
 
     x_q: torch.Tensor  # [T, K] float8_e4m3fn
     scale: torch.Tensor  # [T, 1] float32, per token
@@ -119,33 +121,54 @@ def _scaled_mm_ok(x: torch.Tensor, w_q: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
-# Rows up to which the skinny kernel beats `_scaled_mm` for FP8 weights. At 64 rows (the
-# skinny kernel's limit) it took 9.6 ms a step on the H200 for the 8B projections, against
-# ~4.4 ms for the bf16 GEMMs alone: the cut-over lies between 1 and 64, and 16 is not measured.
+# Rows up to which FP8 linears run the skinny kernel (`kernels/linear.py`) instead of
+# `torch._scaled_mm`, whose tiles are built for large M: at 64 rows (the kernel's limit) the
+# weight-only kernel took 9.6 ms a step on the H200 for the 8B projections, against ~4.4 ms
+# for the bf16 GEMMs alone; the cut-over lies between 1 and 64, and 16 is not measured.
 FP8_SKINNY_MAX_M = 16
+# Rows up to which the skinny kernel reads 16-bit x as it is (weight-only, W8A16) rather than
+# quantized per token (W8A8, FP8 MMAs): 0, none. On the H200 (probe at M 4 and 8, 8B shapes)
+# W8A8 streamed 2.7-3.9 TB/s where W8A16 widened each weight to bf16 in the loop at 1.6-2.6:
+# 63 against 94-104 µs a layer. GPUs without FP8 MMAs (before sm_89) stay weight-only.
+FP8_WEIGHT_ONLY_MAX_M = 0
 
 
-def weight_only(x: torch.Tensor, w_q: torch.Tensor) -> bool:
-    """A few rows of 16-bit x on CUDA with triton: the skinny kernel reads the FP8 weight
-    itself (`kernels/linear.py`) and x stays unquantized. At batch 1 on the H200 `_scaled_mm`
-    took 4.03 ms a step for the 8B projections (its tiles are built for large M) plus 0.55 ms
-    quantizing activations; the skinny kernel 2.42 ms.
+@functools.cache
+def _fp8_mma(device_index: int) -> bool:
+    """Whether this GPU's tensor cores multiply e4m3 (Ada, Hopper and later)."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
-    The price: FP8 numerics depend on how many rows a GEMM gets. A layout that cuts a step
-    into smaller calls (PP micro-batches, decode groups) can run weight-only where one process
-    quantizes activations, so FP8 layouts agree only to FP8's own error (docs/quantization.md),
-    not to float32's accumulation order as the amax reduce of `RowParallelLinear` makes them
-    for larger steps."""
-    if not (_HAS_TRITON and x.is_cuda and x.element_size() == 2):
+
+def skinny_rows(x: torch.Tensor, w_q: torch.Tensor) -> bool:
+    """A few rows (1..FP8_SKINNY_MAX_M) on CUDA with triton, K a multiple of 16: the skinny
+    kernel's, whether x comes 16-bit or quantized."""
+    if not (_HAS_TRITON and x.is_cuda):
         return False
     rows = x.numel() // max(x.shape[-1], 1)
     return 1 <= rows <= FP8_SKINNY_MAX_M and x.shape[-1] % 16 == 0
 
 
-def takes_scaled_mm(x: torch.Tensor, w_q: torch.Tensor) -> bool:
-    """Whether `scaled_linear` sends these rows to `_scaled_mm` (quantizing them per token):
-    neither the weight-only skinny path nor the float32 reference."""
-    return not weight_only(x, w_q) and _scaled_mm_ok(x, w_q)
+def _w8a8_rows(x: torch.Tensor) -> bool:
+    rows = x.numel() // max(x.shape[-1], 1)
+    return rows > FP8_WEIGHT_ONLY_MAX_M and _fp8_mma(x.device.index or 0)
+
+
+def weight_only(x: torch.Tensor, w_q: torch.Tensor) -> bool:
+    """Skinny rows of 16-bit x that stay unquantized: the kernel reads the FP8 weight, widens
+    it in registers and multiplies it with x as is (no rows at all by default on a GPU with
+    FP8 MMAs: `FP8_WEIGHT_ONLY_MAX_M`).
+
+    Where it applies, FP8 numerics depend on how many rows a GEMM gets (a layout that cuts a
+    step into smaller calls can run weight-only where one process quantizes activations). With
+    W8A8 everywhere, every row count rounds x per token the same way, and layouts agree to
+    float32's accumulation order (the amax reduce of `RowParallelLinear` covers TP)."""
+    return x.element_size() == 2 and skinny_rows(x, w_q) and not _w8a8_rows(x)
+
+
+def quantizes_rows(x: torch.Tensor, w_q: torch.Tensor) -> bool:
+    """Whether `scaled_linear` quantizes these rows per token (for the skinny kernel's W8A8
+    loop or for `_scaled_mm`): neither weight-only nor the float32 reference."""
+    return not weight_only(x, w_q) and (skinny_rows(x, w_q) or _scaled_mm_ok(x, w_q))
 
 
 def _quantize_on_gpu(x: torch.Tensor, amax: torch.Tensor | None
@@ -173,14 +196,17 @@ def scaled_linear(x: torch.Tensor | Fp8Activation, w_q: torch.Tensor, w_scale: t
     if isinstance(x, Fp8Activation):
         if amax is not None:
             raise ValueError("an Fp8Activation holds whole rows quantized: no amax applies")
-        return _scaled_mm(x.x_q, x.scale, w_q, w_scale, bias, x.dtype)
-    if weight_only(x, w_q):  # small decode batch: weight-only FP8, no activation rounding
+        return _rows_linear(x.x_q, x.scale, w_q, w_scale, bias, x.dtype)
+    if weight_only(x, w_q):  # W8A16: no activation rounding
         from phaseflip.kernels.linear import skinny_linear
 
         return skinny_linear(x, w_q, bias, weight_scale=w_scale)
-    if not _scaled_mm_ok(x, w_q):
+    if not quantizes_rows(x, w_q):
         return scaled_linear_ref(x, w_q, w_scale, bias, amax)
-    return scaled_mm_linear(x, w_q, w_scale, bias, amax)
+    shape = x.shape
+    x_q, sx = _quantize_on_gpu(x.reshape(-1, shape[-1]), amax)
+    y = _rows_linear(x_q, sx, w_q, w_scale, bias, x.dtype)
+    return y.reshape(*shape[:-1], w_q.shape[0])
 
 
 def scaled_mm_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
@@ -192,6 +218,17 @@ def scaled_mm_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     x_q, sx = _quantize_on_gpu(x.reshape(-1, shape[-1]), amax)
     y = _scaled_mm(x_q, sx, w_q, w_scale, bias, x.dtype)
     return y.reshape(*shape[:-1], w_q.shape[0])
+
+
+def _rows_linear(x_q: torch.Tensor, sx: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                 bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """[T, N] in `dtype` from per-token quantized rows: the skinny kernel's W8A8 loop for a
+    few rows, else `_scaled_mm`."""
+    if skinny_rows(x_q, w_q):
+        from phaseflip.kernels.linear import skinny_linear
+
+        return skinny_linear(x_q, w_q, bias, weight_scale=w_scale, x_scale=sx, out_dtype=dtype)
+    return _scaled_mm(x_q, sx, w_q, w_scale, bias, dtype)
 
 
 def _scaled_mm(x_q: torch.Tensor, sx: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
