@@ -215,11 +215,12 @@ class MixedBench:
             self.sync()
             walls.append(1e3 * (time.perf_counter() - t0))
             kinds.append(self.steps.kind())
-            host.append(self.forward.last_ms or 0.0)
+            host.append(self.forward.last_ms)  # None: no runner.forward (a PP/TP launch)
             if len(walls) > 64:
                 raise RuntimeError(f"the prompt of {rid} never finished prefilling")
         self.settle(rid)
-        return {"mixed_ms": sum(walls), "forward_host_ms": sum(host), "step_walls_ms": walls,
+        fwd = float("nan") if None in host else sum(host)
+        return {"mixed_ms": sum(walls), "forward_host_ms": fwd, "step_walls_ms": walls,
                 "kinds": kinds}
 
     def decode_step_ms(self) -> float:
