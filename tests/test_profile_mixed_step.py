@@ -68,3 +68,24 @@ def test_mixed_decode_switch_applied():
     assert backend.mixed_decode is False
     _apply(found, "on")
     assert backend.mixed_decode is True
+
+
+def test_launch_counts_classifies_device_events():
+    """Kernels and copies are told apart on the device side, the launch API on the host's
+    (Triton launches through the driver's cuLaunchKernel, torch through the runtime's)."""
+    import torch
+
+    from benchmarks.profile_mixed_step import launch_counts
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(name, device, cpu_us=0.0):
+        return SimpleNamespace(name=name, device_type=device, cpu_time_total=cpu_us)
+
+    events = [ev("_extend_kernel", cuda), ev("_decode_split_kernel", cuda),
+              ev("Memcpy HtoD (Pinned -> Device)", cuda), ev("Memset (Device)", cuda),
+              ev("phase:step", cuda), ev("cuLaunchKernel", cpu, 30.0),
+              ev("cudaLaunchKernel", cpu, 10.0), ev("aten::mm", cpu, 50.0)]
+    counts = launch_counts(SimpleNamespace(events=lambda: events))
+    assert counts == {"kernel_launches": 2, "memcpy_memset": 2, "launch_api_calls": 2,
+                      "launch_api_ms": pytest.approx(0.04)}
