@@ -282,8 +282,18 @@ _WORKSPACES: dict[torch.device, SplitKWorkspace] = {}
 _HOLDERS: dict[torch.device, int] = {}
 
 
+def _one_name(device: torch.device) -> torch.device:
+    """`cuda` and `cuda:<current>` are one device (tensors report the index; callers may not):
+    one key, so a warm-up and the launches it prepares share a workspace."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def workspace_for(device: torch.device) -> SplitKWorkspace:
     """The default workspace of `device` (one per device; see SplitKWorkspace for ordering)."""
+    device = _one_name(device)
     if device not in _WORKSPACES:
         _WORKSPACES[device] = SplitKWorkspace(device)
     return _WORKSPACES[device]
@@ -291,12 +301,14 @@ def workspace_for(device: torch.device) -> SplitKWorkspace:
 
 def hold_workspace(device: torch.device) -> None:
     """A runner on `device` starts using its workspace (its graphs may capture it)."""
+    device = _one_name(device)
     _HOLDERS[device] = _HOLDERS.get(device, 0) + 1
 
 
 def release_workspace(device: torch.device) -> None:
     """A runner on `device` is done (its graphs released): the last one out frees the
     workspace and every outgrown buffer; the next launch makes a fresh one."""
+    device = _one_name(device)
     left = _HOLDERS.get(device, 0) - 1
     if left > 0:
         _HOLDERS[device] = left

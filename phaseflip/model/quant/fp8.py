@@ -127,10 +127,12 @@ def _scaled_mm_ok(x: torch.Tensor, w_q: torch.Tensor) -> bool:
 # for the bf16 GEMMs alone; the cut-over lies between 1 and 64, and 16 is not measured.
 FP8_SKINNY_MAX_M = 16
 # Rows up to which the skinny kernel reads 16-bit x as it is (weight-only, W8A16) rather than
-# quantized per token (W8A8, FP8 MMAs): 0, none. On the H200 (probe at M 4 and 8, 8B shapes)
-# W8A8 streamed 2.7-3.9 TB/s where W8A16 widened each weight to bf16 in the loop at 1.6-2.6:
-# 63 against 94-104 µs a layer. GPUs without FP8 MMAs (before sm_89) stay weight-only.
-FP8_WEIGHT_ONLY_MAX_M = 0
+# quantized per token (W8A8, FP8 MMAs). Tuned on the H200 (`linear_kernels --fp8-weights
+# [--w8a8] --tune`, weights streamed from HBM), one 8B layer's four projections: W8A16 61 / 66
+# / 96 / 107 / 104 µs at M 1 / 2 / 4 / 8 / 16, W8A8 72 / 73 / 72 / 70 / 68 µs (its MMA pads
+# to 16 rows; W8A16's elementwise loop does not, but widening every weight to bf16 caps it
+# beyond 2 rows). GPUs without FP8 MMAs (before sm_89) stay weight-only.
+FP8_WEIGHT_ONLY_MAX_M = 2
 
 
 @functools.cache
@@ -155,13 +157,14 @@ def _w8a8_rows(x: torch.Tensor) -> bool:
 
 def weight_only(x: torch.Tensor, w_q: torch.Tensor) -> bool:
     """Skinny rows of 16-bit x that stay unquantized: the kernel reads the FP8 weight, widens
-    it in registers and multiplies it with x as is (no rows at all by default on a GPU with
-    FP8 MMAs: `FP8_WEIGHT_ONLY_MAX_M`).
+    it in registers and multiplies it with x as is (up to `FP8_WEIGHT_ONLY_MAX_M` rows on a
+    GPU with FP8 MMAs, every skinny row count on one without).
 
-    Where it applies, FP8 numerics depend on how many rows a GEMM gets (a layout that cuts a
-    step into smaller calls can run weight-only where one process quantizes activations). With
-    W8A8 everywhere, every row count rounds x per token the same way, and layouts agree to
-    float32's accumulation order (the amax reduce of `RowParallelLinear` covers TP)."""
+    The price: FP8 numerics depend on how many rows a GEMM gets (a layout that cuts a step
+    into smaller calls, PP micro-batches or decode groups, can run weight-only where one
+    process quantizes activations), so FP8 layouts agree only to FP8's own error there
+    (docs/quantization.md); beyond it every row count rounds x per token alike, and layouts
+    agree to float32's accumulation order (the amax reduce of `RowParallelLinear` covers TP)."""
     return x.element_size() == 2 and skinny_rows(x, w_q) and not _w8a8_rows(x)
 
 
