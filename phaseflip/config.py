@@ -257,6 +257,12 @@ class EngineConfig:
     """Largest decode batch captured in a CUDA graph (capped by max_running_requests); larger
     batches run eagerly. Eager decode at ~770 rows cost 46 ms a step on the H200, 22 ms of it
     host launches, against 31 ms of GPU work."""
+    piecewise_graph_max_tokens: int = 1024
+    """Largest prefill or mixed step (prompt tokens plus decodes) run as piecewise CUDA graphs:
+    every layer's kernels but attention replayed from graphs, attention launched between them
+    (one process holding the whole model; other layouts run these steps eagerly). 0 turns them
+    off. Launched from Python, a 32-token prompt beside 6 decodes took 45 ms on the H200 (8B,
+    FP8), 44 ms of it host time, for 5.4 ms of kernels."""
     seed: int = 0
     """Seed for requests that do not set their own."""
     log_level: str = "info"
@@ -304,6 +310,8 @@ class EngineConfig:
             if getattr(self, name) not in choices:
                 unset = " (or leave it unset)" if None in choices else ""
                 raise bad(name, f"expected {_either([c for c in choices if c])}{unset}")
+        if self.piecewise_graph_max_tokens < 0:
+            raise bad("piecewise_graph_max_tokens", "must be >= 0 (0 turns them off)")
         for name in _AT_LEAST_ONE:
             value = getattr(self, name)
             if value is not None and value < 1:

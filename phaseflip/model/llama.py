@@ -163,15 +163,32 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (hidden, residual) after this stage's layers; on the last stage `hidden` is
         the final-normed state of the rows named by `batch.logits_indices`."""
+        hidden, residual = self.forward_layers(batch, pool, backend, hidden, residual)
+        if not self.layout.is_last_stage:
+            return hidden, residual
+        return self.final_states(hidden, residual, batch.logits_indices), None
+
+    def forward_layers(
+        self,
+        batch: ForwardBatch,
+        pool: KVPool,
+        backend: AttentionBackend,
+        hidden: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) of every row after this stage's layers, before the final norm:
+        what piecewise graphs capture (`model/piecewise_graph.py`)."""
         if self.layout.is_first_stage:
             hidden, residual = self.embed_tokens(batch.input_ids), None
         rotary = self.rope.for_batch(batch.positions, hidden.dtype, max_position=batch.max_position)
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, batch, rotary, pool, backend)
-        if not self.layout.is_last_stage:
-            return hidden, residual
-        idx = batch.logits_indices
-        return self.norm(hidden[idx], residual[idx])[0], None
+        return hidden, residual
+
+    def final_states(self, hidden: torch.Tensor, residual: torch.Tensor,
+                     rows: torch.Tensor) -> torch.Tensor:
+        """The last stage's final-normed states of `rows` (the rows logits are taken of)."""
+        return self.norm(hidden[rows], residual[rows])[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits on the sampling rank (TP rank 0), None on the other TP ranks."""

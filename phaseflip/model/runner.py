@@ -38,6 +38,7 @@ from phaseflip.model.weight_image import WeightImage, WeightsLoad, load_model_we
 
 if TYPE_CHECKING:
     from phaseflip.model.cuda_graph import DecodeGraphs, GraphReuse
+    from phaseflip.model.piecewise_graph import PiecewiseGraphs
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +236,7 @@ class ModelRunner:
         t_pool = time.perf_counter()
         # how the decode graphs came: None (eager), "at build", "on first use", "parked"
         self.graphs, self.graph_capture = self._capture_graphs(lazy_graphs, graph_reuse)
+        self.pieces = self._capture_pieces() if self.graph_capture == "at build" else None
         # how long building this rank took, by part (a flip's census reads rank 0's)
         self.build_s = {"weights": t_weights - t0, "wait_for_ranks": t_sizing - t_weights,
                         "kv_pool": t_pool - t_sizing, "graphs": time.perf_counter() - t_pool}
@@ -291,14 +293,55 @@ class ModelRunner:
             graphs.capture()
         return graphs, how
 
+    def _capture_pieces(self) -> PiecewiseGraphs | None:
+        """Piecewise graphs for prefill and mixed steps (`model/piecewise_graph.py`): one
+        process holding the whole model, decode graphs captured at build (unrecorded ones
+        give unrecorded pieces: CPU tests), and `piecewise_graph_max_tokens` > 0; else None
+        (those steps run eagerly)."""
+        from phaseflip.model.cuda_graph import capture_stream
+        from phaseflip.model.piecewise_graph import PiecewiseGraphs
+
+        cfg, layout, graphs = self.cfg, self.layout, self.graphs
+        if (cfg.piecewise_graph_max_tokens < 1 or layout.tp_size != 1 or graphs is None
+                or not (layout.is_first_stage and layout.is_last_stage)):
+            return None
+        pieces = PiecewiseGraphs(
+            self.model, self.pool, self.backend, max_tokens=cfg.piecewise_graph_max_tokens,
+            max_context=graphs.max_context, record=graphs.record)
+        stream = None
+        if graphs.record:
+            index = torch.device(self.device).index
+            stream = capture_stream(torch.cuda.current_device() if index is None else index)
+        pieces.capture(stream)
+        return pieces
+
+    def _eager_stage(self, plan: ForwardBatch, hidden: torch.Tensor | None,
+                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stage's forward for a plan no decode graph holds: its layers replayed from
+        piecewise graphs around eager attention when they hold it, else all eager."""
+        plan = plan.to(self.device)
+        if self.pieces is not None and self.pieces.can_run(plan):
+            out, res = self.pieces.run(plan)
+            return self.model.final_states(out, res, plan.logits_indices), None
+        return self.model(plan, self.pool, self.backend, hidden, residual)
+
     def park_graphs(self) -> DecodeGraphs | None:
         """Hands this runner's decode graphs over whole, unreleased, to be parked with its
-        layout's model (resident weights); `free_device_memory` may follow."""
+        layout's model (resident weights); `free_device_memory` may follow. Piecewise
+        graphs are not parked: they are released (a later build of the layout runs those
+        steps eagerly)."""
+        if self.pieces is not None:
+            self.pieces.release()
+            self.pieces = None
         graphs, self.graphs = self.graphs, None
         return graphs
 
     def release_graphs(self) -> None:
-        """Frees the decode graphs (before the rank's process group is destroyed)."""
+        """Frees the decode and piecewise graphs (before the rank's process group is
+        destroyed)."""
+        if self.pieces is not None:
+            self.pieces.release()
+            self.pieces = None
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
@@ -409,7 +452,7 @@ class ModelRunner:
         can hold is replayed, anything else runs eagerly. `plan` may live on the host."""
         if self.graphs is not None and self.graphs.can_run(plan):
             return self.graphs.replay(plan, hidden, residual)
-        return self.model(plan.to(self.device), self.pool, self.backend, hidden, residual)
+        return self._eager_stage(plan, hidden, residual)
 
     @torch.inference_mode()
     def stage_logits(self, plan: ForwardBatch, hidden: torch.Tensor | None = None,
@@ -423,7 +466,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(plan):
             logits = self.graphs.replay_logits(plan, hidden, residual)
             return logits.clone() if keep and logits is not None else logits
-        out, _ = self.model(plan.to(self.device), self.pool, self.backend, hidden, residual)
+        out, _ = self._eager_stage(plan, hidden, residual)
         return self.logits(out)
 
     @torch.inference_mode()

@@ -1,0 +1,127 @@
+"""Piecewise graphs for prefill and mixed steps: static buffers, padding, attention between
+the pieces over the real rows only.
+
+On the CPU nothing is recorded (`record=False`): a run executes the same pieces eagerly over
+the same padded static rows, and the attention between them through the static q and output
+buffers, which checks everything the graphs depend on except the recording itself. With CUDA
+the pieces are recorded and replayed for real (Triton attention). The oracle is the model's
+ordinary eager forward on the same KV pool.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from phaseflip import Engine, SamplingParams
+from phaseflip.config import EngineConfig
+from phaseflip.model.config import ModelConfig
+from phaseflip.model.cuda_graph import UNRECORDED_ENV
+from phaseflip.model.piecewise_graph import PAD_SLOT, PiecewiseGraphs, token_buckets
+from phaseflip.model.runner import ModelRunner
+from tests.test_cuda_graph import _contexts, _plan
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+@pytest.fixture(scope="module")
+def runner(llama_dir):
+    cfg = EngineConfig(model=str(llama_dir), device=DEVICE, dtype="float32",
+                       attention_backend="torch", max_total_tokens=512,
+                       disable_cuda_graph=True)
+    return ModelRunner(cfg, ModelConfig.from_dir(llama_dir))
+
+
+def _pieces(runner: ModelRunner, max_tokens: int = 32) -> PiecewiseGraphs:
+    backend = runner.backend
+    if CUDA:
+        from phaseflip.attention.triton_backend import TritonAttention
+
+        backend = TritonAttention()
+    pieces = PiecewiseGraphs(runner.model, runner.pool, backend, max_tokens=max_tokens,
+                             max_context=256, record=CUDA)
+    pieces.capture(torch.cuda.Stream() if CUDA else None)
+    return pieces
+
+
+def _mixed_plan(seed: int):
+    """A 7-token prompt continuing a 5-token prefix, beside two one-token decodes."""
+    ctx = _contexts([12, 9, 20], seed)
+    return _plan([(ctx[0][0][5:], ctx[0][1], 5), (ctx[1][0][8:], ctx[1][1], 8),
+                  (ctx[2][0][19:], ctx[2][1], 19)], decode=False), ctx
+
+
+@torch.inference_mode()
+def test_a_mixed_step_equals_the_eager_forward(runner):
+    """Prefixes filled eagerly, then the mixed step once eagerly and once through the pieces
+    (9 tokens padded to the 16-token bucket): final states and logits agree, and the pool
+    rows of the step's slots hold the same K/V. Red if the padding rows reached attention or
+    the output rows, or if a layer's attention read another layer's q."""
+    plan, ctx = _mixed_plan(1)
+    prefill = _plan([(toks, slots, 0) for toks, slots in ctx], decode=False)
+    model, pool = runner.model, runner.pool
+    model(prefill.to(runner.device), pool, runner.backend)  # every context in the pool
+    want, _ = model(plan.to(runner.device), pool, runner.backend)
+    k_want = [pool.k[i][plan.out_cache_loc.to(runner.device)].clone()
+              for i in range(len(pool.k))]
+    pieces = _pieces(runner)
+    assert plan.input_ids.numel() == 9 and pieces.can_run(plan)
+    hidden, residual = pieces.run(plan.to(runner.device))
+    got = model.final_states(hidden, residual, plan.logits_indices.to(runner.device))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(runner.logits(got), runner.logits(want), rtol=1e-4, atol=1e-4)
+    for i, k in enumerate(k_want):
+        torch.testing.assert_close(pool.k[i][plan.out_cache_loc.to(runner.device)], k)
+
+
+@torch.inference_mode()
+def test_padding_rows_write_only_the_padding_slot(runner):
+    """A 9-token step in the 16-token bucket: its seven padding rows store K/V at the pool's
+    padding slot and nowhere else."""
+    plan, ctx = _mixed_plan(2)
+    pool = runner.pool
+    before = [k.clone() for k in pool.k]
+    _pieces(runner).run(plan.to(runner.device))
+    touched = set(plan.out_cache_loc.tolist()) | {PAD_SLOT}
+    for k_before, k_after in zip(before, pool.k):
+        changed = (k_before != k_after).flatten(1).any(dim=1).nonzero().flatten().tolist()
+        assert set(changed) <= touched
+
+
+def test_which_plans_run(runner):
+    pieces = _pieces(runner, max_tokens=32)
+    plan, _ = _mixed_plan(3)
+    assert pieces.can_run(plan)
+    too_long = _plan([(list(range(1, 34)), list(range(1, 34)), 0)], decode=False)
+    assert not pieces.can_run(too_long)  # 33 tokens > 32
+    assert token_buckets(32) == [16, 32] and token_buckets(600)[-1] == 600
+    runner.model.rope.ensure_capacity(4096)  # the table the pieces read was regrown
+    assert not pieces.can_run(plan)
+
+
+def test_engine_outputs_equal_with_and_without_pieces(llama_dir, monkeypatch):
+    """Greedy tokens of prompts that join running decodes (mixed steps) are the same with the
+    pieces on and off, and with them on every prefill and mixed step ran through them."""
+    monkeypatch.setenv(UNRECORDED_ENV, "1")  # CPU: unrecorded decode graphs, so pieces
+    runs: Counter = Counter()
+    real = PiecewiseGraphs.run
+
+    def counted(self, plan):
+        runs[plan.input_ids.numel() > len(plan.extend_lens)] += 1
+        return real(self, plan)
+
+    monkeypatch.setattr(PiecewiseGraphs, "run", counted)
+    prompts = [list(range(3 + i, 12 + 2 * i)) for i in range(4)]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for max_tokens in (64, 0):
+        with Engine(str(llama_dir), device="cpu", dtype="float32", max_total_tokens=1024,
+                    max_running_requests=4, piecewise_graph_max_tokens=max_tokens,
+                    chunked_prefill_size=16) as engine:
+            outs[max_tokens] = [o.token_ids for o in engine.generate(prompts, params,
+                                                                      use_tqdm=False)]
+    assert outs[64] == outs[0]
+    assert runs[True] >= 2  # prompt steps took the pieces (with the pieces on only)
