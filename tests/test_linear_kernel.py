@@ -381,8 +381,10 @@ def test_w8a8_operand_rules():
         skinny_linear(x_q, w_q, weight_scale=sw, x_scale=sx[:1], out_dtype=bf16)
     with pytest.raises(ValueError, match="FP8 x needs an FP8 weight"):  # x_scale, 16-bit x
         skinny_linear(x_q.to(bf16), w_q, weight_scale=sw, x_scale=sx)
-    with pytest.raises(ValueError, match="16-bit out_dtype"):
+    with pytest.raises(ValueError, match="float out_dtype"):
         skinny_linear(x_q, w_q, weight_scale=sw, x_scale=sx)
+    with pytest.raises(ValueError, match="float out_dtype"):
+        skinny_linear(x_q, w_q, weight_scale=sw, x_scale=sx, out_dtype=torch.int32)
     with pytest.raises(ValueError, match="bias must be"):
         skinny_linear(x_q, w_q, b.float(), weight_scale=sw, x_scale=sx, out_dtype=bf16)
     with pytest.raises(ValueError, match="out must be"):
@@ -390,13 +392,15 @@ def test_w8a8_operand_rules():
                       x_scale=sx, out_dtype=bf16)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("m", [1, 3, 16])
-def test_fp8_linear_routes_few_rows_to_w8a8(monkeypatch, m):
+def test_fp8_linear_routes_few_rows_to_w8a8(monkeypatch, m, dtype):
     """`scaled_linear` on a few rows (a GPU with FP8 MMAs simulated on the interpreter): past
     `FP8_WEIGHT_ONLY_MAX_M` rows, quantized per token, then the skinny kernel's W8A8 loop,
     which agrees with the float32 reference of the same FP8 values (`scaled_linear_ref`) to
     accumulation order; a producer's `Fp8Activation` takes the same kernel. Up to it, 16-bit
-    rows go weight-only. Red if the routing or the W8A8 scales break."""
+    rows go weight-only. A float32 model's rows are quantized alike and come back float32
+    (16-bit rows only go weight-only). Red if the routing or the W8A8 scales break."""
     from phaseflip.model.quant import fp8
 
     monkeypatch.setattr(fp8, "skinny_rows", lambda x, w: x.numel() // x.shape[-1] <= 16)
@@ -407,14 +411,16 @@ def test_fp8_linear_routes_few_rows_to_w8a8(monkeypatch, m):
     monkeypatch.setattr(linear, "skinny_linear",
                         lambda *a, **kw: launched.append(kw.get("x_scale")) or real(*a, **kw))
     gen = torch.Generator().manual_seed(3)
-    x = (torch.randn(m, 96, generator=gen) * 4).to(torch.bfloat16)
+    x = (torch.randn(m, 96, generator=gen) * 4).to(dtype)
     w_q, sw = fp8.quantize_rows(torch.randn(48, 96, generator=gen))
     want = fp8.scaled_linear_ref(x, w_q, sw).float()
-    weight_only = m <= fp8.FP8_WEIGHT_ONLY_MAX_M
+    weight_only = m <= fp8.FP8_WEIGHT_ONLY_MAX_M and dtype != torch.float32
     if weight_only:  # no activation rounding: the dequantized weight's product
         want = (x.float() @ (w_q.float() * sw[:, None]).t())
     for arg in (x.to(DEVICE), fp8.Fp8Activation(*fp8.quantize_tokens(x.to(DEVICE)), x.dtype)):
-        got = fp8.scaled_linear(arg, w_q.to(DEVICE), sw.to(DEVICE)).float().cpu()
+        got = fp8.scaled_linear(arg, w_q.to(DEVICE), sw.to(DEVICE))
+        assert got.dtype == dtype
+        got = got.float().cpu()
         if not (weight_only and isinstance(arg, fp8.Fp8Activation)):
             assert ((got - want).norm() / want.norm()).item() < 1e-2
     assert len(launched) == 2 and (launched[0] is None) == weight_only

@@ -387,8 +387,8 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
         raise ValueError("weight must be contiguous along K (row-major [N, K])")
     if not fp8_x:
         return x.dtype
-    if out_dtype is None or out_dtype.itemsize != 2:
-        raise ValueError("FP8 x needs a 16-bit out_dtype")
+    if out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("FP8 x needs a float out_dtype (float16, bfloat16 or float32)")
     return out_dtype
 
 
@@ -408,7 +408,8 @@ def skinny_linear(
     bias [N]; fp32 accumulation, output in x's dtype (written into `out`, [..., N], when given).
     An FP8 `weight` comes with `weight_scale` (float32 [N]): y = (x @ W^T) * scale (+ b).
     FP8 x (W8A8, per-token quantized) comes with `x_scale` (float32, one per row) and
-    `out_dtype` (16-bit): y = (x_q @ W_q^T) * x_scale[:, None] * scale (+ b), FP8 MMAs.
+    `out_dtype` (the model's float dtype): y = (x_q @ W_q^T) * x_scale[:, None] * scale (+ b),
+    FP8 MMAs.
 
     `config` pins a launch shape (tests, tuning); otherwise the tuned table or the heuristic
     picks one. No host syncs; allocates only `out` when it is omitted (and the split-K

@@ -50,8 +50,9 @@ PAD_SLOT = 0  # the allocator never hands out page 0: padding rows write their K
 
 def token_buckets(max_tokens: int) -> list[int]:
     """Token counts to capture: dense where steps are short (a prompt joining a few decodes),
-    coarser above, so padding costs at most a third of a step's rows."""
-    sizes = [16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+    coarser above, so padding costs at most a third of a step's rows (up to 16 384 tokens)."""
+    sizes = [16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144,
+             8192, 12288, 16384]
     return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
 
 

@@ -359,7 +359,7 @@ class ModelRunner:
         `keep_weights`: the model is returned whole, to be parked (resident weights).
         `graphs_parked`: decode graphs parked on this rank may address cuBLAS workspaces: they
         are kept."""
-        if self.graphs is not None:
+        if self.graphs is not None or self.pieces is not None:
             raise RuntimeError("release the decode graphs first (they address this memory)")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # nothing queued may still read it
