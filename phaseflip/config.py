@@ -239,7 +239,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     """torch (the reference), triton, or auto (triton on CUDA when installed, else torch)."""
     disable_cuda_graph: bool = False
-    """Run decode steps eagerly instead of replaying captured CUDA graphs (CUDA only)."""
+    """Run every step eagerly instead of replaying captured CUDA graphs (the decode graphs and
+    the piecewise prefill/mixed graphs; CUDA only)."""
     overlap_schedule: bool = True
     """Schedule and launch step k+1 before step k's sampled tokens reach the host (they are
     fed to the GPU as device-side placeholders), so the host's scheduling and output work
