@@ -109,19 +109,42 @@ def test_engine_outputs_equal_with_and_without_pieces(llama_dir, monkeypatch):
     runs: Counter = Counter()
     real = PiecewiseGraphs.run
 
-    def counted(self, plan):
+    def counted(self, plan, *inputs):
         runs[plan.input_ids.numel() > len(plan.extend_lens)] += 1
-        return real(self, plan)
+        return real(self, plan, *inputs)
 
     monkeypatch.setattr(PiecewiseGraphs, "run", counted)
-    prompts = [list(range(3 + i, 12 + 2 * i)) for i in range(4)]
-    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
-    outs = {}
-    for max_tokens in (64, 0):
-        with Engine(str(llama_dir), device="cpu", dtype="float32", max_total_tokens=1024,
-                    max_running_requests=4, piecewise_graph_max_tokens=max_tokens,
-                    chunked_prefill_size=16) as engine:
-            outs[max_tokens] = [o.token_ids for o in engine.generate(prompts, params,
-                                                                      use_tqdm=False)]
+    outs = {m: _generate(llama_dir, piecewise_graph_max_tokens=m) for m in (64, 0)}
     assert outs[64] == outs[0]
     assert runs[True] >= 2  # prompt steps took the pieces (with the pieces on only)
+
+
+def _generate(model_dir, **opts) -> list[list[int]]:
+    """Greedy tokens of four prompts that join running decodes (prefill chunks of 16)."""
+    prompts = [list(range(3 + i, 12 + 2 * i)) for i in range(4)]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    with Engine(str(model_dir), device="cpu", dtype="float32", max_total_tokens=1024,
+                max_running_requests=4, chunked_prefill_size=16, dist_timeout_s=60,
+                **opts) as engine:
+        return [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.timeout(240, method="thread")  # signals cannot interrupt gloo
+@pytest.mark.parametrize("layout", [{"tp_size": 2}, {"pp_size": 2}])
+def test_multi_rank_layouts_run_the_pieces(llama_dir, monkeypatch, layout):
+    """tp2 (the pieces hold the all-reduces) and pp2 (stage 1's pieces read the static input
+    rows, stage 0's return every row's hidden/residual) over gloo, unrecorded: the same
+    greedy tokens as the single-process engine without pieces, and rank 0 (this process)
+    ran its pieces on the prompt steps."""
+    monkeypatch.setenv(UNRECORDED_ENV, "1")
+    runs: Counter = Counter()
+    real = PiecewiseGraphs.run
+
+    def counted(self, plan, *inputs):
+        runs[plan.input_ids.numel() > len(plan.extend_lens)] += 1
+        return real(self, plan, *inputs)
+
+    monkeypatch.setattr(PiecewiseGraphs, "run", counted)
+    want = _generate(llama_dir, piecewise_graph_max_tokens=0)
+    assert _generate(llama_dir, **layout) == want
+    assert runs[True] >= 2

@@ -24,9 +24,14 @@ Tensors that cross a cut (the residual stream) stay referenced until their bucke
 ends, so no later piece of that bucket reuses them; another bucket's capture may, which is
 safe because a bucket's pieces and the attention between them run back to back.
 
-Scope: one process holding the whole model (TP 1, one pipeline stage) with a capturable
-attention backend, captured at build; other layouts, and a phase flip's new layout, run these
-steps eagerly. `--piecewise-graph-max-tokens 0` turns them off.
+Layouts. Under TP the pieces hold the layers' all-reduces (every TP rank captures the same
+buckets in the same order at build and runs the same plans, so the collectives pair up, as in
+the decode graphs); attention between them is rank-local. A later pipeline stage's pieces read
+static (hidden, residual) input buffers, filled from what the previous stage sent (padding rows
+zeroed: the fused add-norm updates the residual in place); a stage other than the last
+returns every row's (hidden, residual). Captured at build only, with recorded decode graphs
+(so not for TP over gloo staging); a phase flip's new layout runs these steps eagerly.
+`--piecewise-graph-max-tokens 0` turns them off.
 """
 
 from __future__ import annotations
@@ -132,9 +137,6 @@ class PiecewiseGraphs:
 
     def __init__(self, model: LlamaForCausalLM, pool: KVPool, backend: AttentionBackend, *,
                  max_tokens: int, max_context: int, record: bool = True) -> None:
-        layout = model.layout
-        if layout.tp_size != 1 or not (layout.is_first_stage and layout.is_last_stage):
-            raise ValueError("piecewise graphs serve one process holding the whole model")
         self.model, self.pool, self.backend = model, pool, backend
         self.max_context, self.record = max_context, record
         self.buckets = token_buckets(max_tokens)
@@ -149,6 +151,11 @@ class PiecewiseGraphs:
         width, dtype = attn.num_heads * attn.head_dim, model.dtype
         self.q_buf = torch.zeros(n, attn.num_heads, attn.head_dim, dtype=dtype, device=device)
         self.o_buf = torch.zeros(n, width, dtype=dtype, device=device)
+        self.in_hidden = self.in_residual = None
+        if not model.layout.is_first_stage:  # its input arrives from the previous stage
+            size = model.cfg.hidden_size
+            self.in_hidden = torch.zeros(n, size, dtype=dtype, device=device)
+            self.in_residual = torch.zeros(n, size, dtype=dtype, device=device)
         self.captured: dict[int, _Bucket] = {}
         self._mempool = None
         self._side: torch.cuda.Stream | None = None
@@ -164,6 +171,12 @@ class PiecewiseGraphs:
             kv_indptr=self.positions[:2], kv_indices=self.out_cache_loc[:t],
             logits_indices=self.positions[:1], max_position=0,
         )
+
+    def _inputs(self, t: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A later stage's static (hidden, residual) input rows; (None, None) on stage 0."""
+        if self.in_hidden is None:
+            return None, None
+        return self.in_hidden[:t], self.in_residual[:t]
 
     def capture(self, capture_stream: torch.cuda.Stream | None) -> None:
         """Captures every bucket, largest first (smaller ones reuse its pool memory); only
@@ -189,11 +202,12 @@ class PiecewiseGraphs:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             # compiles kernels and sizes the GEMM workspace outside the capture
-            self.model.forward_layers(batch, self.pool, _Cutter(self, _Bucket(), False))
+            self.model.forward_layers(batch, self.pool, _Cutter(self, _Bucket(), False),
+                                      *self._inputs(t))
             bucket = _Bucket()
             self.next_piece(bucket)
             hidden, residual = self.model.forward_layers(
-                batch, self.pool, _Cutter(self, bucket, True))
+                batch, self.pool, _Cutter(self, bucket, True), *self._inputs(t))
             bucket.graphs[-1].capture_end()
         torch.cuda.current_stream(self.device).wait_stream(side)
         bucket.hidden, bucket.residual = hidden, residual
@@ -225,13 +239,20 @@ class PiecewiseGraphs:
                 and plan.max_position < self.max_context
                 and self.model.rope.cos_cache is self._rope_table)
 
-    def run(self, plan: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden, residual) of the plan's rows after every layer, as
+    def run(self, plan: ForwardBatch, hidden: torch.Tensor | None = None,
+            residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) of the plan's rows after this stage's layers, as
         `LlamaForCausalLM.forward_layers` returns them: views of the bucket's outputs, valid
-        until the next run. `plan` must be on the device (the attention reads it)."""
+        until the next run. `plan` must be on the device (the attention reads it); a later
+        stage passes the previous stage's (hidden, residual) rows."""
         t = plan.input_ids.numel()
         b = self.buckets[bisect.bisect_left(self.buckets, t)]
         bucket = self.captured[b]
+        if self.in_hidden is not None:
+            self.in_hidden[:t].copy_(hidden)
+            self.in_residual[:t].copy_(residual)
+            self.in_hidden[t:b].zero_()
+            self.in_residual[t:b].zero_()
         self.input_ids[:t].copy_(plan.input_ids, non_blocking=True)
         self.positions[:t].copy_(plan.positions, non_blocking=True)
         self.out_cache_loc[:t].copy_(plan.out_cache_loc, non_blocking=True)
@@ -240,9 +261,9 @@ class PiecewiseGraphs:
             self.positions[t:b].zero_()
             self.out_cache_loc[t:b].fill_(PAD_SLOT)
         if not self.record:
-            hidden, residual = self.model.forward_layers(self._static_batch(b), self.pool,
-                                                         _Splice(self, plan))
-            return hidden[:t], residual[:t]
+            out, res = self.model.forward_layers(self._static_batch(b), self.pool,
+                                                 _Splice(self, plan), *self._inputs(b))
+            return out[:t], res[:t]
         for graph, cut in zip(bucket.graphs, bucket.cuts):
             graph.replay()
             self.attend(cut, plan)

@@ -294,16 +294,15 @@ class ModelRunner:
         return graphs, how
 
     def _capture_pieces(self) -> PiecewiseGraphs | None:
-        """Piecewise graphs for prefill and mixed steps (`model/piecewise_graph.py`): one
-        process holding the whole model, decode graphs captured at build (unrecorded ones
-        give unrecorded pieces: CPU tests), and `piecewise_graph_max_tokens` > 0; else None
-        (those steps run eagerly)."""
+        """Piecewise graphs for prefill and mixed steps (`model/piecewise_graph.py`) when
+        the decode graphs were captured at build (unrecorded ones give unrecorded pieces: CPU
+        tests) and `piecewise_graph_max_tokens` > 0; else None (those steps run eagerly).
+        Every rank of a layout decides alike, so TP ranks capture in lockstep."""
         from phaseflip.model.cuda_graph import capture_stream
         from phaseflip.model.piecewise_graph import PiecewiseGraphs
 
-        cfg, layout, graphs = self.cfg, self.layout, self.graphs
-        if (cfg.piecewise_graph_max_tokens < 1 or layout.tp_size != 1 or graphs is None
-                or not (layout.is_first_stage and layout.is_last_stage)):
+        cfg, graphs = self.cfg, self.graphs
+        if cfg.piecewise_graph_max_tokens < 1 or graphs is None:
             return None
         pieces = PiecewiseGraphs(
             self.model, self.pool, self.backend, max_tokens=cfg.piecewise_graph_max_tokens,
@@ -321,7 +320,9 @@ class ModelRunner:
         piecewise graphs around eager attention when they hold it, else all eager."""
         plan = plan.to(self.device)
         if self.pieces is not None and self.pieces.can_run(plan):
-            out, res = self.pieces.run(plan)
+            out, res = self.pieces.run(plan, hidden, residual)
+            if not self.layout.is_last_stage:
+                return out, res
             return self.model.final_states(out, res, plan.logits_indices), None
         return self.model(plan, self.pool, self.backend, hidden, residual)
 
