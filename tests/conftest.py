@@ -179,3 +179,17 @@ def no_host_reads():
         for name in ("__bool__", "item", "tolist", "cpu", "numpy"):
             mp.setattr(torch.Tensor, name, refuse(name))
         yield
+
+
+@pytest.fixture(scope="module")
+def runner(llama_dir):
+    """One float32 ModelRunner of the tiny Llama (CUDA when present), eager, reference
+    attention: the oracle and the model/pool the graph tests capture over."""
+    from phaseflip.config import EngineConfig
+    from phaseflip.model.config import ModelConfig
+    from phaseflip.model.runner import ModelRunner
+
+    cfg = EngineConfig(model=str(llama_dir), device="cuda" if torch.cuda.is_available()
+                       else "cpu", dtype="float32", attention_backend="torch",
+                       max_total_tokens=512, disable_cuda_graph=True)
+    return ModelRunner(cfg, ModelConfig.from_dir(llama_dir))

@@ -50,14 +50,6 @@ def _plan(seqs: list[tuple[list[int], list[int], int]], decode: bool) -> Forward
     )
 
 
-@pytest.fixture(scope="module")
-def runner(llama_dir):
-    cfg = EngineConfig(model=str(llama_dir), device=DEVICE, dtype="float32",
-                       attention_backend="torch", max_total_tokens=512,
-                       disable_cuda_graph=True)
-    return ModelRunner(cfg, ModelConfig.from_dir(llama_dir))
-
-
 def _graphs(runner: ModelRunner, max_bs: int) -> DecodeGraphs:
     graphs = DecodeGraphs(runner.model, runner.pool, TritonAttention(decode_min_chunk=16),
                           max_bs=max_bs, max_context=256, max_kv_tokens=runner.num_slots,

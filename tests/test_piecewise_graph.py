@@ -16,23 +16,28 @@ import pytest
 import torch
 
 from phaseflip import Engine, SamplingParams
-from phaseflip.config import EngineConfig
-from phaseflip.model.config import ModelConfig
 from phaseflip.model.cuda_graph import UNRECORDED_ENV
 from phaseflip.model.piecewise_graph import PAD_SLOT, PiecewiseGraphs, token_buckets
 from phaseflip.model.runner import ModelRunner
 from tests.test_cuda_graph import _contexts, _plan
 
 CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
 
 
-@pytest.fixture(scope="module")
-def runner(llama_dir):
-    cfg = EngineConfig(model=str(llama_dir), device=DEVICE, dtype="float32",
-                       attention_backend="torch", max_total_tokens=512,
-                       disable_cuda_graph=True)
-    return ModelRunner(cfg, ModelConfig.from_dir(llama_dir))
+@pytest.fixture
+def piece_runs(monkeypatch) -> Counter:
+    """`PiecewiseGraphs.run` calls of this process, counted by whether the plan carried a
+    prompt (more tokens than sequences); CPU engines get unrecorded graphs, so pieces."""
+    monkeypatch.setenv(UNRECORDED_ENV, "1")
+    runs: Counter = Counter()
+    real = PiecewiseGraphs.run
+
+    def counted(self, plan, *inputs):
+        runs[plan.input_ids.numel() > len(plan.extend_lens)] += 1
+        return real(self, plan, *inputs)
+
+    monkeypatch.setattr(PiecewiseGraphs, "run", counted)
+    return runs
 
 
 def _pieces(runner: ModelRunner, max_tokens: int = 32) -> PiecewiseGraphs:
@@ -102,21 +107,12 @@ def test_which_plans_run(runner):
     assert not pieces.can_run(plan)
 
 
-def test_engine_outputs_equal_with_and_without_pieces(llama_dir, monkeypatch):
+def test_engine_outputs_equal_with_and_without_pieces(llama_dir, piece_runs):
     """Greedy tokens of prompts that join running decodes (mixed steps) are the same with the
     pieces on and off, and with them on every prefill and mixed step ran through them."""
-    monkeypatch.setenv(UNRECORDED_ENV, "1")  # CPU: unrecorded decode graphs, so pieces
-    runs: Counter = Counter()
-    real = PiecewiseGraphs.run
-
-    def counted(self, plan, *inputs):
-        runs[plan.input_ids.numel() > len(plan.extend_lens)] += 1
-        return real(self, plan, *inputs)
-
-    monkeypatch.setattr(PiecewiseGraphs, "run", counted)
     outs = {m: _generate(llama_dir, piecewise_graph_max_tokens=m) for m in (64, 0)}
     assert outs[64] == outs[0]
-    assert runs[True] >= 2  # prompt steps took the pieces (with the pieces on only)
+    assert piece_runs[True] >= 2  # prompt steps took the pieces (with the pieces on only)
 
 
 def _generate(model_dir, **opts) -> list[list[int]]:
@@ -131,20 +127,11 @@ def _generate(model_dir, **opts) -> list[list[int]]:
 
 @pytest.mark.timeout(240, method="thread")  # signals cannot interrupt gloo
 @pytest.mark.parametrize("layout", [{"tp_size": 2}, {"pp_size": 2}])
-def test_multi_rank_layouts_run_the_pieces(llama_dir, monkeypatch, layout):
+def test_multi_rank_layouts_run_the_pieces(llama_dir, piece_runs, layout):
     """tp2 (the pieces hold the all-reduces) and pp2 (stage 1's pieces read the static input
     rows, stage 0's return every row's hidden/residual) over gloo, unrecorded: the same
     greedy tokens as the single-process engine without pieces, and rank 0 (this process)
     ran its pieces on the prompt steps."""
-    monkeypatch.setenv(UNRECORDED_ENV, "1")
-    runs: Counter = Counter()
-    real = PiecewiseGraphs.run
-
-    def counted(self, plan, *inputs):
-        runs[plan.input_ids.numel() > len(plan.extend_lens)] += 1
-        return real(self, plan, *inputs)
-
-    monkeypatch.setattr(PiecewiseGraphs, "run", counted)
     want = _generate(llama_dir, piecewise_graph_max_tokens=0)
     assert _generate(llama_dir, **layout) == want
-    assert runs[True] >= 2
+    assert piece_runs[True] >= 2

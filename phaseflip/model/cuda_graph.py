@@ -267,6 +267,12 @@ class DecodeGraphs:
             self._side = capture_stream(torch.cuda.current_device() if index is None else index)
         self.addresses = self.addresses_with(self.pool, self.model.layout.tp_comm)
 
+    @property
+    def side_stream(self) -> torch.cuda.Stream | None:
+        """The stream these graphs capture on (None until `prepare`, and when not recording):
+        other captures of the rank share it, and with it cuBLAS' workspace."""
+        return self._side
+
     # ------------------------------------------------------------------ parking
     def _statics(self) -> list[torch.Tensor]:
         """The static buffers the graphs read and write (theirs, kept with them)."""

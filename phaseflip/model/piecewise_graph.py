@@ -179,8 +179,9 @@ class PiecewiseGraphs:
         return self.in_hidden[:t], self.in_residual[:t]
 
     def capture(self, capture_stream: torch.cuda.Stream | None) -> None:
-        """Captures every bucket, largest first (smaller ones reuse its pool memory); only
-        marks them captured when not recording."""
+        """Captures every bucket on `capture_stream` (the decode graphs' side stream),
+        largest first (smaller ones reuse its pool memory); only marks them captured when not
+        recording."""
         self.model.rope.ensure_capacity(self.max_context)
         self._rope_table = self.model.rope.cos_cache
         if not self.record:

@@ -298,7 +298,6 @@ class ModelRunner:
         the decode graphs were captured at build (unrecorded ones give unrecorded pieces: CPU
         tests) and `piecewise_graph_max_tokens` > 0; else None (those steps run eagerly).
         Every rank of a layout decides alike, so TP ranks capture in lockstep."""
-        from phaseflip.model.cuda_graph import capture_stream
         from phaseflip.model.piecewise_graph import PiecewiseGraphs
 
         cfg, graphs = self.cfg, self.graphs
@@ -307,12 +306,13 @@ class ModelRunner:
         pieces = PiecewiseGraphs(
             self.model, self.pool, self.backend, max_tokens=cfg.piecewise_graph_max_tokens,
             max_context=graphs.max_context, record=graphs.record)
-        stream = None
-        if graphs.record:
-            index = torch.device(self.device).index
-            stream = capture_stream(torch.cuda.current_device() if index is None else index)
-        pieces.capture(stream)
+        pieces.capture(graphs.side_stream)
         return pieces
+
+    def _release_pieces(self) -> None:
+        if self.pieces is not None:
+            self.pieces.release()
+            self.pieces = None
 
     def _eager_stage(self, plan: ForwardBatch, hidden: torch.Tensor | None,
                      residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -331,18 +331,14 @@ class ModelRunner:
         layout's model (resident weights); `free_device_memory` may follow. Piecewise
         graphs are not parked: they are released (a later build of the layout runs those
         steps eagerly)."""
-        if self.pieces is not None:
-            self.pieces.release()
-            self.pieces = None
+        self._release_pieces()
         graphs, self.graphs = self.graphs, None
         return graphs
 
     def release_graphs(self) -> None:
         """Frees the decode and piecewise graphs (before the rank's process group is
         destroyed)."""
-        if self.pieces is not None:
-            self.pieces.release()
-            self.pieces = None
+        self._release_pieces()
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
