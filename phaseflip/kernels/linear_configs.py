@@ -17,9 +17,10 @@ import triton
 # largest M at which the tuned kernel still beats cuBLAS in a CUDA graph at every M below it):
 # qkv and down win at M <= 2 (1.05-1.21x), gate_up ties cuBLAS (1.03x at M = 1).
 SKINNY_MAX_M = 2
-# Largest M the kernel accepts at all (BLOCK_M = next power of two of M; beyond this the
-# register tiles stop making sense and cuBLAS wins anyway).
-KERNEL_MAX_M = 64
+# Largest M the kernel accepts at all (BLOCK_M = next power of two of M, one M tile: each
+# program reads its W tile once for every row). 16-bit x hands over to cuBLAS far below it
+# (`MAX_M_BY_SHAPE`); FP8 W8A8 rows may use it up to `model.quant.fp8.FP8_SKINNY_MAX_M`.
+KERNEL_MAX_M = 128
 # Per-(N, K) cut-overs measured on the target GPU override SKINNY_MAX_M; empty until measured.
 MAX_M_BY_SHAPE: dict[tuple[int, int], int] = {
     (4096, 4096): 32,  # Llama/Qwen3-8B o_proj: 1.07-1.23x up to M = 32
@@ -66,7 +67,7 @@ class SkinnyConfig:
 
 
 def m_bucket(m: int) -> int:
-    """Configs are chosen per power-of-two bucket of M (1, 2, 4, 8, 16, 32, 64)."""
+    """Configs are chosen per power-of-two bucket of M (1, 2, 4, ..., KERNEL_MAX_M)."""
     return triton.next_power_of_2(max(m, 1))
 
 
