@@ -122,10 +122,11 @@ def _scaled_mm_ok(x: torch.Tensor, w_q: torch.Tensor) -> bool:
 
 
 # Rows up to which FP8 linears run the skinny kernel (`kernels/linear.py`) instead of
-# `torch._scaled_mm`, whose tiles are built for large M: at 64 rows (the kernel's limit) the
-# weight-only kernel took 9.6 ms a step on the H200 for the 8B projections, against ~4.4 ms
-# for the bf16 GEMMs alone; the cut-over lies between 1 and 64, and 16 is not measured.
-FP8_SKINNY_MAX_M = 16
+# `torch._scaled_mm`, whose tiles are built for large M. One 8B layer's four projections on the
+# H200 (`linear_kernels --fp8-weights --w8a8 --tune --m 16,32,64,128`, weights streamed from
+# HBM), W8A8 skinny against per-token quantization + `_scaled_mm`: 67 / 70 / 76 / 87 µs against
+# 142 / 138 / 133 / 127 µs at M 16 / 32 / 64 / 128 (the kernel's limit, one M tile).
+FP8_SKINNY_MAX_M = 128
 # Rows up to which the skinny kernel reads 16-bit x as it is (weight-only, W8A16) rather than
 # quantized per token (W8A8, FP8 MMAs). Tuned on the H200 (`linear_kernels --fp8-weights
 # [--w8a8] --tune`, weights streamed from HBM), one 8B layer's four projections: W8A16 61 / 66
