@@ -28,12 +28,12 @@ def soak(tmp_path, *argv: str) -> dict:
 
 
 def test_soak_tp1(tmp_path):
-    soak(tmp_path, "--duration-s", "30", "--flush-every-s", "10")
+    soak(tmp_path, "--duration-s", "18", "--flush-every-s", "6")
 
 
 def test_soak_tp2_with_flips(tmp_path):
-    r = soak(tmp_path, "--duration-s", "30", "--flush-every-s", "12", "--flip-every-s", "1",
+    r = soak(tmp_path, "--duration-s", "18", "--flush-every-s", "8", "--flip-every-s", "1",
              "--serve-args",
              "--tp-size 2 --enable-flip --enable-hicache --hicache-host-gb 0.05")
-    assert r["flips"]["ok"] >= 10, r["flips"]
+    assert r["flips"]["ok"] >= 6, r["flips"]
     assert r["checks"]["worker_ranks RSS flat"]["ok"]
