@@ -1,8 +1,10 @@
-"""Giving freed heap pages back to the OS."""
+"""The host heap: keeping the cyclic collector off the step loop, and giving freed pages
+back to the OS."""
 
 from __future__ import annotations
 
 import ctypes
+import gc
 
 
 def release_freed_heap() -> None:
@@ -15,3 +17,19 @@ def release_freed_heap() -> None:
     except (OSError, AttributeError):
         return
     trim(0)
+
+
+def freeze_heap() -> None:
+    """Moves every object alive now out of the cyclic collector's reach (`gc.freeze`), so its
+    oldest-generation passes walk only what was made since. Unfrozen, each pass walked the
+    whole import heap (torch, transformers, triton: ~290 000 objects) on the step loop's
+    thread: 235-320 ms each, two or three per FP8 offline run of 1 000 requests on the H200
+    (1.1 s of 18.9 s), the GPU idle meanwhile. Call once a process's engine or rank is built;
+    `thaw_heap` at its end, so that what it leaves in reference cycles can be collected."""
+    gc.collect()
+    gc.freeze()
+
+
+def thaw_heap() -> None:
+    """Undoes `freeze_heap` (the frozen objects become collectable again)."""
+    gc.unfreeze()

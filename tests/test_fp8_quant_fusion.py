@@ -232,7 +232,8 @@ def test_the_decision_follows_the_gemm_path_on_cuda(monkeypatch):
 
     col = layers.QKVParallelLinear(64, 16, 4, 2, False, Layout(), torch.bfloat16,
                                    Fp8Config("float"))
-    small, big = (torch.randn(m, 64, dtype=torch.bfloat16) for m in (fp8.FP8_SKINNY_MAX_M, fp8.FP8_SKINNY_MAX_M + 1))
+    most = fp8.FP8_SKINNY_MAX_M
+    small, big = (torch.randn(m, 64, dtype=torch.bfloat16) for m in (most, most + 1))
     assert not col.takes_fp8_input(big)  # CPU
     monkeypatch.setattr(layers, "use_fused_kernels", lambda x: True)
     monkeypatch.setattr(fp8, "_scaled_mm_ok", lambda x, w: True)

@@ -37,7 +37,7 @@ from phaseflip.distributed.reshard import PeerWeights, plan_between
 from phaseflip.distributed.stage import StageExecutor, StepMessage
 from phaseflip.distributed.watchdog import PositionTracker
 from phaseflip.flip.weights import shard_bytes
-from phaseflip.heap import release_freed_heap
+from phaseflip.heap import freeze_heap, release_freed_heap
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.cuda_graph import DecodeGraphs, GraphReuse
 from phaseflip.model.llama import LlamaForCausalLM
@@ -371,6 +371,7 @@ def worker_main(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | Non
     proc = RankProcess(rank, spec, run_dir, parent_pid)
     tracker = proc.tracker
     plans = PlanDecoder()
+    frozen = False  # the heap frozen (`freeze_heap`), after the first build on a GPU
     channel = plan_channel(rank, spec.world_size, spec.ranks_per_node, proc.fabric.plan_group)
     try:
         while True:
@@ -381,7 +382,10 @@ def worker_main(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | Non
             if msg == RELEASE:
                 proc.release()
             elif isinstance(msg, Relayout):
-                proc.relayout(msg.cfg, msg.lazy_graphs, msg.kv_arena)
+                layout = proc.relayout(msg.cfg, msg.lazy_graphs, msg.kv_arena)
+                if not frozen and layout.runner.device.type == "cuda":
+                    freeze_heap()  # once built: the collector's full passes off the loop
+                    frozen = True
                 plans = PlanDecoder()  # it mirrors one layout's slot space
             else:
                 _run_step(proc, plans, msg)

@@ -30,7 +30,7 @@ from phaseflip.errors import InvalidRequestError
 from phaseflip.flip.census import SeamCensus, layout_name
 from phaseflip.flip.seam import check_target, run_seam
 from phaseflip.flip.telemetry import FlipTelemetry
-from phaseflip.heap import release_freed_heap
+from phaseflip.heap import freeze_heap, release_freed_heap, thaw_heap
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.runner import Runner
 from phaseflip.sampling.grammar import GrammarBook
@@ -86,6 +86,8 @@ class EngineCore:
         # the flip's observer (policy feeds, ledger): None unless flips are on (law 11)
         self.flip_telemetry = (FlipTelemetry.create(cfg, model_cfg, self._hicache)
                                if cfg.enable_flip else None)
+        if self.runner.device.type == "cuda":  # (CPU steps dwarf a pass; tests build hundreds)
+            freeze_heap()  # the collector's full passes off the step loop
 
     # ------------------------------------------------------------------ the layout
     @property
@@ -368,6 +370,7 @@ class EngineCore:
         """The engine's end, giving back everything it took: the layout bundle (ranks stopped,
         graphs, weights and KV pool freed, cached device blocks released), then the HiCache
         controller (its host tier) and the host weight image. Idempotent."""
+        thaw_heap()  # what the engine leaves in reference cycles is collectable again
         bundle, self._bundle = self._bundle, None  # None already after a failed flip
         self.scheduler.bind(None, None)
         self._inflight = None
