@@ -314,7 +314,8 @@ def test_bundled_h200_table_loads(monkeypatch):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("m,n,k", [(1, 17, 64), (3, 256, 100), (8, 17, 512), (16, 33, 128)])
+@pytest.mark.parametrize("m,n,k", [(1, 17, 64), (3, 256, 100), (8, 17, 512), (16, 33, 128),
+                                   (100, 33, 64)])
 def test_fp8_weight_matches_dequantized_reference(variant, m, n, k):
     """An FP8 weight with its row scales (bf16 x, no activation rounding) = F.linear on the
     dequantized weight in fp32, to bf16's output rounding; the scale is applied per row."""
@@ -356,7 +357,8 @@ def _w8a8_operands(m: int, n: int, k: int, seed: int = 11):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("m,n,k", [(1, 17, 64), (3, 256, 100), (8, 17, 512), (16, 33, 128)])
+@pytest.mark.parametrize("m,n,k", [(1, 17, 64), (3, 256, 100), (8, 17, 512), (16, 33, 128),
+                                   (100, 33, 64)])
 def test_w8a8_matches_fp8_product(variant, m, n, k):
     """FP8 x (per-token scales) times an FP8 weight (row scales) = the float32 product of the
     same FP8 values, scaled by both, to bf16's output rounding; every loop, split or not.
@@ -393,7 +395,7 @@ def test_w8a8_operand_rules():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("m", [1, 3, 16, 128])
 def test_fp8_linear_routes_few_rows_to_w8a8(monkeypatch, m, dtype):
     """`scaled_linear` on a few rows (a GPU with FP8 MMAs simulated on the interpreter): past
     `FP8_WEIGHT_ONLY_MAX_M` rows, quantized per token, then the skinny kernel's W8A8 loop,
@@ -403,7 +405,8 @@ def test_fp8_linear_routes_few_rows_to_w8a8(monkeypatch, m, dtype):
     (16-bit rows only go weight-only). Red if the routing or the W8A8 scales break."""
     from phaseflip.model.quant import fp8
 
-    monkeypatch.setattr(fp8, "skinny_rows", lambda x, w: x.numel() // x.shape[-1] <= 16)
+    most = fp8.FP8_SKINNY_MAX_M  # (the real rule also asks for CUDA)
+    monkeypatch.setattr(fp8, "skinny_rows", lambda x, w: x.numel() // x.shape[-1] <= most)
     monkeypatch.setattr(fp8, "_fp8_mma", lambda index: True)
     monkeypatch.setattr(fp8, "_quantize_on_gpu", fp8.quantize_tokens)
     launched = []
