@@ -31,5 +31,7 @@ def freeze_heap() -> None:
 
 
 def thaw_heap() -> None:
-    """Undoes `freeze_heap` (the frozen objects become collectable again)."""
+    """Undoes `freeze_heap` (the frozen objects become collectable again). Process-wide, like
+    the freeze: closing one engine thaws what another engine of the process froze too, which
+    costs that one its shorter passes, never an object."""
     gc.unfreeze()

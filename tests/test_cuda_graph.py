@@ -231,3 +231,23 @@ def test_padded_replay_fills_its_buffers_without_host_reads(runner, monkeypatch)
     assert graphs.kv_indptr[:5].tolist() == [0, 4, 13, 15, 16]
     assert graphs.kv_indices[15].item() == 0 and graphs.positions[3].item() == 0
     assert graphs.input_ids[:3].tolist() == [72, ctx[1][0][-1], 71]
+
+
+def test_fp8_warm_up_sizes_follow_each_shapes_routing(runner, monkeypatch):
+    """The captured sizes warmed for the FP8 skinny kernel are each projection shape's own: past
+    16 rows only a tuned shape routes there, so sizes asked of a stand-in shape would leave a
+    tuned shape's 17..128-row variants (and their split-K workspace) to a capture, which must
+    not grow it. Red if the sizes are decided without the real weight's shape."""
+    from phaseflip.model.quant import fp8
+
+    graphs = _graphs(runner, max_bs=64)
+    monkeypatch.setattr(fp8, "skinny_rows", lambda x, w: x.shape[0] <= (
+        64 if tuple(w.shape) == (48, 64) else 16))
+    monkeypatch.setattr(fp8, "weight_only", lambda x, w: x.shape[0] <= 2)
+    sizes = {(shape, w8a8): ms for shape, w8a8, ms in
+             graphs._fp8_sizes({(48, 64), (32, 64)}, torch.float8_e4m3fn)}
+    small = [b for b in graphs.sizes if b <= 16]
+    assert sizes[((32, 64), False)] == sizes[((48, 64), False)] == [b for b in small if b <= 2]
+    assert sizes[((32, 64), True)] == [b for b in small if b > 2]
+    assert sizes[((48, 64), True)] == [b for b in graphs.sizes if 2 < b <= 64]
+    assert max(graphs.sizes) == 64

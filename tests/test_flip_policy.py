@@ -361,12 +361,19 @@ def test_the_engine_flips_by_itself_and_outputs_match_the_unflipped_run(model_di
                 flip_min_dwell_steps=2, max_running_requests=2, **cfg) as e:
         got = drive(e)
         snap = e.core.flip_policy.snapshot()
-        # issue 17: idle in the prefill layout, the engine has one step to run: a flip back
+        # issue 17: idle in the prefill layout, the engine has one step to run: a flip back.
+        # The one answer may also be to stay, where pp2's decode steps measured faster than
+        # tp2's (on a loaded CPU they can): then this idle spell was answered and nothing runs.
         if e.core.layout.layout != (1, 2):  # (manual: wherever the drained backlog left it)
             e.core.flip(1, 2)
-        assert e.core.has_work() and e.core.step() == []
-        assert e.core.layout.layout == (2, 1) and not e.core.has_work()
-        assert e.core.flip_policy.last.target == (2, 1)  # (served, or P <= X measured)
+        if e.core.has_work():
+            assert e.core.step() == []
+        assert not e.core.has_work()
+        last = e.core.flip_policy.last
+        if last.target is None:
+            assert "decodes faster" in last.reason and e.core.layout.layout == (1, 2), last
+        else:  # (served, or P <= X measured)
+            assert last.target == (2, 1) and e.core.layout.layout == (2, 1), last
     json.dumps(snap, allow_nan=False)
     assert 1 <= snap["flips"] == snap["auto_flips"] <= 3, snap
     first = snap["recent_flips"][0]

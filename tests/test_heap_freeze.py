@@ -44,3 +44,17 @@ def test_closing_an_engine_thaws_the_heap(thawed):
     freeze_heap()  # as a GPU engine's build does
     engine.shutdown()
     assert gc.get_freeze_count() == 0
+
+
+def test_a_dropped_engine_is_freed_with_the_heap_frozen(thawed):
+    """An engine dropped without `shutdown` goes when its last reference does, frozen or not:
+    nothing of it sits in a reference cycle, which a frozen heap would keep for good (with its
+    weights, pool and graphs on a GPU). Red while the core holds the engine's bound method."""
+    from phaseflip import Engine
+
+    engine = Engine(None, device="cpu", dtype="float32", max_total_tokens=4096)
+    engine.generate([[5, 6, 7]], use_tqdm=False)
+    freeze_heap()  # as a GPU engine's build does (everything alive now is frozen)
+    core = weakref.ref(engine.core)
+    del engine
+    assert core() is None

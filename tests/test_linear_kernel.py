@@ -428,3 +428,31 @@ def test_fp8_linear_routes_few_rows_to_w8a8(monkeypatch, m, dtype):
             assert ((got - want).norm() / want.norm()).item() < 1e-2
     assert len(launched) == 2 and (launched[0] is None) == weight_only
     assert launched[1] is not None  # quantized rows always take the W8A8 loop
+
+
+def test_fp8_rows_past_16_take_the_skinny_kernel_only_where_tuned(monkeypatch):
+    """Up to 16 rows every FP8 shape takes the skinny kernel; from 17 to 128 only a shape with a
+    tuned W8A8 entry for that M bucket on a GPU with FP8 MMAs (an untuned 128-row tile may not
+    fit a smaller GPU's shared memory, or beat cuBLAS); never past 128. Red if the routing
+    ignores the table or the MMA check."""
+    from types import SimpleNamespace
+
+    from phaseflip.model.quant import fp8
+
+    def rows(m: int, k: int = 64):  # a CUDA activation as `skinny_rows` reads one
+        return SimpleNamespace(is_cuda=True, shape=(m, k), numel=lambda: m * k,
+                               device=SimpleNamespace(index=0))
+
+    tuned = torch.empty(48, 64, dtype=torch.float8_e4m3fn, device="meta")
+    other = torch.empty(32, 64, dtype=torch.float8_e4m3fn, device="meta")
+    monkeypatch.setattr(fp8, "_HAS_TRITON", True)
+    monkeypatch.setattr(fp8, "_fp8_mma", lambda index: True)
+    monkeypatch.setattr(linear_configs.TUNED, "entries", {})
+    linear_configs.TUNED.put(64, 48, 64, torch.float8_e4m3fn, linear_configs.SkinnyConfig(
+        64, 128, 4, 4, 1, "dot"), w8a8=True)  # the bucket of 33..64 rows
+    assert fp8.skinny_rows(rows(16), other) and fp8.skinny_rows(rows(16), tuned)
+    assert fp8.skinny_rows(rows(40), tuned) and not fp8.skinny_rows(rows(40), other)
+    assert not fp8.skinny_rows(rows(100), tuned)  # (its bucket, 128, is not tuned)
+    assert not fp8.skinny_rows(rows(40, k=72), tuned)  # K not a multiple of 16
+    monkeypatch.setattr(fp8, "_fp8_mma", lambda index: False)
+    assert fp8.skinny_rows(rows(16), tuned) and not fp8.skinny_rows(rows(40), tuned)

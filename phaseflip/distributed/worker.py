@@ -371,7 +371,8 @@ def worker_main(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | Non
     proc = RankProcess(rank, spec, run_dir, parent_pid)
     tracker = proc.tracker
     plans = PlanDecoder()
-    frozen = False  # the heap frozen (`freeze_heap`), after the first build on a GPU
+    if torch.cuda.is_available():  # the import heap out of the collector's full passes (the
+        freeze_heap()  # first layout may be a throwaway warm-up: frozen, it would stay)
     channel = plan_channel(rank, spec.world_size, spec.ranks_per_node, proc.fabric.plan_group)
     try:
         while True:
@@ -382,10 +383,7 @@ def worker_main(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | Non
             if msg == RELEASE:
                 proc.release()
             elif isinstance(msg, Relayout):
-                layout = proc.relayout(msg.cfg, msg.lazy_graphs, msg.kv_arena)
-                if not frozen and layout.runner.device.type == "cuda":
-                    freeze_heap()  # once built: the collector's full passes off the loop
-                    frozen = True
+                proc.relayout(msg.cfg, msg.lazy_graphs, msg.kv_arena)
                 plans = PlanDecoder()  # it mirrors one layout's slot space
             else:
                 _run_step(proc, plans, msg)

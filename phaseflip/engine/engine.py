@@ -7,7 +7,8 @@ import gc
 import itertools
 import queue
 import threading
-from collections.abc import AsyncIterator, Sequence
+import weakref
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import torch
@@ -40,6 +41,18 @@ def merge_delta(out: RequestOutput, d: StreamDelta) -> None:
         out.usage = d.usage
 
 
+def _weakly(method: Callable[..., None]) -> Callable[..., None]:
+    """`method`, calling through a weak reference to its object (a no-op once it is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
+
+
 class Engine:
     """An inference engine for one model in this process.
 
@@ -59,8 +72,10 @@ class Engine:
         self.tokenizer = load_tokenizer(self.config.model)
         self.core = EngineCore(self.config, self.model_config, self.tokenizer)
         # a stream whose grammar failed to compile (off the loop) raises its error; an
-        # offline `generate` request ends "abort" (its grammar was built when it was validated)
-        self.core.request_failed = self._publish
+        # offline `generate` request ends "abort" (its grammar was built when it was validated).
+        # Held weakly: an engine<->core cycle would keep a dropped engine, and its device
+        # memory, for good once the heap is frozen (`heap.freeze_heap`).
+        self.core.request_failed = _weakly(self._publish)
         self._ids = itertools.count()
         self._lock = threading.Lock()  # serialises core access between the two drivers
         self._inbox: queue.Queue = queue.Queue()

@@ -1,4 +1,4 @@
-"""Skinny GEMM for decode linears (M = 1..16 rows): y = x @ W^T (+ b) at weight-streaming speed.
+"""Skinny GEMM for decode linears (M = 1..128 rows): y = x @ W^T (+ b) at weight-streaming speed.
 
 A decode step at small batch reads every linear's whole weight once and does only M FMAs per
 weight element, so its figure of merit is weight bytes / time against HBM bandwidth. cuBLAS'

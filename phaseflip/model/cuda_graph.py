@@ -237,21 +237,27 @@ class DecodeGraphs:
                 if m_values:
                     skinny.warmup(same, self.model.dtype, self.device, m_values=m_values)
                 continue
-            for w8a8, ms in self._fp8_sizes():  # FP8 projections take every M <= the max
-                skinny.warmup(same, self.model.dtype, self.device, m_values=ms,
+            for shape, w8a8, ms in self._fp8_sizes(same, wdtype):
+                skinny.warmup([shape], self.model.dtype, self.device, m_values=ms,
                               weight_dtype=wdtype, w8a8=w8a8)
 
-    def _fp8_sizes(self) -> list[tuple[bool, list[int]]]:
-        """The captured sizes the FP8 linears send to the skinny kernel, by loop: (W8A8,
-        sizes), as `model.quant.fp8` routes them."""
+    def _fp8_sizes(self, shapes: set[tuple[int, int]], wdtype: torch.dtype
+                   ) -> list[tuple[tuple[int, int], bool, list[int]]]:
+        """The captured sizes each FP8 projection shape sends to the skinny kernel, by loop:
+        (shape, W8A8, sizes), as `model.quant.fp8` routes them (past 16 rows only shapes with a
+        tuned entry, so the table must be loaded first)."""
         from phaseflip.model.quant import fp8
 
-        by_mode: dict[bool, list[int]] = {}
-        for b in self.sizes:
-            x = torch.empty(b, 16, dtype=self.model.dtype, device=self.device)
-            if fp8.skinny_rows(x, x):
-                by_mode.setdefault(not fp8.weight_only(x, x), []).append(b)
-        return sorted(by_mode.items())
+        out = []
+        for n, k in sorted(shapes):
+            w = torch.empty(n, k, dtype=wdtype, device="meta")  # (its shape and dtype only)
+            by_mode: dict[bool, list[int]] = {}
+            for b in self.sizes:
+                x = torch.empty(b, k, dtype=self.model.dtype, device=self.device)
+                if fp8.skinny_rows(x, w):
+                    by_mode.setdefault(not fp8.weight_only(x, w), []).append(b)
+            out += [((n, k), w8a8, ms) for w8a8, ms in sorted(by_mode.items())]
+        return out
 
     @torch.inference_mode()
     def prepare(self) -> None:

@@ -122,10 +122,14 @@ def _scaled_mm_ok(x: torch.Tensor, w_q: torch.Tensor) -> bool:
 
 
 # Rows up to which FP8 linears run the skinny kernel (`kernels/linear.py`) instead of
-# `torch._scaled_mm`, whose tiles are built for large M. One 8B layer's four projections on the
-# H200 (`linear_kernels --fp8-weights --w8a8 --tune --m 16,32,64,128`, weights streamed from
-# HBM), W8A8 skinny against per-token quantization + `_scaled_mm`: 67 / 70 / 76 / 87 µs against
-# 142 / 138 / 133 / 127 µs at M 16 / 32 / 64 / 128 (the kernel's limit, one M tile).
+# `torch._scaled_mm`, whose tiles are built for large M: any shape up to
+# `FP8_SKINNY_UNTUNED_MAX_M` rows, and up to `FP8_SKINNY_MAX_M` (the kernel's one M tile) on a
+# GPU with FP8 MMAs where the shipped table has a tuned W8A8 entry for the shape's M bucket
+# (an untuned 128-row tile may exceed a smaller GPU's shared memory, or lose to cuBLAS). One 8B
+# layer's four projections on the H200 (`linear_kernels --fp8-weights --w8a8 --tune --m
+# 16,32,64,128`, weights streamed from HBM), tuned W8A8 against per-token quantization +
+# `_scaled_mm`: 67 / 70 / 76 / 87 µs against 142 / 138 / 133 / 127 µs at M 16 / 32 / 64 / 128.
+FP8_SKINNY_UNTUNED_MAX_M = 16
 FP8_SKINNY_MAX_M = 128
 # Rows up to which the skinny kernel reads 16-bit x as it is (weight-only, W8A16) rather than
 # quantized per token (W8A8, FP8 MMAs). Tuned on the H200 (`linear_kernels --fp8-weights
@@ -143,12 +147,23 @@ def _fp8_mma(device_index: int) -> bool:
 
 
 def skinny_rows(x: torch.Tensor, w_q: torch.Tensor) -> bool:
-    """A few rows (1..FP8_SKINNY_MAX_M) on CUDA with triton, K a multiple of 16: the skinny
-    kernel's, whether x comes 16-bit or quantized."""
+    """A few rows on CUDA with triton, K a multiple of 16: the skinny kernel's, whether x
+    comes 16-bit or quantized (1..FP8_SKINNY_UNTUNED_MAX_M rows; up to FP8_SKINNY_MAX_M where
+    a tuned W8A8 entry exists for `w_q`'s shape)."""
     if not (_HAS_TRITON and x.is_cuda):
         return False
     rows = x.numel() // max(x.shape[-1], 1)
-    return 1 <= rows <= FP8_SKINNY_MAX_M and x.shape[-1] % 16 == 0
+    if rows < 1 or x.shape[-1] % 16:
+        return False
+    if rows <= FP8_SKINNY_UNTUNED_MAX_M:
+        return True
+    return rows <= FP8_SKINNY_MAX_M and _fp8_mma(x.device.index or 0) and _tuned_w8a8(rows, w_q)
+
+
+def _tuned_w8a8(rows: int, w_q: torch.Tensor) -> bool:
+    from phaseflip.kernels import linear_configs  # needs triton: imported on first use
+
+    return linear_configs.TUNED.get(rows, *w_q.shape, w_q.dtype, w8a8=True) is not None
 
 
 def _w8a8_rows(x: torch.Tensor) -> bool:
