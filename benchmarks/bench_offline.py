@@ -35,6 +35,7 @@ from benchmarks.common import (
     release_engine,
     write_json,
 )
+from benchmarks.gc_pauses import GcPauses
 from benchmarks.gpu_busy import GpuBusySampler, add_gpu_busy_arg, format_busy, gpus_to_sample
 from phaseflip import Engine, SamplingParams
 from phaseflip.engine.warmup import warm_up
@@ -196,7 +197,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         deadline = t0 + args.max_duration_s if args.max_duration_s else None
         complete = True
-        with GpuBusySampler(gpus, note=why_not) as sampler, Progress(engine, deadline) as progress:
+        with GpuBusySampler(gpus, note=why_not) as sampler, \
+                Progress(engine, deadline) as progress, GcPauses() as pauses:
             try:
                 outs = engine.generate(work.prompts, params, use_tqdm=True)
             except _DeadlineReached:
@@ -239,6 +241,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "engine_steps": progress.steps,
         "gpu_busy": busy,  # per GPU over the whole run, NVML (see benchmarks.gpu_busy)
         "host_bubble_ms_per_step": busy["host_bubble_ms_per_step"],  # estimate, worst GPU
+        "gc": pauses.summary(),  # this process's collector passes during the run
         "hf": None,
     }
     if args.hf:  # shown and saved first: the reference run may fail on its own
@@ -270,6 +273,10 @@ def _print(result: dict[str, Any]) -> None:
         f"offline throughput: {result['model']} ({result['load_format']}, {result['dtype']}, "
         f"{result['device']}, tp={result['tp_size']} pp={result['pp_size']}), "
         f"dataset {result['dataset']}"))
+    gcs = result.get("gc")
+    if gcs:
+        print(f"garbage collector during the run: {gcs['passes']} passes, {gcs['total_ms']} ms, "
+              f"longest {gcs['max_ms']} ms; full passes (ms): {gcs['oldest_generation_ms']}")
     if busy.get("devices") is not None and busy["note"]:  # on GPUs: why a figure is missing
         print(f"GPU busy (whole run, mean step {fmt(busy['step_ms'])} ms): {busy['note']}")
     ours, hf = result.get("phaseflip"), result.get("hf")

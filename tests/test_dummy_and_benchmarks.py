@@ -294,6 +294,23 @@ def test_bench_offline_runs(tmp_path):
     r = data["phaseflip"]
     assert (r["num_requests"], r["input_tokens"], r["output_tokens"]) == (4, 32, 16)
     assert r["total_tokens_per_s"] == pytest.approx(48 / r["duration_s"])
+    assert data["gc"]["passes"] >= 0 and data["gc"]["total_ms"] >= 0
+
+
+def test_gc_pauses_times_each_collection():
+    """Every collection inside the region is counted with its generation and time, none
+    after it; a full pass lands among the oldest generation's."""
+    import gc
+
+    from benchmarks.gc_pauses import GcPauses
+
+    with GcPauses() as pauses:
+        gc.collect()
+        gc.collect(0)
+    gc.collect()
+    s = pauses.summary()
+    assert s["passes"] == 2 and len(s["oldest_generation_ms"]) == 1
+    assert 0 <= s["max_ms"] <= s["total_ms"]
 
 
 def test_bench_offline_partial_run_is_marked(tmp_path):
