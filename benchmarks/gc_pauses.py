@@ -32,9 +32,12 @@ class GcPauses:
     def __exit__(self, *exc: object) -> None:
         gc.callbacks.remove(self._callback)
 
+    def total_ms(self) -> float:
+        return sum(ms for _, ms in self.passes)
+
     def summary(self) -> dict[str, Any]:
         """Totals, and the oldest generation's passes (the long ones) one by one."""
-        total = sum(ms for _, ms in self.passes)
+        total = self.total_ms()
         full = [round(ms, 2) for gen, ms in self.passes if gen == 2]
         return {"passes": len(self.passes), "total_ms": round(total, 2),
                 "max_ms": round(max((ms for _, ms in self.passes), default=0.0), 2),

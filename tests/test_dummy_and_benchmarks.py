@@ -313,6 +313,25 @@ def test_gc_pauses_times_each_collection():
     assert 0 <= s["max_ms"] <= s["total_ms"]
 
 
+def test_step_stalls_lists_every_step_over_its_threshold(tmp_path):
+    """At a 0 ms threshold every step of each run is listed, with the collector's time, the
+    allocator's and the compiles inside it (zero on the CPU), in step order."""
+    from benchmarks import step_stalls
+
+    out = tmp_path / "stalls.json"
+    data = step_stalls.main(["--model", str(EMBEDDED_MODEL), "--device", "cpu",
+                             "--num-prompts", "3", "--dataset", "fixed", "--input-len", "8",
+                             "--output-len", "3", "--threshold-ms", "0", "--runs", "2",
+                             "--out", str(out)])
+    assert _valid_json(out)["runs"] == data["runs"] and len(data["runs"]) == 2
+    for run in data["runs"]:
+        slow = run["slow_steps"]
+        assert len(slow) == run["steps"] > 0
+        assert [s["step"] for s in slow] == list(range(1, run["steps"] + 1))
+        assert all(s["gc_ms"] >= 0 and s["compiled"] >= 0 and s["new_segments"] == 0
+                   for s in slow)
+
+
 def test_bench_offline_partial_run_is_marked(tmp_path):
     from benchmarks import bench_offline
 
