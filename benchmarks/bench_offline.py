@@ -26,11 +26,12 @@ import torch
 from tqdm.auto import tqdm
 
 from benchmarks.common import (
+    add_engine_args,
     add_model_args,
     add_workload_args,
+    engine_from_args,
     fmt,
     make_workload,
-    parse_engine_args,
     print_table,
     release_engine,
     write_json,
@@ -45,9 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(ap)
     add_workload_args(ap)
-    ap.add_argument("--max-running-requests", type=int, default=None)
-    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                    help="any other Engine option, repeatable")
+    add_engine_args(ap)
     ap.add_argument("--num-warmup", type=int, default=4,
                     help="short requests run first so one-time costs stay out of the timing "
                          "(after the server's launch warm-up; 0 runs neither)")
@@ -166,14 +165,7 @@ def run_hf(model_dir: str, dtype: torch.dtype, device: torch.device, prompts: li
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    opts: dict[str, Any] = {"load_format": args.load_format, "device": args.device,
-                            "dtype": args.dtype, "seed": args.seed}
-    if args.mem_fraction is not None:
-        opts["mem_fraction"] = args.mem_fraction
-    if args.max_running_requests is not None:
-        opts["max_running_requests"] = args.max_running_requests
-    opts.update(parse_engine_args(args.engine_arg))
-    engine = Engine(args.model, **opts)
+    engine = engine_from_args(args)
     m = engine.model_config
     max_context = engine.core.max_context
     work = make_workload(args.dataset, args.num_prompts, args.input_len, args.output_len,

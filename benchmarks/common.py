@@ -286,19 +286,33 @@ def add_workload_args(ap) -> None:
     ap.add_argument("--mem-fraction", type=float, default=None)
 
 
-def engine_with_workload(args, **opts: Any):
-    """(Engine, Workload) for a benchmark that steps the core itself: the engine from the model
-    and workload flags (`add_model_args`, `add_workload_args`, `--max-running-requests`,
-    `--engine-arg`) plus `opts`, and the seeded workload submitted to its core, every request
-    running to its drawn length."""
-    from phaseflip import Engine, SamplingParams
+def add_engine_args(ap) -> None:
+    """The engine flags of the offline benchmarks beside the model's (`engine_from_args`)."""
+    ap.add_argument("--max-running-requests", type=int, default=None)
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="any other Engine option, repeatable")
 
-    opts = {"load_format": args.load_format, "device": args.device, "dtype": args.dtype,
-            "seed": args.seed, "max_running_requests": args.max_running_requests} | opts
-    if args.mem_fraction is not None:
-        opts["mem_fraction"] = args.mem_fraction
+
+def engine_from_args(args, **opts: Any):
+    """The Engine of the model, workload and engine flags (`add_model_args`,
+    `add_workload_args`, `add_engine_args`) plus `opts`; the flags left unset are the engine's
+    defaults."""
+    from phaseflip import Engine
+
+    flags = {"load_format": args.load_format, "device": args.device, "dtype": args.dtype,
+             "seed": args.seed, "max_running_requests": args.max_running_requests,
+             "mem_fraction": args.mem_fraction}
+    opts = {k: v for k, v in flags.items() if v is not None} | opts
     opts.update(parse_engine_args(args.engine_arg))
-    engine = Engine(args.model, **opts)
+    return Engine(args.model, **opts)
+
+
+def engine_with_workload(args, **opts: Any):
+    """(Engine, Workload) for a benchmark that steps the core itself: `engine_from_args`, and
+    the seeded workload submitted to its core, every request running to its drawn length."""
+    from phaseflip import SamplingParams
+
+    engine = engine_from_args(args, **opts)
     core = engine.core
     work = make_workload(args.dataset, args.num_prompts, args.input_len, args.output_len,
                          engine.model_config.vocab_size, args.seed, core.max_context)

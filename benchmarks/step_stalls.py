@@ -23,10 +23,11 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
+    add_engine_args,
     add_model_args,
     add_workload_args,
+    engine_from_args,
     make_workload,
-    parse_engine_args,
     print_table,
     release_engine,
     write_json,
@@ -40,8 +41,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(ap)
     add_workload_args(ap)
-    ap.add_argument("--max-running-requests", type=int, default=None)
-    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")
+    add_engine_args(ap)
     ap.add_argument("--threshold-ms", type=float, default=200.0,
                     help="steps at least this long are listed")
     ap.add_argument("--runs", type=int, default=1)
@@ -116,11 +116,7 @@ def run_once(engine: Engine, args: argparse.Namespace, seed: int) -> dict[str, A
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    opts = {"load_format": args.load_format, "device": args.device, "dtype": args.dtype,
-            "seed": args.seed, "max_running_requests": args.max_running_requests,
-            "mem_fraction": args.mem_fraction}
-    opts = {k: v for k, v in opts.items() if v is not None}
-    engine = Engine(args.model, **opts | parse_engine_args(args.engine_arg))
+    engine = engine_from_args(args)
     try:
         warm_up(engine.core)
         runs = [run_once(engine, args, args.seed + i) for i in range(args.runs)]
