@@ -341,6 +341,10 @@ def main() -> None:
     ap.add_argument("--kv-dtype", nargs="+", choices=sorted(KV_DTYPES), default=["bf16"],
                     help="KV pool dtype(s); every case runs once per dtype")
     ap.add_argument("--decode-only", action="store_true", help="skip the extend case")
+    ap.add_argument("--decode-cases", nargs="+", metavar="BSxCTX",
+                    default=[f"{bs}x{ctx}" for ctx in (1024, 4096) for bs in (1, 64, 256)],
+                    help="decode batches: sequences x context (e.g. 32x1536 for an offline "
+                         "run's long tail)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
@@ -349,8 +353,10 @@ def main() -> None:
     torch.manual_seed(0)
 
     ceilings = measure_ceilings(device, args.quick)
-    cases = [(f"decode bs={bs} ctx={ctx}", [(ctx - 1, 1)] * bs)
-             for ctx in (1024, 4096) for bs in (1, 64, 256)]
+    cases = []
+    for spec in args.decode_cases:
+        bs, ctx = (int(v) for v in spec.lower().split("x"))
+        cases.append((f"decode bs={bs} ctx={ctx}", [(ctx - 1, 1)] * bs))
     if not args.decode_only:
         cases.append(("extend 1x8192", [(0, 8192)]))
     meta = {

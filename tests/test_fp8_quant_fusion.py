@@ -113,7 +113,9 @@ def test_fused_add_rms_norm_fp8_is_add_norm_then_per_token_quant(dtype, k, keep_
 
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("n", [64, 200, 3001])  # one step, ragged, two steps of 2048 + ragged
-def test_silu_and_mul_fp8_is_silu_then_per_token_quant(dtype, n):
+@pytest.mark.parametrize("whole_max", [activation.WHOLE_ROW_MAX, 64])  # one pass / two passes
+def test_silu_and_mul_fp8_is_silu_then_per_token_quant(dtype, n, whole_max, monkeypatch):
+    monkeypatch.setattr(activation, "WHOLE_ROW_MAX", whole_max)
     # the products stay finite in the dtype (an inf row has a NaN FP8 row either way)
     huge, gain = (250.0, 0.03) if dtype == torch.float16 else (1e15, 3.0)
     g = _rows(23, 2 * n, dtype, n, huge) * gain
