@@ -12,12 +12,13 @@ materialised `silu(gate)` is the saving. No host syncs; capturable in a CUDA gra
 
 `silu_and_mul_fp8` feeds an FP8 linear (`down`): a program owns a whole row and writes it as
 FP8 with its scale (`kernels/fp8_quant.py`'s helpers), bitwise `per_token_quant` of
-`silu_and_mul`'s output, that 16-bit output written only on request. A row of up to
-WHOLE_ROW_MAX columns (the 8B's 14 336) is held in registers: one read of gate and up, one
-evaluation of the SiLU. On the H200 the earlier two-pass form (the |max| in a first pass, the
-products recomputed in a second) took 12.7 ms of a 148 ms mixed step at 8 192 tokens, ~2.8x
-its bytes at 4.2 TB/s: the recompute's libdevice exp and IEEE division, not the re-read from
-L2, were the cost. Longer rows keep the two passes.
+`silu_and_mul`'s output. The SiLU (libdevice exp, IEEE division) is what costs: at the 8B's
+8 192 x 14 336 the earlier form, which recomputed the products in its second pass, was issue
+bound (~390 us against 140 us of bytes at 4.2 TB/s; H200). So the products are computed once:
+a row of up to WHOLE_ROW_MAX columns stays in registers (one pass); a longer row writes its
+16-bit products (the output, or a scratch buffer when the output is not kept) in pass 1 with
+its |max| and reads them back (from L2) in pass 2 to quantize. One row whole in registers is
+not the answer for the 8B's rows: 16 warps a program, one program an SM, took 507 us.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from phaseflip.kernels.fp8_quant import (
 
 BLOCK = 1024
 ROW_BLOCK = 2048  # columns a step of the two-pass FP8 kernel (rows past WHOLE_ROW_MAX)
-WHOLE_ROW_MAX = 16384  # columns the one-pass FP8 kernel holds in registers (16 warps: 32 each)
+WHOLE_ROW_MAX = 4096  # columns the one-pass FP8 kernel holds in registers (4 warps: 32 each)
 
 
 @triton.jit
@@ -72,8 +73,8 @@ def _silu_and_mul_fp8_kernel(
     BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, STORE_OUT: tl.constexpr,
     FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, WHOLE: tl.constexpr,
 ):
-    """Row pid0 whole. WHOLE (BLOCK >= n_cols): one block, one pass. Otherwise pass 1 its
-    maximum (and the 16-bit row), pass 2 the FP8 row from recomputed products."""
+    """Row pid0 whole. WHOLE (BLOCK >= n_cols): one block, one pass. Otherwise pass 1 writes
+    the 16-bit products to OUT with their maximum, pass 2 reads them back for the FP8 row."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     if WHOLE:
@@ -85,23 +86,23 @@ def _silu_and_mul_fp8_kernel(
         scale = fp8_row_scale(tl.max(tl.abs(wide), 0), FP8_MAX_C, MIN_SCALE_C)
         tl.store(SCALE + row, scale)
         tl.store(Q + row * n_cols + offs, fp8_quantize(wide, scale, Q, FP8_MAX_C), mask=mask)
-        return
-    amax = tl.zeros([BLOCK], tl.float32)
-    for c0 in range(0, n_cols, BLOCK):
-        cols = c0 + offs
-        mask = cols < n_cols
-        out = _silu_mul(X + row * stride_x, OUT, cols, mask, n_cols, LIBDEVICE)
-        if STORE_OUT:
+    else:
+        amax = tl.zeros([BLOCK], tl.float32)
+        for c0 in range(0, n_cols, BLOCK):
+            cols = c0 + offs
+            mask = cols < n_cols
+            out = _silu_mul(X + row * stride_x, OUT, cols, mask, n_cols, LIBDEVICE)
             tl.store(OUT + row * stride_out + cols, out, mask=mask)
-        amax = tl.maximum(amax, tl.abs(out.to(tl.float32)))  # masked columns are 0
-    scale = fp8_row_scale(tl.max(amax, 0), FP8_MAX_C, MIN_SCALE_C)
-    tl.store(SCALE + row, scale)
-    for c0 in range(0, n_cols, BLOCK):
-        cols = c0 + offs
-        mask = cols < n_cols
-        out = _silu_mul(X + row * stride_x, OUT, cols, mask, n_cols, LIBDEVICE)
-        q = fp8_quantize(out.to(tl.float32), scale, Q, FP8_MAX_C)
-        tl.store(Q + row * n_cols + cols, q, mask=mask)
+            amax = tl.maximum(amax, tl.abs(out.to(tl.float32)))  # masked columns are 0
+        scale = fp8_row_scale(tl.max(amax, 0), FP8_MAX_C, MIN_SCALE_C)
+        tl.store(SCALE + row, scale)
+        tl.debug_barrier()  # pass 2 reads what the program's threads wrote in pass 1
+        for c0 in range(0, n_cols, BLOCK):
+            cols = c0 + offs
+            mask = cols < n_cols
+            out = tl.load(OUT + row * stride_out + cols, mask=mask, other=0.0)
+            q = fp8_quantize(out.to(tl.float32), scale, Q, FP8_MAX_C)
+            tl.store(Q + row * n_cols + cols, q, mask=mask)
 
 
 # triton.jit chose compiled or interpreted when the kernel was defined; libdevice is GPU only.
@@ -144,13 +145,14 @@ def silu_and_mul_fp8(x: torch.Tensor, keep_out: bool = False
         raise ValueError(f"need [T, 2I] gate|up rows with a unit last stride, got shape "
                          f"{tuple(x.shape)} strides {x.stride()}")
     t, n = x.shape[0], x.shape[1] // 2
-    out = torch.empty((t, n), dtype=x.dtype, device=x.device) if keep_out else None
-    q, scale = empty_fp8_rows(t, n, x.device)
-    if t == 0 or n == 0:
-        return out, q, scale
-    out_arg = out if out is not None else x  # only its dtype is read when not written
     width = triton.next_power_of_2(n)
     whole = width <= WHOLE_ROW_MAX
+    # two passes stage the products in `out` (a scratch buffer unless kept)
+    out = torch.empty((t, n), dtype=x.dtype, device=x.device) if keep_out or not whole else None
+    q, scale = empty_fp8_rows(t, n, x.device)
+    if t == 0 or n == 0:
+        return (out if keep_out else None), q, scale
+    out_arg = out if out is not None else x  # only its dtype is read when not written
     block = width if whole else ROW_BLOCK
     _silu_and_mul_fp8_kernel[(t,)](
         x, out_arg, q, scale, n, x.stride(0), out_arg.stride(0),
@@ -158,4 +160,4 @@ def silu_and_mul_fp8(x: torch.Tensor, keep_out: bool = False
         MIN_SCALE_C=MIN_SCALE, WHOLE=whole,
         num_warps=max(4, min(16, block // 1024)) if whole else 8,
     )
-    return out, q, scale
+    return (out if keep_out else None), q, scale

@@ -10,9 +10,10 @@ the tokens equal one process's bit for bit.
 
 Only rows whose choice is a function of the logits and of what the plan carries qualify:
 greedy rows, and (synchronous steps) seeded random rows, whose draw depends on (seed, step)
-alone (`sampler.seeded_noise`). The other rows (logprobs, a grammar, penalties or logit bias,
-an active min_new_tokens ban, an unseeded random row, prompt logprobs) are the driver's: a
-mixed step sends the ids of the last stage's rows and the logits of the driver's rows only
+alone (`sampler.seeded_noise`; on CUDA the fused race keyed by `step_seed(seed, step)`, as
+the driver's). The other rows (logprobs, a grammar, penalties or logit bias, an active
+min_new_tokens ban, an unseeded random row, prompt logprobs) are the driver's: a mixed step
+sends the ids of the last stage's rows and the logits of the driver's rows only
 (`SampleSpec.ship`), in one message. A step with none of the last stage's rows ships its
 logits as before.
 """
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from phaseflip.sampling.params import SamplingParams
-from phaseflip.sampling.sampler import greedy, race, seeded_noise, to_device
+from phaseflip.sampling.sampler import choose_tokens, greedy, seeded_noise, step_seed, to_device
 
 _MASK64 = (1 << 64) - 1
 
@@ -203,18 +204,29 @@ def _take(logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
 
 def sample_rows(logits: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
     """The ids the driver's `Sampler` would choose for `spec`'s rows of `logits` (float32):
-    the first maximal index for greedy rows, the seeded exponential race for random ones."""
+    the first maximal index for greedy rows, the seeded exponential race for random ones,
+    through the driver's `choose_tokens` (on CUDA the fused race, with the same seeds)."""
     work = _take(logits, spec.rows).float()
-    tokens = greedy(work)
     if spec.ints is None or not len(spec.ints):
-        return tokens
+        return greedy(work)
     ints, floats = spec.ints, spec.floats
     idx = ints[:, 0].tolist()
     seeds = [s & _MASK64 for s in ints[:, 2].tolist()]
-    noise = seeded_noise(seeds, ints[:, 3].tolist(), work.shape[1], work.device, work.dtype)
-    at, chosen = race(work, idx, floats[:, 0].tolist(), ints[:, 1].tolist(),
-                      floats[:, 1].tolist(), floats[:, 2].tolist(), noise)
-    return tokens.index_copy(0, at, chosen)
+    steps = ints[:, 3].tolist()
+    vocab, device = work.shape[1], work.device
+
+    def row_seeds(plain: list[int]) -> torch.Tensor:
+        host = [0] * len(spec.rows)
+        for j in plain:
+            host[idx[j]] = step_seed(seeds[j], steps[j])
+        return to_device(host, torch.int64, device)
+
+    def noise(raced: list[int]) -> torch.Tensor:
+        return seeded_noise([seeds[j] for j in raced], [steps[j] for j in raced], vocab,
+                            device, torch.float32)
+
+    return choose_tokens(work, idx, floats[:, 0].tolist(), ints[:, 1].tolist(),
+                         floats[:, 1].tolist(), floats[:, 2].tolist(), row_seeds, noise)
 
 
 def pack(parts: list[torch.Tensor], spec: SampleSpec) -> tuple[list[torch.Tensor], int]:

@@ -7,11 +7,21 @@ Two design points drive the layout of this module:
 * A seeded row's draw at step s depends only on (seed, s), not on which other rows share the
   batch or whether the request was preempted and recomputed: each seeded row gets its own
   generator, seeded from (seed, s), and samples by the exponential race argmax(p / q), q ~ Exp(1).
+
+On CUDA (with Triton) greedy rows and random rows without top-k / top-p / min-p take one fused
+kernel (`kernels/sampling.py`, `fused_race`) that reads each logit once and draws its Exp(1)
+noise in-kernel from Philox keyed by a per-row seed (a seeded row's `step_seed(seed, s)`, else
+one drawn on the device from the sampler's generator). Its draws are the same race over the
+same distribution but not the same numbers as the torch path: a seeded request gets other
+tokens on CUDA than on the CPU (or than before the kernel) for one seed, while still depending
+on (seed, s) alone. Rows with filters and every row on the CPU keep the torch path, the
+reference; the last pipeline stage (`sampling/last_stage.py`) runs the same `choose_tokens`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import importlib.util
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -29,6 +39,14 @@ _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
 # Exp(1) draws of exactly 0 would make -log(q) infinite; clamp to keep the race well defined.
 _MIN_EXP = 1e-30
+# Whether the fused Triton race (`kernels/sampling.py`, imported on first use) can run on CUDA.
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+# Below this temperature the fused race shifts a row by its max before scaling by 1 / T (an
+# extra pass over those rows): l / T itself would lose precision (|l| / T * 2**-24 in tempered
+# units, 3e-4 at |l| = 50, T = 0.01) and overflow for tiny T.
+_SHIFT_BELOW = 0.01
+# 1 / T in float32: past these it would be inf (inf * 0 = nan) or 0 (the greedy mark).
+_INV_TEMP_MAX, _INV_TEMP_MIN = 3.0e38, 1e-37
 
 
 def _splitmix64(x: int) -> int:
@@ -337,19 +355,34 @@ class Sampler:
             if mask is not None:  # after the bans: a grammar row keeps only allowed tokens
                 apply_bitmask(work, mask[0], _on_device(mask[1], device))
 
-        # the first maximal index: ties resolve to the lowest id, deterministically
-        tokens = greedy(work)
-
-        if random_rows:
-            params_list = [inputs[i].params for i in random_rows]
-            noise = self._exponential_noise(
-                [inputs[i] for i in random_rows], vocab, device, work.dtype
-            )
-            idx, chosen = race(work, random_rows, [p.temperature for p in params_list],
-                               [p.top_k for p in params_list], [p.top_p for p in params_list],
-                               [p.min_p for p in params_list], noise)
-            tokens = tokens.index_copy(0, idx, chosen)
+        random = [inputs[i].params for i in random_rows]
+        tokens = choose_tokens(
+            work, random_rows, [p.temperature for p in random],
+            [p.top_k for p in random], [p.top_p for p in random], [p.min_p for p in random],
+            lambda plain: self._row_seeds([inputs[random_rows[j]] for j in plain],
+                                          [random_rows[j] for j in plain], rows, device),
+            lambda raced: self._exponential_noise([inputs[random_rows[j]] for j in raced],
+                                                  vocab, device, torch.float32))
         return tokens, raw, want_logprobs
+
+    def _row_seeds(self, plain: list[SamplingInput], rows: list[int], n: int,
+                   device: torch.device) -> torch.Tensor:
+        """int64 [n] Philox seeds for the fused race: `step_seed(seed, output length)` at
+        `rows` (the unfiltered random rows) of seeded `plain` inputs; elsewhere seeds drawn
+        on the device from the sampler's generator (no host sync; greedy rows ignore theirs)."""
+        seeded = [(r, step_seed(inp.params.seed, len(inp.output_ids)))
+                  for r, inp in zip(rows, plain) if inp.params.seed is not None]
+        if len(seeded) == len(rows):  # no unseeded random row: nothing to draw
+            host = [0] * n
+            for r, v in seeded:
+                host[r] = v
+            return to_device(host, torch.int64, device)
+        seeds = torch.randint(0, _MASK63, (n,), generator=self._generator(device),
+                              device=device, dtype=torch.int64)
+        if seeded:
+            seeds.index_copy_(0, to_device([r for r, _ in seeded], torch.long, device),
+                              to_device([v for _, v in seeded], torch.int64, device))
+        return seeds
 
     def _exponential_noise(
         self,
@@ -394,15 +427,103 @@ def seeded_noise(seeds: list[int], steps: list[int], vocab: int, device: torch.d
     return noise
 
 
+def filters(top_k: int | Sequence[int], top_p: float | Sequence[float],
+            min_p: float | Sequence[float], vocab: int) -> np.ndarray:
+    """Per row (scalars or sequences), whether top-k / top-p / min-p change a row of `vocab`
+    logits (`filter_logits`'s tests of an active filter)."""
+    k = np.asarray(top_k, dtype=np.int64)
+    return ((k > 0) & (k < vocab)) | (np.asarray(top_p, dtype=np.float64) < 1.0) | (
+        np.asarray(min_p, dtype=np.float64) > 0.0)
+
+
+def fused_device(device: torch.device) -> bool:
+    """Whether the fused race (`kernels/sampling.py`) runs on `device`: CUDA with Triton."""
+    return device.type == "cuda" and HAS_TRITON
+
+
+def fused_plan(device: torch.device, rows: int, filtered: Sequence[bool] | np.ndarray
+               ) -> tuple[bool, list[int]]:
+    """How `choose_tokens` draws `rows` rows whose random ones have the `filtered` flags
+    (`filters`): (whether the fused kernel runs, the positions among the random rows that
+    the torch race draws). The kernel runs on CUDA with Triton, for the greedy rows and the
+    random rows without filters; not when every row is raced. Elsewhere: the torch path."""
+    if not fused_device(device):
+        return False, list(range(len(filtered)))
+    raced = np.flatnonzero(np.asarray(filtered, dtype=bool)).tolist()
+    return len(raced) < rows, raced
+
+
+def choose_tokens(work: torch.Tensor, rows: list[int], temperatures: list[float],
+                  top_k: list[int], top_p: list[float], min_p: list[float],
+                  seeds: Callable[[list[int]], torch.Tensor],
+                  noise: Callable[[list[int]], torch.Tensor]) -> torch.Tensor:
+    """The ids of every row of `work` [B, V]: random `rows` (ascending) drawn with their
+    temperature and filters, the others greedy (the first maximal index). `seeds(plain)`:
+    the fused race's int64 [B] seeds, given the positions (among `rows`) of its random rows;
+    `noise(raced)`: Exp(1) noise [len(raced), V] for the rows the torch race draws. One
+    function for the driver's sampler and the last pipeline stage's (`fused_plan` routes)."""
+    n, vocab = work.shape
+    filtered = (filters(top_k, top_p, min_p, vocab) if fused_device(work.device)
+                else np.ones(len(rows), dtype=bool))  # the CPU: every random row raced
+    fused, raced = fused_plan(work.device, n, filtered)
+    tokens = None
+    if fused:  # numpy, not Python loops: ~1000 rows a decode step
+        plain = np.flatnonzero(~filtered)
+        temps = np.zeros(n)
+        temps[np.asarray(rows, dtype=np.int64)[plain]] = np.asarray(
+            temperatures, dtype=np.float64)[plain]
+        tokens = fused_race(work, temps, seeds(plain.tolist()))
+    if not raced:
+        return greedy(work) if tokens is None else tokens
+    picked = (rows, temperatures, top_k, top_p, min_p)  # every random row raced: the CPU
+    if len(raced) < len(rows):  # the kernel drew the others
+        picked = tuple([v[j] for j in raced] for v in picked)
+    idx, chosen = race(work, *picked, noise(raced))
+    if len(raced) == n:  # every row drawn (rows are distinct): no greedy pass to overwrite
+        return chosen
+    return (greedy(work) if tokens is None else tokens).index_copy(0, idx, chosen)
+
+
+def fused_race(work: torch.Tensor, temperatures: Sequence[float] | np.ndarray,
+               seeds: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: the fused kernel's ids for `work` [B, V]: temperature 0 the first maximal
+    index, else the exponential race at that temperature with noise from `seeds` (int64
+    [B]). Rows below _SHIFT_BELOW are shifted by their max first (a row's own choice: its
+    draw still depends on its seed and logits alone)."""
+    from phaseflip.kernels.sampling import exponential_race
+
+    device = work.device
+    work = work if work.stride(-1) == 1 else work.contiguous()  # the kernel's layout
+    t = np.asarray(temperatures, dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        inv = np.where(t > 0, np.clip(1.0 / t, _INV_TEMP_MIN, _INV_TEMP_MAX), 0.0)
+    shift = (t > 0) & (t < _SHIFT_BELOW)
+    shifted = np.flatnonzero(shift).tolist()
+    ref = None
+    if shifted and 4 * len(shifted) >= len(t):  # many: one pass over all rows, no gather
+        top = work.amax(dim=-1).float()
+        keep = _on_device(torch.from_numpy(shift), device) & top.isfinite()  # all -inf: 0
+        ref = torch.where(keep, top, torch.zeros_like(top))
+    elif shifted:
+        at = to_device(shifted, torch.long, device)
+        top = work.index_select(0, at).amax(dim=-1).float()
+        ref = torch.zeros(len(t), dtype=torch.float32, device=device)
+        ref.index_copy_(0, at, torch.where(top.isfinite(), top, torch.zeros_like(top)))
+    inv_temp = _on_device(torch.from_numpy(inv.astype(np.float32)), device)
+    return exponential_race(work, inv_temp, seeds, ref)
+
+
 def race(work: torch.Tensor, rows: list[int], temperatures: list[float], top_k: list[int],
          top_p: list[float], min_p: list[float], noise: torch.Tensor
          ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the rows as a device index, the ids drawn for them): `rows` of `work` [B, V] tempered,
-    filtered and raced against their Exp(1) `noise` [len(rows), V]. One function for the
-    driver's sampler and the last pipeline stage's, so the two draw the same ids."""
+    filtered and raced against their Exp(1) `noise` [len(rows), V], in float32. One function
+    for the driver's sampler and the last pipeline stage's, so the two draw the same ids."""
     device = work.device
     idx = to_device(rows, torch.long, device)
-    sub = work.index_select(0, idx)
+    # every row in order (each random): the rows themselves, no gathered copy
+    sub = work if rows == list(range(work.shape[0])) else work.index_select(0, idx)
+    sub = sub.float()
     temps = to_device(temperatures, torch.float32, device)
     # Shift by the row max before dividing so tiny temperatures cannot overflow to inf.
     sub = (sub - sub.max(dim=-1, keepdim=True).values) / temps.unsqueeze(1)
