@@ -223,7 +223,8 @@ def sm90_report(ms: list[int], dtype: torch.dtype) -> list[dict]:
             consts = {"BLOCK_M": cfg.block_m(m), "BLOCK_N": cfg.block_n,
                       "BLOCK_K": cfg.block_k, "LOOP": cfg.loop, "SPLIT": False,
                       "HAS_BIAS": False, "EVEN_K": True, "VEC": 16 // dtype.itemsize,
-                      "DOT_PREC": linear._dot_precision(dtype)}
+                      "DOT_PREC": linear._dot_precision(dtype), "HAS_SCALE": False,
+                      "HAS_XSCALE": False, "PDL": False, "PF_LINE": 64}
             sig = {**signature, **dict.fromkeys(consts, "constexpr")}
             compiled = triton.compile(
                 ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),

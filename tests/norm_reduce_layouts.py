@@ -38,7 +38,8 @@ def _compile(n: int, rows: int, variant: tuple[int, int, int], dtype: str) -> st
     num_warps = min(max(block_r * block_n // 512, 1), 16)
     consts = {"HAS_RESIDUAL": bool(has_res), "STORE_OUT": bool(store_out), "QUANT": bool(quant),
               "BLOCK_R": block_r, "BLOCK_N": block_n, "FP8_MAX_C": norm.FP8_MAX,
-              "MIN_SCALE_C": norm.MIN_SCALE, "Q_VEC": 16 // elem, "inner": 1}
+              "MIN_SCALE_C": norm.MIN_SCALE, "Q_VEC": 16 // elem, "inner": 1,
+              "PDL": True}  # as an H200 launches it (kernels/pdl.py)
     types = dict.fromkeys(("X", "R", "W", "OUT", "R_OUT"), f"*{dtype}")
     types |= {"Q": "*fp8e4nv" if quant else f"*{dtype}",
               "SCALE": "*fp32" if quant else f"*{dtype}",

@@ -35,6 +35,7 @@ from phaseflip.kernels.fp8_quant import (
     fp8_quantize,
     fp8_row_scale,
 )
+from phaseflip.kernels.pdl import launch_dependents, pdl_enabled
 
 BLOCK = 1024
 ROW_BLOCK = 2048  # columns a step of the two-pass FP8 kernel (rows past WHOLE_ROW_MAX)
@@ -57,9 +58,10 @@ def _silu_mul(X_ROW, OUT, cols, mask, n_cols, LIBDEVICE: tl.constexpr):
 @triton.jit
 def _silu_and_mul_kernel(
     X, OUT, n_cols, stride_x, stride_out,
-    BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
+    BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Columns [pid1 * BLOCK, +BLOCK) of row pid0."""
+    """Columns [pid1 * BLOCK, +BLOCK) of row pid0. PDL: see `kernels/pdl.py`."""
+    launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -72,9 +74,12 @@ def _silu_and_mul_fp8_kernel(
     X, OUT, Q, SCALE, n_cols, stride_x, stride_out,
     BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, STORE_OUT: tl.constexpr,
     FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, WHOLE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Row pid0 whole. WHOLE (BLOCK >= n_cols): one block, one pass. Otherwise pass 1 writes
-    the 16-bit products to OUT with their maximum, pass 2 reads them back for the FP8 row."""
+    the 16-bit products to OUT with their maximum, pass 2 reads them back for the FP8 row.
+    PDL: see `kernels/pdl.py`."""
+    launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     if WHOLE:
@@ -131,7 +136,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     grid = (rows_x.shape[0], triton.cdiv(n, BLOCK))
     _silu_and_mul_kernel[grid](
         rows_x, rows_out, n, rows_x.stride(0), rows_out.stride(0),
-        BLOCK=BLOCK, LIBDEVICE=_LIBDEVICE, num_warps=4,
+        BLOCK=BLOCK, LIBDEVICE=_LIBDEVICE, PDL=pdl_enabled(x.device), num_warps=4,
     )
     return out
 
@@ -157,7 +162,7 @@ def silu_and_mul_fp8(x: torch.Tensor, keep_out: bool = False
     _silu_and_mul_fp8_kernel[(t,)](
         x, out_arg, q, scale, n, x.stride(0), out_arg.stride(0),
         BLOCK=block, LIBDEVICE=_LIBDEVICE, STORE_OUT=keep_out, FP8_MAX_C=FP8_MAX,
-        MIN_SCALE_C=MIN_SCALE, WHOLE=whole,
+        MIN_SCALE_C=MIN_SCALE, WHOLE=whole, PDL=pdl_enabled(x.device),
         num_warps=max(4, min(16, block // 1024)) if whole else 8,
     )
     return (out if keep_out else None), q, scale

@@ -52,6 +52,7 @@ from phaseflip.kernels.attention_plan import (
     orders_decode,
     plan_decode,
 )
+from phaseflip.kernels.pdl import launch_dependents, pdl_enabled
 
 # the planning names callers reach through this module (`kernels.decode_config`, ...)
 __all__ = [
@@ -219,10 +220,12 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(
     OUT, MID_O, MID_M, MID_L, ORDER, QO, num_splits, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_ORDER: tl.constexpr, HAS_QO: tl.constexpr,
+    HAS_ORDER: tl.constexpr, HAS_QO: tl.constexpr, PDL: tl.constexpr,
 ):
     """Merge one (sequence, head)'s split partials: rescale each to the global max and sum.
-    ORDER / QO as in the split kernel (a mixed batch's one-token sequences)."""
+    ORDER / QO as in the split kernel (a mixed batch's one-token sequences). PDL: the
+    o_proj GEMM after it may launch early (`kernels/pdl.py`)."""
+    launch_dependents(PDL)
     b, t = _decode_row(tl.program_id(0), ORDER, QO, HAS_ORDER, HAS_QO)
     h = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -509,7 +512,7 @@ def _decode(q, k_cache, v_cache, kv_indptr, kv_indices, scale: float, plan: Deco
             out, mid_o, mid_m, mid_l, order_arg, qo_arg, plan.num_splits, out.stride(0),
             head_dim, HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_S=max(REDUCE_SPLITS, triton.next_power_of_2(plan.num_splits)),
-            HAS_ORDER=subset, HAS_QO=subset, num_warps=4,
+            HAS_ORDER=subset, HAS_QO=subset, PDL=pdl_enabled(q.device), num_warps=4,
         )
     return out
 

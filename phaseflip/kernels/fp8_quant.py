@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from phaseflip.kernels.pdl import launch_dependents, pdl_enabled
+
 FP8_MAX = 448.0
 MIN_SCALE = 1e-12
 
@@ -40,8 +42,9 @@ def fp8_quantize(x, scale, Q, FP8_MAX_C: tl.constexpr):
 def _per_token_quant_kernel(
     X, Q, SCALE, AMAX, stride_x, stride_q, K,
     BLOCK: tl.constexpr, HAS_AMAX: tl.constexpr, FP8_MAX_C: tl.constexpr,
-    MIN_SCALE_C: tl.constexpr,
+    MIN_SCALE_C: tl.constexpr, PDL: tl.constexpr,
 ):
+    launch_dependents(PDL)  # the FP8 GEMM after it may launch early (`kernels/pdl.py`)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     if HAS_AMAX:
@@ -82,6 +85,6 @@ def per_token_quant(x: torch.Tensor, amax: torch.Tensor | None = None
     _per_token_quant_kernel[(t,)](
         x, q, scale, amax_arg, x.stride(0), q.stride(0), k,
         BLOCK=block, HAS_AMAX=amax is not None, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
-        num_warps=4 if block >= 512 else 2,
+        PDL=pdl_enabled(x.device), num_warps=4 if block >= 512 else 2,
     )
     return q, scale

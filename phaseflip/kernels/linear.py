@@ -58,6 +58,7 @@ from phaseflip.kernels.linear_configs import (
     pick_config,
     plan_splits,
 )
+from phaseflip.kernels.pdl import launch_options, prefetch_then_wait
 
 # ----------------------------------------------------------------------------------------------
 # Kernel
@@ -193,9 +194,11 @@ def _skinny_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LOOP: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     VEC: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SCALE: tl.constexpr,
-    HAS_XSCALE: tl.constexpr,
+    HAS_XSCALE: tl.constexpr, PDL: tl.constexpr, PF_LINE: tl.constexpr,
 ):
-    """Program (n tile, split): rows [pid_n*BLOCK_N, +BLOCK_N) of y over one K chunk."""
+    """Program (n tile, split): rows [pid_n*BLOCK_N, +BLOCK_N) of y over one K chunk.
+    PDL: launched before the previous kernel ends; its first W tile (lines of PF_LINE
+    elements) is prefetched into L2 before the wait (`kernels/pdl.py`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -204,6 +207,9 @@ def _skinny_kernel(
     rows_x = tl.minimum(offs_m, M - 1)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    if PDL:
+        cols = tl.minimum(k_lo + tl.arange(0, BLOCK_K // PF_LINE) * PF_LINE, K - 1)
+        prefetch_then_wait(W + rows_w[:, None].to(tl.int64) * stride_wn + cols[None, :], PDL)
     if LOOP == "dot":
         acc = _rows_dot(X, W, rows_x, rows_w, k_lo, k_hi, stride_xm, stride_wn,
                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, HAS_XSCALE)
@@ -339,6 +345,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if cfg.loop == "ew" and bm > 8:
         raise ValueError(f"the ew loop serves at most 8 rows (got {m}); use a dot config")
     num_splits, k_per_split = plan_splits(k, cfg.block_k, cfg.split_k)
+    pdl = launch_options(x2.device)
     tiles = triton.cdiv(n, cfg.block_n)
     split = num_splits > 1
     if split:
@@ -357,7 +364,8 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         SPLIT=split, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         VEC=16 // weight.element_size(), DOT_PREC=_dot_precision(x2.dtype),
         HAS_SCALE=weight_scale is not None, HAS_XSCALE=x_scale is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PDL=bool(pdl), PF_LINE=min(128 // weight.element_size(), cfg.block_k),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
 
 

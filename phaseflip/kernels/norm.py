@@ -36,6 +36,7 @@ from phaseflip.kernels.fp8_quant import (
     fp8_quantize,
     fp8_row_scale,
 )
+from phaseflip.kernels.pdl import launch_dependents, pdl_enabled
 
 
 # num_rows (the batch's token count) is not specialized: a count turning 1 or a multiple of 16
@@ -48,9 +49,12 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr, STORE_OUT: tl.constexpr, QUANT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, Q_VEC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Rows [pid * BLOCK_R, +BLOCK_R): row r is (r // inner, r % inner) of an [A, B, N] view.
-    QUANT: also row r of Q [num_rows, N] (FP8) and SCALE [num_rows] from the rounded output."""
+    QUANT: also row r of Q [num_rows, N] (FP8) and SCALE [num_rows] from the rounded output.
+    PDL: the GEMM after it may launch early (`kernels/pdl.py`)."""
+    launch_dependents(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows < num_rows)[:, None] & (cols < n_cols)[None, :]
@@ -127,7 +131,7 @@ def _launch(
         sx_a, sx_b, sr_a, sr_b, so_a, so_b, sro_a, sro_b,
         HAS_RESIDUAL=residual is not None, STORE_OUT=out is not None, QUANT=quant is not None,
         BLOCK_R=block_r, BLOCK_N=block_n, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
-        Q_VEC=16 // x.element_size(),
+        Q_VEC=16 // x.element_size(), PDL=pdl_enabled(x.device),
         num_warps=num_warps, enable_fp_fusion=False,
     )
 

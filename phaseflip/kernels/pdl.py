@@ -1,0 +1,62 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the decode step's kernel chain.
+
+A batch-1 decode step is ~330 short kernels; most of its time is the skinny GEMMs streaming
+weights, and each GEMM's first bytes arrive only after the kernel before it has finished and
+the GEMM has launched. With PDL the GEMM is launched while that kernel still runs: its
+programs prefetch their first weight tile into L2, then wait (`griddepcontrol.wait`) until
+the previous kernel has finished and its writes are visible, and only then read activations
+or write anything. Weights are never written by a kernel, so reading them early is safe. The
+kernels that feed GEMMs (norms, SiLU·mul, the attention merge, per-token quantization) signal
+their dependents at their start (`griddepcontrol.launch_dependents`): a scheduling hint that
+lets the GEMM's programs take the SMs those kernels leave idle; it orders no memory.
+
+`PHASEFLIP_NO_PDL=1` turns it off (A/B runs, a driver that mishandles it); off on GPUs before
+sm_90 and in the Triton interpreter, whose kernels compile without the instructions.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+NO_PDL_ENV = "PHASEFLIP_NO_PDL"
+_CAPABLE: dict[int, bool] = {}
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL: CUDA sm_90+, compiled (not interpreted),
+    and not switched off by `PHASEFLIP_NO_PDL`."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if os.environ.get(NO_PDL_ENV, "") not in ("", "0"):
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPABLE:
+        _CAPABLE[idx] = torch.cuda.get_device_capability(idx) >= (9, 0)
+    return _CAPABLE[idx]
+
+
+def launch_options(device: torch.device) -> dict[str, bool]:
+    """The launch keyword a dependent kernel (one that waits with `prefetch_then_wait`) gets."""
+    return {"launch_pdl": True} if pdl_enabled(device) else {}
+
+
+@triton.jit
+def launch_dependents(PDL: tl.constexpr):
+    """Let the next kernel, if launched with PDL, start once every program got here."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_then_wait(ptrs, PDL: tl.constexpr):
+    """Prefetch the lines at `ptrs` (read-only data: weights) into L2, then wait for the
+    previous kernel to finish and its writes to be visible. Nothing before this may read
+    what an earlier kernel writes, nor write anything."""
+    if PDL:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+        tl.extra.cuda.gdc_wait()
