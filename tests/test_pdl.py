@@ -1,7 +1,8 @@
 """Programmatic dependent launch (`phaseflip.kernels.pdl`): when it is on, and a GEMM chain
 that depends on it for correctness.
 
-The chain is the decode layer's pattern: a norm writes x, a skinny GEMM launched with PDL reads
+The chain is the decode layer's pattern: a norm writes x, a skinny GEMM launched with PDL (its
+tensor-core loop: 4 and 16 rows) reads
 it, the next norm reads the GEMM's output, and so on, each GEMM prefetching its weights before
 its `griddepcontrol.wait`. A GEMM that read x before the wait would read the previous round's
 x (the buffers are reused across rounds, and each round's x differs), so the chain's output
@@ -51,7 +52,7 @@ def _ref_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="PDL needs a GPU (the CPU runs plain launches)")
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [4, 16])  # the tensor-core loop, launched with PDL
 def test_a_norm_gemm_chain_in_a_graph_equals_the_reference(rows):
     """20 norm → GEMM rounds of 4096 (weights 4096 x 4096 bf16, far past L2), captured in
     one CUDA graph and replayed on new inputs: every replay equals the eager reference."""

@@ -345,7 +345,9 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if cfg.loop == "ew" and bm > 8:
         raise ValueError(f"the ew loop serves at most 8 rows (got {m}); use a dot config")
     num_splits, k_per_split = plan_splits(k, cfg.block_k, cfg.split_k)
-    pdl = launch_options(x2.device)
+    # PDL for the tensor-core loop only: on the H200 it took 1.5-2 % off FP8 decode steps of
+    # 16-64 rows and added ~1 % to batch 1's elementwise loop (docs/kernels.md)
+    pdl = launch_options(x2.device) if cfg.use_dot else {}
     tiles = triton.cdiv(n, cfg.block_n)
     split = num_splits > 1
     if split:
