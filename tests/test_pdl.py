@@ -3,10 +3,11 @@ that depends on it for correctness.
 
 The chain is the decode layer's pattern: a norm writes x, a skinny GEMM launched with PDL (its
 tensor-core loop: 4 and 16 rows) reads it, the next norm reads the GEMM's output, and so on,
-each GEMM prefetching its weights before its `griddepcontrol.wait`. A GEMM that read x before the wait would read the previous round's
-x (the buffers are reused across rounds, and each round's x differs), so the chain's output
-would not equal the reference. On a GPU before sm_90, on the CPU and with `PHASEFLIP_NO_PDL=1`
-nothing launches with PDL; there the chain runs as plain launches.
+each GEMM prefetching its weights before its `griddepcontrol.wait`. A GEMM that read x before
+the wait would read the previous round's x (the buffers are reused across rounds, and each
+round's x differs), so the chain's output would not equal the reference. On a GPU before
+sm_90, on the CPU and with `PHASEFLIP_NO_PDL=1` nothing launches with PDL; there the chain
+runs as plain launches.
 """
 
 from __future__ import annotations

@@ -163,7 +163,9 @@ def test_tiny_temperature_keeps_small_logit_gaps():
     want = _reference(np.array(logits), 1e-4, seeds).tolist()
     assert 10 < sum(want) < 54  # both near-equal tokens are drawn
     assert _fused(logits, 1e-4, seeds) == want
-    assert _fused([-50.0, -50.0 + 2.0**-14, -80.0], 1e-30, seeds[:8]) == [1] * 8  # 1/T: inf
+    assert _fused([-50.0, -50.0 + 2.0**-14, -80.0], 1e-30, seeds[:8]) == [1] * 8  # 1/T 1e30
+    for t in (4e-39, 1e-40):  # 1/T past float32 (inf): clipped so that 1/T * log2(e) is finite
+        assert _fused([-50.0, -50.0 + 2.0**-14, -80.0], t, seeds[:8]) == [1] * 8
 
 
 def test_filters_and_route():

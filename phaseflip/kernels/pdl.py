@@ -11,7 +11,7 @@ their dependents at their start (`griddepcontrol.launch_dependents`): a scheduli
 lets the GEMM's programs take the SMs those kernels leave idle; it orders no memory.
 
 `PHASEFLIP_NO_PDL=1` turns it off (A/B runs, a driver that mishandles it); off on GPUs before
-sm_90 and in the Triton interpreter, whose kernels compile without the instructions.
+sm_90, on ROCm and in the Triton interpreter, whose kernels compile without the instructions.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ _CAPABLE: dict[int, bool] = {}
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL: CUDA sm_90+, compiled (not interpreted),
     and not switched off by `PHASEFLIP_NO_PDL`."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if (device.type != "cuda" or torch.version.hip is not None  # (ROCm: no griddepcontrol)
+            or os.environ.get("TRITON_INTERPRET") == "1"):
         return False
     if os.environ.get(NO_PDL_ENV, "") not in ("", "0"):
         return False

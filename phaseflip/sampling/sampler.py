@@ -45,8 +45,9 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 # extra pass over those rows): l / T itself would lose precision (|l| / T * 2**-24 in tempered
 # units, 3e-4 at |l| = 50, T = 0.01) and overflow for tiny T.
 _SHIFT_BELOW = 0.01
-# 1 / T in float32: past these it would be inf (inf * 0 = nan) or 0 (the greedy mark).
-_INV_TEMP_MAX, _INV_TEMP_MIN = 3.0e38, 1e-37
+# 1 / T in float32: past these it would be inf (inf * 0 = nan) or 0 (the greedy mark); the
+# kernel multiplies it by log2(e), so the top leaves room for that (3.4e38 / 1.4427 = 2.36e38)
+_INV_TEMP_MAX, _INV_TEMP_MIN = 2.0e38, 1e-37
 
 
 def _splitmix64(x: int) -> int:
