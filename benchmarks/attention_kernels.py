@@ -189,14 +189,21 @@ def extend_sweep(run, batch: ForwardBatch, fp8: bool, device) -> tuple[dict, dic
     return {n: r[0] for n, r in runs.items()}, {n: r[1] for n, r in runs.items()}
 
 
-def run_case(name: str, seqs: list[tuple[int, int]], kv_dtype: torch.dtype, args, device,
-             gen) -> dict:
-    batch, num_slots = make_batch(seqs, args.page_size, device, gen)
+def make_case(seqs: list[tuple[int, int]], kv_dtype: torch.dtype, page: int,
+              device: torch.device, gen: torch.Generator) -> tuple:
+    """(batch, pool, q, k, v) for `seqs` at the 8B attention shape: the new rows random."""
+    batch, num_slots = make_batch(seqs, page, device, gen)
     pool = make_pool(num_slots, kv_dtype, device)
     t = batch.num_tokens
     q = torch.randn(t, HEADS, HEAD_DIM, device=device, dtype=DTYPE)
     k = torch.randn(t, KV_HEADS, HEAD_DIM, device=device, dtype=DTYPE)
     v = torch.randn(t, KV_HEADS, HEAD_DIM, device=device, dtype=DTYPE)
+    return batch, pool, q, k, v
+
+
+def run_case(name: str, seqs: list[tuple[int, int]], kv_dtype: torch.dtype, args, device,
+             gen) -> dict:
+    batch, pool, q, k, v = make_case(seqs, kv_dtype, args.page_size, device, gen)
     scale = HEAD_DIM**-0.5
     tri, ref = TritonAttention(), TorchRefAttention()
 

@@ -15,15 +15,7 @@ import argparse
 
 import torch
 
-from benchmarks.attention_kernels import (
-    DTYPE,
-    HEAD_DIM,
-    HEADS,
-    KV_DTYPES,
-    KV_HEADS,
-    make_batch,
-    make_pool,
-)
+from benchmarks.attention_kernels import HEAD_DIM, KV_DTYPES, make_case
 from phaseflip.attention.triton_backend import TritonAttention
 
 
@@ -40,12 +32,8 @@ def main() -> None:
     for kv in args.kv_dtype:
         for spec in args.decode_cases:
             bs, ctx = (int(v) for v in spec.lower().split("x"))
-            batch, slots = make_batch([(ctx - 1, 1)] * bs, args.page_size, device, gen)
-            pool = make_pool(slots, KV_DTYPES[kv], device)
-            t = batch.num_tokens
-            q = torch.randn(t, HEADS, HEAD_DIM, device=device, dtype=DTYPE)
-            k = torch.randn(t, KV_HEADS, HEAD_DIM, device=device, dtype=DTYPE)
-            v = torch.randn(t, KV_HEADS, HEAD_DIM, device=device, dtype=DTYPE)
+            batch, pool, q, k, v = make_case([(ctx - 1, 1)] * bs, KV_DTYPES[kv],
+                                             args.page_size, device, gen)
             TritonAttention().forward(0, q, k, v, batch, pool, HEAD_DIM**-0.5)
             torch.cuda.synchronize()
             print(f"{kv} decode bs={bs} ctx={ctx}", flush=True)

@@ -26,7 +26,13 @@ import numpy as np
 import torch
 
 from phaseflip.sampling.params import SamplingParams
-from phaseflip.sampling.sampler import choose_tokens, seeded_noise, step_seed, to_device
+from phaseflip.sampling.sampler import (
+    choose_tokens,
+    greedy,
+    seeded_noise,
+    step_seed,
+    to_device,
+)
 
 _MASK64 = (1 << 64) - 1
 
@@ -202,22 +208,13 @@ def _take(logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
     return logits[to_device(rows.tolist(), torch.long, logits.device)]  # no stream sync
 
 
-def _greedy(work: torch.Tensor) -> torch.Tensor:
-    """Greedy ids of every row of `work` by the driver's route (`choose_tokens` with no random
-    row: on CUDA the fused kernel, which differs from `torch.argmax` on rows holding NaN)."""
-    n = work.shape[0]
-    return choose_tokens(work, [], [], [], [], [],
-                         lambda plain: to_device([0] * n, torch.int64, work.device),
-                         lambda raced: work.new_empty(0, work.shape[1]))
-
-
 def sample_rows(logits: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
     """The ids the driver's `Sampler` would choose for `spec`'s rows of `logits` (float32):
     the first maximal index for greedy rows, the seeded exponential race for random ones,
     through the driver's `choose_tokens` (on CUDA the fused race, with the same seeds)."""
     work = _take(logits, spec.rows).float()
     if spec.ints is None or not len(spec.ints):
-        return _greedy(work)
+        return greedy(work)
     ints, floats = spec.ints, spec.floats
     idx = ints[:, 0].tolist()
     seeds = [s & _MASK64 for s in ints[:, 2].tolist()]
@@ -263,7 +260,7 @@ def sample_parts(parts: list[torch.Tensor], spec: SampleSpec) -> torch.Tensor:
         n = part.shape[0]
         a, b = np.searchsorted(rows, (off, off + n)).tolist()
         if b > a:
-            out.append(_greedy(_take(part, rows[a:b] - off).float()))
+            out.append(greedy(_take(part, rows[a:b] - off).float()))
         off += n
     if not out:
         return torch.empty(0, dtype=torch.int64, device=parts[0].device)

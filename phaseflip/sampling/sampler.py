@@ -271,10 +271,16 @@ def apply_penalties_batch(logits: torch.Tensor, rows: list[int],
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """The first maximal index of each row (argmax's and max's contract alike). On the CPU
-    `max(dim=-1).indices` is the faster reduction: 0.68 ms against 1.65 for argmax over
-    256 rows of a 128k vocabulary (one process, null forward, `bench_host_step
-    --breakdown`); CUDA keeps argmax (unmeasured there)."""
+    """The first maximal index of each row (argmax's and max's contract alike). On CUDA with
+    Triton: the fused race's greedy rows (`fused_race` at temperature 0), which never choose
+    NaN, so every greedy choice on a GPU (the driver's, the last PP stage's) is the same one.
+    On the CPU `max(dim=-1).indices` is the faster reduction: 0.68 ms against 1.65 for argmax
+    over 256 rows of a 128k vocabulary (one process, null forward, `bench_host_step
+    --breakdown`)."""
+    if fused_device(logits.device):
+        n = logits.shape[0]
+        return fused_race(logits, np.zeros(n), torch.zeros(n, dtype=torch.int64,
+                                                            device=logits.device))
     if logits.device.type == "cpu":
         return logits.max(dim=-1).indices
     return logits.argmax(dim=-1)
@@ -463,6 +469,8 @@ def choose_tokens(work: torch.Tensor, rows: list[int], temperatures: list[float]
     the fused race's int64 [B] seeds, given the positions (among `rows`) of its random rows;
     `noise(raced)`: Exp(1) noise [len(raced), V] for the rows the torch race draws. One
     function for the driver's sampler and the last pipeline stage's (`fused_plan` routes)."""
+    if not rows:
+        return greedy(work)
     n, vocab = work.shape
     filtered = (filters(top_k, top_p, min_p, vocab) if fused_device(work.device)
                 else np.ones(len(rows), dtype=bool))  # the CPU: every random row raced
