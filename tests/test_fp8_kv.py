@@ -273,3 +273,21 @@ def test_backend_plans_fp8_with_the_fp8_configs(monkeypatch, name, seqs):
     monkeypatch.setattr(attention_plan, name, "bogus")
     with pytest.raises(ValueError, match="bogus"):
         run_fp8_case(seqs, dtype=torch.bfloat16, layers=1)
+
+
+def test_nan_in_an_attended_fp8_row_reaches_the_output_as_on_the_gpu():
+    """e4m3's NaN (0x7F) widens to NaN on the GPU; the kernels must see the same on the CPU
+    (Triton's interpreter read it as 480 until `triton_interpreter` patched the cast)."""
+    from test_triton_attention import make_batch
+
+    gen = torch.Generator().manual_seed(0)
+    batch = make_batch([(9, 1), (6, 1)], gen)
+    num_slots = int(batch.kv_indices.max()) + 8
+    pool = _fp8_pools(num_slots, 1, 2, 32, 1, gen)[0]
+    first = batch.kv_indices[: int(batch.kv_indptr[1])]
+    pool.v[0].view(torch.uint8)[first[3]] = 0x7F  # one prefix row of sequence 0, every head
+    q = torch.randn(2, 8, 32, generator=gen).to(DEVICE)
+    k = torch.randn(2, 2, 32, generator=gen).to(DEVICE)
+    v = torch.randn(2, 2, 32, generator=gen).to(DEVICE)
+    got = TritonAttention().forward(0, q, k, v, batch, pool, 32**-0.5).float()
+    assert torch.isnan(got[0]).all() and torch.isfinite(got[1]).all()

@@ -45,6 +45,8 @@ def _fix_interpreter() -> None:
     5. Casts to float8e4nv (e4m3) drop the carry of a mantissa rounded up into the exponent
        (3.9: 124.5 -> 64 instead of 128); in-range values are converted by torch instead
        (round to nearest even, as the GPU's cvt.rn does).
+    6. Casts from float8e4nv read its NaN (0x7F, 0xFF) as 480 (3.9), where the GPU widens it
+       to NaN; widened by torch instead (exact for every other value).
     """
     try:
         import numpy as np
@@ -109,6 +111,11 @@ def _fix_interpreter() -> None:
                 t = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
                 bits = t.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
                 return interpreter.TensorHandle(bits, dst_type.scalar)
+            wide = {tl.float16: torch.float16, tl.float32: torch.float32}
+            if src.dtype.scalar == tl.float8e4nv and dst_type.scalar in wide:
+                bits = torch.from_numpy(np.ascontiguousarray(src.data).view(np.uint8))
+                out = bits.view(torch.float8_e4m3fn).to(wide[dst_type.scalar]).numpy()
+                return interpreter.TensorHandle(out, dst_type.scalar)
             return fp_to_fp(self, src, dst_type, rounding_mode)
 
         create_fp_to_fp._phaseflip_fixed = True  # type: ignore[attr-defined]
