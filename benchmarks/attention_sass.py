@@ -36,7 +36,7 @@ from benchmarks.attention_kernels import DECODE_SWEEP, DECODE_SWEEP_FP8, config_
 from phaseflip.kernels import attention as kernels  # noqa: E402
 
 PTRS = ["Q", "K", "V", "KV_INDPTR", "KV_INDICES", "ORDER", "QO", "OUT", "MID_O", "MID_M", "MID_L",
-        "K_SCALE", "V_SCALE"]
+        "LOCKS", "K_SCALE", "V_SCALE"]
 SCALARS = {"qk_scale": "fp32", "window": "i32", "min_chunk": "i32", "num_splits": "i32"}
 STRIDES = ["stride_qt", "stride_qh", "stride_kn", "stride_kh", "stride_vn", "stride_vh",
            "stride_ot", "stride_oh"]
@@ -48,13 +48,13 @@ def compile_decode(cfg: kernels.KernelConfig, fp8: bool, direct: bool, arch: int
     kv = "fp8e4nv" if fp8 else "bf16"
     types = {"Q": "bf16", "K": kv, "V": kv, "OUT": "bf16", "KV_INDPTR": "i64",
              "KV_INDICES": "i64", "ORDER": "i64", "QO": "i32", "MID_O": "fp32",
-             "MID_M": "fp32", "MID_L": "fp32",
+             "MID_M": "fp32", "MID_L": "fp32", "LOCKS": "i32",
              "K_SCALE": "fp32", "V_SCALE": "fp32"}
     sig = {p: f"*{types[p]}" for p in PTRS} | SCALARS | dict.fromkeys(STRIDES, "i32")
     const = {"GROUP": 4, "HEAD_BLOCKS": 1, "BLOCK_H": cfg.block_m, "BLOCK_N": cfg.block_n,
              "HEAD_DIM": 128, "BLOCK_D": 128, "HAS_WINDOW": False, "DIRECT": direct,
              "DOT_PREC": "tf32", "KV_FP8": fp8, "FP8_DOT": cfg.fp8_dot if fp8 else "q",
-             "HAS_ORDER": True, "HAS_QO": False}
+             "HAS_ORDER": True, "HAS_QO": False, "BLOCK_S": 64}
     sig |= dict.fromkeys(const, "constexpr")
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in PTRS + STRIDES}

@@ -10,8 +10,9 @@ Decode (one query per sequence) is memory-bound: the cost is reading the context
 So a program owns one (sequence, KV head) pair and *all* query heads of that KV head's group
 (padded to 16 rows for `tl.dot`), loading each K/V row once for the group; and long contexts
 are split over several programs (split-K, "flash-decoding") whose partial (max, sum, acc) are
-merged by a small reduce kernel, so a batch of one still fills the GPU. With a single split the
-first kernel normalises and writes the output itself and the reduce is skipped.
+merged by the last of them to finish (a counter per sequence and head block), so a batch of
+one still fills the GPU without a second launch. With a single split a program normalises and
+writes the output itself.
 
 Extend (prefill, chunked prefill, mixed batches) is flash-attention style: a program owns a tile
 of BLOCK_M *packed rows* of one sequence, where row r is query r // group of query head
@@ -52,7 +53,6 @@ from phaseflip.kernels.attention_plan import (
     orders_decode,
     plan_decode,
 )
-from phaseflip.kernels.pdl import launch_dependents, pdl_enabled
 
 # the planning names callers reach through this module (`kernels.decode_config`, ...)
 __all__ = [
@@ -134,14 +134,14 @@ def _decode_row(pid, ORDER, QO, HAS_ORDER: tl.constexpr, HAS_QO: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
-    Q, K, V, KV_INDPTR, KV_INDICES, ORDER, QO, OUT, MID_O, MID_M, MID_L, K_SCALE, V_SCALE,
+    Q, K, V, KV_INDPTR, KV_INDICES, ORDER, QO, OUT, MID_O, MID_M, MID_L, LOCKS, K_SCALE, V_SCALE,
     qk_scale, window, min_chunk, num_splits,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
     KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr, HAS_ORDER: tl.constexpr,
-    HAS_QO: tl.constexpr,
+    HAS_QO: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """One (KV head, head block, sequence, split): attend the group's queries over one chunk.
 
@@ -208,41 +208,50 @@ def _decode_split_kernel(
         )
     else:
         # Partials live at [b, head, split]; an empty split stores (-inf, 0, 0), which the
-        # reduce weighs by exp2(-inf) = 0.
+        # merge weighs by exp2(-inf) = 0.
         row = (b * num_heads + heads) * num_splits + split
         tl.store(MID_M + row, m_i, mask=mask_h)
         tl.store(MID_L + row, l_i, mask=mask_h)
         tl.store(MID_O + row[:, None] * HEAD_DIM + offs_d[None, :], acc,
                  mask=mask_h[:, None] & mask_d[None, :])
+        # The last split of this (sequence, head block) to finish merges them all. CUTLASS's
+        # semaphore pattern: every thread's stores, a CTA barrier, then one release-acquire
+        # atomic (cumulative over the barrier); the merge reads the others' partials from L2.
+        tl.debug_barrier()
+        lock = LOCKS + b * tl.num_programs(0) + tl.program_id(0)
+        if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+            _merge_splits(OUT, MID_O, MID_M, MID_L, b, t, heads, mask_h, num_heads,
+                          num_splits, stride_ot, stride_oh, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_S)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_reduce_kernel(
-    OUT, MID_O, MID_M, MID_L, ORDER, QO, num_splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_ORDER: tl.constexpr, HAS_QO: tl.constexpr, PDL: tl.constexpr,
-):
-    """Merge one (sequence, head)'s split partials: rescale each to the global max and sum.
-    ORDER / QO as in the split kernel (a mixed batch's one-token sequences). PDL: the
-    o_proj GEMM after it may launch early (`kernels/pdl.py`)."""
-    launch_dependents(PDL)
-    b, t = _decode_row(tl.program_id(0), ORDER, QO, HAS_ORDER, HAS_QO)
-    h = tl.program_id(1)
-    num_heads = tl.num_programs(1)
+@triton.jit
+def _merge_splits(OUT, MID_O, MID_M, MID_L, b, t, heads, mask_h, num_heads, num_splits,
+                  stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """out = sum_s acc_s * w_s / sum_s l_s * w_s with w_s = exp2(m_s - max m) for the group's
+    heads of sequence b (written at token row t)."""
     offs_s = tl.arange(0, BLOCK_S)
-    mask_s = offs_s < num_splits
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    row = (b * num_heads + h) * num_splits + offs_s
-    m = tl.load(MID_M + row, mask=mask_s, other=float("-inf"))
-    l_s = tl.load(MID_L + row, mask=mask_s, other=0.0)
-    acc = tl.load(MID_O + row[:, None] * HEAD_DIM + offs_d[None, :],
-                  mask=mask_s[:, None] & mask_d[None, :], other=0.0)
-    m_max = tl.max(m, 0)  # finite: split 0 always holds the first key
-    w = tl.exp2(m - m_max)
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
-    tl.store(OUT + t * stride_ot + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty),
-             mask=mask_d)
+    base = (b * num_heads + heads) * num_splits
+    stats = base[:, None] + offs_s[None, :]
+    mask_hs = mask_h[:, None] & (offs_s < num_splits)[None, :]
+    m = tl.load(MID_M + stats, mask=mask_hs, other=float("-inf"), cache_modifier=".cg")
+    l_s = tl.load(MID_L + stats, mask=mask_hs, other=0.0, cache_modifier=".cg")
+    # finite for every real head (split 0 holds the first key); padded heads are not stored
+    m_max = tl.where(mask_h, tl.max(m, 1), 0.0)
+    denom = tl.sum(l_s * tl.exp2(m - m_max[:, None]), 1)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    mask_o = mask_h[:, None] & mask_d[None, :]
+    for s in range(0, num_splits):
+        m_one = tl.load(MID_M + base + s, mask=mask_h, other=0.0, cache_modifier=".cg")
+        o_one = tl.load(MID_O + (base + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_o,
+                        other=0.0, cache_modifier=".cg")
+        acc += o_one * tl.exp2(m_one - m_max)[:, None]
+    out = acc / tl.where(mask_h, denom, 1.0)[:, None]
+    tl.store(OUT + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(OUT.dtype.element_ty), mask=mask_o)
 
 
 @triton.jit
@@ -377,13 +386,16 @@ def _extend_kernel(
 
 
 def decode_workspace(batch_size: int, num_heads: int, head_dim: int, plan: DecodePlan,
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float32 partials (acc [B,H,S,D], max [B,H,S], sum [B,H,S]) for a split decode."""
+                     device: torch.device
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A split decode's float32 partials (acc [B,H,S,D], max [B,H,S], sum [B,H,S]) and its
+    int32 split counters ([B*H], zero; each launch leaves them zero again)."""
     s = plan.num_splits
     return (
         torch.empty(batch_size, num_heads, s, head_dim, dtype=torch.float32, device=device),
         torch.empty(batch_size, num_heads, s, dtype=torch.float32, device=device),
         torch.empty(batch_size, num_heads, s, dtype=torch.float32, device=device),
+        torch.zeros(batch_size * num_heads, dtype=torch.int32, device=device),
     )
 
 
@@ -405,7 +417,7 @@ def decode_attention(
     *,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
-    workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    workspace: tuple[torch.Tensor, ...] | None = None,
     config: KernelConfig | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
@@ -440,7 +452,7 @@ def mixed_decode_attention(
     out: torch.Tensor,
     *,
     sliding_window: int | None = None,
-    workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    workspace: tuple[torch.Tensor, ...] | None = None,
     config: KernelConfig | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
@@ -454,19 +466,19 @@ def mixed_decode_attention(
                    num_seqs, sliding_window, out, workspace, config, k_scale, v_scale)
 
 
-# Partials merged by one reduce program (the plan's split cap): one build for every split count,
-# so a plan that splits differently never compiles another reduce mid-serving
-REDUCE_SPLITS = 64
+# Splits one merge reads at once (the plan's split cap): one build for every split count, so a
+# plan that splits differently never compiles another kernel mid-serving
+MERGE_SPLITS = 64
 
 
 def _decode(q, k_cache, v_cache, kv_indptr, kv_indices, scale: float, plan: DecodePlan,
             order: torch.Tensor | None, qo: torch.Tensor | None, num_seqs: int,
             sliding_window: int | None, out: torch.Tensor | None,
-            workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+            workspace: tuple[torch.Tensor, ...] | None,
             config: KernelConfig | None, k_scale: torch.Tensor | None,
             v_scale: torch.Tensor | None) -> torch.Tensor:
-    """Launches the split kernel (and the reduce when the plan splits) over the sequences
-    `order` lists (all `num_seqs` when None); partials are indexed by sequence."""
+    """Launches the split kernel over the sequences `order` lists (all `num_seqs` when
+    None); partials and split counters are indexed by sequence."""
     group, head_dim = check_layout(q, k_cache, v_cache)
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     if q.stride(-1) != 1:
@@ -481,13 +493,13 @@ def _decode(q, k_cache, v_cache, kv_indptr, kv_indices, scale: float, plan: Deco
     if programs == 0:
         return out
     head_blocks = triton.cdiv(group, cfg.block_m)
-    # a mixed batch's decodes always go through the partials and the reduce: one build of
-    # each kernel whatever the plan, which the launch warm-up's one mixed step compiles
+    # a mixed batch's decodes always go through the partials and the merge: one build
+    # whatever the plan, which the launch warm-up's one mixed step compiles
     direct = plan.num_splits == 1 and qo is None
     if direct:
-        mid_o = mid_m = mid_l = out  # unused
+        mid_o = mid_m = mid_l = locks = out  # unused
     else:
-        mid_o, mid_m, mid_l = workspace or decode_workspace(
+        mid_o, mid_m, mid_l, locks = workspace or decode_workspace(
             num_seqs, num_heads, head_dim, plan, q.device)
     block_d = triton.next_power_of_2(head_dim)
     order_arg = kv_indptr if order is None else order
@@ -495,7 +507,7 @@ def _decode(q, k_cache, v_cache, kv_indptr, kv_indices, scale: float, plan: Deco
     grid = (num_kv_heads * head_blocks, programs, plan.num_splits)
     _decode_split_kernel[grid](
         q, k_cache, v_cache, kv_indptr, kv_indices, order_arg, qo_arg,
-        out, mid_o, mid_m, mid_l, k_scale, v_scale,
+        out, mid_o, mid_m, mid_l, locks, k_scale, v_scale,
         scale * LOG2E, sliding_window or 0, plan.min_chunk, plan.num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), head_dim,
@@ -503,17 +515,9 @@ def _decode(q, k_cache, v_cache, kv_indptr, kv_indices, scale: float, plan: Deco
         HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_WINDOW=sliding_window is not None,
         DIRECT=direct, DOT_PREC=dot_precision(dtype), KV_FP8=kv_fp8, FP8_DOT=fp8_dot,
         HAS_ORDER=order is not None, HAS_QO=qo is not None,
+        BLOCK_S=max(MERGE_SPLITS, triton.next_power_of_2(plan.num_splits)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if not direct:
-        # a plain decode batch reduces every sequence (its order only reorders the launch)
-        subset = qo is not None
-        _decode_reduce_kernel[(programs, num_heads)](
-            out, mid_o, mid_m, mid_l, order_arg, qo_arg, plan.num_splits, out.stride(0),
-            head_dim, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_S=max(REDUCE_SPLITS, triton.next_power_of_2(plan.num_splits)),
-            HAS_ORDER=subset, HAS_QO=subset, PDL=pdl_enabled(q.device), num_warps=4,
-        )
     return out
 
 
