@@ -161,7 +161,6 @@ def _decode_split_kernel(
     heads = kvh * GROUP + offs_g
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    offs_n = tl.arange(0, BLOCK_N)
 
     kv_beg = tl.load(KV_INDPTR + b)
     seq_len = tl.load(KV_INDPTR + b + 1) - kv_beg
@@ -175,6 +174,33 @@ def _decode_split_kernel(
         q, qk_scale = _fp8_query(q, qk_scale * tl.load(K_SCALE + kvh), FP8_DOT)
     else:
         q = q.to(K.dtype.element_ty)
+    acc, l_i, m_i = _decode_chunk(
+        q, K, V, KV_INDICES, kv_beg, lo, hi, kvh, qk_scale, stride_kn, stride_kh, stride_vn,
+        stride_vh, BLOCK_H, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, KV_FP8, FP8_DOT)
+    if KV_FP8:  # the V scale of this KV head: out = sum p * (v * s) / l = (sum p * v) * s / l
+        acc = acc * tl.load(V_SCALE + kvh)
+
+    if DIRECT:
+        out = acc / l_i[:, None]
+        tl.store(
+            OUT + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(OUT.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :],
+        )
+    else:
+        _store_split(OUT, MID_O, MID_M, MID_L, LOCKS, acc, l_i, m_i, b, t, heads, mask_h,
+                     num_heads, split, num_splits, stride_ot, stride_oh, HEAD_DIM, BLOCK_H,
+                     BLOCK_D, BLOCK_S)
+
+
+@triton.jit
+def _decode_chunk(q, K, V, KV_INDICES, kv_beg, lo, hi, kvh, qk_scale, stride_kn, stride_kh,
+                  stride_vn, stride_vh, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+                  KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr):
+    """(acc, l, m) of the group's queries over keys [lo, hi): online softmax, unnormalised."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -197,32 +223,30 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
-    if KV_FP8:  # the V scale of this KV head: out = sum p * (v * s) / l = (sum p * v) * s / l
-        acc = acc * tl.load(V_SCALE + kvh)
+    return acc, l_i, m_i
 
-    if DIRECT:
-        out = acc / l_i[:, None]
-        tl.store(
-            OUT + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-            out.to(OUT.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :],
-        )
-    else:
-        # Partials live at [b, head, split]; an empty split stores (-inf, 0, 0), which the
-        # merge weighs by exp2(-inf) = 0.
-        row = (b * num_heads + heads) * num_splits + split
-        tl.store(MID_M + row, m_i, mask=mask_h)
-        tl.store(MID_L + row, l_i, mask=mask_h)
-        tl.store(MID_O + row[:, None] * HEAD_DIM + offs_d[None, :], acc,
-                 mask=mask_h[:, None] & mask_d[None, :])
-        # The last split of this (sequence, head block) to finish merges them all. CUTLASS's
-        # semaphore pattern: every thread's stores, a CTA barrier, then one release-acquire
-        # atomic (cumulative over the barrier); the merge reads the others' partials from L2.
-        tl.debug_barrier()
-        lock = LOCKS + b * tl.num_programs(0) + tl.program_id(0)
-        if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-            tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")  # zero for the next launch
-            _merge_splits(OUT, MID_O, MID_M, MID_L, b, t, heads, mask_h, num_heads,
-                          num_splits, stride_ot, stride_oh, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_S)
+
+@triton.jit
+def _store_split(OUT, MID_O, MID_M, MID_L, LOCKS, acc, l_i, m_i, b, t, heads, mask_h,
+                 num_heads, split, num_splits, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Stores one split's partial at [b, head, split] (an empty split: (-inf, 0, 0), which the
+    merge weighs by exp2(-inf) = 0); the last split of the (sequence, head block) to finish
+    merges them all. The ordering is CUTLASS's semaphore: every thread's stores, a CTA
+    barrier, then one acquire-release atomic (cumulative over the barrier); the merge reads
+    the others' partials from L2."""
+    offs_d = tl.arange(0, BLOCK_D)
+    row = (b * num_heads + heads) * num_splits + split
+    tl.store(MID_M + row, m_i, mask=mask_h)
+    tl.store(MID_L + row, l_i, mask=mask_h)
+    tl.store(MID_O + row[:, None] * HEAD_DIM + offs_d[None, :], acc,
+             mask=mask_h[:, None] & (offs_d < HEAD_DIM)[None, :])
+    tl.debug_barrier()
+    lock = LOCKS + b * tl.num_programs(0) + tl.program_id(0)
+    if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+        tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+        _merge_splits(OUT, MID_O, MID_M, MID_L, b, t, heads, mask_h, num_heads, num_splits,
+                      stride_ot, stride_oh, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_S)
 
 
 @triton.jit
