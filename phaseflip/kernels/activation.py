@@ -43,16 +43,23 @@ WHOLE_ROW_MAX = 4096  # columns the one-pass FP8 kernel holds in registers (4 wa
 
 
 @triton.jit
-def _silu_mul(X_ROW, OUT, cols, mask, n_cols, LIBDEVICE: tl.constexpr):
-    """silu(gate) * up at `cols` of one row, rounded to OUT's dtype as the torch path rounds."""
-    g = tl.load(X_ROW + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(X_ROW + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+def silu_mul_values(g, u, DTYPE: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """silu(g) * u from float32 g, u, rounded to DTYPE at both steps as the torch path rounds
+    (the skinny GEMM's SiLU prologue computes its x with this too: `kernels/linear.py`)."""
     if LIBDEVICE:
         e = libdevice.exp(-g)
     else:
         e = tl.exp(-g)
-    s = tl.math.div_rn(g, 1.0 + e).to(OUT.dtype.element_ty).to(tl.float32)
-    return (s * u).to(OUT.dtype.element_ty)
+    s = tl.math.div_rn(g, 1.0 + e).to(DTYPE).to(tl.float32)
+    return (s * u).to(DTYPE)
+
+
+@triton.jit
+def _silu_mul(X_ROW, OUT, cols, mask, n_cols, LIBDEVICE: tl.constexpr):
+    """silu(gate) * up at `cols` of one row, rounded to OUT's dtype as the torch path rounds."""
+    g = tl.load(X_ROW + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(X_ROW + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    return silu_mul_values(g, u, OUT.dtype.element_ty, LIBDEVICE)
 
 
 @triton.jit
@@ -111,7 +118,7 @@ def _silu_and_mul_fp8_kernel(
 
 
 # triton.jit chose compiled or interpreted when the kernel was defined; libdevice is GPU only.
-_LIBDEVICE = isinstance(_silu_and_mul_kernel, triton.runtime.JITFunction)
+USE_LIBDEVICE = isinstance(_silu_and_mul_kernel, triton.runtime.JITFunction)
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -136,7 +143,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     grid = (rows_x.shape[0], triton.cdiv(n, BLOCK))
     _silu_and_mul_kernel[grid](
         rows_x, rows_out, n, rows_x.stride(0), rows_out.stride(0),
-        BLOCK=BLOCK, LIBDEVICE=_LIBDEVICE, PDL=pdl_enabled(x.device), num_warps=4,
+        BLOCK=BLOCK, LIBDEVICE=USE_LIBDEVICE, PDL=pdl_enabled(x.device), num_warps=4,
     )
     return out
 
@@ -161,7 +168,7 @@ def silu_and_mul_fp8(x: torch.Tensor, keep_out: bool = False
     block = width if whole else ROW_BLOCK
     _silu_and_mul_fp8_kernel[(t,)](
         x, out_arg, q, scale, n, x.stride(0), out_arg.stride(0),
-        BLOCK=block, LIBDEVICE=_LIBDEVICE, STORE_OUT=keep_out, FP8_MAX_C=FP8_MAX,
+        BLOCK=block, LIBDEVICE=USE_LIBDEVICE, STORE_OUT=keep_out, FP8_MAX_C=FP8_MAX,
         MIN_SCALE_C=MIN_SCALE, WHOLE=whole, PDL=pdl_enabled(x.device),
         num_warps=4 if whole else 8,  # whole rows: up to WHOLE_ROW_MAX, 32 columns a thread
     )

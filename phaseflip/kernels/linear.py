@@ -51,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from phaseflip.kernels.activation import USE_LIBDEVICE, silu_mul_values
 from phaseflip.kernels.linear_configs import (
     KERNEL_MAX_M,
     SkinnyConfig,
@@ -58,6 +59,7 @@ from phaseflip.kernels.linear_configs import (
     pick_config,
     plan_splits,
 )
+from phaseflip.kernels.linear_fold import NO_FOLD, Fold
 from phaseflip.kernels.pdl import launch_options, prefetch_then_wait
 
 # ----------------------------------------------------------------------------------------------
@@ -66,34 +68,75 @@ from phaseflip.kernels.pdl import launch_options, prefetch_then_wait
 
 
 @triton.jit
-def _lane_dot(w, x_ptrs, mask_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              VEC: tl.constexpr, EVEN_K: tl.constexpr):
+def _x_run(x_ptrs, mask_k, K, EVEN_K: tl.constexpr, PRO: tl.constexpr,
+           LIBDEVICE: tl.constexpr):
+    """One row of x over this K step, in fp32, after the prologue. PRO "silu": x is the
+    gate_up output [gate | up] (up starts K elements on) and the row is silu(gate) * up,
+    rounded as `kernels/activation.py` rounds it, so the product is the SiLU kernel's bitwise."""
+    if EVEN_K:
+        x = tl.load(x_ptrs)
+    else:
+        x = tl.load(x_ptrs, mask=mask_k, other=0.0)
+    if PRO == "silu":
+        if EVEN_K:
+            up = tl.load(x_ptrs + K).to(tl.float32)
+        else:
+            up = tl.load(x_ptrs + K, mask=mask_k, other=0.0).to(tl.float32)
+        x = silu_mul_values(x.to(tl.float32), up, x.dtype, LIBDEVICE)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _lane_dot(w, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
     """[BLOCK_N, BLOCK_K // VEC] sums of w * x over runs of VEC contiguous K elements.
 
     A run is one thread's 16-byte load, so this reduction never leaves the thread: the K loop
     has no shuffles or barriers, and the cross-thread reduction happens once after the loop.
     """
-    if EVEN_K:
-        x = tl.load(x_ptrs)
-    else:
-        x = tl.load(x_ptrs, mask=mask_k, other=0.0)
-    prod = w * x.to(tl.float32)[None, :]
+    prod = w * x[None, :]
     return tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_K // VEC, VEC]), 2)
 
 
 @triton.jit
-def _rows_ew(X, W, M, rows_w, k_lo, k_hi, stride_xm, stride_wn,
+def _row_step(w, g, x_ptrs, mask_k, a, ssq, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              VEC: tl.constexpr, EVEN_K: tl.constexpr, PRO: tl.constexpr,
+              LIBDEVICE: tl.constexpr):
+    """One x row's share of a K step: (accumulator, sum of squares) updated. PRO "norm": the
+    row is the residual stream before RMSNorm; it is scaled by the norm weight `g` here and by
+    its rsqrt(mean square) after the loop (`_rms_scale`), from the squares summed here."""
+    x = _x_run(x_ptrs, mask_k, K, EVEN_K, PRO, LIBDEVICE)
+    if PRO == "norm":
+        ssq += x * x
+        x = x * g
+    return a + _lane_dot(w, x, BLOCK_N, BLOCK_K, VEC), ssq
+
+
+@triton.jit
+def _rms_scale(a, ssq, K, eps, PRO: tl.constexpr):
+    """A row's dot products [BLOCK_N], times its RMSNorm factor under PRO "norm"."""
+    out = tl.sum(a, 1)
+    if PRO == "norm":
+        out = out * tl.math.rsqrt(tl.sum(ssq, 0) / K + eps)
+    return out
+
+
+@triton.jit
+def _rows_ew(X, W, G, M, rows_w, k_lo, k_hi, K, eps, stride_xm, stride_wn,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             VEC: tl.constexpr, EVEN_K: tl.constexpr):
+             VEC: tl.constexpr, EVEN_K: tl.constexpr, PRO: tl.constexpr,
+             LIBDEVICE: tl.constexpr):
     """M <= 8 on the FMA units: returns [BLOCK_M, BLOCK_N] fp32 partial sums over [k_lo, k_hi).
 
     One [BLOCK_N, BLOCK_K // VEC] accumulator per x row (named, since a loop cannot carry a
-    list): each weight tile is loaded once and multiplied by every row of x.
+    list): each weight tile is loaded once and multiplied by every row of x. The prologues
+    (`_row_step`) serve M <= 2 ("norm": one more [BLOCK_K] fp32 sum per row).
     """
     tl.static_assert(BLOCK_M <= 8, "the elementwise loop serves M <= 8")
+    tl.static_assert(PRO != "norm" or BLOCK_M <= 2, "the RMSNorm prologue serves M <= 2")
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = W + rows_w[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = X + k_lo + offs_k
+    g_ptrs = G + k_lo + offs_k
     # Row r of x starts dr[r] elements after row 0; rows past M repeat row M - 1 (not stored).
     dr1 = tl.minimum(1, M - 1) * stride_xm
     dr2 = tl.minimum(2, M - 1) * stride_xm
@@ -110,6 +153,9 @@ def _rows_ew(X, W, M, rows_w, k_lo, k_hi, stride_xm, stride_wn,
     a5 = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
     a6 = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
     a7 = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
+    s0 = tl.zeros([BLOCK_K], tl.float32)  # sums of squares (the "norm" prologue)
+    s1 = tl.zeros([BLOCK_K], tl.float32)
+    g = tl.zeros([BLOCK_K], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         mask_k = (k0 + offs_k) < k_hi
         if EVEN_K:
@@ -117,23 +163,34 @@ def _rows_ew(X, W, M, rows_w, k_lo, k_hi, stride_xm, stride_wn,
         else:
             w = tl.load(w_ptrs, mask=mask_k[None, :], other=0.0, eviction_policy="evict_first")
         w = w.to(tl.float32)
-        a0 += _lane_dot(w, x_ptrs, mask_k, BLOCK_N, BLOCK_K, VEC, EVEN_K)
+        if PRO == "norm":
+            g = tl.load(g_ptrs, mask=mask_k, other=0.0).to(tl.float32)
+        a0, s0 = _row_step(w, g, x_ptrs, mask_k, a0, s0, K, BLOCK_N, BLOCK_K, VEC, EVEN_K, PRO,
+                           LIBDEVICE)
         if BLOCK_M > 1:
-            a1 += _lane_dot(w, x_ptrs + dr1, mask_k, BLOCK_N, BLOCK_K, VEC, EVEN_K)
+            a1, s1 = _row_step(w, g, x_ptrs + dr1, mask_k, a1, s1, K, BLOCK_N, BLOCK_K, VEC,
+                               EVEN_K, PRO, LIBDEVICE)
         if BLOCK_M > 2:
-            a2 += _lane_dot(w, x_ptrs + dr2, mask_k, BLOCK_N, BLOCK_K, VEC, EVEN_K)
-            a3 += _lane_dot(w, x_ptrs + dr3, mask_k, BLOCK_N, BLOCK_K, VEC, EVEN_K)
+            a2, s1 = _row_step(w, g, x_ptrs + dr2, mask_k, a2, s1, K, BLOCK_N, BLOCK_K, VEC,
+                               EVEN_K, PRO, LIBDEVICE)
+            a3, s1 = _row_step(w, g, x_ptrs + dr3, mask_k, a3, s1, K, BLOCK_N, BLOCK_K, VEC,
+                               EVEN_K, PRO, LIBDEVICE)
         if BLOCK_M > 4:
-            a4 += _lane_dot(w, x_ptrs + dr4, mask_k, BLOCK_N, BLOCK_K, VEC, EVEN_K)
-            a5 += _lane_dot(w, x_ptrs + dr5, mask_k, BLOCK_N, BLOCK_K, VEC, EVEN_K)
-            a6 += _lane_dot(w, x_ptrs + dr6, mask_k, BLOCK_N, BLOCK_K, VEC, EVEN_K)
-            a7 += _lane_dot(w, x_ptrs + dr7, mask_k, BLOCK_N, BLOCK_K, VEC, EVEN_K)
+            a4, s1 = _row_step(w, g, x_ptrs + dr4, mask_k, a4, s1, K, BLOCK_N, BLOCK_K, VEC,
+                               EVEN_K, PRO, LIBDEVICE)
+            a5, s1 = _row_step(w, g, x_ptrs + dr5, mask_k, a5, s1, K, BLOCK_N, BLOCK_K, VEC,
+                               EVEN_K, PRO, LIBDEVICE)
+            a6, s1 = _row_step(w, g, x_ptrs + dr6, mask_k, a6, s1, K, BLOCK_N, BLOCK_K, VEC,
+                               EVEN_K, PRO, LIBDEVICE)
+            a7, s1 = _row_step(w, g, x_ptrs + dr7, mask_k, a7, s1, K, BLOCK_N, BLOCK_K, VEC,
+                               EVEN_K, PRO, LIBDEVICE)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
     row = tl.arange(0, BLOCK_M)[:, None]
-    acc = tl.where(row == 0, tl.sum(a0, 1)[None, :], 0.0)
+    acc = tl.where(row == 0, _rms_scale(a0, s0, K, eps, PRO)[None, :], 0.0)
     if BLOCK_M > 1:
-        acc += tl.where(row == 1, tl.sum(a1, 1)[None, :], 0.0)
+        acc += tl.where(row == 1, _rms_scale(a1, s1, K, eps, PRO)[None, :], 0.0)
     if BLOCK_M > 2:
         acc += tl.where(row == 2, tl.sum(a2, 1)[None, :], 0.0)
         acc += tl.where(row == 3, tl.sum(a3, 1)[None, :], 0.0)
@@ -173,8 +230,11 @@ def _rows_dot(X, W, rows_x, rows_w, k_lo, k_hi, stride_xm, stride_wn,
 
 
 @triton.jit
-def _store_rows(acc, B, S, XS, Y, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl.constexpr,
-                HAS_SCALE: tl.constexpr, HAS_XSCALE: tl.constexpr):
+def _store_rows(acc, B, S, XS, R, Y, offs_m, offs_n, M, N, stride_rm, stride_ym,
+                HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_XSCALE: tl.constexpr,
+                HAS_RES: tl.constexpr):
+    """y = acc (x's and W's scales, bias) in Y's dtype; HAS_RES: + R, the residual stream,
+    added to the rounded product as the fused add-norm kernel adds it (so bitwise the same)."""
     if HAS_XSCALE:  # FP8 x: its rows' (tokens') scales
         acc = acc * tl.load(XS + tl.minimum(offs_m, M - 1))[:, None]
     if HAS_SCALE:  # FP8 W: its rows' scales, once per output element
@@ -183,22 +243,30 @@ def _store_rows(acc, B, S, XS, Y, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl.
         bias = tl.load(B + tl.minimum(offs_n, N - 1)).to(tl.float32)
         acc = acc + bias[None, :]
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-             mask=mask)
+    y = acc.to(Y.dtype.element_ty)
+    if HAS_RES:
+        res = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0)
+        y = (y.to(tl.float32) + res.to(tl.float32)).to(Y.dtype.element_ty)
+    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=mask)
 
 
 @triton.jit(do_not_specialize=["M", "num_splits"])
 def _skinny_kernel(
-    X, W, B, S, XS, Y, PARTIALS, COUNTERS,
-    M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, num_splits,
+    X, W, B, S, XS, G, R, Y, PARTIALS, COUNTERS,
+    M, N, K, eps, stride_xm, stride_wn, stride_rm, stride_ym, k_per_split, num_splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LOOP: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     VEC: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SCALE: tl.constexpr,
     HAS_XSCALE: tl.constexpr, PDL: tl.constexpr, PF_LINE: tl.constexpr,
+    PRO: tl.constexpr, HAS_RES: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     """Program (n tile, split): rows [pid_n*BLOCK_N, +BLOCK_N) of y over one K chunk.
     PDL: launched before the previous kernel ends; its first W tile (lines of PF_LINE
-    elements) is prefetched into L2 before the wait (`kernels/pdl.py`)."""
+    elements) is prefetched into L2 before the wait (`kernels/pdl.py`). PRO (ew loop only):
+    "norm" computes RMSNorm(x) * G on the fly (one program must see all of K: no split),
+    "silu" silu(gate) * up of x = [gate | up]; HAS_RES adds R to the output."""
+    tl.static_assert(PRO == "none" or LOOP == "ew", "the prologues run in the ew loop")
+    tl.static_assert(PRO != "norm" or not SPLIT, "the RMSNorm prologue needs all of K")
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -214,8 +282,8 @@ def _skinny_kernel(
         acc = _rows_dot(X, W, rows_x, rows_w, k_lo, k_hi, stride_xm, stride_wn,
                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, HAS_XSCALE)
     else:
-        acc = _rows_ew(X, W, M, rows_w, k_lo, k_hi, stride_xm, stride_wn,
-                       BLOCK_M, BLOCK_N, BLOCK_K, VEC, EVEN_K)
+        acc = _rows_ew(X, W, G, M, rows_w, k_lo, k_hi, K, eps, stride_xm, stride_wn,
+                       BLOCK_M, BLOCK_N, BLOCK_K, VEC, EVEN_K, PRO, LIBDEVICE)
 
     if SPLIT:
         # Tile pid_n owns PARTIALS[pid_n, 0:num_splits, BLOCK_M, BLOCK_N] and COUNTERS[pid_n],
@@ -233,12 +301,12 @@ def _skinny_kernel(
             total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for s in range(0, num_splits):
                 total += tl.load(tile + s * tile_elems, cache_modifier=".cg")
-            _store_rows(total, B, S, XS, Y, offs_m, offs_n, M, N, stride_ym, HAS_BIAS,
-                        HAS_SCALE, HAS_XSCALE)
+            _store_rows(total, B, S, XS, R, Y, offs_m, offs_n, M, N, stride_rm, stride_ym,
+                        HAS_BIAS, HAS_SCALE, HAS_XSCALE, HAS_RES)
             tl.store(COUNTERS + pid_n, 0)
     else:
-        _store_rows(acc, B, S, XS, Y, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, HAS_SCALE,
-                    HAS_XSCALE)
+        _store_rows(acc, B, S, XS, R, Y, offs_m, offs_n, M, N, stride_rm, stride_ym,
+                    HAS_BIAS, HAS_SCALE, HAS_XSCALE, HAS_RES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -336,11 +404,12 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             y2: torch.Tensor, n: int, cfg: SkinnyConfig, workspace: SplitKWorkspace | None,
             reserve_n: int | None = None, weight_scale: torch.Tensor | None = None,
-            x_scale: torch.Tensor | None = None) -> None:
-    """Launch on 2-D x [M, K] / y [M, >=n]; `reserve_n` sizes the workspace for a larger N
-    than launched (warmup's proxy weights); `weight_scale`: an FP8 weight's row scales;
-    `x_scale`: FP8 x's row scales (W8A8)."""
-    m, k = x2.shape
+            x_scale: torch.Tensor | None = None, fold: Fold = NO_FOLD) -> None:
+    """Launch on 2-D x [M, K] ([M, 2K] under `fold.silu_mul`) / y [M, >=n]; `reserve_n`
+    sizes the workspace for a larger N than launched (warmup's proxy weights);
+    `weight_scale`: an FP8 weight's row scales; `x_scale`: FP8 x's row scales (W8A8)."""
+    m, k = x2.shape[0], weight.shape[1]
+    cfg = fold.config(cfg, m, n, k, weight.dtype, x2.device)
     bm = cfg.block_m(m)
     if cfg.loop == "ew" and bm > 8:
         raise ValueError(f"the ew loop serves at most 8 rows (got {m}); use a dot config")
@@ -360,27 +429,33 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     _skinny_kernel[(tiles, num_splits)](
         x2, weight, bias if bias is not None else weight,
         weight_scale if weight_scale is not None else y2,
-        x_scale if x_scale is not None else y2, y2, partials, counters,
-        m, n, k, x2.stride(0), weight.stride(0), y2.stride(0), k_per_split, num_splits,
+        x_scale if x_scale is not None else y2,
+        fold.norm_weight if fold.norm_weight is not None else y2,
+        fold.residual if fold.residual is not None else y2, y2, partials, counters,
+        m, n, k, fold.eps, x2.stride(0), weight.stride(0),
+        fold.residual.stride(0) if fold.residual is not None else 0, y2.stride(0),
+        k_per_split, num_splits,
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LOOP=cfg.loop,
         SPLIT=split, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         VEC=16 // weight.element_size(), DOT_PREC=_dot_precision(x2.dtype),
         HAS_SCALE=weight_scale is not None, HAS_XSCALE=x_scale is not None,
         PDL=bool(pdl), PF_LINE=min(128 // weight.element_size(), cfg.block_k),
+        PRO=fold.prologue, HAS_RES=fold.residual is not None, LIBDEVICE=USE_LIBDEVICE,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
 
 
 def _check_operands(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
-                    x_scale: torch.Tensor | None, out_dtype: torch.dtype | None
-                    ) -> torch.dtype:
-    """The operand rules of `skinny_linear`; returns the output dtype."""
+                    x_scale: torch.Tensor | None, out_dtype: torch.dtype | None,
+                    x_cols: int) -> torch.dtype:
+    """The operand rules of `skinny_linear` (x has `x_cols` columns: K, or 2K for a SiLU
+    fold); returns the output dtype."""
     if x.device.type != "cuda" and not _interpreting():
         raise ValueError("skinny_linear needs CUDA tensors (or TRITON_INTERPRET=1); "
                          "use torch.nn.functional.linear on the CPU")
     n, k = weight.shape
     fp8_w, fp8_x = weight.element_size() == 1, x.element_size() == 1
-    if x.shape[-1] != k or (x.dtype != weight.dtype and not fp8_w):
+    if x.shape[-1] != x_cols or (x.dtype != weight.dtype and not fp8_w):
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not match weight "
                          f"{tuple(weight.shape)} {weight.dtype}")
     if fp8_w != (weight_scale is not None) or (fp8_w and (
@@ -413,6 +488,7 @@ def skinny_linear(
     out_dtype: torch.dtype | None = None,
     config: SkinnyConfig | None = None,
     workspace: SplitKWorkspace | None = None,
+    fold: Fold = NO_FOLD,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for few rows: x [..., K], weight [N, K] (K contiguous),
     bias [N]; fp32 accumulation, output in x's dtype (written into `out`, [..., N], when given).
@@ -421,16 +497,19 @@ def skinny_linear(
     `out_dtype` (the model's float dtype): y = (x_q @ W_q^T) * x_scale[:, None] * scale (+ b),
     FP8 MMAs.
 
-    `config` pins a launch shape (tests, tuning); otherwise the tuned table or the heuristic
-    picks one. No host syncs; allocates only `out` when it is omitted (and the split-K
-    workspace the first time a shape needs more of it — call `warmup` before graph capture).
+    `fold` (a few rows of 16-bit x): an RMSNorm before, SiLU·mul before, a residual add after
+    (`Fold`). `config` pins a launch shape (tests, tuning); otherwise the tuned table or the
+    heuristic picks one. No host syncs; allocates only `out` when it is omitted (and the
+    split-K workspace the first time a shape needs more of it — call `warmup` before graph
+    capture).
     """
-    dtype = _check_operands(x, weight, weight_scale, x_scale, out_dtype)
     n, k = weight.shape
+    x_cols = 2 * k if fold.silu_mul else k
+    dtype = _check_operands(x, weight, weight_scale, x_scale, out_dtype, x_cols)
     if bias is not None and (bias.shape != (n,) or bias.dtype != dtype):
         raise ValueError(f"bias must be [{n}] of dtype {dtype}")
     lead = x.shape[:-1]
-    x2 = x.reshape(math.prod(lead), k)
+    x2 = x.reshape(math.prod(lead), x_cols)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
@@ -441,9 +520,12 @@ def skinny_linear(
         out = torch.empty(*lead, n, dtype=dtype, device=x.device)
     elif out.shape != (*lead, n) or out.dtype != dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be {(*lead, n)} of dtype {dtype}, contiguous in N")
+    fold.check(x2, k, out, x_scale is not None)
     if m == 0 or n == 0:
         return out
     y2 = out.view(-1, n) if out.dim() != 2 else out
+    if k == 0 and fold.active:
+        raise ValueError("a fold needs K >= 1")
     if k == 0:  # an empty sum: the bias alone
         y2.zero_()
         if bias is not None:
@@ -453,7 +535,7 @@ def skinny_linear(
         bias = bias.contiguous()
     cfg = config or pick_config(m, n, k, weight.dtype, x.device, w8a8=x_scale is not None)
     _launch(x2, weight, bias, y2, n, cfg, workspace, weight_scale=weight_scale,
-            x_scale=x_scale)
+            x_scale=x_scale, fold=fold.rows(m, n))
     return out
 
 

@@ -150,6 +150,16 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.dev
     return replace(cfg, split_k=auto_split(n, k, cfg.block_n, cfg.block_k, sms))
 
 
+def ew_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, *,
+              sms: int | None = None) -> SkinnyConfig:
+    """The heuristic's first elementwise-loop shape for M <= 8 rows (what a launch that must
+    run that loop gets where the pick is the tensor-core loop), split as `default_config`."""
+    bn, bk, warps, stages = _EW_SHAPES[m_bucket(m)][0]
+    bk //= 2 if dtype == torch.float32 else 1
+    return SkinnyConfig(bn, bk, warps, stages,
+                        auto_split(n, k, bn, bk, sms or num_sms(device)), "ew")
+
+
 def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, *,
                       sms: int | None = None, w8a8: bool = False) -> list[SkinnyConfig]:
     """The sweep `tune` times for one (M bucket, N, K): the shapes above (ew for M <= 8, dot

@@ -14,6 +14,7 @@ also quantize their output per token and hand the linear an `Fp8Activation` in i
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
 
 import torch
@@ -255,7 +256,10 @@ class QKVParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor | Fp8Activation
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = linear(x, self.weight, self.bias, self.weight_scale)
+        return self.split(linear(x, self.weight, self.bias, self.weight_scale))
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v: views of the fused projection's output."""
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
@@ -384,3 +388,50 @@ class SiluAndMul(nn.Module):
         """The torch path (CPU, and the oracle the kernel is tested against)."""
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+# Set to 1 to run decode layers unfolded (separate norm and SiLU kernels) even for a few rows.
+NO_FOLD_ENV = "PHASEFLIP_NO_FOLD"
+
+
+def folds_rows(x: torch.Tensor, layout: Layout, linears: tuple[nn.Module, ...]) -> bool:
+    """Whether a decoder layer runs `x` (the residual stream, [M, hidden]) folded: its norms,
+    SiLU·mul and residual adds inside its projections' launches (`kernels/linear_fold.py`).
+    Where: CUDA with triton, one process (under TP the residual add waits for an all-reduce;
+    pipeline stages exchange (hidden, residual) pairs), M <= 2 rows, and every projection
+    on the skinny kernel's 16-bit-x loop: bf16/fp16/fp32 weights the kernel is picked for, FP8
+    weights weight-only (their rows stay unquantized at M <= 2). Shapes and types only: a CUDA
+    graph captures the choice it replays. `PHASEFLIP_NO_FOLD=1` turns it off."""
+    from phaseflip.model.quant.fp8 import FP8_WEIGHT_ONLY_MAX_M
+
+    if not (use_fused_kernels(x) and x.dim() == 2 and layout.tp_size == 1
+            and layout.pp_size == 1 and 1 <= x.shape[0] <= FP8_WEIGHT_ONLY_MAX_M):
+        return False
+    if os.environ.get(NO_FOLD_ENV, "") not in ("", "0"):
+        return False
+    from phaseflip.kernels.linear_configs import should_use_skinny
+    from phaseflip.kernels.linear_fold import NORM_FOLD_MAX_M
+
+    m = x.shape[0]
+    for layer in linears:
+        n, k = layer.weight.shape
+        if layer.weight_scale is None:
+            ok = layer.weight.dtype == x.dtype and should_use_skinny(m, n, k)
+        else:
+            ok = x.element_size() == 2 and k % 16 == 0
+        if not ok:
+            return False
+    return m <= NORM_FOLD_MAX_M
+
+
+def folded_linear(x: torch.Tensor, layer: nn.Module, *, norm: RMSNorm | None = None,
+                  silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`layer`'s projection of a few rows (`folds_rows`) with `norm` applied to x first, or
+    silu(gate) * up of x = [gate | up], and `residual` added to the output."""
+    from phaseflip.kernels.linear import skinny_linear
+    from phaseflip.kernels.linear_fold import Fold
+
+    fold = Fold(norm.weight if norm is not None else None, norm.eps if norm is not None else 0.0,
+                silu_mul, residual)
+    return skinny_linear(x, layer.weight, layer.bias, weight_scale=layer.weight_scale,
+                         fold=fold)

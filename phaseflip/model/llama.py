@@ -26,6 +26,8 @@ from phaseflip.model.layers import (
     SiluAndMul,
     VocabParallelEmbedding,
     default_weight_loader,
+    folded_linear,
+    folds_rows,
 )
 from phaseflip.model.quant import Fp8Config, convert_checkpoint
 from phaseflip.model.quant.fp8 import Fp8Activation
@@ -72,6 +74,11 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x)
+        return self.o_proj(self.attend(q, k, v, batch, rotary, pool, backend))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+               rotary: RotaryBatch, pool: KVPool, backend: AttentionBackend) -> torch.Tensor:
+        """The attention output [T, heads * head_dim] (before o_proj) of projected q, k, v."""
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -80,10 +87,9 @@ class Attention(nn.Module):
         # one launch on CUDA: q rotated in place (a view of the qkv output), rotated k and v
         # written into the pool; k itself is then stale, the backend reads the pool
         q = rotary.rotate_and_store_(q, k, v, pool, self.layer_id, batch.out_cache_loc)
-        o = backend.forward(
+        return backend.forward(
             self.layer_id, q, k, v, batch, pool, self.scale, self.sliding_window, kv_stored=True
         )
-        return self.o_proj(o)
 
 
 class MLP(nn.Module):
@@ -114,6 +120,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, x, residual, batch, rotary, pool, backend):
+        if residual is None and folds_rows(x, self.self_attn.o_proj.layout, self._linears):
+            return self._forward_folded(x, batch, rotary, pool, backend), None
         # each norm quantizes its output for the FP8 projection it feeds where that projection
         # would quantize it the same way itself (`takes_fp8_input`: shapes only, graph-safe)
         quantize = self.self_attn.qkv_proj.takes_fp8_input(x)
@@ -125,6 +133,23 @@ class DecoderLayer(nn.Module):
         quantize = self.mlp.gate_up_proj.takes_fp8_input(x)
         x, residual = self.post_attention_layernorm(x, residual, quantize=quantize)
         return self.mlp(x), residual
+
+    @property
+    def _linears(self) -> tuple[nn.Module, ...]:
+        attn, mlp = self.self_attn, self.mlp
+        return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+    def _forward_folded(self, r: torch.Tensor, batch: ForwardBatch, rotary: RotaryBatch,
+                        pool: KVPool, backend: AttentionBackend) -> torch.Tensor:
+        """The layer for a few rows with its norms, SiLU·mul and residual adds inside the
+        projections' launches (`kernels/linear_fold.py`): r is the residual stream in (hidden
+        and residual summed: what the unfolded path calls residual with hidden None) and out."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv = folded_linear(r, attn.qkv_proj, norm=self.input_layernorm)
+        o = attn.attend(*attn.qkv_proj.split(qkv), batch, rotary, pool, backend)
+        r = folded_linear(o, attn.o_proj, residual=r)
+        gate_up = folded_linear(r, mlp.gate_up_proj, norm=self.post_attention_layernorm)
+        return folded_linear(gate_up, mlp.down_proj, silu_mul=True, residual=r)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -187,7 +212,10 @@ class LlamaForCausalLM(nn.Module):
 
     def final_states(self, hidden: torch.Tensor, residual: torch.Tensor,
                      rows: torch.Tensor) -> torch.Tensor:
-        """The last stage's final-normed states of `rows` (the rows logits are taken of)."""
+        """The last stage's final-normed states of `rows` (the rows logits are taken of);
+        `residual` None: `hidden` is the residual stream (a folded step's layers)."""
+        if residual is None:
+            return self.norm(hidden[rows])
         return self.norm(hidden[rows], residual[rows])[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

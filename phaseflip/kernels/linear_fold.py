@@ -1,0 +1,83 @@
+"""Folds: the elementwise neighbours of a decode linear done inside the skinny GEMM's launch.
+
+At batch 1 a decoder layer's RMSNorms and SiLU·mul are launch-bound kernels (~2 µs each on an
+H200 for a few KB of data: 0.18 of a 2.7 ms FP8 step), between GEMMs that stream megabytes.
+The skinny kernel's elementwise loop reads x from L1/L2 at every K step anyway, so it can
+apply the norm or the SiLU to what it reads, and add the residual at its store
+(`kernels/linear.py`, `_skinny_kernel`'s PRO and HAS_RES); `model/llama.py` folds a layer so
+when a step has few rows on one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from phaseflip.kernels.linear_configs import SkinnyConfig, ew_config
+
+FOLD_MAX_M = 8  # the elementwise loop's rows
+NORM_FOLD_MAX_M = 2  # rows whose sums of squares the loop carries (one [BLOCK_K] sum each)
+
+
+@dataclass(frozen=True)
+class Fold:
+    """What one launch does around its GEMM for a few rows of 16-bit x (the ew loop), so
+    that a batch-1 decode layer runs no norm or SiLU kernel of its own (launch-bound there).
+
+    `norm_weight` (M <= 2): x is the residual stream and the GEMM reads RMSNorm(x) * weight,
+    the mean square summed in the loop and applied at the store, in float32 (the norm
+    kernel rounds its output to x's dtype first: the products differ by that rounding).
+    `silu_mul`: x is [gate | up] (2K columns) and the GEMM reads silu(gate) * up, rounded as
+    the SiLU kernel rounds it. `residual` [M, N]: y = round(x W^T) + residual, rounded as the
+    fused add-norm kernel adds (may be `out` itself).
+    """
+
+    norm_weight: torch.Tensor | None = None
+    eps: float = 0.0
+    silu_mul: bool = False
+    residual: torch.Tensor | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.norm_weight is not None or self.silu_mul or self.residual is not None
+
+    @property
+    def prologue(self) -> str:
+        return "norm" if self.norm_weight is not None else "silu" if self.silu_mul else "none"
+
+    def check(self, x2: torch.Tensor, k: int, out: torch.Tensor, fp8_x: bool) -> None:
+        """The fold's operand rules (x2: x as rows)."""
+        if not self.active:
+            return
+        m = x2.shape[0]
+        if fp8_x or m > FOLD_MAX_M or (self.norm_weight is not None and (
+                self.silu_mul or m > NORM_FOLD_MAX_M)):
+            raise ValueError(f"folds take 16-bit x of at most {FOLD_MAX_M} rows "
+                             f"({NORM_FOLD_MAX_M} with a norm, which excludes SiLU·mul)")
+        if self.norm_weight is not None and (self.norm_weight.shape != (k,)
+                                             or not self.norm_weight.is_contiguous()):
+            raise ValueError(f"the norm weight must be a contiguous [{k}]")
+        r = self.residual
+        if r is not None and (r.shape != out.shape or r.dtype != out.dtype
+                              or r.stride(-1) != 1 or (r.dim() > 2 and not r.is_contiguous())):
+            raise ValueError(f"the residual must be {tuple(out.shape)} of dtype {out.dtype}, "
+                             f"contiguous in N")
+
+    def rows(self, m: int, n: int) -> Fold:
+        """The fold with its residual as 2-D rows [M, N]."""
+        if self.residual is None or self.residual.dim() == 2:
+            return self
+        return replace(self, residual=self.residual.reshape(m, n))
+
+    def config(self, cfg: SkinnyConfig, m: int, n: int, k: int, dtype: torch.dtype,
+               device: torch.device) -> SkinnyConfig:
+        """A launch shape the fold runs in: the elementwise loop, unsplit under a norm."""
+        if not self.active:
+            return cfg
+        if cfg.loop != "ew":
+            cfg = ew_config(m, n, k, dtype, device)
+        return replace(cfg, split_k=1) if self.norm_weight is not None else cfg
+
+
+NO_FOLD = Fold()
