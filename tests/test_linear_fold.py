@@ -71,19 +71,31 @@ def test_norm_fold_with_an_fp8_weight():
 
 
 @pytest.mark.parametrize("cfg", [EW, EW_SPLIT], ids=["ew", "ew_split"])
-@pytest.mark.parametrize("m,k", [(1, 96), (2, 100), (5, 64)])
-def test_silu_and_residual_folds_are_bitwise_the_separate_kernels(cfg, m, k):
-    gate_up = _randn(m, 2 * k, seed=m + k) * 2
-    w, r = _randn(40, k, seed=7), _randn(m, 40, seed=8)
-    act = activation.silu_and_mul(gate_up)
-    plain = skinny_linear(act, w, config=cfg)
-    added = (plain.float() + r.float()).to(r.dtype)
-    got = skinny_linear(gate_up, w, config=cfg, fold=Fold(silu_mul=True, residual=r))
-    assert torch.equal(got, added)
-    assert torch.equal(skinny_linear(gate_up, w, config=cfg, fold=Fold(silu_mul=True)), plain)
+@pytest.mark.parametrize("m,k,inter", [(1, 96, 40), (2, 100, 24), (5, 64, 9)])
+def test_silu_and_residual_folds_are_bitwise_the_separate_kernels(cfg, m, k, inter):
+    x = _randn(m, k, seed=m + k) * 2
+    w_gate_up, w = _randn(2 * inter, k, seed=7), _randn(40, k, seed=15)
+    act = activation.silu_and_mul(skinny_linear(x, w_gate_up, config=cfg))
+    got = skinny_linear(x, w_gate_up, config=cfg, fold=Fold(silu_mul=True))
+    assert got.shape == (m, inter) and torch.equal(got, act)
+    r = _randn(m, 40, seed=8)
+    added = (skinny_linear(x, w, config=cfg).float() + r.float()).to(r.dtype)
+    assert torch.equal(skinny_linear(x, w, config=cfg, fold=Fold(residual=r)), added)
     into = r.clone()  # the residual stream updated in place
-    assert skinny_linear(act, w, out=into, config=cfg, fold=Fold(residual=into)) is into
+    assert skinny_linear(x, w, out=into, config=cfg, fold=Fold(residual=into)) is into
     assert torch.equal(into, added)
+
+
+def test_silu_fold_with_an_fp8_weight_and_the_norm():
+    """The batch-1 gate_up launch: RMSNorm before, the row scales, SiLU·mul after."""
+    k, inter = 128, 48
+    x, g = _randn(1, k, seed=16), _randn(k, seed=17)
+    w_q, scale = fp8.quantize_rows(_randn(2 * inter, k, seed=18, dtype=torch.float32))
+    got = skinny_linear(x, w_q, weight_scale=scale, config=EW,
+                        fold=Fold(norm_weight=g, eps=EPS, silu_mul=True))
+    y = (_norm_ref(x, g) @ (w_q.float() * scale[:, None]).t()).to(torch.bfloat16)
+    want = activation.silu_and_mul(y)
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 2e-2
 
 
 def test_a_tensor_core_pick_runs_the_elementwise_loop():
@@ -101,15 +113,14 @@ def test_folds_reject_what_they_do_not_serve():
     with pytest.raises(ValueError, match="at most"):
         skinny_linear(_randn(9, 64, seed=1), w, config=EW, fold=Fold(residual=_randn(9, 16,
                                                                                     seed=2)))
-    with pytest.raises(ValueError, match="excludes"):
-        skinny_linear(_randn(1, 128, seed=1), w, config=EW,
-                      fold=Fold(norm_weight=g, eps=EPS, silu_mul=True))
+    with pytest.raises(ValueError, match="SiLU"):
+        skinny_linear(x[:1], w[:15], config=EW, fold=Fold(silu_mul=True))  # odd rows
+    with pytest.raises(ValueError, match="SiLU"):
+        skinny_linear(x[:1], w, w[:, 0].contiguous(), config=EW, fold=Fold(silu_mul=True))
     with pytest.raises(ValueError, match="norm weight"):
         skinny_linear(x[:1], w, config=EW, fold=Fold(norm_weight=g[:32], eps=EPS))
     with pytest.raises(ValueError, match="residual"):
         skinny_linear(x, w, config=EW, fold=Fold(residual=_randn(3, 8, seed=3)))
-    with pytest.raises(ValueError, match="does not match"):  # SiLU·mul takes [gate | up]
-        skinny_linear(x, w, config=EW, fold=Fold(silu_mul=True))
     w_q, scale = fp8.quantize_rows(w.float())
     x_q, sx = fp8.quantize_tokens(x[:1])
     with pytest.raises(ValueError, match="16-bit"):

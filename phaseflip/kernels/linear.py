@@ -68,25 +68,6 @@ from phaseflip.kernels.pdl import launch_options, prefetch_then_wait
 
 
 @triton.jit
-def _x_run(x_ptrs, mask_k, K, EVEN_K: tl.constexpr, PRO: tl.constexpr,
-           LIBDEVICE: tl.constexpr):
-    """One row of x over this K step, in fp32, after the prologue. PRO "silu": x is the
-    gate_up output [gate | up] (up starts K elements on) and the row is silu(gate) * up,
-    rounded as `kernels/activation.py` rounds it, so the product is the SiLU kernel's bitwise."""
-    if EVEN_K:
-        x = tl.load(x_ptrs)
-    else:
-        x = tl.load(x_ptrs, mask=mask_k, other=0.0)
-    if PRO == "silu":
-        if EVEN_K:
-            up = tl.load(x_ptrs + K).to(tl.float32)
-        else:
-            up = tl.load(x_ptrs + K, mask=mask_k, other=0.0).to(tl.float32)
-        x = silu_mul_values(x.to(tl.float32), up, x.dtype, LIBDEVICE)
-    return x.to(tl.float32)
-
-
-@triton.jit
 def _lane_dot(w, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
     """[BLOCK_N, BLOCK_K // VEC] sums of w * x over runs of VEC contiguous K elements.
 
@@ -98,24 +79,26 @@ def _lane_dot(w, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.conste
 
 
 @triton.jit
-def _row_step(w, g, x_ptrs, mask_k, a, ssq, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              VEC: tl.constexpr, EVEN_K: tl.constexpr, PRO: tl.constexpr,
-              LIBDEVICE: tl.constexpr):
-    """One x row's share of a K step: (accumulator, sum of squares) updated. PRO "norm": the
-    row is the residual stream before RMSNorm; it is scaled by the norm weight `g` here and by
-    its rsqrt(mean square) after the loop (`_rms_scale`), from the squares summed here."""
-    x = _x_run(x_ptrs, mask_k, K, EVEN_K, PRO, LIBDEVICE)
-    if PRO == "norm":
+def _row_step(w, g, x_ptrs, mask_k, a, ssq, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              VEC: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr):
+    """One x row's share of a K step: (accumulator, sum of squares) updated. NORM: the row
+    is the residual stream before RMSNorm; it is scaled by the norm weight `g` here and by its
+    rsqrt(mean square) after the loop (`_rms_scale`), from the squares summed here."""
+    if EVEN_K:
+        x = tl.load(x_ptrs).to(tl.float32)
+    else:
+        x = tl.load(x_ptrs, mask=mask_k, other=0.0).to(tl.float32)
+    if NORM:
         ssq += x * x
         x = x * g
     return a + _lane_dot(w, x, BLOCK_N, BLOCK_K, VEC), ssq
 
 
 @triton.jit
-def _rms_scale(a, ssq, K, eps, PRO: tl.constexpr):
-    """A row's dot products [BLOCK_N], times its RMSNorm factor under PRO "norm"."""
+def _rms_scale(a, ssq, K, eps, NORM: tl.constexpr):
+    """A row's dot products [BLOCK_N], times its RMSNorm factor under NORM."""
     out = tl.sum(a, 1)
-    if PRO == "norm":
+    if NORM:
         out = out * tl.math.rsqrt(tl.sum(ssq, 0) / K + eps)
     return out
 
@@ -123,16 +106,15 @@ def _rms_scale(a, ssq, K, eps, PRO: tl.constexpr):
 @triton.jit
 def _rows_ew(X, W, G, M, rows_w, k_lo, k_hi, K, eps, stride_xm, stride_wn,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             VEC: tl.constexpr, EVEN_K: tl.constexpr, PRO: tl.constexpr,
-             LIBDEVICE: tl.constexpr):
+             VEC: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr):
     """M <= 8 on the FMA units: returns [BLOCK_M, BLOCK_N] fp32 partial sums over [k_lo, k_hi).
 
     One [BLOCK_N, BLOCK_K // VEC] accumulator per x row (named, since a loop cannot carry a
-    list): each weight tile is loaded once and multiplied by every row of x. The prologues
-    (`_row_step`) serve M <= 2 ("norm": one more [BLOCK_K] fp32 sum per row).
+    list): each weight tile is loaded once and multiplied by every row of x. NORM serves
+    M <= 2 (one more [BLOCK_K] fp32 sum per row: `_row_step`).
     """
     tl.static_assert(BLOCK_M <= 8, "the elementwise loop serves M <= 8")
-    tl.static_assert(PRO != "norm" or BLOCK_M <= 2, "the RMSNorm prologue serves M <= 2")
+    tl.static_assert(not NORM or BLOCK_M <= 2, "the RMSNorm prologue serves M <= 2")
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = W + rows_w[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = X + k_lo + offs_k
@@ -163,34 +145,33 @@ def _rows_ew(X, W, G, M, rows_w, k_lo, k_hi, K, eps, stride_xm, stride_wn,
         else:
             w = tl.load(w_ptrs, mask=mask_k[None, :], other=0.0, eviction_policy="evict_first")
         w = w.to(tl.float32)
-        if PRO == "norm":
+        if NORM:
             g = tl.load(g_ptrs, mask=mask_k, other=0.0).to(tl.float32)
-        a0, s0 = _row_step(w, g, x_ptrs, mask_k, a0, s0, K, BLOCK_N, BLOCK_K, VEC, EVEN_K, PRO,
-                           LIBDEVICE)
+        a0, s0 = _row_step(w, g, x_ptrs, mask_k, a0, s0, BLOCK_N, BLOCK_K, VEC, EVEN_K, NORM)
         if BLOCK_M > 1:
-            a1, s1 = _row_step(w, g, x_ptrs + dr1, mask_k, a1, s1, K, BLOCK_N, BLOCK_K, VEC,
-                               EVEN_K, PRO, LIBDEVICE)
+            a1, s1 = _row_step(w, g, x_ptrs + dr1, mask_k, a1, s1, BLOCK_N, BLOCK_K, VEC,
+                               EVEN_K, NORM)
         if BLOCK_M > 2:
-            a2, s1 = _row_step(w, g, x_ptrs + dr2, mask_k, a2, s1, K, BLOCK_N, BLOCK_K, VEC,
-                               EVEN_K, PRO, LIBDEVICE)
-            a3, s1 = _row_step(w, g, x_ptrs + dr3, mask_k, a3, s1, K, BLOCK_N, BLOCK_K, VEC,
-                               EVEN_K, PRO, LIBDEVICE)
+            a2, s1 = _row_step(w, g, x_ptrs + dr2, mask_k, a2, s1, BLOCK_N, BLOCK_K, VEC,
+                               EVEN_K, NORM)
+            a3, s1 = _row_step(w, g, x_ptrs + dr3, mask_k, a3, s1, BLOCK_N, BLOCK_K, VEC,
+                               EVEN_K, NORM)
         if BLOCK_M > 4:
-            a4, s1 = _row_step(w, g, x_ptrs + dr4, mask_k, a4, s1, K, BLOCK_N, BLOCK_K, VEC,
-                               EVEN_K, PRO, LIBDEVICE)
-            a5, s1 = _row_step(w, g, x_ptrs + dr5, mask_k, a5, s1, K, BLOCK_N, BLOCK_K, VEC,
-                               EVEN_K, PRO, LIBDEVICE)
-            a6, s1 = _row_step(w, g, x_ptrs + dr6, mask_k, a6, s1, K, BLOCK_N, BLOCK_K, VEC,
-                               EVEN_K, PRO, LIBDEVICE)
-            a7, s1 = _row_step(w, g, x_ptrs + dr7, mask_k, a7, s1, K, BLOCK_N, BLOCK_K, VEC,
-                               EVEN_K, PRO, LIBDEVICE)
+            a4, s1 = _row_step(w, g, x_ptrs + dr4, mask_k, a4, s1, BLOCK_N, BLOCK_K, VEC,
+                               EVEN_K, NORM)
+            a5, s1 = _row_step(w, g, x_ptrs + dr5, mask_k, a5, s1, BLOCK_N, BLOCK_K, VEC,
+                               EVEN_K, NORM)
+            a6, s1 = _row_step(w, g, x_ptrs + dr6, mask_k, a6, s1, BLOCK_N, BLOCK_K, VEC,
+                               EVEN_K, NORM)
+            a7, s1 = _row_step(w, g, x_ptrs + dr7, mask_k, a7, s1, BLOCK_N, BLOCK_K, VEC,
+                               EVEN_K, NORM)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
     row = tl.arange(0, BLOCK_M)[:, None]
-    acc = tl.where(row == 0, _rms_scale(a0, s0, K, eps, PRO)[None, :], 0.0)
+    acc = tl.where(row == 0, _rms_scale(a0, s0, K, eps, NORM)[None, :], 0.0)
     if BLOCK_M > 1:
-        acc += tl.where(row == 1, _rms_scale(a1, s1, K, eps, PRO)[None, :], 0.0)
+        acc += tl.where(row == 1, _rms_scale(a1, s1, K, eps, NORM)[None, :], 0.0)
     if BLOCK_M > 2:
         acc += tl.where(row == 2, tl.sum(a2, 1)[None, :], 0.0)
         acc += tl.where(row == 3, tl.sum(a3, 1)[None, :], 0.0)
@@ -250,6 +231,46 @@ def _store_rows(acc, B, S, XS, R, Y, offs_m, offs_n, M, N, stride_rm, stride_ym,
     tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=mask)
 
 
+@triton.jit
+def _store_silu(acc, S, Y, offs_m, rows_w, pid_n, M, N, stride_ym, BLOCK_N: tl.constexpr,
+                HAS_SCALE: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """silu(gate) * up into Y [M, N / 2] from a tile whose columns pair gate row j with up
+    row j (`_tile_rows`): each product rounded to Y's dtype as the GEMM's output would be,
+    then combined as `kernels/activation.py` combines them (so bitwise the two kernels)."""
+    if HAS_SCALE:
+        acc = acc * tl.load(S + rows_w)[None, :]
+    acc = acc.to(Y.dtype.element_ty).to(tl.float32)
+    gate, up = tl.split(tl.reshape(acc, [acc.shape[0], BLOCK_N // 2, 2]))
+    out = silu_mul_values(gate, up, Y.dtype.element_ty, LIBDEVICE)
+    offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    mask = (offs_m < M)[:, None] & (offs_n < N // 2)[None, :]
+    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], out, mask=mask)
+
+
+@triton.jit
+def _tile_rows(pid_n, N, BLOCK_N: tl.constexpr, SILU: tl.constexpr):
+    """(W rows, their output columns) of tile pid_n. SILU: W is [gate; up] (N = 2I rows) and
+    the tile pairs gate row j with up row j, I apart, for BLOCK_N / 2 output columns."""
+    if SILU:
+        j = tl.minimum(pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2, N // 2 - 1)
+        return j + (tl.arange(0, BLOCK_N) % 2) * (N // 2), j
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return tl.minimum(offs_n, N - 1), offs_n
+
+
+@triton.jit
+def _store_tile(acc, B, S, XS, R, Y, offs_m, offs_n, rows_w, pid_n, M, N, stride_rm,
+                stride_ym, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                HAS_SCALE: tl.constexpr, HAS_XSCALE: tl.constexpr, HAS_RES: tl.constexpr,
+                SILU: tl.constexpr, LIBDEVICE: tl.constexpr):
+    if SILU:
+        _store_silu(acc, S, Y, offs_m, rows_w, pid_n, M, N, stride_ym, BLOCK_N, HAS_SCALE,
+                    LIBDEVICE)
+    else:
+        _store_rows(acc, B, S, XS, R, Y, offs_m, offs_n, M, N, stride_rm, stride_ym,
+                    HAS_BIAS, HAS_SCALE, HAS_XSCALE, HAS_RES)
+
+
 @triton.jit(do_not_specialize=["M", "num_splits"])
 def _skinny_kernel(
     X, W, B, S, XS, G, R, Y, PARTIALS, COUNTERS,
@@ -258,20 +279,20 @@ def _skinny_kernel(
     LOOP: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     VEC: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SCALE: tl.constexpr,
     HAS_XSCALE: tl.constexpr, PDL: tl.constexpr, PF_LINE: tl.constexpr,
-    PRO: tl.constexpr, HAS_RES: tl.constexpr, LIBDEVICE: tl.constexpr,
+    NORM: tl.constexpr, SILU: tl.constexpr, HAS_RES: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     """Program (n tile, split): rows [pid_n*BLOCK_N, +BLOCK_N) of y over one K chunk.
     PDL: launched before the previous kernel ends; its first W tile (lines of PF_LINE
-    elements) is prefetched into L2 before the wait (`kernels/pdl.py`). PRO (ew loop only):
-    "norm" computes RMSNorm(x) * G on the fly (one program must see all of K: no split),
-    "silu" silu(gate) * up of x = [gate | up]; HAS_RES adds R to the output."""
-    tl.static_assert(PRO == "none" or LOOP == "ew", "the prologues run in the ew loop")
-    tl.static_assert(PRO != "norm" or not SPLIT, "the RMSNorm prologue needs all of K")
+    elements) is prefetched into L2 before the wait (`kernels/pdl.py`). The folds
+    (`kernels/linear_fold.py`, ew loop only): NORM computes RMSNorm(x) * G on the fly (one
+    program sees all of K: no split), SILU writes silu(gate) * up of y = [gate | up], HAS_RES
+    adds R to y."""
+    tl.static_assert(not (NORM or SILU) or LOOP == "ew", "the folds run in the ew loop")
+    tl.static_assert(not NORM or not SPLIT, "the RMSNorm prologue needs all of K")
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_w, offs_n = _tile_rows(pid_n, N, BLOCK_N, SILU)
     offs_m = tl.arange(0, BLOCK_M)
-    rows_w = tl.minimum(offs_n, N - 1)
     rows_x = tl.minimum(offs_m, M - 1)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
@@ -283,7 +304,7 @@ def _skinny_kernel(
                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, HAS_XSCALE)
     else:
         acc = _rows_ew(X, W, G, M, rows_w, k_lo, k_hi, K, eps, stride_xm, stride_wn,
-                       BLOCK_M, BLOCK_N, BLOCK_K, VEC, EVEN_K, PRO, LIBDEVICE)
+                       BLOCK_M, BLOCK_N, BLOCK_K, VEC, EVEN_K, NORM)
 
     if SPLIT:
         # Tile pid_n owns PARTIALS[pid_n, 0:num_splits, BLOCK_M, BLOCK_N] and COUNTERS[pid_n],
@@ -301,12 +322,14 @@ def _skinny_kernel(
             total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for s in range(0, num_splits):
                 total += tl.load(tile + s * tile_elems, cache_modifier=".cg")
-            _store_rows(total, B, S, XS, R, Y, offs_m, offs_n, M, N, stride_rm, stride_ym,
-                        HAS_BIAS, HAS_SCALE, HAS_XSCALE, HAS_RES)
+            _store_tile(total, B, S, XS, R, Y, offs_m, offs_n, rows_w, pid_n, M, N, stride_rm,
+                        stride_ym, BLOCK_N, HAS_BIAS, HAS_SCALE, HAS_XSCALE, HAS_RES, SILU,
+                        LIBDEVICE)
             tl.store(COUNTERS + pid_n, 0)
     else:
-        _store_rows(acc, B, S, XS, R, Y, offs_m, offs_n, M, N, stride_rm, stride_ym,
-                    HAS_BIAS, HAS_SCALE, HAS_XSCALE, HAS_RES)
+        _store_tile(acc, B, S, XS, R, Y, offs_m, offs_n, rows_w, pid_n, M, N, stride_rm,
+                    stride_ym, BLOCK_N, HAS_BIAS, HAS_SCALE, HAS_XSCALE, HAS_RES, SILU,
+                    LIBDEVICE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -405,10 +428,10 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             y2: torch.Tensor, n: int, cfg: SkinnyConfig, workspace: SplitKWorkspace | None,
             reserve_n: int | None = None, weight_scale: torch.Tensor | None = None,
             x_scale: torch.Tensor | None = None, fold: Fold = NO_FOLD) -> None:
-    """Launch on 2-D x [M, K] ([M, 2K] under `fold.silu_mul`) / y [M, >=n]; `reserve_n`
+    """Launch on 2-D x [M, K] / y [M, >=n] ([M, >=n/2] under `fold.silu_mul`); `reserve_n`
     sizes the workspace for a larger N than launched (warmup's proxy weights);
     `weight_scale`: an FP8 weight's row scales; `x_scale`: FP8 x's row scales (W8A8)."""
-    m, k = x2.shape[0], weight.shape[1]
+    m, k = x2.shape
     cfg = fold.config(cfg, m, n, k, weight.dtype, x2.device)
     bm = cfg.block_m(m)
     if cfg.loop == "ew" and bm > 8:
@@ -417,7 +440,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     # PDL for the tensor-core loop only: on the H200 it took 1.5-2 % off FP8 decode steps of
     # 16-64 rows and added ~1 % to batch 1's elementwise loop (docs/kernels.md)
     pdl = launch_options(x2.device) if cfg.use_dot else {}
-    tiles = triton.cdiv(n, cfg.block_n)
+    tiles = triton.cdiv(n // 2, cfg.block_n // 2) if fold.silu_mul else triton.cdiv(n, cfg.block_n)
     split = num_splits > 1
     if split:
         ws = workspace or workspace_for(x2.device)
@@ -440,22 +463,22 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         VEC=16 // weight.element_size(), DOT_PREC=_dot_precision(x2.dtype),
         HAS_SCALE=weight_scale is not None, HAS_XSCALE=x_scale is not None,
         PDL=bool(pdl), PF_LINE=min(128 // weight.element_size(), cfg.block_k),
-        PRO=fold.prologue, HAS_RES=fold.residual is not None, LIBDEVICE=USE_LIBDEVICE,
+        NORM=fold.norm_weight is not None, SILU=fold.silu_mul, HAS_RES=fold.residual is not None,
+        LIBDEVICE=USE_LIBDEVICE,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
 
 
 def _check_operands(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
-                    x_scale: torch.Tensor | None, out_dtype: torch.dtype | None,
-                    x_cols: int) -> torch.dtype:
-    """The operand rules of `skinny_linear` (x has `x_cols` columns: K, or 2K for a SiLU
-    fold); returns the output dtype."""
+                    x_scale: torch.Tensor | None, out_dtype: torch.dtype | None
+                    ) -> torch.dtype:
+    """The operand rules of `skinny_linear`; returns the output dtype."""
     if x.device.type != "cuda" and not _interpreting():
         raise ValueError("skinny_linear needs CUDA tensors (or TRITON_INTERPRET=1); "
                          "use torch.nn.functional.linear on the CPU")
     n, k = weight.shape
     fp8_w, fp8_x = weight.element_size() == 1, x.element_size() == 1
-    if x.shape[-1] != x_cols or (x.dtype != weight.dtype and not fp8_w):
+    if x.shape[-1] != k or (x.dtype != weight.dtype and not fp8_w):
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not match weight "
                          f"{tuple(weight.shape)} {weight.dtype}")
     if fp8_w != (weight_scale is not None) or (fp8_w and (
@@ -503,27 +526,27 @@ def skinny_linear(
     split-K workspace the first time a shape needs more of it — call `warmup` before graph
     capture).
     """
+    dtype = _check_operands(x, weight, weight_scale, x_scale, out_dtype)
     n, k = weight.shape
-    x_cols = 2 * k if fold.silu_mul else k
-    dtype = _check_operands(x, weight, weight_scale, x_scale, out_dtype, x_cols)
     if bias is not None and (bias.shape != (n,) or bias.dtype != dtype):
         raise ValueError(f"bias must be [{n}] of dtype {dtype}")
     lead = x.shape[:-1]
-    x2 = x.reshape(math.prod(lead), x_cols)
+    x2 = x.reshape(math.prod(lead), k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
     if m > KERNEL_MAX_M:
         raise ValueError(f"skinny_linear handles at most {KERNEL_MAX_M} rows (got {m}); "
                          f"use torch.nn.functional.linear")
+    n_out = n // 2 if fold.silu_mul else n
     if out is None:
-        out = torch.empty(*lead, n, dtype=dtype, device=x.device)
-    elif out.shape != (*lead, n) or out.dtype != dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be {(*lead, n)} of dtype {dtype}, contiguous in N")
-    fold.check(x2, k, out, x_scale is not None)
+        out = torch.empty(*lead, n_out, dtype=dtype, device=x.device)
+    elif out.shape != (*lead, n_out) or out.dtype != dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {(*lead, n_out)} of dtype {dtype}, contiguous in N")
+    fold.check(x2, weight, bias, out, x_scale is not None)
     if m == 0 or n == 0:
         return out
-    y2 = out.view(-1, n) if out.dim() != 2 else out
+    y2 = out.view(-1, n_out) if out.dim() != 2 else out
     if k == 0 and fold.active:
         raise ValueError("a fold needs K >= 1")
     if k == 0:  # an empty sum: the bias alone
@@ -535,7 +558,7 @@ def skinny_linear(
         bias = bias.contiguous()
     cfg = config or pick_config(m, n, k, weight.dtype, x.device, w8a8=x_scale is not None)
     _launch(x2, weight, bias, y2, n, cfg, workspace, weight_scale=weight_scale,
-            x_scale=x_scale, fold=fold.rows(m, n))
+            x_scale=x_scale, fold=fold.rows(m, n_out))
     return out
 
 

@@ -28,9 +28,11 @@ class Fold:
     `norm_weight` (M <= 2): x is the residual stream and the GEMM reads RMSNorm(x) * weight,
     the mean square summed in the loop and applied at the store, in float32 (the norm
     kernel rounds its output to x's dtype first: the products differ by that rounding).
-    `silu_mul`: x is [gate | up] (2K columns) and the GEMM reads silu(gate) * up, rounded as
-    the SiLU kernel rounds it. `residual` [M, N]: y = round(x W^T) + residual, rounded as the
-    fused add-norm kernel adds (may be `out` itself).
+    `silu_mul`: W is [gate; up] (2I rows, no bias) and the launch writes silu(gate) * up
+    [M, I], each program pairing gate row j with up row j so the SiLU runs once per output
+    element, from the products rounded as the GEMM and the SiLU kernel would round them
+    (bitwise those two kernels). `residual` [M, N]: y = round(x W^T) + residual, rounded as
+    the fused add-norm kernel adds (may be `out` itself).
     """
 
     norm_weight: torch.Tensor | None = None
@@ -42,19 +44,19 @@ class Fold:
     def active(self) -> bool:
         return self.norm_weight is not None or self.silu_mul or self.residual is not None
 
-    @property
-    def prologue(self) -> str:
-        return "norm" if self.norm_weight is not None else "silu" if self.silu_mul else "none"
-
-    def check(self, x2: torch.Tensor, k: int, out: torch.Tensor, fp8_x: bool) -> None:
+    def check(self, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              out: torch.Tensor, fp8_x: bool) -> None:
         """The fold's operand rules (x2: x as rows)."""
         if not self.active:
             return
-        m = x2.shape[0]
-        if fp8_x or m > FOLD_MAX_M or (self.norm_weight is not None and (
-                self.silu_mul or m > NORM_FOLD_MAX_M)):
+        m, k = x2.shape
+        if fp8_x or m > FOLD_MAX_M or (self.norm_weight is not None and m > NORM_FOLD_MAX_M):
             raise ValueError(f"folds take 16-bit x of at most {FOLD_MAX_M} rows "
-                             f"({NORM_FOLD_MAX_M} with a norm, which excludes SiLU·mul)")
+                             f"({NORM_FOLD_MAX_M} with a norm)")
+        if self.silu_mul and (weight.shape[0] % 2 or bias is not None
+                              or self.residual is not None):
+            raise ValueError("SiLU·mul needs [gate; up] weights (an even row count), no bias "
+                             "and no residual")
         if self.norm_weight is not None and (self.norm_weight.shape != (k,)
                                              or not self.norm_weight.is_contiguous()):
             raise ValueError(f"the norm weight must be a contiguous [{k}]")

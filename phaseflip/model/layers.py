@@ -426,8 +426,8 @@ def folds_rows(x: torch.Tensor, layout: Layout, linears: tuple[nn.Module, ...]) 
 
 def folded_linear(x: torch.Tensor, layer: nn.Module, *, norm: RMSNorm | None = None,
                   silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """`layer`'s projection of a few rows (`folds_rows`) with `norm` applied to x first, or
-    silu(gate) * up of x = [gate | up], and `residual` added to the output."""
+    """`layer`'s projection of a few rows (`folds_rows`) with `norm` applied to x first,
+    `silu_mul`: silu(gate) * up of its [gate | up] output, `residual` added to the output."""
     from phaseflip.kernels.linear import skinny_linear
     from phaseflip.kernels.linear_fold import Fold
 

@@ -148,8 +148,9 @@ class DecoderLayer(nn.Module):
         qkv = folded_linear(r, attn.qkv_proj, norm=self.input_layernorm)
         o = attn.attend(*attn.qkv_proj.split(qkv), batch, rotary, pool, backend)
         r = folded_linear(o, attn.o_proj, residual=r)
-        gate_up = folded_linear(r, mlp.gate_up_proj, norm=self.post_attention_layernorm)
-        return folded_linear(gate_up, mlp.down_proj, silu_mul=True, residual=r)
+        act = folded_linear(r, mlp.gate_up_proj, norm=self.post_attention_layernorm,
+                            silu_mul=True)
+        return folded_linear(act, mlp.down_proj, residual=r)
 
 
 class LlamaForCausalLM(nn.Module):
