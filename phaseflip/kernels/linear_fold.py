@@ -18,6 +18,11 @@ from phaseflip.kernels.linear_configs import SkinnyConfig, ew_config
 
 FOLD_MAX_M = 8  # the elementwise loop's rows
 NORM_FOLD_MAX_M = 2  # rows whose sums of squares the loop carries (one [BLOCK_K] sum each)
+# Rows up to which folding the norm pays. H200, 8B projections of 8 layers in one CUDA graph
+# (`benchmarks/fold_probe.py`, µs a layer): FP8 at 1 row 65.0 unfolded, 63.1 folded, 64.3
+# with the norms as kernels; at 2 rows 70.9, 79.9 and 69.8 (the sums of squares cost the
+# loop registers). bf16: 114.5 / 112.4 / 114.8 at 1 row, 116.5 / 126.8 / 116.7 at 2.
+NORM_FOLD_PAYS_M = 1
 
 
 @dataclass(frozen=True)

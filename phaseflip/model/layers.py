@@ -426,10 +426,14 @@ def folds_rows(x: torch.Tensor, layout: Layout, linears: tuple[nn.Module, ...]) 
 
 def folded_linear(x: torch.Tensor, layer: nn.Module, *, norm: RMSNorm | None = None,
                   silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """`layer`'s projection of a few rows (`folds_rows`) with `norm` applied to x first,
-    `silu_mul`: silu(gate) * up of its [gate | up] output, `residual` added to the output."""
+    """`layer`'s projection of a few rows (`folds_rows`) with `norm` applied to x first (in
+    the launch where that pays, else by the norm's own kernel), `silu_mul`: silu(gate) * up
+    of its [gate | up] output, `residual` added to the output."""
     from phaseflip.kernels.linear import skinny_linear
-    from phaseflip.kernels.linear_fold import Fold
+    from phaseflip.kernels.linear_fold import NORM_FOLD_PAYS_M, Fold
+
+    if norm is not None and x.shape[0] > NORM_FOLD_PAYS_M:
+        x, norm = norm(x), None
 
     fold = Fold(norm.weight if norm is not None else None, norm.eps if norm is not None else 0.0,
                 silu_mul, residual)
