@@ -20,7 +20,7 @@ KERNELS = Path(importlib.util.find_spec("phaseflip").origin).parent / "kernels"
 # kernel -> the batch-dependent int arguments it must not specialize on
 UNSPECIALIZED = {
     ("attention.py", "_decode_split_kernel"): {"num_splits"},
-    ("attention.py", "_extend_kernel"): {"num_tiles"},
+    ("attention_extend.py", "_extend_kernel"): {"num_tiles"},
     ("norm.py", "_rms_norm_kernel"): {"num_rows"},
     ("linear.py", "_skinny_kernel"): {"M", "num_splits"},
 }

@@ -148,8 +148,9 @@ def test_decode_split_k_chunk_boundaries(splits):
 
 def test_decode_planner_splits_long_contexts():
     plan = kernels.plan_decode(1, 8, 1, 4096, 132)
-    assert plan.num_splits == 16 and plan.min_chunk == 256  # 4096 / 256-key minimum chunks
-    assert kernels.plan_decode(1, 8, 1, 1 << 20, 132).num_splits == 64  # the cap
+    assert plan.num_splits == 16 and plan.min_chunk == 128 == kernels.MIN_CHUNK
+    assert kernels.plan_decode(1, 8, 1, 1056, 132).num_splits == 9  # 128-key chunks
+    assert kernels.plan_decode(1, 8, 1, 1 << 20, 132).num_splits == kernels.MAX_SPLITS == 16
     assert kernels.plan_decode(256, 8, 1, 4096, 132).num_splits == 1
     assert kernels.plan_decode(1, 8, 1, 1, 132).num_splits == 1
 

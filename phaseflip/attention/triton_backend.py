@@ -71,7 +71,7 @@ class TritonAttention:
         self,
         *,
         decode_splits: int | None = None,
-        decode_min_chunk: int = 256,
+        decode_min_chunk: int = kernels.MIN_CHUNK,
         decode_config: kernels.KernelConfig | None = None,
         extend_config: kernels.KernelConfig | None = None,
         mixed_decode: bool = True,

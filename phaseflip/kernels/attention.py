@@ -35,10 +35,14 @@ import torch
 import triton
 import triton.language as tl
 
+from phaseflip.kernels.attention_extend import extend_attention
+from phaseflip.kernels.attention_fp8 import LOG2E, fp8_query, fp8_widen
 from phaseflip.kernels.attention_plan import (
     FP8_DECODE_DOT,
     FP8_DOT_MODES,
     FP8_EXTEND_DOT,
+    MAX_SPLITS,
+    MIN_CHUNK,
     DecodePlan,
     KernelConfig,
     check_layout,
@@ -56,13 +60,13 @@ from phaseflip.kernels.attention_plan import (
 
 # the planning names callers reach through this module (`kernels.decode_config`, ...)
 __all__ = [
-    "FP8_DECODE_DOT", "FP8_DOT_MODES", "FP8_EXTEND_DOT", "LOG2E", "DecodePlan", "KernelConfig",
+    "FP8_DECODE_DOT", "FP8_DOT_MODES", "FP8_EXTEND_DOT", "LOG2E", "MAX_SPLITS", "MIN_CHUNK",
+    "DecodePlan", "KernelConfig",
     "compute_dtype", "decode_attention", "decode_config", "decode_order", "decode_workspace",
     "extend_attention", "extend_config", "extend_tiles", "mixed_decode_attention", "num_sms",
     "orders_decode", "plan_decode",
 ]
 
-LOG2E = 1.4426950408889634
 
 # ----------------------------------------------------------------------------------------------
 # Kernels
@@ -70,53 +74,20 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _split_range(seq_len, window, min_chunk, num_splits, split,
-                 HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[lo, hi): the keys split `split` of a sequence attends. The chunk is cut per sequence
-    from its own length, so one launch shape (grid and workspace fixed by the host plan)
-    serves any mix of lengths — which a CUDA graph needs."""
+def _split_chunks(seq_len, window, min_chunk, num_splits,
+                  HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(first key, chunk, splits holding keys) of a sequence: split s attends keys
+    [first + s * chunk, +chunk). The chunk is cut per sequence from its own length, so one
+    launch shape (grid and workspace fixed by the host plan) serves any mix of lengths — which
+    a CUDA graph needs; the splits past the last key (at least one split always runs) exit at
+    once and the merge counts only the others."""
     start = seq_len * 0
     if HAS_WINDOW:
         start = tl.maximum(seq_len - window, 0)
     per_split = (seq_len - start + num_splits - 1) // num_splits
     chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     chunk = tl.maximum(chunk, min_chunk)
-    lo = start + split * chunk
-    return lo, tl.minimum(lo + chunk, seq_len)
-
-
-@triton.jit
-def _fp8_query(q, qk_scale, FP8_DOT: tl.constexpr):
-    """(q in the dtype the FP8 K rows widen to, the softmax scale that goes with it).
-
-    "q"/"fp16_pv": q as it is (K widens to q's dtype). "fp16": q in fp16, because Hopper
-    widens an e4m3 pair to fp16 in one instruction, to bf16 only through fp16 (3-4 in all).
-    Every e4m3 value and every bf16 q element from 2^-17 to 65504 is exact in fp16, and the
-    dots accumulate in fp32, so the only hazard is a q element beyond 65504 (inf in fp16):
-    then the program's q is divided by a power of two (exact) that the softmax scale undoes.
-    A real model's q never comes near; there the factor is 1 and the dots equal bf16's.
-    """
-    if FP8_DOT == "fp16":
-        if q.dtype != tl.float16:
-            qf = q.to(tl.float32)
-            amax = tl.max(tl.max(tl.abs(qf), 1), 0)
-            # 2^k with amax / 2^k < 2^15, from amax's exponent bits (no rounding anywhere)
-            k = tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141, 0)
-            k = tl.where(amax > 65504.0, k, 0)
-            q = (qf * ((127 - k) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
-            qk_scale = qk_scale * ((127 + k) << 23).to(tl.float32, bitcast=True)
-    return q, qk_scale
-
-
-@triton.jit
-def _fp8_widen(k, v, q, FP8_DOT: tl.constexpr):
-    """K rows in q's dtype, V rows in q's ("q") or fp16's: exact, every e4m3 value is one."""
-    k = k.to(q.dtype)
-    if FP8_DOT == "q":
-        v = v.to(q.dtype)
-    else:
-        v = v.to(tl.float16)
-    return k, v
+    return start, chunk, tl.maximum((seq_len - start + chunk - 1) // chunk, 1)
 
 
 @triton.jit
@@ -159,19 +130,37 @@ def _decode_split_kernel(
     offs_g = hblk * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_g < GROUP
     heads = kvh * GROUP + offs_g
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-
     kv_beg = tl.load(KV_INDPTR + b)
     seq_len = tl.load(KV_INDPTR + b + 1) - kv_beg
-    lo, hi = _split_range(seq_len, window, min_chunk, num_splits, split, HAS_WINDOW, BLOCK_N)
+    start, chunk, active = _split_chunks(seq_len, window, min_chunk, num_splits, HAS_WINDOW,
+                                         BLOCK_N)
+    if split < active:
+        lo = start + split * chunk
+        _decode_split(Q, K, V, KV_INDICES, OUT, MID_O, MID_M, MID_L, LOCKS, K_SCALE, V_SCALE,
+                      qk_scale, kv_beg, lo, tl.minimum(lo + chunk, seq_len), b, t, kvh, heads,
+                      mask_h, num_heads, split, num_splits, active, stride_qt, stride_qh,
+                      stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
+                      BLOCK_H, BLOCK_N, HEAD_DIM, BLOCK_D, DIRECT, DOT_PREC, KV_FP8, FP8_DOT,
+                      BLOCK_S)
 
+
+@triton.jit
+def _decode_split(Q, K, V, KV_INDICES, OUT, MID_O, MID_M, MID_L, LOCKS, K_SCALE, V_SCALE,
+                  qk_scale, kv_beg, lo, hi, b, t, kvh, heads, mask_h, num_heads, split,
+                  num_splits, active, stride_qt, stride_qh, stride_kn, stride_kh, stride_vn,
+                  stride_vh, stride_ot, stride_oh, BLOCK_H: tl.constexpr,
+                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr,
+                  FP8_DOT: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One split holding keys [lo, hi): its partial, or the output when unsplit."""
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
     q = tl.load(
         Q + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
         mask=mask_h[:, None] & mask_d[None, :], other=0.0,
     )
     if KV_FP8:  # this KV head's K scale folds into the softmax scale
-        q, qk_scale = _fp8_query(q, qk_scale * tl.load(K_SCALE + kvh), FP8_DOT)
+        q, qk_scale = fp8_query(q, qk_scale * tl.load(K_SCALE + kvh), FP8_DOT)
     else:
         q = q.to(K.dtype.element_ty)
     acc, l_i, m_i = _decode_chunk(
@@ -188,8 +177,8 @@ def _decode_split_kernel(
         )
     else:
         _store_split(OUT, MID_O, MID_M, MID_L, LOCKS, acc, l_i, m_i, b, t, heads, mask_h,
-                     num_heads, split, num_splits, stride_ot, stride_oh, HEAD_DIM, BLOCK_H,
-                     BLOCK_D, BLOCK_S)
+                     num_heads, split, num_splits, active, stride_ot, stride_oh, HEAD_DIM,
+                     BLOCK_H, BLOCK_D, BLOCK_S)
 
 
 @triton.jit
@@ -214,7 +203,7 @@ def _decode_chunk(q, K, V, KV_INDICES, kv_beg, lo, hi, kvh, qk_scale, stride_kn,
         v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :],
                     mask=kv_mask, other=0.0)
         if KV_FP8:
-            k, v = _fp8_widen(k, v, q, FP8_DOT)
+            k, v = fp8_widen(k, v, q, FP8_DOT)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -228,11 +217,12 @@ def _decode_chunk(q, K, V, KV_INDICES, kv_beg, lo, hi, kvh, qk_scale, stride_kn,
 
 @triton.jit
 def _store_split(OUT, MID_O, MID_M, MID_L, LOCKS, acc, l_i, m_i, b, t, heads, mask_h,
-                 num_heads, split, num_splits, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+                 num_heads, split, num_splits, active, stride_ot, stride_oh,
+                 HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_S: tl.constexpr):
     """Stores one split's partial at [b, head, split] (an empty split: (-inf, 0, 0), which the
-    merge weighs by exp2(-inf) = 0); the last split of the (sequence, head block) to finish
-    merges them all. The ordering is CUTLASS's semaphore: every thread's stores, a CTA
+    merge weighs by exp2(-inf) = 0); the last of the `active` splits of the (sequence, head
+    block) to finish merges them. The ordering is CUTLASS's semaphore: every thread's stores, a CTA
     barrier, then one acquire-release atomic (cumulative over the barrier); the merge reads
     the others' partials from L2."""
     offs_d = tl.arange(0, BLOCK_D)
@@ -243,24 +233,24 @@ def _store_split(OUT, MID_O, MID_M, MID_L, LOCKS, acc, l_i, m_i, b, t, heads, ma
              mask=mask_h[:, None] & (offs_d < HEAD_DIM)[None, :])
     tl.debug_barrier()
     lock = LOCKS + b * tl.num_programs(0) + tl.program_id(0)
-    if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+    if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == active - 1:
         tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")  # zero for the next launch
         _merge_splits(OUT, MID_O, MID_M, MID_L, b, t, heads, mask_h, num_heads, num_splits,
-                      stride_ot, stride_oh, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_S)
+                      active, stride_ot, stride_oh, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_S)
 
 
 @triton.jit
 def _merge_splits(OUT, MID_O, MID_M, MID_L, b, t, heads, mask_h, num_heads, num_splits,
-                  stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                  active, stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     """out = sum_s acc_s * w_s / sum_s l_s * w_s with w_s = exp2(m_s - max m) for the group's
-    heads of sequence b (written at token row t)."""
+    heads of sequence b (written at token row t), over its first `active` splits."""
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     base = (b * num_heads + heads) * num_splits
     stats = base[:, None] + offs_s[None, :]
-    mask_hs = mask_h[:, None] & (offs_s < num_splits)[None, :]
+    mask_hs = mask_h[:, None] & (offs_s < active)[None, :]
     m = tl.load(MID_M + stats, mask=mask_hs, other=float("-inf"), cache_modifier=".cg")
     l_s = tl.load(MID_L + stats, mask=mask_hs, other=0.0, cache_modifier=".cg")
     # finite for every real head (split 0 holds the first key); padded heads are not stored
@@ -268,7 +258,7 @@ def _merge_splits(OUT, MID_O, MID_M, MID_L, b, t, heads, mask_h, num_heads, num_
     denom = tl.sum(l_s * tl.exp2(m - m_max[:, None]), 1)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     mask_o = mask_h[:, None] & mask_d[None, :]
-    for s in range(0, num_splits):
+    for s in range(0, active):
         m_one = tl.load(MID_M + base + s, mask=mask_h, other=0.0, cache_modifier=".cg")
         o_one = tl.load(MID_O + (base + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_o,
                         other=0.0, cache_modifier=".cg")
@@ -276,132 +266,6 @@ def _merge_splits(OUT, MID_O, MID_M, MID_L, b, t, heads, mask_h, num_heads, num_
     out = acc / tl.where(mask_h, denom, 1.0)[:, None]
     tl.store(OUT + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              out.to(OUT.dtype.element_ty), mask=mask_o)
-
-
-@triton.jit
-def _extend_block(
-    acc, l_i, m_i, q, K, V, KV_INDICES, kv_beg, n0, kv_hi, q_pos, window, kvh,
-    stride_kn, stride_kh, stride_vn, stride_vh, qk_scale,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
-    KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr,
-):
-    """One BLOCK_N key block of the online softmax; MASK only on diagonal (and window) blocks."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    idx = n0 + offs_n
-    k_ptrs = K + kvh * stride_kh + offs_d[None, :]
-    v_ptrs = V + kvh * stride_vh + offs_d[None, :]
-    if MASK:
-        in_range = idx < kv_hi
-        slots = tl.load(KV_INDICES + kv_beg + idx, mask=in_range, other=0).to(tl.int64)
-        kv_mask = in_range[:, None] & (offs_d < HEAD_DIM)[None, :]
-        k = tl.load(k_ptrs + slots[:, None] * stride_kn, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs + slots[:, None] * stride_vn, mask=kv_mask, other=0.0)
-    else:
-        # Full blocks lie inside the context: only a padded head_dim needs a mask.
-        slots = tl.load(KV_INDICES + kv_beg + idx).to(tl.int64)
-        if HEAD_DIM == BLOCK_D:
-            k = tl.load(k_ptrs + slots[:, None] * stride_kn)
-            v = tl.load(v_ptrs + slots[:, None] * stride_vn)
-        else:
-            d_mask = (offs_d < HEAD_DIM)[None, :]
-            k = tl.load(k_ptrs + slots[:, None] * stride_kn, mask=d_mask, other=0.0)
-            v = tl.load(v_ptrs + slots[:, None] * stride_vn, mask=d_mask, other=0.0)
-    if KV_FP8:  # exact widening (_fp8_widen); the scales are applied by the caller
-        k, v = _fp8_widen(k, v, q, FP8_DOT)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-    if MASK:
-        visible = (idx[None, :] <= q_pos[:, None]) & in_range[None, :]
-        if HAS_WINDOW:
-            visible = visible & (idx[None, :] > q_pos[:, None] - window)
-        qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        # A row can see nothing yet (window not reached): keep exp2 away from -inf - -inf.
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_ref = m_new
-    p = tl.exp2(qk - m_ref[:, None])
-    alpha = tl.exp2(m_i - m_ref)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-    return acc, l_i, m_new
-
-
-# num_tiles varies with every batch: specializing it (== 1, divisible by 16) would compile a
-# new variant mid-serving the first time a batch's tile count lands in another class
-@triton.jit(do_not_specialize=["num_tiles"])
-def _extend_kernel(
-    Q, K, V, QO_INDPTR, KV_INDPTR, KV_INDICES, TILES, OUT, K_SCALE, V_SCALE,
-    qk_scale, window, num_tiles,
-    stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr,
-):
-    """One tile of BLOCK_M packed (query, head-in-group) rows of one sequence, one KV head."""
-    tile = tl.program_id(0)
-    kvh = tl.program_id(1)
-    b = tl.load(TILES + tile)
-    r0 = tl.load(TILES + num_tiles + tile)
-    q_beg = tl.load(QO_INDPTR + b)
-    ext = tl.load(QO_INDPTR + b + 1) - q_beg
-    kv_beg = tl.load(KV_INDPTR + b)
-    seq_len = tl.load(KV_INDPTR + b + 1) - kv_beg
-    prefix = seq_len - ext
-    num_rows = ext * GROUP
-
-    rows = r0 + tl.arange(0, BLOCK_M)
-    mask_m = rows < num_rows
-    qi = rows // GROUP
-    heads = kvh * GROUP + rows % GROUP
-    q_pos = prefix + qi
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    q = tl.load(
-        Q + (q_beg + qi).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh
-        + offs_d[None, :],
-        mask=mask_m[:, None] & mask_d[None, :], other=0.0,
-    )
-    if KV_FP8:  # this KV head's K scale folds into the softmax scale
-        q, qk_scale = _fp8_query(q, qk_scale * tl.load(K_SCALE + kvh), FP8_DOT)
-    else:
-        q = q.to(K.dtype.element_ty)
-
-    q_lo = prefix + r0 // GROUP
-    q_hi = prefix + (tl.minimum(r0 + BLOCK_M, num_rows) - 1) // GROUP
-    kv_hi = q_hi + 1
-    kv_lo = q_lo * 0
-    if HAS_WINDOW:
-        kv_lo = tl.maximum(q_lo - window + 1, 0)
-    # Keys [kv_lo, full_end) are visible to every row of the tile (causally): no mask there.
-    full_end = kv_lo + (q_lo + 1 - kv_lo) // BLOCK_N * BLOCK_N
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(kv_lo, full_end, BLOCK_N):
-        acc, l_i, m_i = _extend_block(
-            acc, l_i, m_i, q, K, V, KV_INDICES, kv_beg, n0, kv_hi, q_pos, window, kvh,
-            stride_kn, stride_kh, stride_vn, stride_vh, qk_scale,
-            BLOCK_N, HEAD_DIM, BLOCK_D, HAS_WINDOW, HAS_WINDOW, DOT_PREC, KV_FP8, FP8_DOT,
-        )
-    for n0 in range(full_end, kv_hi, BLOCK_N):
-        acc, l_i, m_i = _extend_block(
-            acc, l_i, m_i, q, K, V, KV_INDICES, kv_beg, n0, kv_hi, q_pos, window, kvh,
-            stride_kn, stride_kh, stride_vn, stride_vh, qk_scale,
-            BLOCK_N, HEAD_DIM, BLOCK_D, True, HAS_WINDOW, DOT_PREC, KV_FP8, FP8_DOT,
-        )
-    # Padding rows past the sequence may have seen no key (l = 0): divide them by 1, not 0.
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    if KV_FP8:
-        out = out * tl.load(V_SCALE + kvh)
-    tl.store(
-        OUT + (q_beg + qi).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh
-        + offs_d[None, :],
-        out.to(OUT.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :],
-    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -540,57 +404,6 @@ def _decode(q, k_cache, v_cache, kv_indptr, kv_indices, scale: float, plan: Deco
         DIRECT=direct, DOT_PREC=dot_precision(dtype), KV_FP8=kv_fp8, FP8_DOT=fp8_dot,
         HAS_ORDER=order is not None, HAS_QO=qo is not None,
         BLOCK_S=max(MERGE_SPLITS, triton.next_power_of_2(plan.num_splits)),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    return out
-
-
-def extend_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    tiles: torch.Tensor,
-    scale: float,
-    *,
-    sliding_window: int | None = None,
-    out: torch.Tensor | None = None,
-    config: KernelConfig | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole paged context.
-
-    q: [T, H, D], sequence i's queries at rows qo_indptr[i]:qo_indptr[i+1] and positions
-    prefix_i .. seq_len_i - 1 (prefix_i = its KV length minus its query count). `tiles` is
-    `extend_tiles(...)` for the same group and `config.block_m`, as an int32 [2, n] device
-    tensor. Returns out [T, H*D] in q's dtype (written into `out` when given). An FP8 cache
-    needs `k_scale` / `v_scale` (float32 [KVH]).
-    """
-    group, head_dim = check_layout(q, k_cache, v_cache)
-    num_tokens, num_heads = q.shape[0], q.shape[1]
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    kv_fp8, k_scale, v_scale = fp8_scales(q, k_cache, k_scale, v_scale)
-    dtype = compute_dtype(q.dtype, k_cache.dtype)
-    cfg = config or extend_config(dtype, head_dim, q.device, k_cache.dtype)
-    fp8_dot = fp8_dot_mode(cfg, kv_fp8, dtype)
-    if out is None:
-        out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
-    num_tiles = tiles.shape[1]
-    if num_tiles == 0:
-        return out
-    grid = (num_tiles, k_cache.shape[1])
-    _extend_kernel[grid](
-        q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, tiles, out, k_scale, v_scale,
-        scale * LOG2E, sliding_window or 0, num_tiles,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), out.stride(0), head_dim,
-        GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), HAS_WINDOW=sliding_window is not None,
-        DOT_PREC=dot_precision(dtype), KV_FP8=kv_fp8, FP8_DOT=fp8_dot,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

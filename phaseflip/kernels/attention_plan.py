@@ -100,6 +100,16 @@ def num_sms(device: torch.device) -> int:
     return _NUM_SMS[idx]
 
 
+# Split-K bounds of a decode launch. H200, FP8 pool, 8B heads, one launch per layer in a CUDA
+# graph (`benchmarks/decode_split_probe.py`, µs a launch): 1 x 1 056 keys 9.5 in 9 chunks of
+# 128 keys, 12.3 in 4 of 256; 1 x 4 096 14.8 in 16 chunks, 17.8 in 32; 1 x 8 192 20.3 in 16,
+# 21.7 in 32; 16 x 1 024 25.3 in 4, 27.0 in 8 (bf16 pool, 1 x 1 056: 11.0 in 9, 14.1 in 4).
+# A CUDA graph plans for its longest context, and the splits past a sequence's last key exit
+# at once, so these bounds are what a short context in a graph gets.
+MIN_CHUNK = 128
+MAX_SPLITS = 16
+
+
 @dataclass(frozen=True)
 class DecodePlan:
     """How a decode batch's contexts are cut into split-K chunks (host ints, no device data).
@@ -122,8 +132,8 @@ def plan_decode(
     sms: int,
     *,
     num_splits: int | None = None,
-    min_chunk: int = 256,
-    max_splits: int = 64,
+    min_chunk: int = MIN_CHUNK,
+    max_splits: int = MAX_SPLITS,
 ) -> DecodePlan:
     """Pick the split count: enough programs for ~4 per SM, never chunks below `min_chunk`.
 
