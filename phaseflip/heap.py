@@ -1,10 +1,12 @@
-"""The host heap: keeping the cyclic collector off the step loop, and giving freed pages
-back to the OS."""
+"""The host heap: keeping the cyclic collector off the step loop and out of CUDA-graph
+captures, and giving freed pages back to the OS."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
+from collections.abc import Iterator
 
 # While the heap is frozen: young-generation passes between full passes (Python's default: 10)
 FROZEN_FULL_PASS_EVERY = 1000
@@ -50,3 +52,21 @@ def thaw_heap() -> None:
     young, middle, full = gc.get_threshold()
     if full == FROZEN_FULL_PASS_EVERY:  # ours: another setting is left as it is
         gc.set_threshold(young, middle, PYTHON_FULL_PASS_EVERY)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """No cyclic-collector pass inside (it runs later, when allocations next trigger one). For
+    CUDA-graph captures: a pass may free an older CUDA graph left in a reference cycle (a
+    closed engine's, a retired layout's), and destroying a graph while this thread captures
+    another invalidates the capture. Seen on the H200: a decode-graph capture failed with
+    "operation failed due to a previous error during capture" after four "operation not
+    permitted when stream is capturing (function reset)" warnings, in a test process where
+    earlier engines had run (`tests/test_gpu.py` then `tests/test_cuda_graph.py`)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()

@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 
-from phaseflip.heap import freeze_heap, thaw_heap
+from phaseflip.heap import collector_paused, freeze_heap, thaw_heap
 
 
 class _Node:
@@ -69,3 +69,39 @@ def test_full_passes_come_rarer_while_frozen(thawed):
     assert gc.get_threshold()[2] == 1000
     thaw_heap()
     assert gc.get_threshold()[2] == 10
+
+
+def test_no_collector_pass_frees_a_cycle_inside_a_capture_pause(thawed):
+    """A CUDA graph left in a reference cycle must not be destroyed while another is being
+    captured (`collector_paused` around every capture): with passes due every 10 allocations,
+    a cycle dropped inside the block survives it and is freed after. Red with the pause a
+    no-op."""
+    old = gc.get_threshold()
+    gc.set_threshold(10, 1, 1)
+    try:
+        node = _Node()
+        gone = weakref.ref(node)
+        with collector_paused():
+            del node
+            junk = [[_Node()] for _ in range(10_000)]  # many passes' worth of allocations
+            assert gone() is not None
+        del junk
+        gc.collect()
+        assert gone() is None
+    finally:
+        gc.set_threshold(*old)
+
+
+def test_the_pause_restores_the_collector_as_it_found_it():
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), collector_paused():
+        assert not gc.isenabled()
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # a caller's own pause is left alone
+    finally:
+        gc.enable()

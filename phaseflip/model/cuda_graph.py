@@ -63,6 +63,7 @@ from tqdm.auto import tqdm
 from phaseflip.attention import AttentionBackend
 from phaseflip.cache.kv_pool import KVPool
 from phaseflip.forward_batch import ForwardBatch
+from phaseflip.heap import collector_paused
 from phaseflip.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -368,9 +369,10 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads' CUDA calls (the NCCL watchdog querying its events,
-        # HiCache copies) may not invalidate this capture
-        with torch.cuda.graph(graph, pool=self._mempool, stream=side,
-                              capture_error_mode="thread_local"):
+        # HiCache copies) may not invalidate this capture; nor may a collector pass of this
+        # thread that frees an older graph (`collector_paused`)
+        with collector_paused(), torch.cuda.graph(graph, pool=self._mempool, stream=side,
+                                                  capture_error_mode="thread_local"):
             hidden, residual, logits = self._run(batch)
         self.graphs[bs] = _Captured(batch, graph, hidden, residual, logits, state)
         torch.cuda.synchronize(self.device)

@@ -46,6 +46,7 @@ from tqdm.auto import tqdm
 from phaseflip.attention import AttentionBackend
 from phaseflip.cache.kv_pool import KVPool
 from phaseflip.forward_batch import ForwardBatch
+from phaseflip.heap import collector_paused
 from phaseflip.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -206,10 +207,11 @@ class PiecewiseGraphs:
             self.model.forward_layers(batch, self.pool, _Cutter(self, _Bucket(), False),
                                       *self._inputs(t))
             bucket = _Bucket()
-            self.next_piece(bucket)
-            hidden, residual = self.model.forward_layers(
-                batch, self.pool, _Cutter(self, bucket, True), *self._inputs(t))
-            bucket.graphs[-1].capture_end()
+            with collector_paused():  # no older graph freed mid-capture (`heap.py`)
+                self.next_piece(bucket)
+                hidden, residual = self.model.forward_layers(
+                    batch, self.pool, _Cutter(self, bucket, True), *self._inputs(t))
+                bucket.graphs[-1].capture_end()
         torch.cuda.current_stream(self.device).wait_stream(side)
         bucket.hidden, bucket.residual = hidden, residual
         self.captured[t] = bucket
