@@ -92,6 +92,22 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: st
     print(format_table(headers, rows), flush=True)
 
 
+def graph_replay_us(graph: Any, reps: int, per_replay: int = 1) -> float:
+    """Median µs of one replay of a captured CUDA graph over `reps` replays, divided by
+    `per_replay` (the launches or layers it holds), timed with CUDA events."""
+    import torch
+
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / per_replay)
+    return float(np.median(times))
+
+
 def git_commit() -> str:
     """$PHASEFLIP_COMMIT when set (where the tree travels without its own .git — a copy run
     inside another checkout would report that checkout's HEAD), else HEAD of the repository

@@ -13,25 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
 from benchmarks.attention_kernels import HEAD_DIM, KV_DTYPES, KV_HEADS, make_case
+from benchmarks.common import graph_replay_us
 from phaseflip.kernels import attention as kernels
 from phaseflip.kernels.attention_plan import DecodePlan, decode_config, num_sms, plan_decode
-
-
-def _time(graph: torch.cuda.CUDAGraph, reps: int, launches: int) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / launches)
-    return statistics.median(times)
 
 
 def probe(bs: int, ctx: int, kv: str, args, gen: torch.Generator) -> dict:
@@ -63,7 +51,8 @@ def probe(bs: int, ctx: int, kv: str, args, gen: torch.Generator) -> dict:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 run()
-            row["us"][f"s{splits}_c{min_chunk}"] = round(_time(graph, args.reps, len(cases)), 2)
+            us = graph_replay_us(graph, args.reps, len(cases))
+            row["us"][f"s{splits}_c{min_chunk}"] = round(us, 2)
     print(json.dumps(row), flush=True)
     return row
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
+from benchmarks.common import graph_replay_us
 from phaseflip.kernels import activation, norm
 from phaseflip.kernels.linear import skinny_linear
 from phaseflip.kernels.linear_configs import load_bundled_configs
@@ -86,15 +86,7 @@ def measure(variant: str, layers: list[dict], rows: int, reps: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         _run(variant, layers, r.clone(), attn)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(layers))
-    return statistics.median(times)
+    return graph_replay_us(graph, reps, len(layers))
 
 
 def main() -> None:
