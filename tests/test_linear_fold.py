@@ -201,14 +201,14 @@ def test_a_folded_model_matches_the_unfolded_one(tmp_path, monkeypatch, kernels_
                                                  arch, rows):
     """QKV bias (Qwen2), q/k norms (Qwen3), FP8 weights (weight-only at these rows)."""
     model = _tiny_llama(tmp_path, quant, arch)
-    monkeypatch.setenv(layers.FOLD_ENV, "1")
+    monkeypatch.delenv(layers.NO_FOLD_ENV, raising=False)  # the default: folded
     head_norms = 4 if arch == "qwen3" else 0  # q and k norms, 2 layers
     folded = _logits(model, rows)
     # the final norm; past NORM_FOLD_PAYS_M rows the layers' norms as kernels (without adds)
     layer_norms = 0 if rows <= NORM_FOLD_PAYS_M else 4
     assert kernels_on_cpu == {"rms_norm": 1 + head_norms + layer_norms}
     kernels_on_cpu.clear()
-    monkeypatch.delenv(layers.FOLD_ENV)  # the default: unfolded
+    monkeypatch.setenv(layers.NO_FOLD_ENV, "1")
     plain = _logits(model, rows)
     assert kernels_on_cpu == {"rms_norm": 1 + head_norms, "fused_add_rms_norm": 4,
                               "silu_and_mul": 2}
@@ -221,9 +221,11 @@ def test_which_steps_fold(tmp_path, monkeypatch, kernels_on_cpu):
     model = _tiny_llama(tmp_path, quant=False)
     linears = model.layers[0]._linears
     one, three = (torch.randn(m, 96, dtype=torch.bfloat16, device=DEVICE) for m in (1, 3))
-    assert not layers.folds_rows(one, Layout(), linears)  # opt-in
-    monkeypatch.setenv(layers.FOLD_ENV, "1")
-    assert layers.folds_rows(one, Layout(), linears)
+    monkeypatch.delenv(layers.NO_FOLD_ENV, raising=False)
+    assert layers.folds_rows(one, Layout(), linears)  # the default
+    monkeypatch.setenv(layers.NO_FOLD_ENV, "1")
+    assert not layers.folds_rows(one, Layout(), linears)  # the opt-out
+    monkeypatch.delenv(layers.NO_FOLD_ENV)
     assert not layers.folds_rows(three, Layout(), linears)  # more rows than the norm fold's
     assert not layers.folds_rows(one.float(), Layout(), linears)  # not the weights' dtype
     assert not layers.folds_rows(one, Layout(0, 2), linears)  # TP: the add awaits a reduce

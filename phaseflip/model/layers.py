@@ -390,10 +390,8 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
-# Set to 1 to fold decode layers of a few rows (off by default: with folding on, a CUDA-graph
-# capture of an FP8 model failed on the H200 after other engines had run in the same process,
-# `tests/test_gpu.py` then `tests/test_cuda_graph.py`; cause not found yet, docs/kernels.md).
-FOLD_ENV = "PHASEFLIP_FOLD"
+# Set to 1 to run decode layers of a few rows unfolded (A/B runs, `benchmarks/fold_ab.sh`).
+NO_FOLD_ENV = "PHASEFLIP_NO_FOLD"
 
 
 def folds_rows(x: torch.Tensor, layout: Layout, linears: tuple[nn.Module, ...]) -> bool:
@@ -403,13 +401,13 @@ def folds_rows(x: torch.Tensor, layout: Layout, linears: tuple[nn.Module, ...]) 
     pipeline stages exchange (hidden, residual) pairs), M <= 2 rows, and every projection
     on the skinny kernel's 16-bit-x loop: bf16/fp16/fp32 weights the kernel is picked for, FP8
     weights weight-only (their rows stay unquantized at M <= 2). Shapes and types only: a CUDA
-    graph captures the choice it replays. Opt-in: `PHASEFLIP_FOLD=1`."""
+    graph captures the choice it replays. `PHASEFLIP_NO_FOLD=1` turns it off."""
     from phaseflip.model.quant.fp8 import FP8_WEIGHT_ONLY_MAX_M
 
     if not (use_fused_kernels(x) and x.dim() == 2 and layout.tp_size == 1
             and layout.pp_size == 1 and 1 <= x.shape[0] <= FP8_WEIGHT_ONLY_MAX_M):
         return False
-    if os.environ.get(FOLD_ENV, "") in ("", "0"):
+    if os.environ.get(NO_FOLD_ENV, "") not in ("", "0"):
         return False
     from phaseflip.kernels.linear_configs import should_use_skinny
     from phaseflip.kernels.linear_fold import NORM_FOLD_MAX_M
