@@ -22,11 +22,12 @@ interpret_without_cuda()  # before triton is imported
 pytest.importorskip("triton")
 
 from phaseflip.kernels import activation, norm  # noqa: E402
+from phaseflip.kernels import rope as rope_kernels  # noqa: E402
 from phaseflip.kernels.linear import skinny_linear  # noqa: E402
 from phaseflip.kernels.linear_configs import SkinnyConfig  # noqa: E402
 from phaseflip.kernels.linear_fold import NORM_FOLD_PAYS_M, Fold  # noqa: E402
 from phaseflip.layout import Layout  # noqa: E402
-from phaseflip.model import layers  # noqa: E402
+from phaseflip.model import layers, rope  # noqa: E402
 from phaseflip.model.quant import fp8  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -160,11 +161,12 @@ def kernels_on_cpu(monkeypatch):
     with FP8 MMAs); returns the norm / SiLU kernel-call counter."""
     if DEVICE.type == "cpu":
         monkeypatch.setattr(layers, "use_fused_kernels", lambda x: True)
+        monkeypatch.setattr(rope.RotaryEmbedding, "uses_kernel", lambda self, x: True)
         monkeypatch.setattr(fp8, "skinny_rows", lambda x, w: x.shape[0] <= 16)
         monkeypatch.setattr(fp8, "_fp8_mma", lambda index: True)
     calls: dict[str, int] = {}
     for mod, name in ((norm, "rms_norm"), (norm, "fused_add_rms_norm"),
-                      (activation, "silu_and_mul")):
+                      (activation, "silu_and_mul"), (rope_kernels, "rotary_store_kv")):
         fn = getattr(mod, name)
 
         def counted(*args, _fn=fn, _name=name, **kwargs):
@@ -199,22 +201,28 @@ def _logits(model, rows: int) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 2])
 def test_a_folded_model_matches_the_unfolded_one(tmp_path, monkeypatch, kernels_on_cpu, quant,
                                                  arch, rows):
-    """QKV bias (Qwen2), q/k norms (Qwen3), FP8 weights (weight-only at these rows)."""
+    """QKV bias (Qwen2), q/k norms (Qwen3: between qkv and the rotary, which then runs as
+    its own kernel), FP8 weights (weight-only at these rows). Past NORM_FOLD_PAYS_M rows
+    nothing folded rounds differently, so the logits are bitwise the unfolded ones."""
     model = _tiny_llama(tmp_path, quant, arch)
     monkeypatch.delenv(layers.NO_FOLD_ENV, raising=False)  # the default: folded
     head_norms = 4 if arch == "qwen3" else 0  # q and k norms, 2 layers
     folded = _logits(model, rows)
     # the final norm; past NORM_FOLD_PAYS_M rows the layers' norms as kernels (without adds)
     layer_norms = 0 if rows <= NORM_FOLD_PAYS_M else 4
-    assert kernels_on_cpu == {"rms_norm": 1 + head_norms + layer_norms}
+    want = {"rms_norm": 1 + head_norms + layer_norms} | ({"rotary_store_kv": 2} if head_norms
+                                                         else {})
+    assert kernels_on_cpu == want
     kernels_on_cpu.clear()
     monkeypatch.setenv(layers.NO_FOLD_ENV, "1")
     plain = _logits(model, rows)
     assert kernels_on_cpu == {"rms_norm": 1 + head_norms, "fused_add_rms_norm": 4,
-                              "silu_and_mul": 2}
+                              "silu_and_mul": 2, "rotary_store_kv": 2}
     err = ((folded - plain).norm() / plain.norm()).item()
     assert err < 2e-2, err
     assert torch.equal(folded.argmax(-1), plain.argmax(-1))
+    if rows > NORM_FOLD_PAYS_M:
+        assert torch.equal(folded, plain)
 
 
 def test_which_steps_fold(tmp_path, monkeypatch, kernels_on_cpu):

@@ -23,7 +23,7 @@ from triton_interpreter import interpret_without_cuda
 INTERPRETED = interpret_without_cuda()  # before triton is imported
 pytest.importorskip("triton")
 
-from phaseflip.kernels import linear, linear_configs  # noqa: E402
+from phaseflip.kernels import linear, linear_configs, linear_workspace  # noqa: E402
 from phaseflip.kernels.linear import skinny_linear  # noqa: E402
 from phaseflip.kernels.linear_configs import SkinnyConfig  # noqa: E402
 
@@ -235,7 +235,7 @@ def test_workspace_refuses_to_grow_during_capture(monkeypatch):
     first = ws.partials
     ws.reserve(256, 4)  # grows; the outgrown buffer stays alive for graphs that captured it
     assert ws.partials.numel() >= 256 and any(t is first for t in ws._outgrown)
-    monkeypatch.setattr(linear, "_capturing", lambda device: True)
+    monkeypatch.setattr(linear_workspace, "_capturing", lambda device: True)
     ws.reserve(64, 4)  # already large enough: fine
     with pytest.raises(RuntimeError, match="warmup"):
         ws.reserve(1 << 20, 4)

@@ -102,10 +102,10 @@ def test_three_engines_in_one_process_give_their_gpu_memory_back():
 
 
 def test_the_gemm_workspace_goes_with_its_last_holder():
-    """`kernels/linear._WORKSPACES` kept every device's split-K workspace, outgrown buffers
-    included, for the life of the process; now the last runner to let go frees it."""
+    """`kernels/linear_workspace._WORKSPACES` kept every device's split-K workspace, outgrown
+    buffers included, for the life of the process; now the last runner to let go frees it."""
     pytest.importorskip("triton")
-    from phaseflip.kernels import linear
+    from phaseflip.kernels import linear, linear_workspace
 
     device = torch.device("cpu")  # the bookkeeping is the device's, whatever it is
     linear.hold_workspace(device)
@@ -116,7 +116,8 @@ def test_the_gemm_workspace_goes_with_its_last_holder():
     linear.release_workspace(device)
     assert linear.workspace_for(device) is ws  # one holder left: its graphs may use it
     linear.release_workspace(device)
-    assert device not in linear._WORKSPACES and device not in linear._HOLDERS
+    assert device not in linear_workspace._WORKSPACES
+    assert device not in linear_workspace._HOLDERS
     ref = weakref.ref(ws)
     del ws
     gc.collect()

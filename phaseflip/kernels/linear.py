@@ -60,7 +60,14 @@ from phaseflip.kernels.linear_configs import (
     plan_splits,
 )
 from phaseflip.kernels.linear_fold import NO_FOLD, Fold
+from phaseflip.kernels.linear_workspace import (  # noqa: F401 (the runners' names for them)
+    SplitKWorkspace,
+    hold_workspace,
+    release_workspace,
+    workspace_for,
+)
 from phaseflip.kernels.pdl import launch_options, prefetch_then_wait
+from phaseflip.kernels.rope import rotary_pair_rows, store_rotary_fold
 
 # ----------------------------------------------------------------------------------------------
 # Kernel
@@ -248,24 +255,38 @@ def _store_silu(acc, S, Y, offs_m, rows_w, pid_n, M, N, stride_ym, BLOCK_N: tl.c
 
 
 @triton.jit
-def _tile_rows(pid_n, N, BLOCK_N: tl.constexpr, SILU: tl.constexpr):
+def _tile_rows(pid_n, N, half, BLOCK_N: tl.constexpr, SILU: tl.constexpr,
+               ROPE: tl.constexpr):
     """(W rows, their output columns) of tile pid_n. SILU: W is [gate; up] (N = 2I rows) and
-    the tile pairs gate row j with up row j, I apart, for BLOCK_N / 2 output columns."""
+    the tile pairs gate row j with up row j, I apart, for BLOCK_N / 2 output columns. ROPE:
+    rotary channel pairs side by side (`rope.rotary_pair_rows`; the epilogue stores them)."""
     if SILU:
         j = tl.minimum(pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2, N // 2 - 1)
         return j + (tl.arange(0, BLOCK_N) % 2) * (N // 2), j
+    if ROPE:
+        rows = rotary_pair_rows(pid_n, N, half, BLOCK_N)
+        return rows, rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     return tl.minimum(offs_n, N - 1), offs_n
 
 
 @triton.jit
 def _store_tile(acc, B, S, XS, R, Y, offs_m, offs_n, rows_w, pid_n, M, N, stride_rm,
-                stride_ym, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                stride_ym, RP, RI, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
                 HAS_SCALE: tl.constexpr, HAS_XSCALE: tl.constexpr, HAS_RES: tl.constexpr,
-                SILU: tl.constexpr, LIBDEVICE: tl.constexpr):
+                SILU: tl.constexpr, LIBDEVICE: tl.constexpr, ROPE: tl.constexpr,
+                FP8_KV: tl.constexpr):
     if SILU:
         _store_silu(acc, S, Y, offs_m, rows_w, pid_n, M, N, stride_ym, BLOCK_N, HAS_SCALE,
                     LIBDEVICE)
+    elif ROPE:
+        if HAS_SCALE:
+            acc = acc * tl.load(S + rows_w)[None, :]
+        if HAS_BIAS:
+            acc = acc + tl.load(B + rows_w).to(tl.float32)[None, :]
+        store_rotary_fold(acc.to(Y.dtype.element_ty), Y, offs_m, pid_n, M, N, stride_ym, RP[0],
+                          RP[1], RP[2], RP[3], RP[4], RP[5], RP[6], RP[7], RI[0], RI[1], RI[2],
+                          RI[3], RI[4], RI[5], RI[6], RI[7], BLOCK_N, FP8_KV, LIBDEVICE)
     else:
         _store_rows(acc, B, S, XS, R, Y, offs_m, offs_n, M, N, stride_rm, stride_ym,
                     HAS_BIAS, HAS_SCALE, HAS_XSCALE, HAS_RES)
@@ -273,25 +294,27 @@ def _store_tile(acc, B, S, XS, R, Y, offs_m, offs_n, rows_w, pid_n, M, N, stride
 
 @triton.jit(do_not_specialize=["M", "num_splits"])
 def _skinny_kernel(
-    X, W, B, S, XS, G, R, Y, PARTIALS, COUNTERS,
+    X, W, B, S, XS, G, R, Y, PARTIALS, COUNTERS, RP, RI,
     M, N, K, eps, stride_xm, stride_wn, stride_rm, stride_ym, k_per_split, num_splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LOOP: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     VEC: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SCALE: tl.constexpr,
     HAS_XSCALE: tl.constexpr, PDL: tl.constexpr, PF_LINE: tl.constexpr,
     NORM: tl.constexpr, SILU: tl.constexpr, HAS_RES: tl.constexpr, LIBDEVICE: tl.constexpr,
+    ROPE: tl.constexpr, FP8_KV: tl.constexpr,
 ):
     """Program (n tile, split): rows [pid_n*BLOCK_N, +BLOCK_N) of y over one K chunk.
     PDL: launched before the previous kernel ends; its first W tile (lines of PF_LINE
     elements) is prefetched into L2 before the wait (`kernels/pdl.py`). The folds
     (`kernels/linear_fold.py`, ew loop only): NORM computes RMSNorm(x) * G on the fly (one
     program sees all of K: no split), SILU writes silu(gate) * up of y = [gate | up], HAS_RES
-    adds R to y."""
-    tl.static_assert(not (NORM or SILU) or LOOP == "ew", "the folds run in the ew loop")
+    adds R to y, ROPE rotates q and writes k and v to the KV pool (`rope.store_rotary_fold`;
+    RP: its 8 pointers, RI: its 8 scalars, `Fold.rotary`)."""
+    tl.static_assert(not (NORM or SILU or ROPE) or LOOP == "ew", "the folds run in the ew loop")
     tl.static_assert(not NORM or not SPLIT, "the RMSNorm prologue needs all of K")
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows_w, offs_n = _tile_rows(pid_n, N, BLOCK_N, SILU)
+    rows_w, offs_n = _tile_rows(pid_n, N, RI[0], BLOCK_N, SILU, ROPE)
     offs_m = tl.arange(0, BLOCK_M)
     rows_x = tl.minimum(offs_m, M - 1)
     k_lo = pid_k * k_per_split
@@ -323,95 +346,13 @@ def _skinny_kernel(
             for s in range(0, num_splits):
                 total += tl.load(tile + s * tile_elems, cache_modifier=".cg")
             _store_tile(total, B, S, XS, R, Y, offs_m, offs_n, rows_w, pid_n, M, N, stride_rm,
-                        stride_ym, BLOCK_N, HAS_BIAS, HAS_SCALE, HAS_XSCALE, HAS_RES, SILU,
-                        LIBDEVICE)
+                        stride_ym, RP, RI, BLOCK_N, HAS_BIAS, HAS_SCALE, HAS_XSCALE, HAS_RES,
+                        SILU, LIBDEVICE, ROPE, FP8_KV)
             tl.store(COUNTERS + pid_n, 0)
     else:
         _store_tile(acc, B, S, XS, R, Y, offs_m, offs_n, rows_w, pid_n, M, N, stride_rm,
-                    stride_ym, BLOCK_N, HAS_BIAS, HAS_SCALE, HAS_XSCALE, HAS_RES, SILU,
-                    LIBDEVICE)
-
-
-# ----------------------------------------------------------------------------------------------
-# Split-K workspace
-# ----------------------------------------------------------------------------------------------
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-class SplitKWorkspace:
-    """fp32 partial tiles and int32 arrival counters for split launches on one device.
-
-    Launches that share a workspace must be ordered (one stream, or a CUDA graph of one
-    stream): the counters are re-armed by each launch's last arrivals, and the partials are
-    overwritten. Grows only outside graph capture (`warmup` sizes it beforehand). Outgrown
-    buffers are kept, not freed: a graph captured earlier still points at them. Keep the
-    workspace alive as long as any graph captured with it.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.partials = torch.empty(0, dtype=torch.float32, device=device)
-        self.counters = torch.zeros(0, dtype=torch.int32, device=device)
-        self._outgrown: list[torch.Tensor] = []
-
-    def reserve(self, partial_elems: int, num_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.partials.numel() < partial_elems or self.counters.numel() < num_tiles:
-            if _capturing(self.device):
-                raise RuntimeError(
-                    f"skinny_linear split-K workspace too small during CUDA-graph capture "
-                    f"(need {partial_elems} floats, {num_tiles} counters): call "
-                    f"phaseflip.kernels.linear.warmup() with this shape before capturing")
-            elems = max(self.partials.numel(), triton.next_power_of_2(partial_elems))
-            tiles = max(self.counters.numel(), triton.next_power_of_2(num_tiles))
-            self._outgrown += [self.partials, self.counters]
-            self.partials = torch.empty(elems, dtype=torch.float32, device=self.device)
-            # Fresh counters start at 0; the old ones are all 0 at rest (self-re-arming).
-            self.counters = torch.zeros(tiles, dtype=torch.int32, device=self.device)
-        return self.partials, self.counters
-
-
-_WORKSPACES: dict[torch.device, SplitKWorkspace] = {}
-# runners (model runners of this process) that may have captured graphs with a device's
-# workspace: it is freed, outgrown buffers included, when the last of them lets go
-_HOLDERS: dict[torch.device, int] = {}
-
-
-def _one_name(device: torch.device) -> torch.device:
-    """`cuda` and `cuda:<current>` are one device (tensors report the index; callers may not):
-    one key, so a warm-up and the launches it prepares share a workspace."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def workspace_for(device: torch.device) -> SplitKWorkspace:
-    """The default workspace of `device` (one per device; see SplitKWorkspace for ordering)."""
-    device = _one_name(device)
-    if device not in _WORKSPACES:
-        _WORKSPACES[device] = SplitKWorkspace(device)
-    return _WORKSPACES[device]
-
-
-def hold_workspace(device: torch.device) -> None:
-    """A runner on `device` starts using its workspace (its graphs may capture it)."""
-    device = _one_name(device)
-    _HOLDERS[device] = _HOLDERS.get(device, 0) + 1
-
-
-def release_workspace(device: torch.device) -> None:
-    """A runner on `device` is done (its graphs released): the last one out frees the
-    workspace and every outgrown buffer; the next launch makes a fresh one."""
-    device = _one_name(device)
-    left = _HOLDERS.get(device, 0) - 1
-    if left > 0:
-        _HOLDERS[device] = left
-        return
-    _HOLDERS.pop(device, None)
-    _WORKSPACES.pop(device, None)
+                    stride_ym, RP, RI, BLOCK_N, HAS_BIAS, HAS_SCALE, HAS_XSCALE, HAS_RES, SILU,
+                    LIBDEVICE, ROPE, FP8_KV)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -455,6 +396,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         x_scale if x_scale is not None else y2,
         fold.norm_weight if fold.norm_weight is not None else y2,
         fold.residual if fold.residual is not None else y2, y2, partials, counters,
+        *fold.rotary_args(y2),
         m, n, k, fold.eps, x2.stride(0), weight.stride(0),
         fold.residual.stride(0) if fold.residual is not None else 0, y2.stride(0),
         k_per_split, num_splits,
@@ -464,7 +406,8 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         HAS_SCALE=weight_scale is not None, HAS_XSCALE=x_scale is not None,
         PDL=bool(pdl), PF_LINE=min(128 // weight.element_size(), cfg.block_k),
         NORM=fold.norm_weight is not None, SILU=fold.silu_mul, HAS_RES=fold.residual is not None,
-        LIBDEVICE=USE_LIBDEVICE,
+        LIBDEVICE=USE_LIBDEVICE, ROPE=fold.rotary is not None,
+        FP8_KV=fold.rotary is not None and fold.rotary.k_scale is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
 

@@ -25,6 +25,59 @@ NORM_FOLD_MAX_M = 2  # rows whose sums of squares the loop carries (one [BLOCK_K
 NORM_FOLD_PAYS_M = 1
 
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass(frozen=True)
+class RotaryFold:
+    """The qkv projection's epilogue at a few decode rows: rotary on q and k and the K/V store
+    into one layer of the pool, what `kernels.rope.rotary_store_kv` does after the GEMM (and
+    bitwise so), without its launch. The output [M, (H + 2 KVH) * D] then holds q rotated
+    and k, v unrotated, as after that kernel. Full rotary only (head_dim = 2 * half)."""
+
+    positions: torch.Tensor  # [M] int64, covered by the tables
+    cos: torch.Tensor  # float32 [max_pos, half] (`RotaryEmbedding.cos_cache`)
+    sin: torch.Tensor
+    slots: torch.Tensor  # [M] pool rows (`out_cache_loc`)
+    k_cache: torch.Tensor  # [slots, KVH, D], one layer of `KVPool`
+    v_cache: torch.Tensor
+    k_scale: torch.Tensor | None  # [KVH] float32: an FP8 pool's per-head scales
+    v_scale: torch.Tensor | None
+    num_q_heads: int
+
+    def check(self, m: int, n: int) -> None:
+        half = self.cos.shape[1] if self.cos.dim() == 2 else 0
+        kv_heads = self.k_cache.shape[1] if self.k_cache.dim() == 3 else 0
+        if (self.cos.shape != self.sin.shape or self.cos.stride() != self.sin.stride()
+                or self.cos.dim() != 2 or self.cos.stride(-1) != 1 or half == 0):
+            raise ValueError("the rotary fold needs float32 [max_pos, half] cos/sin tables")
+        if (self.k_cache.dim() != 3 or self.k_cache.shape[2] != 2 * half
+                or self.v_cache.shape != self.k_cache.shape
+                or self.v_cache.stride() != self.k_cache.stride()
+                or self.k_cache.stride(-1) != 1):
+            raise ValueError(f"the rotary fold needs [slots, KVH, {2 * half}] pool rows "
+                             f"(full rotary), got {tuple(self.k_cache.shape)}")
+        if n != (self.num_q_heads + 2 * kv_heads) * 2 * half:
+            raise ValueError(f"qkv has {n} columns, not ({self.num_q_heads} + 2 x {kv_heads}) "
+                             f"heads of {2 * half}")
+        if self.positions.shape != (m,) or self.slots.shape != (m,):
+            raise ValueError(f"the rotary fold needs {m} positions and {m} slots")
+        fp8 = self.k_cache.dtype in _FP8
+        if fp8 != (self.k_scale is not None) or fp8 != (self.v_scale is not None):
+            raise ValueError("an FP8 pool needs k_scale and v_scale (and a float pool neither)")
+
+    def args(self) -> tuple[tuple, tuple]:
+        """The kernel's (pointers, scalars) for `rope.store_rotary_fold`."""
+        fp8 = self.k_scale is not None
+        pointers = (self.positions, self.slots, self.cos, self.sin, self.k_cache, self.v_cache,
+                    self.k_scale if fp8 else self.k_cache, self.v_scale if fp8 else self.v_cache)
+        scalars = (self.cos.shape[1], self.num_q_heads, self.k_cache.shape[1],
+                   self.cos.shape[0], self.cos.stride(0), self.k_cache.stride(0),
+                   self.k_cache.stride(1),
+                   float(torch.finfo(self.k_cache.dtype).max) if fp8 else 0.0)
+        return pointers, scalars
+
+
 @dataclass(frozen=True)
 class Fold:
     """What one launch does around its GEMM for a few rows of 16-bit x (the ew loop), so
@@ -37,17 +90,26 @@ class Fold:
     [M, I], each program pairing gate row j with up row j so the SiLU runs once per output
     element, from the products rounded as the GEMM and the SiLU kernel would round them
     (bitwise those two kernels). `residual` [M, N]: y = round(x W^T) + residual, rounded as
-    the fused add-norm kernel adds (may be `out` itself).
+    the fused add-norm kernel adds (may be `out` itself). `rotary`: qkv's rotary and KV store
+    (`RotaryFold`).
     """
 
     norm_weight: torch.Tensor | None = None
     eps: float = 0.0
     silu_mul: bool = False
     residual: torch.Tensor | None = None
+    rotary: RotaryFold | None = None
 
     @property
     def active(self) -> bool:
-        return self.norm_weight is not None or self.silu_mul or self.residual is not None
+        return (self.norm_weight is not None or self.silu_mul or self.residual is not None
+                or self.rotary is not None)
+
+    def rotary_args(self, stand_in: torch.Tensor) -> tuple[tuple, tuple]:
+        """The kernel's RP / RI tuples (`stand_in` fills the unread pointers)."""
+        if self.rotary is None:
+            return (stand_in,) * 8, (0,) * 7 + (0.0,)
+        return self.rotary.args()
 
     def check(self, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               out: torch.Tensor, fp8_x: bool) -> None:
@@ -62,6 +124,10 @@ class Fold:
                               or self.residual is not None):
             raise ValueError("SiLU·mul needs [gate; up] weights (an even row count), no bias "
                              "and no residual")
+        if self.rotary is not None:
+            if self.silu_mul or self.residual is not None:
+                raise ValueError("the rotary fold takes neither SiLU·mul nor a residual")
+            self.rotary.check(m, weight.shape[0])
         if self.norm_weight is not None and (self.norm_weight.shape != (k,)
                                              or not self.norm_weight.is_contiguous()):
             raise ValueError(f"the norm weight must be a contiguous [{k}]")

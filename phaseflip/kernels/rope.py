@@ -33,8 +33,31 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 _TILE = 2048  # elements of one (heads x half) tile
+
+
+@triton.jit
+def rotate_values(x1, x2, c, s, EXACT: tl.constexpr):
+    """(x1', x2') in x1's dtype from fp32 cos/sin broadcastable to x1, rounded as the torch
+    path rounds them (module docstring). EXACT: products and sums through libdevice's
+    round-to-nearest calls, which the compiler never contracts into FMAs (for kernels compiled
+    with fp fusion on; the rotary kernels turn it off and the interpreter never fuses)."""
+    dt = x1.dtype
+    c = c.to(dt).to(tl.float32)
+    s = s.to(dt).to(tl.float32)
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    if EXACT:
+        o1 = libdevice.sub_rn(libdevice.mul_rn(x1f, c).to(dt).to(tl.float32),
+                              libdevice.mul_rn(x2f, s).to(dt).to(tl.float32))
+        o2 = libdevice.add_rn(libdevice.mul_rn(x2f, c).to(dt).to(tl.float32),
+                              libdevice.mul_rn(x1f, s).to(dt).to(tl.float32))
+    else:
+        o1 = (x1f * c).to(dt).to(tl.float32) - (x2f * s).to(dt).to(tl.float32)
+        o2 = (x2f * c).to(dt).to(tl.float32) + (x1f * s).to(dt).to(tl.float32)
+    return o1.to(dt), o2.to(dt)
 
 
 @triton.jit
@@ -43,14 +66,7 @@ def _rotated(ptr, mask, c, s, half):
     path rounds them (module docstring); c, s: the fp32 cos/sin row."""
     x1 = tl.load(ptr, mask=mask, other=0.0)
     x2 = tl.load(ptr + half, mask=mask, other=0.0)
-    dt = x1.dtype
-    c = c.to(dt).to(tl.float32)[None, :]
-    s = s.to(dt).to(tl.float32)[None, :]
-    x1f = x1.to(tl.float32)
-    x2f = x2.to(tl.float32)
-    o1 = (x1f * c).to(dt).to(tl.float32) - (x2f * s).to(dt).to(tl.float32)
-    o2 = (x2f * c).to(dt).to(tl.float32) + (x1f * s).to(dt).to(tl.float32)
-    return o1.to(dt), o2.to(dt)
+    return rotate_values(x1, x2, c[None, :], s[None, :], False)
 
 
 @triton.jit
@@ -97,17 +113,86 @@ def _rotary_kernel(
 
 
 @triton.jit
-def _store_rows(ptr, x, mask, SCALE, heads, hmask, fp8_max, FP8: tl.constexpr):
-    """Writes rows x [heads, channels] into the pool at `ptr`: cast to the pool's dtype, or
-    for an FP8 pool `KVPool._quantize`'s ops (fp32 x / the head's scale, IEEE-rounded; the
-    clamp to the FP8 range, NaN kept as torch's clamp keeps it; round to nearest even)."""
+def _quantize_store(ptr, x, mask, scale, fp8_max, FP8: tl.constexpr):
+    """Writes x into the pool at `ptr`: cast to the pool's dtype, or for an FP8 pool
+    `KVPool._quantize`'s ops (fp32 x / its head's `scale`, IEEE-rounded; the clamp to the FP8
+    range, NaN kept as torch's clamp keeps it; round to nearest even)."""
     if FP8:
-        scale = tl.load(SCALE + heads, mask=hmask, other=1.0)[:, None]
         y = tl.math.div_rn(x.to(tl.float32), scale)
         y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -fp8_max), fp8_max))
         tl.store(ptr, y.to(ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_rows(ptr, x, mask, SCALE, heads, hmask, fp8_max, FP8: tl.constexpr):
+    """Writes rows x [heads, channels] into the pool at `ptr` (`_quantize_store`)."""
+    scale = 1.0
+    if FP8:
+        scale = tl.load(SCALE + heads, mask=hmask, other=1.0)[:, None]
+    _quantize_store(ptr, x, mask, scale, fp8_max, FP8)
+
+
+@triton.jit
+def rotary_pair_rows(pid_n, N, half, BLOCK_N: tl.constexpr):
+    """W rows of tile pid_n of a qkv GEMM whose epilogue rotates (`store_rotary_fold`):
+    BLOCK_N / 2 channel pairs (i, i + half) of its heads (head_dim 2 * half), the two channels
+    of a pair side by side; past N the last pair repeats (stores masked)."""
+    lane = tl.arange(0, BLOCK_N)
+    p = tl.minimum(pid_n * (BLOCK_N // 2) + lane // 2, N // 2 - 1)
+    return (p // half) * (2 * half) + p % half + (lane % 2) * half
+
+
+@triton.jit
+def store_rotary_fold(x, Y, offs_m, pid_n, M, N, stride_ym, POS, LOC, COS, SIN, K_CACHE,
+                      V_CACHE, K_SCALE, V_SCALE, half, num_q_heads, num_kv_heads, cache_len,
+                      stride_cache, stride_cs, stride_ch, fp8_max, BLOCK_N: tl.constexpr,
+                      FP8: tl.constexpr, EXACT: tl.constexpr):
+    """The qkv GEMM's epilogue for a few decode rows: what `rotary_store_kv` does after it.
+
+    x [BLOCK_M, BLOCK_N]: the tile's output in Y's dtype, columns as `rotary_pair_rows` lays
+    them out over [q heads | k heads | v heads]. Y receives q rotated and k, v as they are
+    (what the qkv output holds after `rotary_store_kv`); rotated k and v go to pool slot
+    LOC[m] of each row m, quantized as `_store_rows` quantizes. Bitwise the two kernels."""
+    rows = tl.minimum(offs_m, M - 1)
+    ok_m = offs_m < M
+    p = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    ok_p = p < N // 2
+    head = p // half
+    i = p % half
+    pos = tl.load(POS + rows).to(tl.int64)
+    ok_cs = ((pos >= 0) & (pos < cache_len))[:, None] & ok_p[None, :]
+    c = tl.load(COS + pos[:, None] * stride_cache + i[None, :], mask=ok_cs, other=float("nan"))
+    s = tl.load(SIN + pos[:, None] * stride_cache + i[None, :], mask=ok_cs, other=float("nan"))
+    x1, x2 = tl.split(tl.reshape(x, [x.shape[0], BLOCK_N // 2, 2]))
+    o1, o2 = rotate_values(x1, x2, c, s, EXACT)
+    is_q = (head < num_q_heads)[None, :]
+    y = tl.reshape(tl.join(tl.where(is_q, o1, x1), tl.where(is_q, o2, x2)),
+                   [x.shape[0], BLOCK_N])
+    lane = tl.arange(0, BLOCK_N)
+    q = pid_n * (BLOCK_N // 2) + lane // 2
+    cols = (q // half) * (2 * half) + q % half + (lane % 2) * half
+    tl.store(Y + offs_m[:, None] * stride_ym + cols[None, :], y,
+             mask=ok_m[:, None] & (q < N // 2)[None, :])
+
+    kv = head - num_q_heads  # k heads 0..KVH-1, then v heads KVH..2 KVH-1
+    is_k = (kv >= 0) & (kv < num_kv_heads) & ok_p
+    is_v = (kv >= num_kv_heads) & ok_p
+    kvh = tl.minimum(tl.maximum(tl.where(is_v, kv - num_kv_heads, kv), 0), num_kv_heads - 1)
+    slot = tl.load(LOC + rows).to(tl.int64)
+    dst = slot[:, None] * stride_cs + kvh.to(tl.int64)[None, :] * stride_ch + i[None, :]
+    k_scale = 1.0
+    v_scale = 1.0
+    if FP8:
+        k_scale = tl.load(K_SCALE + kvh)[None, :]
+        v_scale = tl.load(V_SCALE + kvh)[None, :]
+    mask_k = ok_m[:, None] & is_k[None, :]
+    mask_v = ok_m[:, None] & is_v[None, :]
+    _quantize_store(K_CACHE + dst, o1, mask_k, k_scale, fp8_max, FP8)
+    _quantize_store(K_CACHE + dst + half, o2, mask_k, k_scale, fp8_max, FP8)
+    _quantize_store(V_CACHE + dst, x1, mask_v, v_scale, fp8_max, FP8)
+    _quantize_store(V_CACHE + dst + half, x2, mask_v, v_scale, fp8_max, FP8)
 
 
 @triton.jit

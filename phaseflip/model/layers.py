@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,9 @@ from torch import nn
 from phaseflip.layout import Layout
 from phaseflip.model.quant import FP8_DTYPE, Fp8Config, scaled_linear
 from phaseflip.model.quant.fp8 import Fp8Activation, quantizes_rows, token_amax, weight_only
+
+if TYPE_CHECKING:  # (imported on first use: it needs triton)
+    from phaseflip.kernels.linear_fold import RotaryFold
 
 WeightLoader = Callable[..., None]
 
@@ -425,10 +429,12 @@ def folds_rows(x: torch.Tensor, layout: Layout, linears: tuple[nn.Module, ...]) 
 
 
 def folded_linear(x: torch.Tensor, layer: nn.Module, *, norm: RMSNorm | None = None,
-                  silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+                  silu_mul: bool = False, residual: torch.Tensor | None = None,
+                  rotary: RotaryFold | None = None) -> torch.Tensor:
     """`layer`'s projection of a few rows (`folds_rows`) with `norm` applied to x first (in
     the launch where that pays, else by the norm's own kernel), `silu_mul`: silu(gate) * up
-    of its [gate | up] output, `residual` added to the output."""
+    of its [gate | up] output, `residual` added to the output, `rotary`: qkv's rotary and KV
+    store in its epilogue."""
     from phaseflip.kernels.linear import skinny_linear
     from phaseflip.kernels.linear_fold import NORM_FOLD_PAYS_M, Fold
 
@@ -436,6 +442,6 @@ def folded_linear(x: torch.Tensor, layer: nn.Module, *, norm: RMSNorm | None = N
         x, norm = norm(x), None
 
     fold = Fold(norm.weight if norm is not None else None, norm.eps if norm is not None else 0.0,
-                silu_mul, residual)
+                silu_mul, residual, rotary)
     return skinny_linear(x, layer.weight, layer.bias, weight_scale=layer.weight_scale,
                          fold=fold)

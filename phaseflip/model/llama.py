@@ -7,6 +7,7 @@ the layers of its pipeline stage and only its tensor-parallel shard of each (`La
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -32,6 +33,9 @@ from phaseflip.model.layers import (
 from phaseflip.model.quant import Fp8Config, convert_checkpoint
 from phaseflip.model.quant.fp8 import Fp8Activation
 from phaseflip.model.rope import RotaryBatch, RotaryEmbedding
+
+if TYPE_CHECKING:  # (imported on first use: it needs triton)
+    from phaseflip.kernels.linear_fold import RotaryFold
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
 _FUSED = (
@@ -77,19 +81,38 @@ class Attention(nn.Module):
         return self.o_proj(self.attend(q, k, v, batch, rotary, pool, backend))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
-               rotary: RotaryBatch, pool: KVPool, backend: AttentionBackend) -> torch.Tensor:
-        """The attention output [T, heads * head_dim] (before o_proj) of projected q, k, v."""
+               rotary: RotaryBatch, pool: KVPool, backend: AttentionBackend, *,
+               rotated: bool = False) -> torch.Tensor:
+        """The attention output [T, heads * head_dim] (before o_proj) of projected q, k, v;
+        `rotated`: q is rotated and the new K/V are in the pool already (`rotary_fold`)."""
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # one launch on CUDA: q rotated in place (a view of the qkv output), rotated k and v
-        # written into the pool; k itself is then stale, the backend reads the pool
-        q = rotary.rotate_and_store_(q, k, v, pool, self.layer_id, batch.out_cache_loc)
+        if not rotated:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            # one launch on CUDA: q rotated in place (a view of the qkv output), rotated k and
+            # v written into the pool; k itself is then stale, the backend reads the pool
+            q = rotary.rotate_and_store_(q, k, v, pool, self.layer_id, batch.out_cache_loc)
         return backend.forward(
             self.layer_id, q, k, v, batch, pool, self.scale, self.sliding_window, kv_stored=True
         )
+
+
+    def rotary_fold(self, x: torch.Tensor, batch: ForwardBatch, rotary: RotaryBatch,
+                    pool: KVPool) -> RotaryFold | None:
+        """The rotary and KV store as qkv's epilogue (`kernels.linear_fold.RotaryFold`), for a
+        folded layer (`folds_rows`) whose rotary runs as a kernel; None where q/k norms come
+        between the projection and the rotary (Qwen3) or the rotary is partial."""
+        rope = rotary.rope
+        if self.q_norm is not None or rope.rotary_dim != self.head_dim or not rope.uses_kernel(x):
+            return None
+        from phaseflip.kernels.linear_fold import RotaryFold
+
+        k_cache, v_cache = pool.layer(self.layer_id)
+        k_scale, v_scale = pool.scales(self.layer_id) or (None, None)
+        return RotaryFold(rotary.positions, rope.cos_cache, rope.sin_cache, batch.out_cache_loc,
+                          k_cache, v_cache, k_scale, v_scale, self.num_heads)
 
 
 class MLP(nn.Module):
@@ -145,8 +168,10 @@ class DecoderLayer(nn.Module):
         projections' launches (`kernels/linear_fold.py`): r is the residual stream in (hidden
         and residual summed: what the unfolded path calls residual with hidden None) and out."""
         attn, mlp = self.self_attn, self.mlp
-        qkv = folded_linear(r, attn.qkv_proj, norm=self.input_layernorm)
-        o = attn.attend(*attn.qkv_proj.split(qkv), batch, rotary, pool, backend)
+        rot = attn.rotary_fold(r, batch, rotary, pool)
+        qkv = folded_linear(r, attn.qkv_proj, norm=self.input_layernorm, rotary=rot)
+        o = attn.attend(*attn.qkv_proj.split(qkv), batch, rotary, pool, backend,
+                        rotated=rot is not None)
         r = folded_linear(o, attn.o_proj, residual=r)
         act = folded_linear(r, mlp.gate_up_proj, norm=self.post_attention_layernorm,
                             silu_mul=True)
