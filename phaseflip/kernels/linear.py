@@ -499,7 +499,8 @@ def skinny_linear(
         return out
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
-    cfg = config or pick_config(m, n, k, weight.dtype, x.device, w8a8=x_scale is not None)
+    cfg = config or pick_config(m, n, k, weight.dtype, x.device, w8a8=x_scale is not None,
+                                fold=fold.tag)
     _launch(x2, weight, bias, y2, n, cfg, workspace, weight_scale=weight_scale,
             x_scale=x_scale, fold=fold.rows(m, n_out))
     return out

@@ -186,26 +186,31 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype, device: torch.
 W8A8_SUFFIX = "+a8"
 
 
+# ... and its suffix for a folded launch (`linear_fold.Fold.tag`: "+fold:norm+rope", ...)
+FOLD_SUFFIX = "+fold:"
+
+
 class ConfigTable:
     """Measured best configs keyed by (M bucket, N, K, dtype name); overrides the heuristic.
-    The dtype name is the weight's, with `W8A8_SUFFIX` when x is FP8 as well."""
+    The dtype name is the weight's, with `W8A8_SUFFIX` when x is FP8 as well and
+    `FOLD_SUFFIX` + the fold's tag for a folded launch (its own loop body, its own best)."""
 
     def __init__(self) -> None:
         self.entries: dict[tuple[int, int, int, str], SkinnyConfig] = {}
 
     @staticmethod
-    def key(m: int, n: int, k: int, dtype: torch.dtype, w8a8: bool = False
+    def key(m: int, n: int, k: int, dtype: torch.dtype, w8a8: bool = False, fold: str = ""
             ) -> tuple[int, int, int, str]:
         name = str(dtype).removeprefix("torch.") + (W8A8_SUFFIX if w8a8 else "")
-        return (m_bucket(m), n, k, name)
+        return (m_bucket(m), n, k, name + (FOLD_SUFFIX + fold if fold else ""))
 
-    def get(self, m: int, n: int, k: int, dtype: torch.dtype, w8a8: bool = False
-            ) -> SkinnyConfig | None:
-        return self.entries.get(self.key(m, n, k, dtype, w8a8))
+    def get(self, m: int, n: int, k: int, dtype: torch.dtype, w8a8: bool = False,
+            fold: str = "") -> SkinnyConfig | None:
+        return self.entries.get(self.key(m, n, k, dtype, w8a8, fold))
 
     def put(self, m: int, n: int, k: int, dtype: torch.dtype, cfg: SkinnyConfig,
-            w8a8: bool = False) -> None:
-        self.entries[self.key(m, n, k, dtype, w8a8)] = cfg
+            w8a8: bool = False, fold: str = "") -> None:
+        self.entries[self.key(m, n, k, dtype, w8a8, fold)] = cfg
 
     def to_json(self) -> list[dict]:
         return [{"m_bucket": b, "n": n, "k": k, "dtype": d, **asdict(c)}
@@ -238,9 +243,10 @@ def load_bundled_configs(device: torch.device) -> Path | None:
 
 
 def pick_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, *,
-                w8a8: bool = False) -> SkinnyConfig:
-    """The tuned entry, else the heuristic (`dtype`: the weight's; `w8a8`: x is FP8 too)."""
-    return (TUNED.get(m, n, k, dtype, w8a8)
+                w8a8: bool = False, fold: str = "") -> SkinnyConfig:
+    """The tuned entry, else the heuristic (`dtype`: the weight's; `w8a8`: x is FP8 too;
+    `fold`: a folded launch's tag, whose own entry comes first)."""
+    return ((fold and TUNED.get(m, n, k, dtype, w8a8, fold)) or TUNED.get(m, n, k, dtype, w8a8)
             or default_config(m, n, k, dtype, device, w8a8=w8a8))
 
 

@@ -105,6 +105,13 @@ class Fold:
         return (self.norm_weight is not None or self.silu_mul or self.residual is not None
                 or self.rotary is not None)
 
+    @property
+    def tag(self) -> str:
+        """What the launch folds ("norm+silu", "res", ...): its key in the tuned table."""
+        parts = (("norm", self.norm_weight is not None), ("silu", self.silu_mul),
+                 ("res", self.residual is not None), ("rope", self.rotary is not None))
+        return "+".join(name for name, on in parts if on)
+
     def rotary_args(self, stand_in: torch.Tensor) -> tuple[tuple, tuple]:
         """The kernel's RP / RI tuples (`stand_in` fills the unread pointers)."""
         if self.rotary is None:
