@@ -57,7 +57,6 @@ from phaseflip.kernels.attention_plan import (
     orders_decode,
     plan_decode,
 )
-from phaseflip.kernels.pdl import launch_options
 
 # the planning names callers reach through this module (`kernels.decode_config`, ...)
 __all__ = [
@@ -113,7 +112,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
     KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr, HAS_ORDER: tl.constexpr,
-    HAS_QO: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    HAS_QO: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """One (KV head, head block, sequence, split): attend the group's queries over one chunk.
 
@@ -121,10 +120,7 @@ def _decode_split_kernel(
     read the same pages' rows together; with ORDER the sequences launch longest first (the
     backend sorts them), so the long ones do not start last and set the grid's tail. With QO
     (a mixed batch's one-token sequences, ORDER listing them) sequence b's query and output
-    are token row QO[b] rather than row b. PDL: launched while the kernel before it (the
-    one writing q and the new K/V) still runs; waits here for its writes (`kernels/pdl.py`)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
+    are token row QO[b] rather than row b."""
     kvh = tl.program_id(0) // HEAD_BLOCKS
     hblk = tl.program_id(0) % HEAD_BLOCKS
     b, t = _decode_row(tl.program_id(1), ORDER, QO, HAS_ORDER, HAS_QO)
@@ -397,7 +393,6 @@ def _decode(q, k_cache, v_cache, kv_indptr, kv_indices, scale: float, plan: Deco
     order_arg = kv_indptr if order is None else order
     qo_arg = kv_indptr if qo is None else qo
     grid = (num_kv_heads * head_blocks, programs, plan.num_splits)
-    pdl = launch_options(q.device)
     _decode_split_kernel[grid](
         q, k_cache, v_cache, kv_indptr, kv_indices, order_arg, qo_arg,
         out, mid_o, mid_m, mid_l, locks, k_scale, v_scale,
@@ -408,7 +403,7 @@ def _decode(q, k_cache, v_cache, kv_indptr, kv_indices, scale: float, plan: Deco
         HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_WINDOW=sliding_window is not None,
         DIRECT=direct, DOT_PREC=dot_precision(dtype), KV_FP8=kv_fp8, FP8_DOT=fp8_dot,
         HAS_ORDER=order is not None, HAS_QO=qo is not None,
-        BLOCK_S=max(MERGE_SPLITS, triton.next_power_of_2(plan.num_splits)), PDL=bool(pdl),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        BLOCK_S=max(MERGE_SPLITS, triton.next_power_of_2(plan.num_splits)),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
