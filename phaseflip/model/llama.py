@@ -98,7 +98,6 @@ class Attention(nn.Module):
             self.layer_id, q, k, v, batch, pool, self.scale, self.sliding_window, kv_stored=True
         )
 
-
     def rotary_fold(self, x: torch.Tensor, batch: ForwardBatch, rotary: RotaryBatch,
                     pool: KVPool) -> RotaryFold | None:
         """The rotary and KV store as qkv's epilogue (`kernels.linear_fold.RotaryFold`), for a
