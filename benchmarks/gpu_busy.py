@@ -137,7 +137,8 @@ def busy_summary(samples: Sequence[Sample], gpus: dict[str, list[int]] | None,
                  source: str | None, period_s: float, notes: Sequence[str] = ()) -> dict[str, Any]:
     """Busy per GPU over the samples inside `windows_s` (wall clock; the first `SETTLE_S` of
     each window dropped) and the host bubble per step each implies. A GPU with fewer than
-    `MIN_SAMPLES` samples is unmeasured (None) and the note says why."""
+    `MIN_SAMPLES` samples is unmeasured (None) and the note says why. Each GPU's `series`
+    ([s since the first window opened, %] per sample) says when in the run it sat idle."""
     notes = list(notes)
     region_s = sum(max(0.0, b - a) for a, b in windows_s)
     step_ok = step_s is not None and math.isfinite(step_s) and step_s > 0
@@ -145,14 +146,18 @@ def busy_summary(samples: Sequence[Sample], gpus: dict[str, list[int]] | None,
     if gpus is not None:
         devices = []
         for dev, ranks in gpus.items():
-            vals = [s.util_pct for s in samples if s.device == dev
-                    and any(a + SETTLE_S <= s.t_s <= b for a, b in windows_s)]
+            inside = [s for s in samples if s.device == dev
+                      and any(a + SETTLE_S <= s.t_s <= b for a, b in windows_s)]
+            vals = [s.util_pct for s in inside]
             if source is not None and len(vals) < MIN_SAMPLES:
                 notes.append(f"{dev}: {len(vals)} sample(s) in a {region_s:.2f} s region (need "
                              f"{MIN_SAMPLES}; NVML averages over 1/6-1 s: lengthen the region)")
                 vals = []
+            t0 = min((a for a, _ in windows_s), default=0.0)
             entry: dict[str, Any] = {"device": dev, "ranks": ranks, **_stats(vals),
-                                     "samples": len(vals), "host_bubble_ms_per_step": None}
+                                     "samples": len(vals), "host_bubble_ms_per_step": None,
+                                     "series": [[round(s.t_s - t0, 3), s.util_pct]
+                                                for s in inside] if vals else []}
             if vals and step_ok:
                 entry["host_bubble_ms_per_step"] = (1 - entry["mean_pct"] / 100) * step_s * 1e3
             devices.append(entry)

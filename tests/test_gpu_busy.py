@@ -96,7 +96,9 @@ def test_summary_stats_window_and_bubble():
     assert (d0["samples"], d0["mean_pct"], d0["min_pct"]) == (5, 90.0, 80.0)
     assert d0["p10_pct"] == pytest.approx(84.0)
     assert d0["host_bubble_ms_per_step"] == pytest.approx(1.0)  # (1 - 0.9) x 10 ms
+    assert d0["series"] == [[0.2, 100], [0.3, 90], [0.4, 80], [0.5, 90], [0.6, 90]]  # when
     assert d1["mean_pct"] is None and d1["samples"] == 0  # 1 < MIN_SAMPLES: unmeasured
+    assert d1["series"] == []
     assert "1: 1 sample(s)" in s["note"]
     assert s["host_bubble_ms_per_step"] == pytest.approx(1.0) and s["step_ms"] == 10.0
     no_step = busy_summary(samples, {"0": [0]}, [(w0, w0 + 1.0)], None, source="x",
