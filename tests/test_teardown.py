@@ -105,17 +105,17 @@ def test_the_gemm_workspace_goes_with_its_last_holder():
     """`kernels/linear_workspace._WORKSPACES` kept every device's split-K workspace, outgrown
     buffers included, for the life of the process; now the last runner to let go frees it."""
     pytest.importorskip("triton")
-    from phaseflip.kernels import linear, linear_workspace
+    from phaseflip.kernels import linear_workspace
 
     device = torch.device("cpu")  # the bookkeeping is the device's, whatever it is
-    linear.hold_workspace(device)
-    linear.hold_workspace(device)
-    ws = linear.workspace_for(device)
+    linear_workspace.hold_workspace(device)
+    linear_workspace.hold_workspace(device)
+    ws = linear_workspace.workspace_for(device)
     ws.reserve(1 << 10, 4)
     ws.reserve(1 << 12, 8)  # outgrows the first buffers, which it keeps for old graphs
-    linear.release_workspace(device)
-    assert linear.workspace_for(device) is ws  # one holder left: its graphs may use it
-    linear.release_workspace(device)
+    linear_workspace.release_workspace(device)
+    assert linear_workspace.workspace_for(device) is ws  # one holder left: its graphs may use it
+    linear_workspace.release_workspace(device)
     assert device not in linear_workspace._WORKSPACES
     assert device not in linear_workspace._HOLDERS
     ref = weakref.ref(ws)

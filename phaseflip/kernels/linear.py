@@ -60,12 +60,7 @@ from phaseflip.kernels.linear_configs import (
     plan_splits,
 )
 from phaseflip.kernels.linear_fold import NO_FOLD, Fold
-from phaseflip.kernels.linear_workspace import (  # noqa: F401 (the runners' names for them)
-    SplitKWorkspace,
-    hold_workspace,
-    release_workspace,
-    workspace_for,
-)
+from phaseflip.kernels.linear_workspace import SplitKWorkspace, workspace_for
 from phaseflip.kernels.pdl import launch_options, prefetch_then_wait
 from phaseflip.kernels.rope import rotary_pair_rows, store_rotary_fold
 

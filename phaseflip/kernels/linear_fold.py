@@ -25,9 +25,6 @@ NORM_FOLD_MAX_M = 2  # rows whose sums of squares the loop carries (one [BLOCK_K
 NORM_FOLD_PAYS_M = 1
 
 
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
 @dataclass(frozen=True)
 class RotaryFold:
     """The qkv projection's epilogue at a few decode rows: rotary on q and k and the K/V store
@@ -62,7 +59,7 @@ class RotaryFold:
                              f"heads of {2 * half}")
         if self.positions.shape != (m,) or self.slots.shape != (m,):
             raise ValueError(f"the rotary fold needs {m} positions and {m} slots")
-        fp8 = self.k_cache.dtype in _FP8
+        fp8 = self.k_cache.element_size() == 1  # (float pools are 2 or 4 bytes a value)
         if fp8 != (self.k_scale is not None) or fp8 != (self.v_scale is not None):
             raise ValueError("an FP8 pool needs k_scale and v_scale (and a float pool neither)")
 

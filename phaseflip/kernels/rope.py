@@ -170,11 +170,10 @@ def store_rotary_fold(x, Y, offs_m, pid_n, M, N, stride_ym, POS, LOC, COS, SIN, 
     is_q = (head < num_q_heads)[None, :]
     y = tl.reshape(tl.join(tl.where(is_q, o1, x1), tl.where(is_q, o2, x2)),
                    [x.shape[0], BLOCK_N])
-    lane = tl.arange(0, BLOCK_N)
-    q = pid_n * (BLOCK_N // 2) + lane // 2
-    cols = (q // half) * (2 * half) + q % half + (lane % 2) * half
+    ok_col = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2 < N // 2
+    cols = rotary_pair_rows(pid_n, N, half, BLOCK_N)  # (clamped past N: those lanes masked)
     tl.store(Y + offs_m[:, None] * stride_ym + cols[None, :], y,
-             mask=ok_m[:, None] & (q < N // 2)[None, :])
+             mask=ok_m[:, None] & ok_col[None, :])
 
     kv = head - num_q_heads  # k heads 0..KVH-1, then v heads KVH..2 KVH-1
     is_k = (kv >= 0) & (kv < num_kv_heads) & ok_p

@@ -85,12 +85,12 @@ def make_attention_backend(name: str, device: torch.device):
 
 def _gemm_workspace(device: torch.device, hold: bool) -> bool:
     """Takes (or lets go of) a hold on the skinny GEMM's split-K workspace of `device`, which
-    decode graphs capture (`kernels/linear.py`). True if there is one to hold."""
+    decode graphs capture (`kernels/linear_workspace.py`). True if there is one to hold."""
     if device.type != "cuda" or not HAS_TRITON:
         return False
-    from phaseflip.kernels import linear  # triton picks its mode when the kernels are defined
+    from phaseflip.kernels import linear_workspace as ws  # (imports triton)
 
-    (linear.hold_workspace if hold else linear.release_workspace)(device)
+    (ws.hold_workspace if hold else ws.release_workspace)(device)
     return True
 
 
