@@ -218,9 +218,11 @@ class DecodeGraphs:
 
     def _warm_linears(self) -> None:
         """Compiles the skinny-GEMM variants the captured sizes use and sizes its split-K
-        workspace, which must not grow during a capture."""
+        workspace, which must not grow during a capture; and the FP8 tile GEMM's tabled
+        shapes (mixed steps of those row counts run it eagerly too)."""
         if self.device.type != "cuda":
             return
+        from phaseflip.kernels import fp8_gemm
         from phaseflip.kernels import linear as skinny
         from phaseflip.kernels import linear_configs as cfgs
 
@@ -241,6 +243,7 @@ class DecodeGraphs:
             for shape, w8a8, ms in self._fp8_sizes(same, wdtype):
                 skinny.warmup([shape], self.model.dtype, self.device, m_values=ms,
                               weight_dtype=wdtype, w8a8=w8a8)
+            fp8_gemm.warmup(same, self.device)
 
     def _fp8_sizes(self, shapes: set[tuple[int, int]], wdtype: torch.dtype
                    ) -> list[tuple[tuple[int, int], bool, list[int]]]:
