@@ -218,13 +218,13 @@ class DecodeGraphs:
 
     def _warm_linears(self) -> None:
         """Compiles the skinny-GEMM variants the captured sizes use and sizes its split-K
-        workspace, which must not grow during a capture; and the FP8 tile GEMM's tabled
-        shapes (mixed steps of those row counts run it eagerly too)."""
+        workspace, which must not grow during a capture; and the tile GEMM's tabled shapes
+        (mixed steps of those row counts run it eagerly too)."""
         if self.device.type != "cuda":
             return
-        from phaseflip.kernels import fp8_gemm
         from phaseflip.kernels import linear as skinny
         from phaseflip.kernels import linear_configs as cfgs
+        from phaseflip.kernels import tile_gemm
 
         cfgs.load_bundled_configs(self.device)
         weights = [p for n, p in self.model.named_parameters()
@@ -236,6 +236,7 @@ class DecodeGraphs:
                     and any(cfgs.should_use_skinny(b, n, k) for n, k in shapes)]
         for wdtype in {w.dtype for w in weights}:
             same = {(w.shape[0], w.shape[1]) for w in weights if w.dtype == wdtype}
+            tile_gemm.warmup(same, wdtype, self.device)
             if wdtype.itemsize > 1:
                 if m_values:
                     skinny.warmup(same, self.model.dtype, self.device, m_values=m_values)
@@ -243,7 +244,6 @@ class DecodeGraphs:
             for shape, w8a8, ms in self._fp8_sizes(same, wdtype):
                 skinny.warmup([shape], self.model.dtype, self.device, m_values=ms,
                               weight_dtype=wdtype, w8a8=w8a8)
-            fp8_gemm.warmup(same, self.device)
 
     def _fp8_sizes(self, shapes: set[tuple[int, int]], wdtype: torch.dtype
                    ) -> list[tuple[tuple[int, int], bool, list[int]]]:

@@ -68,7 +68,8 @@ def linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor,
            ) -> torch.Tensor:
     """`F.linear`, or on CUDA for the few rows of a small decode batch the skinny-GEMM kernel,
     which streams the weight at close to HBM bandwidth where cuBLAS' GEMM tiles do not
-    (`kernels/linear.py`; the row cut-over is measured per shape). An FP8 weight (with its
+    (`kernels/linear.py`; the row cut-over is measured per shape), and for 129-1024 rows the
+    tile GEMM where this GPU's table has the shape (`kernels/tile_gemm.py`). An FP8 weight (with its
     per-row `weight_scale`) runs the scaled FP8 GEMM (`model.quant.fp8`), which also takes
     rows quantized already (`Fp8Activation`)."""
     if weight_scale is not None:
@@ -76,11 +77,15 @@ def linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor,
     if isinstance(x, Fp8Activation):
         raise TypeError("an Fp8Activation feeds FP8 weights only")
     if use_fused_kernels(x) and x.dim() == 2:
+        from phaseflip.kernels import tile_gemm
         from phaseflip.kernels.linear import skinny_linear
         from phaseflip.kernels.linear_configs import should_use_skinny
 
         if should_use_skinny(x.shape[0], weight.shape[0], weight.shape[1]):
             return skinny_linear(x, weight, bias)
+        cfg = tile_gemm.pick(x.shape[0], *weight.shape, weight.dtype, x.device)
+        if cfg is not None and x.dtype == weight.dtype and x.is_contiguous():
+            return tile_gemm.tile_gemm(x, weight, cfg, bias=bias)
     return F.linear(x, weight, bias)
 
 

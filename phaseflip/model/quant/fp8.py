@@ -8,7 +8,7 @@ On CUDA that product is one `torch._scaled_mm` with row-wise scales (cuBLASLt, F
 cores, Hopper and later), or for a few rows (a small decode batch) the skinny kernel's W8A8
 loop (`kernels/linear.py`), which streams the weight at close to HBM bandwidth where cuBLAS'
 tiles do not, or for 129-1024 rows where this GPU's table says so the tile GEMM
-(`kernels/fp8_gemm.py`), whose 64-row tiles waste less than cuBLAS' 128-row ones; none of
+(`kernels/tile_gemm.py`), whose 64-row tiles waste less than cuBLAS' 128-row ones; none of
 them runs in this repository's CI. Everywhere else — CPU, and shapes or
 dtypes the CUDA kernels do not take — the same product is computed in float32 from the FP8
 values (`scaled_linear_ref`): it rounds x and W exactly as the GPU paths do and differs from
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from phaseflip.kernels.fp8_gemm import Fp8GemmConfig
+    from phaseflip.kernels.tile_gemm import TileGemmConfig
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -248,7 +248,7 @@ def scaled_mm_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
 def _rows_linear(x_q: torch.Tensor, sx: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                  bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """[T, N] in `dtype` from per-token quantized rows: the skinny kernel's W8A8 loop for a
-    few rows, the tile GEMM (`kernels/fp8_gemm.py`) where this GPU's table says it beats
+    few rows, the tile GEMM (`kernels/tile_gemm.py`) where this GPU's table says it beats
     cuBLAS for the row count, else `_scaled_mm`."""
     if skinny_rows(x_q, w_q):
         from phaseflip.kernels.linear import skinny_linear
@@ -256,22 +256,22 @@ def _rows_linear(x_q: torch.Tensor, sx: torch.Tensor, w_q: torch.Tensor, w_scale
         return skinny_linear(x_q, w_q, bias, weight_scale=w_scale, x_scale=sx, out_dtype=dtype)
     cfg = _tile_gemm_config(x_q, w_q)
     if cfg is not None:
-        from phaseflip.kernels.fp8_gemm import fp8_gemm
+        from phaseflip.kernels.tile_gemm import tile_gemm
 
-        return _finish(fp8_gemm(x_q, sx, w_q, w_scale, cfg), bias, dtype)
+        return _finish(tile_gemm(x_q, w_q, cfg, sx, w_scale), bias, dtype)
     return _scaled_mm(x_q, sx, w_q, w_scale, bias, dtype)
 
 
-def _tile_gemm_config(x_q: torch.Tensor, w_q: torch.Tensor) -> Fp8GemmConfig | None:
+def _tile_gemm_config(x_q: torch.Tensor, w_q: torch.Tensor) -> TileGemmConfig | None:
     """The tile GEMM's measured launch shape for these rows, or None (cuBLAS): CUDA with
     triton, FP8 MMAs, contiguous operands and a table entry for the row bucket."""
     if not (x_q.is_cuda and _HAS_TRITON and x_q.is_contiguous() and w_q.is_contiguous()):
         return None
-    from phaseflip.kernels import fp8_gemm
+    from phaseflip.kernels import tile_gemm
 
-    if fp8_gemm.m_bucket(x_q.shape[0]) is None or not _fp8_mma(x_q.device.index or 0):
+    if tile_gemm.m_bucket(x_q.shape[0]) is None or not _fp8_mma(x_q.device.index or 0):
         return None
-    return fp8_gemm.pick(x_q.shape[0], w_q.shape[0], w_q.shape[1], x_q.device)
+    return tile_gemm.pick(x_q.shape[0], *w_q.shape, w_q.dtype, x_q.device)
 
 
 def _scaled_mm(x_q: torch.Tensor, sx: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,

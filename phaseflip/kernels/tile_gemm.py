@@ -1,0 +1,234 @@
+"""Tile GEMM for decode-sized batches (129-1024 rows): y = x W^T, bf16/fp16 or FP8 with
+per-row scales (y = (x_q W_q^T) * sx * sw), fp32 accumulation.
+
+Why not cuBLAS there: its kernels run 128x128 tiles, so a batch of 257 rows pays for 384, and
+its heuristic picks slower kernels at M off a multiple of 128 (H200, one 8B layer's four FP8
+projections, weights cold: `_scaled_mm` 219 us at M = 257 against 145 at 256 and 186 at 384;
+docs/benchmarks.md, eleventh run). A plain Triton tile loop with 64-row tiles, grouped
+program order (the programs sharing a weight tile run together, so it is read from HBM once)
+and a launch shape measured per (N, K, M bucket, dtype) takes 148 us at M = 257.
+
+Which shapes run here is data, not code: `pick` returns a config only where the table shipped
+for this GPU model (assets/kernel_configs/tile_gemm_<gpu>.json, written by
+`benchmarks/tile_gemm_tune.py`) has one for the row bucket and dtype, i.e. where it beat
+cuBLAS on that GPU; everything else stays on cuBLAS. An FP8 product comes out in bf16, as
+`_scaled_mm`'s row-wise path gives, so callers treat the two alike.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+# Rows the table covers; fewer go to the skinny kernel, more to cuBLAS.
+GEMM_MIN_M = 129
+GEMM_MAX_M = 1024
+# Turns the kernel off (every row count back to cuBLAS), for A/B runs.
+NO_TILE_GEMM_ENV = "PHASEFLIP_NO_TILE_GEMM"
+TABLES = Path(__file__).resolve().parent.parent / "assets" / "kernel_configs"
+
+Key = tuple[int, int, int, str]  # (m_bucket, n, k, the weight's dtype name)
+
+
+@dataclass(frozen=True)
+class TileGemmConfig:
+    """One launch shape: a [block_m, block_n] output tile per program, block_k per K step."""
+
+    block_m: int
+    block_n: int
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    group_m: int = 8  # row tiles of one weight column tile launched together
+
+    def label(self) -> str:
+        return (f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} "
+                f"s{self.num_stages} g{self.group_m}")
+
+    def fits(self, n: int, k: int) -> bool:
+        """Weight tiles are loaded unmasked: N and K must be whole tiles."""
+        return n % self.block_n == 0 and k % self.block_k == 0
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def m_bucket(m: int) -> int | None:
+    """The table's row bucket for m rows: the decode graphs' capture sizes (multiples of 16
+    up to 256, of 32 up to GEMM_MAX_M), so a graph's padded batch is its own bucket; None
+    outside [GEMM_MIN_M, GEMM_MAX_M]."""
+    if m < GEMM_MIN_M or m > GEMM_MAX_M:
+        return None
+    step = 16 if m <= 256 else 32
+    return -(-m // step) * step
+
+
+def buckets() -> list[int]:
+    """Every bucket, smallest first (what the tuner sweeps)."""
+    return sorted({b for m in range(GEMM_MIN_M, GEMM_MAX_M + 1) if (b := m_bucket(m))})
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program -> (row tile, column tile), GROUP_M row tiles per column tile in a row, so the
+    programs reading one weight tile are resident together and it comes from L2 after the
+    first."""
+    grid_m = tl.cdiv(M, BLOCK_M)
+    width = GROUP_M * (N // BLOCK_N)
+    first_m = (pid // width) * GROUP_M
+    size_m = min(grid_m - first_m, GROUP_M)
+    return first_m + (pid % width) % size_m, (pid % width) // size_m
+
+
+@triton.jit(do_not_specialize=["M"])
+def _tile_gemm_kernel(X, W, XS, WS, B, Y, M, N, K,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr, STAGES: tl.constexpr, SCALED: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr):
+    pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = offs_m < M
+    x_ptrs = X + offs_m[:, None].to(tl.int64) * K + offs_k[None, :]
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for _ in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        x = tl.load(x_ptrs, mask=rows[:, None], other=0.0)
+        w = tl.load(w_ptrs)
+        if WIDEN:  # the CPU interpreter (triton 3.9) returns garbage from a bf16 dot
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc,
+                         input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if SCALED:
+        sx = tl.load(XS + offs_m, mask=rows, other=0.0)
+        sw = tl.load(WS + offs_n)
+        acc = acc * sx[:, None] * sw[None, :]
+    if HAS_BIAS:  # in fp32 before the one rounding, as cuBLAS' epilogue adds it
+        acc += tl.load(B + offs_n).to(tl.float32)[None, :]
+    y_ptrs = Y + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=rows[:, None])
+
+
+def tile_gemm(x: torch.Tensor, w: torch.Tensor, config: TileGemmConfig,
+              x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
+              bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """[M, N] = x [M, K] @ w [N, K].T (+ bias [N]), fp32 accumulation, x and w contiguous
+    and of one dtype.
+
+    16-bit operands: the output has their dtype. FP8 (e4m3) operands need x_scale (M values)
+    and w_scale (N values), float32 in any shape holding them contiguously ([M, 1], [N],
+    [1, N]), applied to the fp32 sums; the output is bf16 (a bias is added to the scaled
+    sums). `out` may be any float dtype."""
+    m, k = x.shape
+    n = w.shape[0]
+    scaled = x.element_size() == 1
+    if w.shape[1] != k or w.dtype != x.dtype or x.element_size() not in (1, 2):
+        raise ValueError(f"tile_gemm takes x [M, K] and W [N, K] of one 8- or 16-bit dtype, got "
+                         f"{tuple(x.shape)} {x.dtype} and {tuple(w.shape)} {w.dtype}")
+    if not config.fits(n, k):
+        raise ValueError(f"config {config.label()} does not tile N={n}, K={k}")
+    if not (x.is_contiguous() and w.is_contiguous()) or (
+            bias is not None and (bias.numel() != n or not bias.is_contiguous())):
+        raise ValueError("tile_gemm needs contiguous x, W and an N-value bias")
+    if scaled and (x_scale is None or w_scale is None
+                   or x_scale.numel() != m or w_scale.numel() != n):
+        raise ValueError(f"FP8 scales: need {m} row and {n} weight scales")
+    y = out if out is not None else torch.empty(
+        m, n, dtype=torch.bfloat16 if scaled else x.dtype, device=x.device)
+    if m == 0:
+        return y
+    xs = x_scale.float().contiguous() if scaled else x
+    ws = w_scale.float().contiguous() if scaled else w
+    grid = (triton.cdiv(m, config.block_m) * (n // config.block_n),)
+    _tile_gemm_kernel[grid](
+        x, w, xs, ws, bias if bias is not None else w, y, m, n, k, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        STAGES=config.num_stages, SCALED=scaled, HAS_BIAS=bias is not None,
+        WIDEN=not scaled and not x.is_cuda, num_warps=config.num_warps)
+    return y
+
+
+# ----------------------------------------------------------------------------------------------
+# The shipped table
+# ----------------------------------------------------------------------------------------------
+
+
+def table_path(device_name: str) -> Path:
+    name = device_name.lower().replace(" ", "_").replace("-", "_")
+    return TABLES / f"tile_gemm_{name}.json"
+
+
+def parse_table(rows: Iterable[dict]) -> dict[Key, TileGemmConfig]:
+    """{(m_bucket, n, k, dtype): config} from the JSON rows (`to_rows`); rows without a
+    config are buckets where cuBLAS won, kept in the file for the record."""
+    return {(r["m_bucket"], r["n"], r["k"], r["dtype"]): TileGemmConfig(**r["config"])
+            for r in rows if r.get("config")}
+
+
+def to_rows(entries: dict[Key, TileGemmConfig | None],
+            timings: dict[Key, dict] | None = None) -> list[dict]:
+    return [{"m_bucket": b, "n": n, "k": k, "dtype": d, "config": asdict(c) if c else None,
+             **(timings or {}).get((b, n, k, d), {})}
+            for (b, n, k, d), c in sorted(entries.items())]
+
+
+@functools.cache
+def _table_for(device_name: str) -> dict[Key, TileGemmConfig]:
+    path = table_path(device_name)
+    return parse_table(json.loads(path.read_text())) if path.exists() else {}
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def table(device: torch.device) -> dict[Key, TileGemmConfig]:
+    """The shipped table for this device's GPU model (empty for none, or off the GPU)."""
+    if device.type != "cuda" or os.environ.get(NO_TILE_GEMM_ENV) == "1":
+        return {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _table_for(_device_name(index))
+
+
+def pick(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
+         ) -> TileGemmConfig | None:
+    """The measured launch shape for m rows of an [N, K] weight of `dtype`, or None."""
+    bucket = m_bucket(m)
+    return None if bucket is None else table(device).get((bucket, n, k, dtype_name(dtype)))
+
+
+def warmup(shapes: Iterable[tuple[int, int]], dtype: torch.dtype, device: torch.device) -> None:
+    """Compiles every config the table holds for these (N, K) weights of `dtype`, so neither
+    a graph capture nor a mixed step of a new row count compiles on the serving path. Proxy
+    weights of one column tile: the compiled variant does not depend on N, K or M."""
+    shapes, name = set(shapes), dtype_name(dtype)
+    for (bucket, n, k, d), cfg in table(device).items():
+        if d != name or (n, k) not in shapes:
+            continue
+        x = torch.zeros(bucket, k, dtype=dtype, device=device)
+        w = torch.zeros(cfg.block_n, k, dtype=dtype, device=device)
+        scales = ((torch.ones(bucket, device=device), torch.ones(cfg.block_n, device=device))
+                  if dtype.itemsize == 1 else (None, None))
+        tile_gemm(x, w, cfg, *scales)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

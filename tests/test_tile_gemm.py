@@ -1,0 +1,209 @@
+"""The tile GEMM (`kernels/tile_gemm.py`): the kernel against an exact product, FP8 and 16-bit
+(Triton's interpreter on the CPU, compiled on a GPU), its row buckets against the decode
+graphs' sizes, the shipped tables, and the routing in `model.quant.fp8` and `layers.linear`."""
+
+import json
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from phaseflip.kernels import tile_gemm  # noqa: E402
+from phaseflip.kernels.tile_gemm import TileGemmConfig  # noqa: E402
+from phaseflip.model import layers  # noqa: E402
+from phaseflip.model.cuda_graph import capture_sizes  # noqa: E402
+from phaseflip.model.quant import fp8  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+SMALL = TileGemmConfig(16, 32, 64, num_warps=4, num_stages=2, group_m=4)
+
+
+def _operands(m: int, n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w_q, w_s = fp8.quantize_rows(torch.randn(n, k, generator=g))
+    x_q, x_s = fp8.quantize_tokens(torch.randn(m, k, generator=g))
+    return x_q.to(DEV), x_s.to(DEV), w_q.to(DEV), w_s.to(DEV)
+
+
+def _exact(x_q, x_s, w_q, w_s) -> torch.Tensor:
+    acc = x_q.double().cpu() @ w_q.double().cpu().T  # FP8 products summed exactly
+    return acc * x_s.double().cpu().view(-1, 1) * w_s.double().cpu().view(1, -1)
+
+
+FP8 = "float8_e4m3fn"
+
+
+def _half_operands(m: int, n: int, k: int, seed: int, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, k, generator=g).to(dtype).to(DEV),
+            torch.randn(n, k, generator=g).to(dtype).to(DEV))
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 32, 64), (37, 64, 256), (150, 96, 128), (16, 32, 192)])
+def test_fp8_kernel_matches_the_exact_product(m, n, k):
+    """Ragged rows, several column tiles, a partial group of row tiles (150 rows: 10 row tiles
+    in groups of 4): every output element against the float64 product."""
+    x_q, x_s, w_q, w_s = _operands(m, n, k, seed=m + n + k)
+    y = torch.empty(m, n, device=DEV)
+    tile_gemm.tile_gemm(x_q, w_q, SMALL, x_s, w_s, out=y)
+    ref = _exact(x_q, x_s, w_q, w_s)
+    torch.testing.assert_close(y.double().cpu(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_kernel_matches_the_exact_product_with_bias(dtype):
+    x, w = _half_operands(150, 96, 128, seed=1, dtype=dtype)
+    bias = torch.randn(96).to(dtype).to(DEV)
+    y = torch.empty(150, 96, device=DEV)
+    tile_gemm.tile_gemm(x, w, SMALL, bias=bias, out=y)
+    ref = x.double().cpu() @ w.double().cpu().T + bias.double().cpu()
+    torch.testing.assert_close(y.double().cpu(), ref, rtol=1e-5, atol=1e-5)
+    y16 = tile_gemm.tile_gemm(x, w, SMALL, bias=bias)
+    assert y16.dtype == dtype  # one rounding of the fp32 sums (truncated by the interpreter)
+    torch.testing.assert_close(y16.double().cpu(), ref, rtol=2 ** -7, atol=1e-3)
+
+
+def test_fp8_output_is_bf16_within_one_rounding():
+    x_q, x_s, w_q, w_s = _operands(70, 64, 128, seed=3)
+    y = tile_gemm.tile_gemm(x_q, w_q, SMALL, x_s, w_s)
+    assert y.dtype == torch.bfloat16 and y.shape == (70, 64)
+    ref = _exact(x_q, x_s, w_q, w_s)
+    # one bf16 ulp (the interpreter truncates where the GPU rounds to nearest)
+    torch.testing.assert_close(y.double().cpu(), ref, rtol=2 ** -7, atol=1e-6)
+
+
+def test_refuses_what_it_cannot_tile():
+    x_q, x_s, w_q, w_s = _operands(8, 48, 64, seed=4)
+    with pytest.raises(ValueError, match="does not tile"):
+        tile_gemm.tile_gemm(x_q, w_q, SMALL, x_s, w_s)  # N = 48 is not whole 32-column tiles
+    x_q, x_s, w_q, w_s = _operands(8, 64, 64, seed=5)
+    with pytest.raises(ValueError, match="one 8- or 16-bit dtype"):
+        tile_gemm.tile_gemm(x_q.float(), w_q, SMALL, x_s, w_s)
+    with pytest.raises(ValueError, match="scales"):
+        tile_gemm.tile_gemm(x_q, w_q, SMALL, x_s[:4], w_s)
+    with pytest.raises(ValueError, match="scales"):
+        tile_gemm.tile_gemm(x_q, w_q, SMALL)
+    assert tile_gemm.tile_gemm(x_q[:0], w_q, SMALL, x_s[:0], w_s).shape == (0, 64)
+
+
+def test_buckets_are_the_decode_graph_sizes():
+    """A decode graph pads its batch to a capture size; the table is measured per bucket, so
+    each padded batch must be a bucket of its own (else its GEMM runs a shape tuned for
+    more rows)."""
+    sizes = [s for s in capture_sizes(tile_gemm.GEMM_MAX_M) if s >= tile_gemm.GEMM_MIN_M]
+    assert tile_gemm.buckets() == sizes
+    assert all(tile_gemm.m_bucket(s) == s for s in sizes)
+    assert tile_gemm.m_bucket(128) is None and tile_gemm.m_bucket(1025) is None
+    assert tile_gemm.m_bucket(129) == 144 and tile_gemm.m_bucket(257) == 288
+
+
+def test_table_rows_and_pick(monkeypatch):
+    rows = [{"m_bucket": 288, "n": 64, "k": 128, "dtype": FP8,
+             "config": {"block_m": 64, "block_n": 32}},
+            {"m_bucket": 320, "n": 64, "k": 128, "dtype": FP8, "config": None,
+             "cublas_us": 1.0}]
+    table = tile_gemm.parse_table(rows)
+    assert table == {(288, 64, 128, FP8): TileGemmConfig(64, 32)}
+    assert tile_gemm.parse_table(tile_gemm.to_rows(
+        {(288, 64, 128, FP8): TileGemmConfig(64, 32), (320, 64, 128, FP8): None})) == table
+    monkeypatch.setattr(tile_gemm, "table", lambda device: table)
+    f8 = torch.float8_e4m3fn
+    assert tile_gemm.pick(260, 64, 128, f8, DEV) == TileGemmConfig(64, 32)
+    assert tile_gemm.pick(260, 64, 128, torch.bfloat16, DEV) is None  # another dtype's row
+    assert tile_gemm.pick(300, 64, 128, f8, DEV) is None  # cuBLAS won that bucket
+    assert tile_gemm.pick(100, 64, 128, f8, DEV) is None  # the skinny kernel's rows
+
+
+def test_no_table_off_the_gpu_or_when_turned_off(monkeypatch):
+    assert tile_gemm.table(torch.device("cpu")) == {}
+    monkeypatch.setenv(tile_gemm.NO_TILE_GEMM_ENV, "1")
+    assert tile_gemm.table(torch.device("cuda", 0)) == {}
+
+
+def test_shipped_tables_hold_configs_that_tile_their_shapes():
+    paths = sorted(tile_gemm.TABLES.glob("tile_gemm_*.json"))
+    assert paths, "no tile GEMM table ships"
+    for path in paths:
+        rows = json.loads(path.read_text())
+        for (bucket, n, k, dtype), cfg in tile_gemm.parse_table(rows).items():
+            assert tile_gemm.m_bucket(bucket) == bucket, (path.name, bucket)
+            assert cfg.fits(n, k), (path.name, bucket, n, k, cfg)
+            assert cfg.block_k * getattr(torch, dtype).itemsize == 128, (path.name, cfg)
+
+
+def _spy(monkeypatch) -> list:
+    calls, real = [], tile_gemm.tile_gemm
+
+    def spy(*args, **kwargs):
+        calls.append(args[2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tile_gemm, "tile_gemm", spy)
+    return calls
+
+
+def test_fp8_rows_route_to_the_tile_gemm(monkeypatch):
+    """An FP8 activation of a tabled row count runs the tile GEMM (the product must be the
+    tile GEMM's, not the reference's fallback), in the activation's dtype, bias added after."""
+    x_q, x_s, w_q, w_s = _operands(150, 64, 128, seed=9)
+    bias = torch.randn(64, device=DEV, dtype=torch.float16)
+    calls = _spy(monkeypatch)
+    monkeypatch.setattr(fp8, "_tile_gemm_config", lambda x, w: SMALL)
+    monkeypatch.setattr(fp8, "skinny_rows", lambda x, w: False)
+    y = fp8.scaled_linear(fp8.Fp8Activation(x_q, x_s, torch.float16), w_q, w_s, bias)
+    assert calls == [SMALL] and y.dtype == torch.float16
+    ref = (_exact(x_q, x_s, w_q, w_s).to(torch.bfloat16).half() + bias.cpu()).double()
+    torch.testing.assert_close(y.double().cpu(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_16bit_rows_route_to_the_tile_gemm(monkeypatch):
+    """`layers.linear` runs a tabled 16-bit shape through the tile GEMM and the rest through
+    F.linear (the fused-kernel rule is forced on for the CPU tensors)."""
+    x, w = _half_operands(150, 64, 128, seed=11)
+    calls = _spy(monkeypatch)
+    monkeypatch.setattr(layers, "use_fused_kernels", lambda x: True)
+    monkeypatch.setattr(tile_gemm, "table",
+                        lambda device: {(160, 64, 128, "bfloat16"): SMALL})
+    y = layers.linear(x, w)
+    assert calls == [SMALL]
+    torch.testing.assert_close(y.double().cpu(), x.double().cpu() @ w.double().cpu().T,
+                               rtol=2 ** -7, atol=1e-3)
+    layers.linear(x[:100], w)  # the skinny kernel's rows: not the tile GEMM
+    layers.linear(x, w[:32])  # an untabled shape
+    assert calls == [SMALL]
+
+
+def test_tile_gemm_config_needs_cuda():
+    x_q, _, w_q, _ = _operands(150, 64, 128, seed=10)
+    if DEV.type == "cpu":
+        assert fp8._tile_gemm_config(x_q, w_q) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_tabled_shapes_match_cublas_on_the_gpu():
+    """Every shipped config for this GPU, at its bucket and 15 rows fewer, against cuBLAS's
+    product (`_scaled_mm` for FP8, F.linear for bf16; fp32 sums in another order)."""
+    table = tile_gemm.table(DEV)
+    if not table:
+        pytest.skip("no table ships for this GPU")
+    seen = set()
+    for (bucket, n, k, dtype), cfg in sorted(table.items()):
+        if (cfg, n, k, dtype) in seen:
+            continue
+        seen.add((cfg, n, k, dtype))
+        for m in (bucket, bucket - 15):
+            if dtype == FP8:
+                x_q, x_s, w_q, w_s = _operands(m, n, k, seed=m)
+                y = tile_gemm.tile_gemm(x_q, w_q, cfg, x_s, w_s).float()
+                ref = torch._scaled_mm(x_q, w_q.t(), scale_a=x_s, scale_b=w_s.view(1, -1),
+                                       out_dtype=torch.bfloat16).float()
+            else:
+                x, w = _half_operands(m, n, k, seed=m, dtype=getattr(torch, dtype))
+                y = tile_gemm.tile_gemm(x, w, cfg).float()
+                ref = torch.nn.functional.linear(x, w).float()
+            assert ((y - ref).norm() / ref.norm()).item() < 1e-2, (bucket, n, k, dtype, cfg)
