@@ -222,13 +222,13 @@ def warmup(shapes: Iterable[tuple[int, int]], dtype: torch.dtype, device: torch.
     a graph capture nor a mixed step of a new row count compiles on the serving path. Proxy
     weights of one column tile: the compiled variant does not depend on N, K or M."""
     shapes, name = set(shapes), dtype_name(dtype)
-    for (bucket, n, k, d), cfg in table(device).items():
-        if d != name or (n, k) not in shapes:
-            continue
+    todo = [(bucket, k, cfg) for (bucket, n, k, d), cfg in table(device).items()
+            if d == name and (n, k) in shapes]
+    for bucket, k, cfg in todo:
         x = torch.zeros(bucket, k, dtype=dtype, device=device)
         w = torch.zeros(cfg.block_n, k, dtype=dtype, device=device)
         scales = ((torch.ones(bucket, device=device), torch.ones(cfg.block_n, device=device))
                   if dtype.itemsize == 1 else (None, None))
         tile_gemm(x, w, cfg, *scales)
-    if device.type == "cuda":
+    if todo:
         torch.cuda.synchronize(device)
