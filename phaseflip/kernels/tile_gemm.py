@@ -206,8 +206,11 @@ def table(device: torch.device) -> dict[Key, TileGemmConfig]:
     """The shipped table for this device's GPU model (empty for none, or off the GPU)."""
     if device.type != "cuda" or os.environ.get(NO_TILE_GEMM_ENV) == "1":
         return {}
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _table_for(_device_name(index))
+    if device.index is None:  # a tensor's device always has its index; a bare "cuda" may not
+        if not torch.cuda.is_available():
+            return {}
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _table_for(_device_name(device.index))
 
 
 def pick(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
