@@ -337,7 +337,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mem-fraction", type=float, default=None)
     ap.add_argument("--max-prefill-tokens", type=int, default=None,
-                    help="default: largest batch × input-len (the batch prefills in one step)")
+                    help="default: largest batch × input-len (the batch prefills in one "
+                         "step; a large one may not fit one forward's activations: a smaller "
+                         "budget chunks the prefill, and the batch then decodes staggered)")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="any other Engine option, repeatable")
     ap.add_argument("--peak-bandwidth", type=float, default=PEAK_BANDWIDTH,
