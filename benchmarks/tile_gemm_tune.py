@@ -3,9 +3,10 @@
 For each projection of the model shapes (`--shapes`: Llama-3.1-8B's and Qwen3-8B's qkv, o,
 gate_up, down), each `--dtype` (FP8 with row-wise scales against `torch._scaled_mm`, bf16
 against `F.linear`) and each row bucket from 129 to 1024 rows (the decode graphs' capture
-sizes), times cuBLAS and every candidate launch shape as `--copies` calls over
-distinct weights in one CUDA graph (so each call reads its weight from HBM, as a decode step
-does), checks each candidate against cuBLAS's product, and keeps the fastest where it beats
+sizes), times cuBLAS and every candidate launch shape (up to 256 rows also split-K ones) as
+`--copies` calls over distinct weights in one CUDA graph (so each call reads its weight from
+HBM, as a decode step does), checks each candidate against cuBLAS's product, and keeps the
+fastest where it beats
 cuBLAS by `--margin`. `--table` merges the winners into the shipped table
 (`phaseflip/assets/kernel_configs/tile_gemm_<gpu>.json`), cuBLAS's buckets as rows without a
 config; `--out` writes every timing.
@@ -45,10 +46,21 @@ _TILES = [(64, 64, 4), (64, 128, 4), (64, 256, 4), (64, 256, 8), (128, 64, 4), (
           (128, 128, 8), (128, 256, 8)]
 
 
-def candidates(dtype: torch.dtype) -> list[TileGemmConfig]:
+# Up to 256 rows an o/down/qkv shape has too few tiles to fill the GPU (down at 160 rows in
+# 64 x 64 tiles: 192 programs, 1.45 waves on 132 SMs, each looping over K = 14 336): these
+# also split K in 2 or 4 chunks, summed by each tile's last arrival.
+_SPLIT_TILES = [(64, 64, 4), (64, 128, 4), (128, 64, 4)]
+SPLIT_MAX_M = 256
+
+
+def candidates(dtype: torch.dtype, m: int = 0) -> list[TileGemmConfig]:
     block_k = 128 // dtype.itemsize
-    return [TileGemmConfig(bm, bn, block_k, w, st) for (bm, bn, w), st
-            in itertools.product(_TILES, (3, 4))]
+    out = [TileGemmConfig(bm, bn, block_k, w, st) for (bm, bn, w), st
+           in itertools.product(_TILES, (3, 4))]
+    if m <= SPLIT_MAX_M:
+        out += [TileGemmConfig(bm, bn, block_k, w, 4, split_k=sk) for (bm, bn, w), sk
+                in itertools.product(_SPLIT_TILES, (2, 4))]
+    return out
 
 
 def _graph_us(fn, calls: int, reps: int) -> float:
@@ -95,7 +107,7 @@ def _sweep_rows(m: int, ws: list[tuple[torch.Tensor, torch.Tensor | None]], reps
 
     row: dict = {"cublas": round(_graph_us(cublas, len(ws), reps), 2)}
     ref = _cublas(x, sx, *ws[0]).float()
-    for cfg in candidates(dtype):
+    for cfg in candidates(dtype, m):
         if not cfg.fits(n, k):
             continue
 
@@ -120,8 +132,8 @@ def winners(results: dict, margin: float) -> tuple[dict, dict]:
     for (shape, dname), rows in results.items():
         n, k = SHAPES[shape]
         dtype = DTYPES[dname]
-        by_label = {c.label(): c for c in candidates(dtype)}
         for m, row in rows.items():
+            by_label = {c.label(): c for c in candidates(dtype, m)}
             ok = [(v[0], lab) for lab, v in row.items()
                   if isinstance(v, list) and v[1] < 1e-2]
             best = min(ok) if ok else None

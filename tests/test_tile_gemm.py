@@ -68,6 +68,42 @@ def test_16bit_kernel_matches_the_exact_product_with_bias(dtype):
     torch.testing.assert_close(y16.double().cpu(), ref, rtol=2 ** -7, atol=1e-3)
 
 
+@pytest.mark.parametrize("k,split", [(192, 3), (320, 3), (256, 8)])
+def test_split_k_sums_in_split_order_and_rearms_its_counters(k, split):
+    """Split-K (uneven last chunk at K=320, 8 requested but only 4 useful at K=256): exact,
+    bitwise the same on a second launch (the last arrival sums the partials in split order),
+    and every arrival counter back at 0 for the next launch."""
+    from phaseflip.kernels.linear_workspace import workspace_for
+
+    cfg = TileGemmConfig(16, 32, 64, num_warps=4, num_stages=2, group_m=4, split_k=split)
+    x_q, x_s, w_q, w_s = _operands(40, 64, k, seed=k)
+    y = tile_gemm.tile_gemm(x_q, w_q, cfg, x_s, w_s, out=torch.empty(40, 64, device=DEV))
+    torch.testing.assert_close(y.double().cpu(), _exact(x_q, x_s, w_q, w_s), rtol=1e-5,
+                               atol=1e-5)
+    again = tile_gemm.tile_gemm(x_q, w_q, cfg, x_s, w_s, out=torch.empty(40, 64, device=DEV))
+    assert torch.equal(y, again)
+    assert int(workspace_for(DEV).counters.abs().sum()) == 0
+    x, w = _half_operands(40, 64, k, seed=k + 1)
+    y16 = tile_gemm.tile_gemm(x, w, cfg, out=torch.empty(40, 64, device=DEV))
+    torch.testing.assert_close(y16.double().cpu(), x.double().cpu() @ w.double().cpu().T,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_warmup_sizes_the_split_workspace_for_the_real_shape(monkeypatch):
+    """The warm-up compiles on proxy weights but must reserve the real N's partials: a
+    capture that found the workspace too small would fail."""
+    from phaseflip.kernels.linear_workspace import SplitKWorkspace
+
+    cfg = TileGemmConfig(16, 32, 64, num_warps=4, num_stages=2, split_k=2)
+    monkeypatch.setattr(tile_gemm, "table",
+                        lambda device: {(160, 256, 128, FP8): cfg, (160, 96, 64, FP8): cfg})
+    fresh = SplitKWorkspace(DEV)
+    monkeypatch.setattr(tile_gemm, "workspace_for", lambda device: fresh)
+    tile_gemm.warmup([(256, 128)], torch.float8_e4m3fn, DEV)
+    tiles = 10 * (256 // 32)  # 160 rows in 16-row tiles, 256 columns in 32
+    assert fresh.partials.numel() >= tiles * 2 * 16 * 32 and fresh.counters.numel() >= tiles
+
+
 def test_fp8_output_is_bf16_within_one_rounding():
     x_q, x_s, w_q, w_s = _operands(70, 64, 128, seed=3)
     y = tile_gemm.tile_gemm(x_q, w_q, SMALL, x_s, w_s)
@@ -207,3 +243,20 @@ def test_tabled_shapes_match_cublas_on_the_gpu():
                 y = tile_gemm.tile_gemm(x, w, cfg).float()
                 ref = torch.nn.functional.linear(x, w).float()
             assert ((y - ref).norm() / ref.norm()).item() < 1e-2, (bucket, n, k, dtype, cfg)
+
+
+def test_tuner_ships_only_clear_winners():
+    """`tile_gemm_tune.winners`: the fastest correct candidate ships where it beats cuBLAS by
+    the margin (split-K labels map back to their configs); a wrong one never ships."""
+    tune = pytest.importorskip("benchmarks.tile_gemm_tune")
+    f8 = torch.float8_e4m3fn
+    split, plain = [c for c in tune.candidates(f8, 160) if c.split_k == 4][0], \
+        tune.candidates(f8, 160)[0]
+    rows = {("llama.down", "fp8"): {
+        160: {"cublas": 50.0, split.label(): [30.0, 0.001], plain.label(): [20.0, 0.5]},
+        288: {"cublas": 50.0, plain.label(): [49.5, 0.001]}}}
+    entries, timings = tune.winners(rows, margin=0.02)
+    assert entries[(160, 4096, 14336, FP8)] == split  # the faster one is wrong: not shipped
+    assert entries[(288, 4096, 14336, FP8)] is None  # 1 % faster: within the margin
+    assert timings[(288, 4096, 14336, FP8)] == {"us": 49.5, "cublas_us": 50.0}
+    assert all(c.split_k == 1 for c in tune.candidates(f8, 288))

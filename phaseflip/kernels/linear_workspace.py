@@ -1,5 +1,6 @@
-"""The skinny GEMM's split-K workspace (`kernels/linear.py`): fp32 partial tiles and int32
-arrival counters, one per device, held while any runner's CUDA graphs may point at them.
+"""The split-K workspace of the skinny GEMM (`kernels/linear.py`) and the tile GEMM
+(`kernels/tile_gemm.py`): fp32 partial tiles and int32 arrival counters, one per device, held
+while any runner's CUDA graphs may point at them.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ class SplitKWorkspace:
         if self.partials.numel() < partial_elems or self.counters.numel() < num_tiles:
             if _capturing(self.device):
                 raise RuntimeError(
-                    f"skinny_linear split-K workspace too small during CUDA-graph capture "
-                    f"(need {partial_elems} floats, {num_tiles} counters): call "
-                    f"phaseflip.kernels.linear.warmup() with this shape before capturing")
+                    f"split-K workspace too small during CUDA-graph capture (need "
+                    f"{partial_elems} floats, {num_tiles} counters): call the kernel's warmup "
+                    f"(phaseflip.kernels.linear / tile_gemm) with this shape before capturing")
             elems = max(self.partials.numel(), triton.next_power_of_2(partial_elems))
             tiles = max(self.counters.numel(), triton.next_power_of_2(num_tiles))
             self._outgrown += [self.partials, self.counters]

@@ -28,6 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from phaseflip.kernels.linear_configs import plan_splits
+from phaseflip.kernels.linear_workspace import workspace_for
+
 # Rows the table covers; fewer go to the skinny kernel, more to cuBLAS.
 GEMM_MIN_M = 129
 GEMM_MAX_M = 1024
@@ -48,10 +51,12 @@ class TileGemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     group_m: int = 8  # row tiles of one weight column tile launched together
+    split_k: int = 1  # K chunks per tile, summed by the tile's last arrival (few-tile shapes)
 
     def label(self) -> str:
+        split = f" split{self.split_k}" if self.split_k > 1 else ""
         return (f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} "
-                f"s{self.num_stages} g{self.group_m}")
+                f"s{self.num_stages} g{self.group_m}{split}")
 
     def fits(self, n: int, k: int) -> bool:
         """Weight tiles are loaded unmasked: N and K must be whole tiles."""
@@ -94,20 +99,36 @@ def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: 
     return first_m + (pid % width) % size_m, (pid % width) // size_m
 
 
+@triton.jit
+def _epilogue(acc, XS, WS, B, Y, offs_m, offs_n, rows, N, SCALED: tl.constexpr,
+              HAS_BIAS: tl.constexpr):
+    if SCALED:
+        sx = tl.load(XS + offs_m, mask=rows, other=0.0)
+        sw = tl.load(WS + offs_n)
+        acc = acc * sx[:, None] * sw[None, :]
+    if HAS_BIAS:  # in fp32 before the one rounding, as cuBLAS' epilogue adds it
+        acc += tl.load(B + offs_n).to(tl.float32)[None, :]
+    y_ptrs = Y + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=rows[:, None])
+
+
 @triton.jit(do_not_specialize=["M"])
-def _tile_gemm_kernel(X, W, XS, WS, B, Y, M, N, K,
+def _tile_gemm_kernel(X, W, XS, WS, B, Y, PARTIALS, COUNTERS, M, N, K, k_per_split, num_splits,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, STAGES: tl.constexpr, SCALED: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr):
-    pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+                      HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr, SPLIT: tl.constexpr):
+    tile_id = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m, pid_n = _tile_ids(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_k = pid_k * k_per_split + tl.arange(0, BLOCK_K)
     rows = offs_m < M
     x_ptrs = X + offs_m[:, None].to(tl.int64) * K + offs_k[None, :]
     w_ptrs = W + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for _ in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    k_len = min(k_per_split, K - pid_k * k_per_split)
+    for _ in tl.range(0, k_len, BLOCK_K, num_stages=STAGES):
         x = tl.load(x_ptrs, mask=rows[:, None], other=0.0)
         w = tl.load(w_ptrs)
         if WIDEN:  # the CPU interpreter (triton 3.9) returns garbage from a bf16 dot
@@ -117,14 +138,25 @@ def _tile_gemm_kernel(X, W, XS, WS, B, Y, M, N, K,
             acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if SCALED:
-        sx = tl.load(XS + offs_m, mask=rows, other=0.0)
-        sw = tl.load(WS + offs_n)
-        acc = acc * sx[:, None] * sw[None, :]
-    if HAS_BIAS:  # in fp32 before the one rounding, as cuBLAS' epilogue adds it
-        acc += tl.load(B + offs_n).to(tl.float32)[None, :]
-    y_ptrs = Y + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=rows[:, None])
+    if SPLIT:
+        # Tile tile_id owns PARTIALS[tile_id, 0:num_splits, BLOCK_M, BLOCK_N] and
+        # COUNTERS[tile_id], 0 between launches (its last arrival re-arms it); the last
+        # arrival sums the partials in split order, so the result does not depend on timing.
+        tile_elems = BLOCK_M * BLOCK_N
+        tile = (PARTIALS + tile_id.to(tl.int64) * num_splits * tile_elems
+                + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
+        tl.store(tile + pid_k * tile_elems, acc)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(COUNTERS + tile_id, 1, sem="acq_rel")
+        if arrived == num_splits - 1:
+            tl.debug_barrier()
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in range(0, num_splits):
+                total += tl.load(tile + s * tile_elems, cache_modifier=".cg")
+            _epilogue(total, XS, WS, B, Y, offs_m, offs_n, rows, N, SCALED, HAS_BIAS)
+            tl.store(COUNTERS + tile_id, 0)
+    else:
+        _epilogue(acc, XS, WS, B, Y, offs_m, offs_n, rows, N, SCALED, HAS_BIAS)
 
 
 def tile_gemm(x: torch.Tensor, w: torch.Tensor, config: TileGemmConfig,
@@ -158,13 +190,24 @@ def tile_gemm(x: torch.Tensor, w: torch.Tensor, config: TileGemmConfig,
         return y
     xs = x_scale.float().contiguous() if scaled else x
     ws = w_scale.float().contiguous() if scaled else w
-    grid = (triton.cdiv(m, config.block_m) * (n // config.block_n),)
-    _tile_gemm_kernel[grid](
-        x, w, xs, ws, bias if bias is not None else w, y, m, n, k, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        STAGES=config.num_stages, SCALED=scaled, HAS_BIAS=bias is not None,
-        WIDEN=not scaled and not x.is_cuda, num_warps=config.num_warps)
+    tiles = triton.cdiv(m, config.block_m) * (n // config.block_n)
+    splits, k_per_split = plan_splits(k, config.block_k, config.split_k)
+    if splits > 1:
+        partials, counters = workspace_for(x.device).reserve(
+            _partial_elems(tiles, splits, config), tiles)
+    else:
+        partials, counters = y, y  # unused
+    _tile_gemm_kernel[(tiles, splits)](
+        x, w, xs, ws, bias if bias is not None else w, y, partials, counters, m, n, k,
+        k_per_split, splits, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, GROUP_M=config.group_m, STAGES=config.num_stages,
+        SCALED=scaled, HAS_BIAS=bias is not None, WIDEN=not scaled and not x.is_cuda,
+        SPLIT=splits > 1, num_warps=config.num_warps)
     return y
+
+
+def _partial_elems(tiles: int, splits: int, config: TileGemmConfig) -> int:
+    return tiles * splits * config.block_m * config.block_n
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,17 +264,22 @@ def pick(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
 
 
 def warmup(shapes: Iterable[tuple[int, int]], dtype: torch.dtype, device: torch.device) -> None:
-    """Compiles every config the table holds for these (N, K) weights of `dtype`, so neither
-    a graph capture nor a mixed step of a new row count compiles on the serving path. Proxy
-    weights of one column tile: the compiled variant does not depend on N, K or M."""
+    """Compiles every config the table holds for these (N, K) weights of `dtype` and sizes the
+    split-K workspace for them, so neither a graph capture nor a mixed step of a new row count
+    compiles or allocates on the serving path. Proxy weights of one column tile: the compiled
+    variant does not depend on N, K or M."""
     shapes, name = set(shapes), dtype_name(dtype)
-    todo = [(bucket, k, cfg) for (bucket, n, k, d), cfg in table(device).items()
+    todo = [(bucket, n, k, cfg) for (bucket, n, k, d), cfg in table(device).items()
             if d == name and (n, k) in shapes]
-    for bucket, k, cfg in todo:
+    for bucket, n, k, cfg in todo:
+        splits, _ = plan_splits(k, cfg.block_k, cfg.split_k)
+        if splits > 1:  # the real N's partials: a capture must not grow the workspace
+            tiles = triton.cdiv(bucket, cfg.block_m) * (n // cfg.block_n)
+            workspace_for(device).reserve(_partial_elems(tiles, splits, cfg), tiles)
         x = torch.zeros(bucket, k, dtype=dtype, device=device)
         w = torch.zeros(cfg.block_n, k, dtype=dtype, device=device)
         scales = ((torch.ones(bucket, device=device), torch.ones(cfg.block_n, device=device))
                   if dtype.itemsize == 1 else (None, None))
         tile_gemm(x, w, cfg, *scales)
-    if todo:
+    if todo and device.type == "cuda":
         torch.cuda.synchronize(device)
