@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     ms = [int(m) for m in args.m.split(",")] if args.m else buckets()
+    if not set(ms) <= set(buckets()):  # a row never looked up by `pick` would ship
+        ap.error(f"--m takes row buckets only: {sorted(set(ms) - set(buckets()))} are not "
+                 f"among {buckets()}")
     torch.manual_seed(0)
     results = {}
     cases = len(ms) * len(args.shapes) * len(args.dtype)

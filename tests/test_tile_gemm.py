@@ -118,7 +118,7 @@ def test_refuses_what_it_cannot_tile():
     with pytest.raises(ValueError, match="does not tile"):
         tile_gemm.tile_gemm(x_q, w_q, SMALL, x_s, w_s)  # N = 48 is not whole 32-column tiles
     x_q, x_s, w_q, w_s = _operands(8, 64, 64, seed=5)
-    with pytest.raises(ValueError, match="one 8- or 16-bit dtype"):
+    with pytest.raises(ValueError, match="one 8- or 16-bit float dtype"):
         tile_gemm.tile_gemm(x_q.float(), w_q, SMALL, x_s, w_s)
     with pytest.raises(ValueError, match="scales"):
         tile_gemm.tile_gemm(x_q, w_q, SMALL, x_s[:4], w_s)
@@ -214,10 +214,47 @@ def test_16bit_rows_route_to_the_tile_gemm(monkeypatch):
     assert calls == [SMALL]
 
 
-def test_tile_gemm_config_needs_cuda():
-    x_q, _, w_q, _ = _operands(150, 64, 128, seed=10)
-    if DEV.type == "cpu":
-        assert fp8._tile_gemm_config(x_q, w_q) is None
+def test_16bit_rows_fall_back_to_f_linear_for_strided_weights(monkeypatch):
+    x, w = _half_operands(150, 64, 128, seed=12)
+    strided = torch.empty(128, 64, dtype=w.dtype, device=DEV).t()
+    strided.copy_(w)
+    calls = _spy(monkeypatch)
+    monkeypatch.setattr(layers, "use_fused_kernels", lambda x: True)
+    monkeypatch.setattr(tile_gemm, "table",
+                        lambda device: {(160, 64, 128, "bfloat16"): SMALL})
+    y = layers.linear(x, strided)
+    assert calls == []
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w))
+
+
+def test_split_k_with_a_bias():
+    cfg = TileGemmConfig(16, 32, 64, num_warps=4, num_stages=2, split_k=3)
+    x, w = _half_operands(40, 64, 192, seed=13)
+    bias = torch.randn(64).to(torch.bfloat16).to(DEV)
+    y = tile_gemm.tile_gemm(x, w, cfg, bias=bias, out=torch.empty(40, 64, device=DEV))
+    ref = x.double().cpu() @ w.double().cpu().T + bias.double().cpu()
+    torch.testing.assert_close(y.double().cpu(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_refuses_a_bad_out_and_what_no_caller_sends():
+    x, w = _half_operands(8, 64, 64, seed=14)
+    for out in (torch.empty(64, 8, device=DEV).t(), torch.empty(8, 32, device=DEV)):
+        with pytest.raises(ValueError, match="out must be"):
+            tile_gemm.tile_gemm(x, w, SMALL, out=out)
+    with pytest.raises(ValueError, match="float dtype"):
+        tile_gemm.tile_gemm(x[:, :0], w[:, :0], TileGemmConfig(16, 32, 0))
+    with pytest.raises(ValueError, match="float dtype"):
+        tile_gemm.tile_gemm(x.to(torch.int8), w.to(torch.int8), SMALL)
+
+
+def test_warmup_compiles_both_bias_variants_of_a_16bit_shape(monkeypatch):
+    calls = []
+    monkeypatch.setattr(tile_gemm, "table",
+                        lambda device: {(160, 64, 128, "bfloat16"): SMALL})
+    monkeypatch.setattr(tile_gemm, "tile_gemm",
+                        lambda x, w, cfg, *a, bias=None, **k: calls.append(bias is not None))
+    tile_gemm.warmup([(64, 128)], torch.bfloat16, DEV)
+    assert sorted(calls) == [False, True]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -173,9 +173,11 @@ def tile_gemm(x: torch.Tensor, w: torch.Tensor, config: TileGemmConfig,
     m, k = x.shape
     n = w.shape[0]
     scaled = x.element_size() == 1
-    if w.shape[1] != k or w.dtype != x.dtype or x.element_size() not in (1, 2):
-        raise ValueError(f"tile_gemm takes x [M, K] and W [N, K] of one 8- or 16-bit dtype, got "
-                         f"{tuple(x.shape)} {x.dtype} and {tuple(w.shape)} {w.dtype}")
+    if (w.shape[1] != k or w.dtype != x.dtype or x.element_size() not in (1, 2)
+            or not x.dtype.is_floating_point or k == 0):
+        raise ValueError(f"tile_gemm takes x [M, K] and W [N, K] (K > 0) of one 8- or 16-bit "
+                         f"float dtype, got {tuple(x.shape)} {x.dtype} and {tuple(w.shape)} "
+                         f"{w.dtype}")
     if not config.fits(n, k):
         raise ValueError(f"config {config.label()} does not tile N={n}, K={k}")
     if not (x.is_contiguous() and w.is_contiguous()) or (
@@ -184,6 +186,9 @@ def tile_gemm(x: torch.Tensor, w: torch.Tensor, config: TileGemmConfig,
     if scaled and (x_scale is None or w_scale is None
                    or x_scale.numel() != m or w_scale.numel() != n):
         raise ValueError(f"FP8 scales: need {m} row and {n} weight scales")
+    if out is not None and (out.shape != (m, n) or not out.is_contiguous()
+                            or out.device != x.device):
+        raise ValueError(f"out must be a contiguous [{m}, {n}] tensor on {x.device}")
     y = out if out is not None else torch.empty(
         m, n, dtype=torch.bfloat16 if scaled else x.dtype, device=x.device)
     if m == 0:
@@ -271,15 +276,21 @@ def warmup(shapes: Iterable[tuple[int, int]], dtype: torch.dtype, device: torch.
     shapes, name = set(shapes), dtype_name(dtype)
     todo = [(bucket, n, k, cfg) for (bucket, n, k, d), cfg in table(device).items()
             if d == name and (n, k) in shapes]
-    for bucket, n, k, cfg in todo:
-        splits, _ = plan_splits(k, cfg.block_k, cfg.split_k)
-        if splits > 1:  # the real N's partials: a capture must not grow the workspace
-            tiles = triton.cdiv(bucket, cfg.block_m) * (n // cfg.block_n)
-            workspace_for(device).reserve(_partial_elems(tiles, splits, cfg), tiles)
+    # the real N's partials (a capture must not grow the workspace), the largest first so
+    # the workspace grows once
+    need = [(_partial_elems(triton.cdiv(b, c.block_m) * (n // c.block_n), splits, c),
+             triton.cdiv(b, c.block_m) * (n // c.block_n))
+            for b, n, k, c in todo if (splits := plan_splits(k, c.block_k, c.split_k)[0]) > 1]
+    if need:
+        workspace_for(device).reserve(max(e for e, _ in need), max(t for _, t in need))
+    for bucket, _, k, cfg in todo:
         x = torch.zeros(bucket, k, dtype=dtype, device=device)
         w = torch.zeros(cfg.block_n, k, dtype=dtype, device=device)
-        scales = ((torch.ones(bucket, device=device), torch.ones(cfg.block_n, device=device))
-                  if dtype.itemsize == 1 else (None, None))
-        tile_gemm(x, w, cfg, *scales)
+        if dtype.itemsize == 1:  # FP8: scales; a bias is added after the product
+            tile_gemm(x, w, cfg, torch.ones(bucket, device=device),
+                      torch.ones(cfg.block_n, device=device))
+            continue
+        for bias in (None, torch.zeros(cfg.block_n, dtype=dtype, device=device)):
+            tile_gemm(x, w, cfg, bias=bias)  # 16-bit layers with and without a bias
     if todo and device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -84,7 +84,8 @@ def linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor,
         if should_use_skinny(x.shape[0], weight.shape[0], weight.shape[1]):
             return skinny_linear(x, weight, bias)
         cfg = tile_gemm.pick(x.shape[0], *weight.shape, weight.dtype, x.device)
-        if cfg is not None and x.dtype == weight.dtype and x.is_contiguous():
+        if (cfg is not None and x.dtype == weight.dtype and x.is_contiguous()
+                and weight.is_contiguous() and (bias is None or bias.is_contiguous())):
             return tile_gemm.tile_gemm(x, weight, cfg, bias=bias)
     return F.linear(x, weight, bias)
 
