@@ -22,6 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmarks.common import add_model_args, parse_engine_args, random_prompts, write_json
+from benchmarks.gpu_gaps import gap_report, print_gaps
 from phaseflip import Engine, SamplingParams
 
 # (label, owner attribute of the core, method); an overlapped step samples on the device and
@@ -75,6 +76,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--top", type=int, default=20, help="kernels listed")
     ap.add_argument("--trace", default=None, help="write a Chrome trace here")
+    ap.add_argument("--gaps", type=float, default=None, metavar="US",
+                    help="list the GPU's idle gaps of at least US µs and what the host did")
     ap.add_argument("--out", default=None)
     return ap.parse_args(argv)
 
@@ -119,12 +122,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     kernels, phases = per_step_times(prof, args.steps)
     gpu_ms = sum(kernels.values())
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[: args.top]
+    gaps = gap_report(prof, args.steps, args.gaps) if args.gaps is not None else None
     result = {
         "batch_size": args.batch_size, "input_len": args.input_len, "steps": args.steps,
         "wall_ms_per_step": bare * 1e3, "wall_ms_per_step_profiled": wall * 1e3,
         "gpu_kernel_ms_per_step": gpu_ms, "gpu_busy_fraction": gpu_ms / (bare * 1e3),
         "host_ms_per_step": dict(phases),
         "top_kernels_ms_per_step": dict(top),
+        "gpu_gaps": gaps,
     }
     print(f"batch {args.batch_size}, context ~{args.input_len}: wall {bare * 1e3:.2f} ms/step "
           f"({wall * 1e3:.2f} profiled), GPU kernels {gpu_ms:.2f} ms/step "
@@ -133,6 +138,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
     for name, ms in top:
         print(f"{ms:8.3f} ms  {name[:110]}")
+    if gaps is not None:
+        print_gaps(gaps)
     if args.out:
         write_json(args.out, result)
     engine.shutdown()

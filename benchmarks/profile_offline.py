@@ -41,6 +41,7 @@ from benchmarks.common import (
     release_engine,
     write_json,
 )
+from benchmarks.gpu_gaps import gap_report, print_gaps
 from benchmarks.plot import pyplot, save
 from benchmarks.profile_decode import per_step_times, wrap_phases
 
@@ -58,6 +59,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "prefill-heavy start and the decode tail: 5,600)")
     ap.add_argument("--profile-steps", type=int, default=10, help="steps per window")
     ap.add_argument("--top", type=int, default=15, help="kernels listed")
+    ap.add_argument("--gaps", type=float, default=None, metavar="US",
+                    help="in each profiled window, the GPU's idle gaps of at least US µs "
+                         "and what the host did meanwhile")
     ap.add_argument("--null-forward", action="store_true",
                     help="precomputed logits instead of the model (host overhead only)")
     ap.add_argument("--cprofile", default=None, help="cProfile the whole run into this file")
@@ -110,7 +114,7 @@ def run_steps(core: Any, args: argparse.Namespace, total_out: int) -> tuple[list
     while core.has_work():
         if step in args.profile_at:
             windows.append(_profile(core, log, args, step, sync, cuda))
-            step += args.profile_steps
+            step += args.profile_steps + 1  # the window and its unprofiled lead step
             t_prev = time.perf_counter()
             continue
         deltas = core.step()
@@ -131,6 +135,7 @@ def _profile(core: Any, log: StepLog, args: argparse.Namespace, first: int, sync
     kinds: dict[str, int] = defaultdict(int)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sync()
+    core.step()  # unprofiled: the window starts with a step in flight, as the run has
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         for _ in range(args.profile_steps):
@@ -142,9 +147,11 @@ def _profile(core: Any, log: StepLog, args: argparse.Namespace, first: int, sync
     kernels, phases = per_step_times(prof, args.profile_steps)
     gpu = sum(kernels.values())
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[: args.top]
+    gaps = gap_report(prof, args.profile_steps, args.gaps) if args.gaps is not None else None
     return {"first_step": first, "steps": args.profile_steps, "step_kinds": kinds,
             "wall_ms_per_step_profiled": wall * 1e3, "gpu_kernel_ms_per_step": gpu,
-            "host_ms_per_step": phases, "top_kernels_ms_per_step": dict(top)}
+            "host_ms_per_step": phases, "top_kernels_ms_per_step": dict(top),
+            "gpu_gaps": gaps}
 
 
 def summarize(records: list[dict]) -> dict[str, dict[str, float]]:
@@ -159,6 +166,16 @@ def summarize(records: list[dict]) -> dict[str, dict[str, float]]:
                          "mean_sequences": sum(r["sequences"] for r in rs) / len(rs),
                          "ms_per_step": 1e3 * secs / len(rs)}
     return out
+
+
+def _allocator_stats(device: torch.device) -> dict[str, int] | None:
+    """The caching allocator's counters over the run: a retry frees cached blocks with a
+    device-wide synchronize, which stalls the overlapped steps."""
+    if device.type != "cuda":
+        return None
+    stats = torch.cuda.memory_stats(device)
+    keys = ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free")
+    return {k: int(stats.get(k, 0)) for k in keys}
 
 
 def plot_timeline(records: list[dict], path: str) -> None:
@@ -194,13 +211,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             prof.dump_stats(args.cprofile)
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         seconds = time.perf_counter() - t0
+        allocator = _allocator_stats(core.runner.device)
         release_engine(engine)
     classes = summarize(records)
     result = {"benchmark": "profile_offline", "model": args.model, "dataset": args.dataset,
               "num_prompts": args.num_prompts, "max_running_requests": args.max_running_requests,
               "seconds": seconds, "output_tokens": work.output_tokens,
               "output_tokens_per_s": work.output_tokens / seconds, "by_step_kind": classes,
-              "profiles": windows, "steps": records}
+              "profiles": windows, "allocator": allocator, "steps": records}
     _print(result)
     if args.plot:
         plot_timeline(records, args.plot)
@@ -216,6 +234,8 @@ def _print(result: dict[str, Any]) -> None:
                  "decode rows", "prompt tokens"], rows,
                 title=f"offline steps: {result['output_tokens_per_s']:.0f} output tok/s over "
                       f"{result['seconds']:.1f} s (profiled window included)")
+    if result.get("allocator"):
+        print("allocator:", result["allocator"])
     for w in result["profiles"]:
         print(f"profile of steps {w['first_step']}..+{w['steps']} {dict(w['step_kinds'])}: "
               f"wall {w['wall_ms_per_step_profiled']:.2f} ms/step, GPU kernels "
@@ -223,6 +243,8 @@ def _print(result: dict[str, Any]) -> None:
               + ", ".join(f"{k} {v:.2f}" for k, v in w["host_ms_per_step"].items()))
         for name, ms in w["top_kernels_ms_per_step"].items():
             print(f"{ms:8.3f} ms  {name[:110]}")
+        if w.get("gpu_gaps") is not None:
+            print_gaps(w["gpu_gaps"])
 
 
 if __name__ == "__main__":
