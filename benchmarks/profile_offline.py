@@ -62,12 +62,49 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--gaps", type=float, default=None, metavar="US",
                     help="in each profiled window, the GPU's idle gaps of at least US µs "
                          "and what the host did meanwhile")
+    ap.add_argument("--host-clock", action="store_true",
+                    help="time the host phases of every step with perf_counter (no profiler) "
+                         "and summarize them by step kind and batch size")
     ap.add_argument("--null-forward", action="store_true",
                     help="precomputed logits instead of the model (host overhead only)")
     ap.add_argument("--cprofile", default=None, help="cProfile the whole run into this file")
     ap.add_argument("--plot", default=None, help="write the step timeline PNG here")
     ap.add_argument("--out", default=None)
     return ap.parse_args(argv)
+
+
+class HostClock:
+    """perf_counter totals of the engine's host phases within each step, without a profiler
+    (whose per-op cost inflates exactly the host time in question). `forward` of a replayed
+    graph is its input preparation and launch; `tokens` includes the wait for the previous
+    step's tokens."""
+
+    PHASES = (("schedule", "scheduler", "schedule"), ("forward", "runner", "forward"),
+              ("sample", "sampling", "sample_ahead"), ("tokens", "outputs", "take_tokens"),
+              ("text", "outputs", "emit_text"))
+
+    def __init__(self, core: Any) -> None:
+        self.step: dict[str, float] = defaultdict(float)
+        for label, owner, name in self.PHASES:
+            self._wrap(getattr(core, owner), name, label)
+
+    def _wrap(self, obj: Any, name: str, label: str) -> None:
+        fn, acc = getattr(obj, name), self.step
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                acc[label] += time.perf_counter() - t
+
+        setattr(obj, name, timed)
+
+    def take(self) -> dict[str, float]:
+        """This step's phase times (ms), reset for the next."""
+        out = {k: round(v * 1e3, 3) for k, v in self.step.items()}
+        self.step.clear()
+        return out
 
 
 class StepLog:
@@ -104,6 +141,7 @@ class StepLog:
 def run_steps(core: Any, args: argparse.Namespace, total_out: int) -> tuple[list, dict]:
     """Steps the core to the end; returns the per-step records and the profile windows."""
     log, records, windows = StepLog(core), [], []
+    clock = HostClock(core) if args.host_clock else None
     if args.profile_at:
         wrap_phases(core)  # once: the ranges cost nothing while no profiler runs
     cuda = core.runner.device.type == "cuda"
@@ -113,6 +151,8 @@ def run_steps(core: Any, args: argparse.Namespace, total_out: int) -> tuple[list
     step, t_prev = 0, time.perf_counter()
     while core.has_work():
         if step in args.profile_at:
+            if clock is not None:
+                clock.take()
             windows.append(_profile(core, log, args, step, sync, cuda))
             step += args.profile_steps + 1  # the window and its unprofiled lead step
             t_prev = time.perf_counter()
@@ -124,6 +164,8 @@ def run_steps(core: Any, args: argparse.Namespace, total_out: int) -> tuple[list
             seqs, ones, prompt = log.counts()
             records.append({"step": step, "kind": kind, "seconds": now - t_prev,
                             "sequences": seqs, "decode_rows": ones, "prompt_tokens": prompt})
+            if clock is not None:
+                records[-1]["host_ms"] = clock.take()
         bar.update(sum(len(d.token_ids) for d in deltas))
         step, t_prev = step + 1, now
     bar.close()
@@ -165,6 +207,30 @@ def summarize(records: list[dict]) -> dict[str, dict[str, float]]:
                          "prompt_tokens": sum(r["prompt_tokens"] for r in rs),
                          "mean_sequences": sum(r["sequences"] for r in rs) / len(rs),
                          "ms_per_step": 1e3 * secs / len(rs)}
+    return out
+
+
+SEQ_BANDS = (0, 100, 200, 400, 700, 10**9)
+
+
+def summarize_host(records: list[dict]) -> list[dict[str, Any]]:
+    """Mean step wall and host phase times (ms) by step kind and batch-size band, for steps
+    timed by `HostClock`: a band whose phases add up to its step time is host-bound."""
+    out = []
+    for kind in KINDS:
+        for lo, hi in zip(SEQ_BANDS, SEQ_BANDS[1:]):
+            rs = [r for r in records if r["kind"] == kind and "host_ms" in r
+                  and lo <= r["sequences"] < hi]
+            if not rs:
+                continue
+            phases: dict[str, float] = defaultdict(float)
+            for r in rs:
+                for k, v in r["host_ms"].items():
+                    phases[k] += v / len(rs)
+            out.append({"kind": kind, "sequences": f"{lo}-{min(hi, 10**4) - 1}",
+                        "steps": len(rs),
+                        "step_ms": 1e3 * sum(r["seconds"] for r in rs) / len(rs),
+                        "host_ms": dict(phases)})
     return out
 
 
@@ -218,7 +284,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "num_prompts": args.num_prompts, "max_running_requests": args.max_running_requests,
               "seconds": seconds, "output_tokens": work.output_tokens,
               "output_tokens_per_s": work.output_tokens / seconds, "by_step_kind": classes,
-              "profiles": windows, "allocator": allocator, "steps": records}
+              "profiles": windows, "allocator": allocator,
+              "host_clock": summarize_host(records) if args.host_clock else None,
+              "steps": records}
     _print(result)
     if args.plot:
         plot_timeline(records, args.plot)
@@ -234,6 +302,13 @@ def _print(result: dict[str, Any]) -> None:
                  "decode rows", "prompt tokens"], rows,
                 title=f"offline steps: {result['output_tokens_per_s']:.0f} output tok/s over "
                       f"{result['seconds']:.1f} s (profiled window included)")
+    if result.get("host_clock"):
+        names = [label for label, _, _ in HostClock.PHASES]
+        print_table(["kind", "seqs", "steps", "step ms", *names, "sum"],
+                    [[h["kind"], h["sequences"], h["steps"], h["step_ms"],
+                      *(h["host_ms"].get(n, 0.0) for n in names), sum(h["host_ms"].values())]
+                     for h in result["host_clock"]],
+                    title="host phases per step (perf_counter, ms)")
     if result.get("allocator"):
         print("allocator:", result["allocator"])
     for w in result["profiles"]:
