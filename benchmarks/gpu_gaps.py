@@ -70,6 +70,7 @@ def gap_report(prof: Any, steps: int, min_us: float = 20.0, top: int = 10) -> di
     listed.sort(key=lambda g: -g["ms"])
     long_ms = sum(b - a for a, b in long_gaps) / 1e3
     return {
+        "host_ops": host_ops(prof, steps),
         "idle_ms_per_step": (short / 1e3 + long_ms) / steps,
         "short_gap_ms_per_step": short / 1e3 / steps,
         "long_gap_ms_per_step": long_ms / steps,
@@ -78,6 +79,15 @@ def gap_report(prof: Any, steps: int, min_us: float = 20.0, top: int = 10) -> di
         "blame_ms_per_step": dict(sorted(blame.items(), key=lambda kv: -kv[1])),
         "longest": listed[:top],
     }
+
+
+def host_ops(prof: Any, steps: int, top: int = 12) -> list[dict[str, Any]]:
+    """The host ops with the most self time per step: a launch that waits for room in the
+    queue, a synchronize or a pinned-memory allocation shows up here, not in the kernel sum."""
+    rows = [(e.key, e.self_cpu_time_total / 1e3 / steps, e.count / steps)
+            for e in prof.key_averages() if not e.key.startswith("phase:")]
+    rows.sort(key=lambda r: -r[1])
+    return [{"op": k, "self_ms_per_step": ms, "calls_per_step": n} for k, ms, n in rows[:top]]
 
 
 def print_gaps(report: dict[str, Any]) -> None:
@@ -91,3 +101,6 @@ def print_gaps(report: dict[str, Any]) -> None:
         print(f"  {ms:8.3f} ms/step  host in {who[:100]}")
     for g in report["longest"]:
         print(f"  gap {g['ms']:7.3f} ms at {g['at_ms']:8.2f} ms  host in {g['host'][:90]}")
+    for op in report.get("host_ops", []):
+        print(f"  host {op['self_ms_per_step']:8.3f} ms/step self, {op['calls_per_step']:7.1f} "
+              f"calls  {op['op'][:80]}")

@@ -15,7 +15,7 @@ def _ev(name: str, start: float, end: float, device=CPU) -> SimpleNamespace:
 
 
 def _prof(events: list) -> SimpleNamespace:
-    return SimpleNamespace(events=lambda: events)
+    return SimpleNamespace(events=lambda: events, key_averages=lambda: [])
 
 
 def test_long_gaps_are_blamed_on_the_innermost_host_phase_and_op():
