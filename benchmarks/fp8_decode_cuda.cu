@@ -1,0 +1,269 @@
+// FP8-KV paged decode attention for Hopper, written below Triton (probe).
+//
+// Why: Triton's FP8 decode kernel moves ~52 % of DRAM bandwidth: the P·V dot wants key pairs
+// in one register and V is stored key-major, so Triton gathers V byte by byte. Here both dots
+// put the *keys* where the MMA wants contiguous pairs for free:
+//   S^T = K · q^T   A = K tile (keys × d), rows = keys: a thread's 32 contiguous d bytes of
+//                   a key widen pairwise (cvt e4m3x2 -> f16x2) straight into A registers
+//                   (the d order inside a k-step is permuted; q^T uses the same order).
+//   O^T = V^T · P^T A = V^T (d × keys): a thread loads 16 contiguous d bytes of four keys
+//                   and interleaves key pairs with one PRMT per two registers; the rows (d)
+//                   are permuted so a thread's 16 rows are its 16 loaded bytes.
+//                   B = P^T from S^T's accumulators by two movmatrix.trans per 16 keys.
+// GQA group (≤ 8 query heads of one KV head) is the MMA's N = 8. One warp walks every
+// fourth 16-key tile of the CTA's chunk with its own online softmax; the CTA merges its four
+// warps in shared memory and writes the output (one split) or the split's partial.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+#define NEG_INF __int_as_float(0xff800000u)
+
+__device__ __forceinline__ u32 cvt_e4m3x2(u16 v) {
+    u32 out;
+    asm volatile("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(out) : "h"(v));
+    return out;
+}
+
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+    u32 out;
+    asm volatile("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(hi), "f"(lo));
+    return out;
+}
+
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 out;
+    asm volatile("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(hi), "f"(lo));
+    return out;
+}
+
+__device__ __forceinline__ u32 movmatrix_t(u32 v) {
+    u32 out;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(out) : "r"(v));
+    return out;
+}
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 out;
+    asm volatile("prmt.b32 %0, %1, %2, %3;" : "=r"(out) : "r"(a), "r"(b), "r"(sel));
+    return out;
+}
+
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm volatile("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// D += A (16×16, row) · B (16×8, col), f16 in, f32 accumulate
+__device__ __forceinline__ void mma16816(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                         u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint4 ldg128(const unsigned char* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+struct Tile {
+    uint4 k[4];  // keys g, g+8: 32 bytes each (d = 32t .. 32t+31)
+    uint4 v[4];  // keys 2t, 2t+1, 2t+8, 2t+9: 16 bytes each (d = 16g .. 16g+15)
+};
+
+__device__ __forceinline__ void load_tile(Tile& tl, const unsigned char* K,
+                                          const unsigned char* V, const i64* idx, int n0,
+                                          int hi, int g, int t, i64 stride_kn, i64 stride_vn) {
+    const int kk[2] = {n0 + g, n0 + g + 8};
+    const int vk[4] = {n0 + 2 * t, n0 + 2 * t + 1, n0 + 2 * t + 8, n0 + 2 * t + 9};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const bool ok = kk[i] < hi;
+        const i64 s = ok ? idx[kk[i]] : 0;
+        const unsigned char* p = K + s * stride_kn + 32 * t;
+        tl.k[2 * i] = ok ? ldg128(p) : make_uint4(0, 0, 0, 0);
+        tl.k[2 * i + 1] = ok ? ldg128(p + 16) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const bool ok = vk[i] < hi;
+        const i64 s = ok ? idx[vk[i]] : 0;
+        tl.v[i] = ok ? ldg128(V + s * stride_vn + 16 * g) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+__device__ __forceinline__ u32 word(const uint4& v, int w) {
+    return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+fp8_decode_kernel(const u16* __restrict__ Q,            // [tokens, q_heads, 128] bf16 bits
+                  const unsigned char* __restrict__ K,  // [slots, kv_heads, 128] e4m3
+                  const unsigned char* __restrict__ V,
+                  const i64* __restrict__ kv_indptr, const i64* __restrict__ kv_indices,
+                  const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+                  u16* __restrict__ Out,                 // [tokens, q_heads, 128] bf16 bits
+                  float* __restrict__ mid_o,             // [B, q_heads, splits, 128]
+                  float* __restrict__ mid_ml,            // [B, q_heads, splits, 2] (m, l)
+                  float qk_scale_log2,                   // softmax scale · log2(e)
+                  int group, int num_splits, i64 stride_qt, i64 stride_kn, i64 stride_vn,
+                  i64 stride_ot) {
+    const int kvh = blockIdx.x;
+    const int b = blockIdx.y;
+    const int split = blockIdx.z;
+    const int kv_heads = gridDim.x;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+
+    const i64 beg = kv_indptr[b];
+    const int seq_len = (int)(kv_indptr[b + 1] - beg);
+    const int per = (seq_len + num_splits - 1) / num_splits;
+    const int chunk = ((per + 15) / 16) * 16;
+    const int lo = split * chunk;
+    const int hi = min(lo + chunk, seq_len);
+    const i64* idx = kv_indices + beg;
+    const unsigned char* Kh = K + (i64)kvh * 128;
+    const unsigned char* Vh = V + (i64)kvh * 128;
+
+    // q^T fragments: head g, d = 32t .. 32t+31 (zero past the group)
+    u32 qf[16];
+    {
+        const bool real = g < group;
+        const u16* qp = Q + (i64)b * stride_qt + (i64)(kvh * group + (real ? g : 0)) * 128 + 32 * t;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            float lo_f = 0.f, hi_f = 0.f;
+            if (real) {
+                lo_f = __int_as_float(((u32)qp[2 * i]) << 16);
+                hi_f = __int_as_float(((u32)qp[2 * i + 1]) << 16);
+            }
+            qf[i] = pack_f16x2(lo_f, hi_f);
+        }
+    }
+    const float scale = qk_scale_log2 * k_scale[kvh];
+
+    float acc[8][4];
+#pragma unroll
+    for (int m = 0; m < 8; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
+    float m_i[2] = {NEG_INF, NEG_INF};  // heads 2t, 2t+1
+    float l_i[2] = {0.f, 0.f};              // this lane's share of the sums
+
+    const int stride_tiles = 4 * 16;
+    Tile cur, nxt;
+    int n0 = lo + warp * 16;
+    if (n0 < hi) load_tile(cur, Kh, Vh, idx, n0, hi, g, t, stride_kn, stride_vn);
+    for (; n0 < hi; n0 += stride_tiles) {
+        const int n1 = n0 + stride_tiles;
+        if (n1 < hi) load_tile(nxt, Kh, Vh, idx, n1, hi, g, t, stride_kn, stride_vn);
+
+        // S^T (16 keys × 8 heads) = K · q^T over 8 k-steps of 16 d
+        float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const u32 w0 = word(cur.k[j >> 2], j & 3);        // key g, d 32t+4j..+3
+            const u32 w1 = word(cur.k[2 + (j >> 2)], j & 3);  // key g+8
+            mma16816(s, cvt_e4m3x2((u16)(w0 & 0xffff)), cvt_e4m3x2((u16)(w1 & 0xffff)),
+                     cvt_e4m3x2((u16)(w0 >> 16)), cvt_e4m3x2((u16)(w1 >> 16)), qf[2 * j],
+                     qf[2 * j + 1]);
+        }
+        // mask keys past the chunk; scale into log2 units
+        const bool ok0 = n0 + g < hi, ok1 = n0 + g + 8 < hi;
+        s[0] = ok0 ? s[0] * scale : NEG_INF;
+        s[1] = ok0 ? s[1] * scale : NEG_INF;
+        s[2] = ok1 ? s[2] * scale : NEG_INF;
+        s[3] = ok1 ? s[3] * scale : NEG_INF;
+        float mx0 = fmaxf(s[0], s[2]), mx1 = fmaxf(s[1], s[3]);
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) {
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
+        }
+        const float mn0 = fmaxf(m_i[0], mx0), mn1 = fmaxf(m_i[1], mx1);
+        const float a0 = ex2(m_i[0] - mn0), a1 = ex2(m_i[1] - mn1);  // -inf - x -> 0
+        m_i[0] = mn0;
+        m_i[1] = mn1;
+        const float p0 = ex2(s[0] - mn0), p1 = ex2(s[1] - mn1);
+        const float p2 = ex2(s[2] - mn0), p3 = ex2(s[3] - mn1);
+        l_i[0] = l_i[0] * a0 + p0 + p2;
+        l_i[1] = l_i[1] * a1 + p1 + p3;
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            acc[m][0] *= a0;
+            acc[m][1] *= a1;
+            acc[m][2] *= a0;
+            acc[m][3] *= a1;
+        }
+        // P^T as the B operand: rows g (keys g) and g+8, heads 2t, 2t+1 -> transposed
+        const u32 b0 = movmatrix_t(pack_f16x2(p0, p1));
+        const u32 b1 = movmatrix_t(pack_f16x2(p2, p3));
+        // O^T (128 d × 8 heads) += V^T · P^T: m-tile m holds d = 16g + 2m (+1 for rows g+8)
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            const int w = m >> 1, sh = (m & 1) * 2;  // bytes 2m, 2m+1 of each key's 16
+            const u32 sel = (sh == 0) ? 0x5140u : 0x7362u;
+            const u32 x01 = prmt(word(cur.v[0], w), word(cur.v[1], w), sel);  // keys 2t, 2t+1
+            const u32 x89 = prmt(word(cur.v[2], w), word(cur.v[3], w), sel);  // keys 2t+8, +9
+            mma16816(acc[m], cvt_e4m3x2((u16)(x01 & 0xffff)), cvt_e4m3x2((u16)(x01 >> 16)),
+                     cvt_e4m3x2((u16)(x89 & 0xffff)), cvt_e4m3x2((u16)(x89 >> 16)), b0, b1);
+        }
+        if (n1 < hi) cur = nxt;
+    }
+    // this warp's sums: reduce the lanes sharing t
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+        l_i[0] += __shfl_xor_sync(0xffffffffu, l_i[0], o);
+        l_i[1] += __shfl_xor_sync(0xffffffffu, l_i[1], o);
+    }
+
+    // merge the four warps: (m, l) per head and O^T per (d, head)
+    __shared__ float sm_ml[4][8][2];
+    __shared__ float sm_o[4][8][128];
+    if (g == 0) {
+        sm_ml[warp][2 * t][0] = m_i[0];
+        sm_ml[warp][2 * t + 1][0] = m_i[1];
+        sm_ml[warp][2 * t][1] = l_i[0];
+        sm_ml[warp][2 * t + 1][1] = l_i[1];
+    }
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+        const int d0 = 16 * g + 2 * m;
+        sm_o[warp][2 * t][d0] = acc[m][0];
+        sm_o[warp][2 * t + 1][d0] = acc[m][1];
+        sm_o[warp][2 * t][d0 + 1] = acc[m][2];
+        sm_o[warp][2 * t + 1][d0 + 1] = acc[m][3];
+    }
+    __syncthreads();
+    const int d = threadIdx.x;  // 128 threads: one d each, every head of the group
+    const float vs = v_scale[kvh];
+    for (int h = 0; h < group; ++h) {
+        float mt = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) mt = fmaxf(mt, sm_ml[w][h][0]);
+        float lt = 0.f, o = 0.f;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            const float f = (sm_ml[w][h][0] == NEG_INF) ? 0.f : ex2(sm_ml[w][h][0] - mt);
+            lt += f * sm_ml[w][h][1];
+            o += f * sm_o[w][h][d];
+        }
+        const int head = kvh * group + h;
+        if (num_splits == 1) {
+            const float r = o * vs / lt;
+            const u32 pk = pack_bf16x2(r, 0.f);
+            Out[(i64)b * stride_ot + (i64)head * 128 + d] = (u16)(pk & 0xffff);
+        } else {
+            const i64 row = ((i64)b * kv_heads * group + head) * num_splits + split;
+            mid_o[row * 128 + d] = o * vs;
+            if (d == 0) {
+                mid_ml[row * 2] = mt;
+                mid_ml[row * 2 + 1] = lt;
+            }
+        }
+    }
+}
