@@ -65,7 +65,7 @@ class CudaKernel:
     """One `extern "C"` kernel of a cubin, launched on torch's current stream."""
 
     def __init__(self, cubin: bytes, name: str) -> None:
-        torch.cuda.init()
+        torch.empty(1, device="cuda")  # the runtime's primary context, current on this thread
         self._cuda = ctypes.CDLL("libcuda.so.1")
         self._module = ctypes.c_void_p()
         self._check(self._cuda.cuModuleLoadData(ctypes.byref(self._module), cubin),
