@@ -33,24 +33,25 @@ CASES = [(1000, 454, 4), (300, 423, 4), (128, 1024, 4), (64, 2048, 4), (256, 512
          (32, 1024, 4), (4, 4096, 4)]
 
 
-def make_case(b: int, mean: int, group: int, kvh: int = 8, d: int = 128, seed: int = 0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+def make_case(b: int, mean: int, group: int, kvh: int = 8, d: int = 128, seed: int = 0,
+              device: str = "cuda"):
+    gen = torch.Generator(device=device).manual_seed(seed)
     lens = torch.randint(max(1, mean // 4), 2 * mean - mean // 4 + 1, (b,), generator=gen,
-                         device="cuda")
+                         device=device)
     lens[0] = 1  # a one-key sequence
     total = int(lens.sum())
     pages = math.ceil(total / 16) + 8
-    perm = torch.randperm(pages, generator=gen, device="cuda")
-    slots = (perm[:, None] * 16 + torch.arange(16, device="cuda")).reshape(-1)[:total]
-    indptr = torch.zeros(b + 1, dtype=torch.int64, device="cuda")
+    perm = torch.randperm(pages, generator=gen, device=device)
+    slots = (perm[:, None] * 16 + torch.arange(16, device=device)).reshape(-1)[:total]
+    indptr = torch.zeros(b + 1, dtype=torch.int64, device=device)
     indptr[1:] = torch.cumsum(lens, 0)
-    k = (torch.randn(pages * 16, kvh, d, generator=gen, device="cuda") * 40).to(
+    k = (torch.randn(pages * 16, kvh, d, generator=gen, device=device) * 40).to(
         torch.float8_e4m3fn)
-    v = (torch.randn(pages * 16, kvh, d, generator=gen, device="cuda") * 40).to(
+    v = (torch.randn(pages * 16, kvh, d, generator=gen, device=device) * 40).to(
         torch.float8_e4m3fn)
-    ks = torch.rand(kvh, generator=gen, device="cuda") * 0.02 + 0.005
-    vs = torch.rand(kvh, generator=gen, device="cuda") * 0.02 + 0.005
-    q = torch.randn(b, kvh * group, d, generator=gen, device="cuda").to(torch.bfloat16)
+    ks = torch.rand(kvh, generator=gen, device=device) * 0.02 + 0.005
+    vs = torch.rand(kvh, generator=gen, device=device) * 0.02 + 0.005
+    q = torch.randn(b, kvh * group, d, generator=gen, device=device).to(torch.bfloat16)
     return q, k, v, indptr, slots.to(torch.int64), ks, vs
 
 
@@ -124,9 +125,9 @@ def main() -> None:
         ref = reference(q, k, v, indptr, idx, ks, vs, scale)
         max_len = int((indptr[1:] - indptr[:-1]).max())
         cfg = decode_config(q.dtype, d, group, dev, kv_dtype=k.dtype)
-        heads_blocks = math.ceil(group / cfg.block_h)
+        heads_blocks = math.ceil(group / cfg.block_m)
         plan = plan_decode(b, kvh, heads_blocks, max_len, sms)
-        ws = decode_workspace(b, q.shape[1], d, plan) if plan.num_splits > 1 else None
+        ws = decode_workspace(b, q.shape[1], d, plan, dev) if plan.num_splits > 1 else None
         order = decode_order(indptr) if orders_decode(b, kvh, heads_blocks, sms) else None
         tri_out = torch.empty(b, q.shape[1] * d, device=dev, dtype=q.dtype)
 
