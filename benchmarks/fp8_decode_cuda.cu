@@ -102,6 +102,161 @@ __device__ __forceinline__ u32 word(const uint4& v, int w) {
     return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
 }
 
+
+struct WarpState {
+    float acc[8][4];  // O^T: m-tile m, rows d = 16g + 2m (+1), heads 2t, 2t+1
+    float m[2];       // running max of heads 2t, 2t+1 (log2 units)
+    float l[2];       // this lane's share of the running sums
+};
+
+__device__ __forceinline__ void state_init(WarpState& st) {
+#pragma unroll
+    for (int m = 0; m < 8; ++m) st.acc[m][0] = st.acc[m][1] = st.acc[m][2] = st.acc[m][3] = 0.f;
+    st.m[0] = st.m[1] = NEG_INF;
+    st.l[0] = st.l[1] = 0.f;
+}
+
+// q^T fragments of head g (zero past the group): d = 32t .. 32t+31 as 16 f16 pairs
+__device__ __forceinline__ void load_q(u32* qf, const u16* qp, bool real) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        float lo_f = 0.f, hi_f = 0.f;
+        if (real) {
+            lo_f = __int_as_float(((u32)qp[2 * i]) << 16);
+            hi_f = __int_as_float(((u32)qp[2 * i + 1]) << 16);
+        }
+        qf[i] = pack_f16x2(lo_f, hi_f);
+    }
+}
+
+// one 16-key tile starting at key n0 (keys >= hi masked) into the warp's online softmax
+__device__ __forceinline__ void step_tile(WarpState& st, const Tile& cur, const u32* qf,
+                                          float scale, int n0, int hi, int g) {
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const u32 w0 = word(cur.k[j >> 2], j & 3);        // key g, d 32t+4j..+3
+        const u32 w1 = word(cur.k[2 + (j >> 2)], j & 3);  // key g+8
+        mma16816(s, cvt_e4m3x2((u16)(w0 & 0xffff)), cvt_e4m3x2((u16)(w1 & 0xffff)),
+                 cvt_e4m3x2((u16)(w0 >> 16)), cvt_e4m3x2((u16)(w1 >> 16)), qf[2 * j],
+                 qf[2 * j + 1]);
+    }
+    const bool ok0 = n0 + g < hi, ok1 = n0 + g + 8 < hi;
+    s[0] = ok0 ? s[0] * scale : NEG_INF;
+    s[1] = ok0 ? s[1] * scale : NEG_INF;
+    s[2] = ok1 ? s[2] * scale : NEG_INF;
+    s[3] = ok1 ? s[3] * scale : NEG_INF;
+    float mx0 = fmaxf(s[0], s[2]), mx1 = fmaxf(s[1], s[3]);
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
+    }
+    const float mn0 = fmaxf(st.m[0], mx0), mn1 = fmaxf(st.m[1], mx1);
+    const float a0 = ex2(st.m[0] - mn0), a1 = ex2(st.m[1] - mn1);
+    st.m[0] = mn0;
+    st.m[1] = mn1;
+    const float p0 = ex2(s[0] - mn0), p1 = ex2(s[1] - mn1);
+    const float p2 = ex2(s[2] - mn0), p3 = ex2(s[3] - mn1);
+    st.l[0] = st.l[0] * a0 + p0 + p2;
+    st.l[1] = st.l[1] * a1 + p1 + p3;
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+        st.acc[m][0] *= a0;
+        st.acc[m][1] *= a1;
+        st.acc[m][2] *= a0;
+        st.acc[m][3] *= a1;
+    }
+    const u32 b0 = movmatrix_t(pack_f16x2(p0, p1));
+    const u32 b1 = movmatrix_t(pack_f16x2(p2, p3));
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+        const int w = m >> 1;
+        const u32 sel = (m & 1) ? 0x7362u : 0x5140u;
+        const u32 x01 = prmt(word(cur.v[0], w), word(cur.v[1], w), sel);
+        const u32 x89 = prmt(word(cur.v[2], w), word(cur.v[3], w), sel);
+        mma16816(st.acc[m], cvt_e4m3x2((u16)(x01 & 0xffff)), cvt_e4m3x2((u16)(x01 >> 16)),
+                 cvt_e4m3x2((u16)(x89 & 0xffff)), cvt_e4m3x2((u16)(x89 >> 16)), b0, b1);
+    }
+}
+
+__device__ __forceinline__ void reduce_l(WarpState& st) {
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+        st.l[0] += __shfl_xor_sync(0xffffffffu, st.l[0], o);
+        st.l[1] += __shfl_xor_sync(0xffffffffu, st.l[1], o);
+    }
+}
+
+// One CTA per (sequence, split) over every KV head: warp w is KV head w and walks the whole
+// chunk, so the heads of one slot (one contiguous row of the pool) are read together.
+extern "C" __global__ void __launch_bounds__(256)
+fp8_decode_seq_kernel(const u16* __restrict__ Q, const unsigned char* __restrict__ K,
+                      const unsigned char* __restrict__ V, const i64* __restrict__ kv_indptr,
+                      const i64* __restrict__ kv_indices, const float* __restrict__ k_scale,
+                      const float* __restrict__ v_scale, u16* __restrict__ Out,
+                      float* __restrict__ mid_o, float* __restrict__ mid_ml,
+                      float qk_scale_log2, int group, int num_splits, i64 stride_qt,
+                      i64 stride_kn, i64 stride_vn, i64 stride_ot) {
+    const int b = blockIdx.x;
+    const int split = blockIdx.y;
+    const int kvh = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int kv_heads = blockDim.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const i64 beg = kv_indptr[b];
+    const int seq_len = (int)(kv_indptr[b + 1] - beg);
+    const int per = (seq_len + num_splits - 1) / num_splits;
+    const int chunk = ((per + 15) / 16) * 16;
+    const int lo = split * chunk;
+    const int hi = min(lo + chunk, seq_len);
+    const i64* idx = kv_indices + beg;
+    const unsigned char* Kh = K + (i64)kvh * 128;
+    const unsigned char* Vh = V + (i64)kvh * 128;
+    u32 qf[16];
+    load_q(qf, Q + (i64)b * stride_qt + (i64)(kvh * group + (g < group ? g : 0)) * 128 + 32 * t,
+           g < group);
+    const float scale = qk_scale_log2 * k_scale[kvh];
+    WarpState st;
+    state_init(st);
+    Tile cur, nxt;
+    if (lo < hi) load_tile(cur, Kh, Vh, idx, lo, hi, g, t, stride_kn, stride_vn);
+    for (int n0 = lo; n0 < hi; n0 += 16) {
+        const int n1 = n0 + 16;
+        if (n1 < hi) load_tile(nxt, Kh, Vh, idx, n1, hi, g, t, stride_kn, stride_vn);
+        step_tile(st, cur, qf, scale, n0, hi, g);
+        if (n1 < hi) cur = nxt;
+    }
+    reduce_l(st);
+    const float vs = v_scale[kvh];
+    const int q_heads = kv_heads * group;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        const int h = 2 * t + c;
+        if (h >= group) continue;
+        const int head = kvh * group + h;
+        const float inv = 1.f / st.l[c];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int d = 16 * g + 2 * m + r;
+                const float o = st.acc[m][2 * r + c];
+                if (num_splits == 1) {
+                    const u32 pk = pack_bf16x2(o * vs * inv, 0.f);
+                    Out[(i64)b * stride_ot + (i64)head * 128 + d] = (u16)(pk & 0xffff);
+                } else {
+                    const i64 row = ((i64)b * q_heads + head) * num_splits + split;
+                    mid_o[row * 128 + d] = o * vs;
+                    if (g == 0 && m == 0 && r == 0) {
+                        mid_ml[row * 2] = st.m[c];
+                        mid_ml[row * 2 + 1] = st.l[c];
+                    }
+                }
+            }
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(128)
 fp8_decode_kernel(const u16* __restrict__ Q,            // [tokens, q_heads, 128] bf16 bits
                   const unsigned char* __restrict__ K,  // [slots, kv_heads, 128] e4m3

@@ -76,7 +76,7 @@ def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.float() - ref).norm() / ref.norm())
 
 
-def run_cuda(kern, q, k, v, indptr, idx, ks, vs, scale, splits):
+def run_cuda(kern, q, k, v, indptr, idx, ks, vs, scale, splits, per_seq=False):
     b, hq, d = q.shape
     kvh = k.shape[1]
     group = hq // kvh
@@ -90,7 +90,10 @@ def run_cuda(kern, q, k, v, indptr, idx, ks, vs, scale, splits):
             ctypes.c_longlong(out.stride(0))]
 
     def launch():
-        kern((kvh, b, splits), (128, 1, 1), args)
+        if per_seq:  # one CTA per (sequence, split), a warp per KV head
+            kern((b, splits, 1), (32 * kvh, 1, 1), args)
+        else:
+            kern((kvh, b, splits), (128, 1, 1), args)
         if splits == 1:
             return out
         m = mid_ml.view(b, hq, splits, 2)
@@ -115,6 +118,7 @@ def main() -> None:
         cubin = compile_cubin(source("fp8_decode_cuda.cu"), "fp8_decode",
                               options=("--use_fast_math",))
     kern = CudaKernel(cubin, "fp8_decode_kernel")
+    kern_seq = CudaKernel(cubin, "fp8_decode_seq_kernel")
     dev = torch.device("cuda")
     sms = num_sms(dev)
     rows = []
@@ -138,18 +142,24 @@ def main() -> None:
         splits = max(1, min(math.ceil(4 * sms / (b * kvh)), math.ceil(max_len / 128), 16))
         cu = run_cuda(kern, q, k, v, indptr, idx, ks, vs, scale, splits)
         e_tri = rel(tri().view_as(q), ref)
+        cs = run_cuda(kern_seq, q, k, v, indptr, idx, ks, vs, scale, splits, per_seq=True)
         e_cu = rel(cu(), ref)
+        e_cs = rel(cs(), ref)
         t_tri = do_bench(tri, warmup=20, rep=200) * 1e3
         t_cu = do_bench(cu, warmup=20, rep=200) * 1e3
+        t_cs = do_bench(cs, warmup=20, rep=200) * 1e3
         nbytes = int(indptr[-1]) * kvh * d * 2
         row = {"batch": b, "mean_ctx": mean, "group": group, "splits_cuda": splits,
                "splits_triton": plan.num_splits, "pool_mb": nbytes / 1e6,
                "triton_us": t_tri, "cuda_us": t_cu, "triton_tbs": nbytes / t_tri / 1e6,
-               "cuda_tbs": nbytes / t_cu / 1e6, "err_triton": e_tri, "err_cuda": e_cu}
+               "cuda_tbs": nbytes / t_cu / 1e6, "err_triton": e_tri, "err_cuda": e_cu,
+               "cuda_seq_us": t_cs, "cuda_seq_tbs": nbytes / t_cs / 1e6, "err_cuda_seq": e_cs}
         rows.append(row)
         print(f"B={b:5d} ctx~{mean:5d} g={group} splits {splits}/{plan.num_splits}: "
               f"triton {t_tri:8.1f} µs ({row['triton_tbs']:.2f} TB/s, err {e_tri:.1e})  "
-              f"cuda {t_cu:8.1f} µs ({row['cuda_tbs']:.2f} TB/s, err {e_cu:.1e})", flush=True)
+              f"cuda {t_cu:8.1f} µs ({row['cuda_tbs']:.2f} TB/s, err {e_cu:.1e})  "
+              f"per-seq {t_cs:8.1f} µs ({row['cuda_seq_tbs']:.2f} TB/s, err {e_cs:.1e})",
+              flush=True)
     write_json(args.out, {"benchmark": "fp8_decode_probe", "cases": rows})
 
 
