@@ -74,6 +74,11 @@ class CudaKernel:
         self._check(self._cuda.cuModuleGetFunction(ctypes.byref(self._fn), self._module,
                                                    name.encode()), "cuModuleGetFunction")
 
+    def allow_shared(self, nbytes: int) -> None:
+        """Lets launches ask for more than 48 KB of dynamic shared memory."""
+        self._check(self._cuda.cuFuncSetAttribute(self._fn, 8, nbytes),  # MAX_DYNAMIC_SHARED
+                    "cuFuncSetAttribute")
+
     def _check(self, rc: int, what: str) -> None:
         if rc:
             raise RuntimeError(f"{what} failed (CUresult {rc})")

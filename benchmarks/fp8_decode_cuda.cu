@@ -188,75 +188,6 @@ __device__ __forceinline__ void reduce_l(WarpState& st) {
     }
 }
 
-// One CTA per (sequence, split) over every KV head: warp w is KV head w and walks the whole
-// chunk, so the heads of one slot (one contiguous row of the pool) are read together.
-extern "C" __global__ void __launch_bounds__(256)
-fp8_decode_seq_kernel(const u16* __restrict__ Q, const unsigned char* __restrict__ K,
-                      const unsigned char* __restrict__ V, const i64* __restrict__ kv_indptr,
-                      const i64* __restrict__ kv_indices, const float* __restrict__ k_scale,
-                      const float* __restrict__ v_scale, u16* __restrict__ Out,
-                      float* __restrict__ mid_o, float* __restrict__ mid_ml,
-                      float qk_scale_log2, int group, int num_splits, i64 stride_qt,
-                      i64 stride_kn, i64 stride_vn, i64 stride_ot) {
-    const int b = blockIdx.x;
-    const int split = blockIdx.y;
-    const int kvh = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int kv_heads = blockDim.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const i64 beg = kv_indptr[b];
-    const int seq_len = (int)(kv_indptr[b + 1] - beg);
-    const int per = (seq_len + num_splits - 1) / num_splits;
-    const int chunk = ((per + 15) / 16) * 16;
-    const int lo = split * chunk;
-    const int hi = min(lo + chunk, seq_len);
-    const i64* idx = kv_indices + beg;
-    const unsigned char* Kh = K + (i64)kvh * 128;
-    const unsigned char* Vh = V + (i64)kvh * 128;
-    u32 qf[16];
-    load_q(qf, Q + (i64)b * stride_qt + (i64)(kvh * group + (g < group ? g : 0)) * 128 + 32 * t,
-           g < group);
-    const float scale = qk_scale_log2 * k_scale[kvh];
-    WarpState st;
-    state_init(st);
-    Tile cur, nxt;
-    if (lo < hi) load_tile(cur, Kh, Vh, idx, lo, hi, g, t, stride_kn, stride_vn);
-    for (int n0 = lo; n0 < hi; n0 += 16) {
-        const int n1 = n0 + 16;
-        if (n1 < hi) load_tile(nxt, Kh, Vh, idx, n1, hi, g, t, stride_kn, stride_vn);
-        step_tile(st, cur, qf, scale, n0, hi, g);
-        if (n1 < hi) cur = nxt;
-    }
-    reduce_l(st);
-    const float vs = v_scale[kvh];
-    const int q_heads = kv_heads * group;
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-        const int h = 2 * t + c;
-        if (h >= group) continue;
-        const int head = kvh * group + h;
-        const float inv = 1.f / st.l[c];
-#pragma unroll
-        for (int m = 0; m < 8; ++m) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int d = 16 * g + 2 * m + r;
-                const float o = st.acc[m][2 * r + c];
-                if (num_splits == 1) {
-                    const u32 pk = pack_bf16x2(o * vs * inv, 0.f);
-                    Out[(i64)b * stride_ot + (i64)head * 128 + d] = (u16)(pk & 0xffff);
-                } else {
-                    const i64 row = ((i64)b * q_heads + head) * num_splits + split;
-                    mid_o[row * 128 + d] = o * vs;
-                    if (g == 0 && m == 0 && r == 0) {
-                        mid_ml[row * 2] = st.m[c];
-                        mid_ml[row * 2 + 1] = st.l[c];
-                    }
-                }
-            }
-        }
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(128)
 fp8_decode_kernel(const u16* __restrict__ Q,            // [tokens, q_heads, 128] bf16 bits
                   const unsigned char* __restrict__ K,  // [slots, kv_heads, 128] e4m3
@@ -411,6 +342,182 @@ fp8_decode_kernel(const u16* __restrict__ Q,            // [tokens, q_heads, 128
         if (num_splits == 1) {
             const float r = o * vs / lt;
             const u32 pk = pack_bf16x2(r, 0.f);
+            Out[(i64)b * stride_ot + (i64)head * 128 + d] = (u16)(pk & 0xffff);
+        } else {
+            const i64 row = ((i64)b * kv_heads * group + head) * num_splits + split;
+            mid_o[row * 128 + d] = o * vs;
+            if (d == 0) {
+                mid_ml[row * 2] = mt;
+                mid_ml[row * 2 + 1] = lt;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The same math with each warp's tiles staged through shared memory by cp.async, STAGES deep:
+// the register-prefetch kernels keep one tile (4 KB a warp) in flight and wait on DRAM.
+
+#define STAGES 4
+#define TILE_BYTES 4096  // 16 keys × (128 K bytes + 128 V bytes)
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
+                 : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(dst), "l"(src), "r"(ok ? 16 : 0));
+}
+
+__device__ __forceinline__ uint4 lds128(u32 addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+
+// 16-byte chunk c of key row r sits at chunk c ^ (r & 7): the fragment reads are conflict-free
+__device__ __forceinline__ u32 chunk_off(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
+
+// issue one tile's copies: lane copies keys lane/8 + 4i, chunk lane%8, of K and V
+__device__ __forceinline__ void issue_tile(u32 stage, const unsigned char* Kh,
+                                           const unsigned char* Vh, const i64* slots,
+                                           int n0, int hi, int lane, i64 stride_kn,
+                                           i64 stride_vn) {
+    const int c = lane & 7;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = (lane >> 3) + 4 * i;
+        const bool ok = n0 + r < hi;
+        const i64 s = ok ? slots[i] : 0;
+        cp_async16(stage + chunk_off(r, c), Kh + s * stride_kn + 16 * c, ok);
+        cp_async16(stage + 2048 + chunk_off(r, c), Vh + s * stride_vn + 16 * c, ok);
+    }
+}
+
+__device__ __forceinline__ void load_slots(i64* slots, const i64* idx, int n0, int hi,
+                                           int lane) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int key = n0 + (lane >> 3) + 4 * i;
+        slots[i] = key < hi ? idx[key] : 0;
+    }
+}
+
+__device__ __forceinline__ void read_tile(Tile& tl, u32 stage, int g, int t) {
+    tl.k[0] = lds128(stage + chunk_off(g, 2 * t));
+    tl.k[1] = lds128(stage + chunk_off(g, 2 * t + 1));
+    tl.k[2] = lds128(stage + chunk_off(g + 8, 2 * t));
+    tl.k[3] = lds128(stage + chunk_off(g + 8, 2 * t + 1));
+    tl.v[0] = lds128(stage + 2048 + chunk_off(2 * t, g));
+    tl.v[1] = lds128(stage + 2048 + chunk_off(2 * t + 1, g));
+    tl.v[2] = lds128(stage + 2048 + chunk_off(2 * t + 8, g));
+    tl.v[3] = lds128(stage + 2048 + chunk_off(2 * t + 9, g));
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+fp8_decode_async_kernel(const u16* __restrict__ Q, const unsigned char* __restrict__ K,
+                        const unsigned char* __restrict__ V, const i64* __restrict__ kv_indptr,
+                        const i64* __restrict__ kv_indices, const float* __restrict__ k_scale,
+                        const float* __restrict__ v_scale, u16* __restrict__ Out,
+                        float* __restrict__ mid_o, float* __restrict__ mid_ml,
+                        float qk_scale_log2, int group, int num_splits, i64 stride_qt,
+                        i64 stride_kn, i64 stride_vn, i64 stride_ot) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int kvh = blockIdx.x;
+    const int b = blockIdx.y;
+    const int split = blockIdx.z;
+    const int kv_heads = gridDim.x;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const i64 beg = kv_indptr[b];
+    const int seq_len = (int)(kv_indptr[b + 1] - beg);
+    const int per = (seq_len + num_splits - 1) / num_splits;
+    const int chunk = ((per + 15) / 16) * 16;
+    const int lo = split * chunk;
+    const int hi = min(lo + chunk, seq_len);
+    const i64* idx = kv_indices + beg;
+    const unsigned char* Kh = K + (i64)kvh * 128;
+    const unsigned char* Vh = V + (i64)kvh * 128;
+    const u32 ring = smem_addr(smem) + warp * STAGES * TILE_BYTES;
+
+    u32 qf[16];
+    load_q(qf, Q + (i64)b * stride_qt + (i64)(kvh * group + (g < group ? g : 0)) * 128 + 32 * t,
+           g < group);
+    const float scale = qk_scale_log2 * k_scale[kvh];
+    WarpState st;
+    state_init(st);
+
+    const int first = lo + warp * 16, step = 64;
+    i64 slots[4];
+    load_slots(slots, idx, first, hi, lane);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {  // prologue: tiles 0 .. STAGES-2
+        const int n = first + s * step;
+        if (n < hi) {
+            issue_tile(ring + s * TILE_BYTES, Kh, Vh, slots, n, hi, lane, stride_kn, stride_vn);
+            load_slots(slots, idx, n + step, hi, lane);
+        }
+        asm volatile("cp.async.commit_group;");
+    }
+    int j = 0;
+    for (int n0 = first; n0 < hi; n0 += step, ++j) {
+        const int n_issue = n0 + (STAGES - 1) * step;
+        if (n_issue < hi) {
+            issue_tile(ring + ((j + STAGES - 1) % STAGES) * TILE_BYTES, Kh, Vh, slots, n_issue,
+                       hi, lane, stride_kn, stride_vn);
+            load_slots(slots, idx, n_issue + step, hi, lane);
+        }
+        asm volatile("cp.async.commit_group;");
+        asm volatile("cp.async.wait_group 3;");  // STAGES - 1 groups may stay in flight
+        __syncwarp();
+        Tile cur;
+        read_tile(cur, ring + (j % STAGES) * TILE_BYTES, g, t);
+        __syncwarp();  // this stage is refilled next iteration
+        step_tile(st, cur, qf, scale, n0, hi, g);
+    }
+    asm volatile("cp.async.wait_group 0;");
+    reduce_l(st);
+    __syncthreads();  // the rings become the merge buffers
+
+    float* sm_o = reinterpret_cast<float*>(smem);          // [4][8][128]
+    float* sm_ml = sm_o + 4 * 8 * 128;                     // [4][8][2]
+    if (g == 0) {
+        sm_ml[(warp * 8 + 2 * t) * 2] = st.m[0];
+        sm_ml[(warp * 8 + 2 * t + 1) * 2] = st.m[1];
+        sm_ml[(warp * 8 + 2 * t) * 2 + 1] = st.l[0];
+        sm_ml[(warp * 8 + 2 * t + 1) * 2 + 1] = st.l[1];
+    }
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+        const int d0 = 16 * g + 2 * m;
+        sm_o[(warp * 8 + 2 * t) * 128 + d0] = st.acc[m][0];
+        sm_o[(warp * 8 + 2 * t + 1) * 128 + d0] = st.acc[m][1];
+        sm_o[(warp * 8 + 2 * t) * 128 + d0 + 1] = st.acc[m][2];
+        sm_o[(warp * 8 + 2 * t + 1) * 128 + d0 + 1] = st.acc[m][3];
+    }
+    __syncthreads();
+    const int d = threadIdx.x;
+    const float vs = v_scale[kvh];
+    for (int h = 0; h < group; ++h) {
+        float mt = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) mt = fmaxf(mt, sm_ml[(w * 8 + h) * 2]);
+        float lt = 0.f, o = 0.f;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            const float mw = sm_ml[(w * 8 + h) * 2];
+            const float f = (mw == NEG_INF) ? 0.f : ex2(mw - mt);
+            lt += f * sm_ml[(w * 8 + h) * 2 + 1];
+            o += f * sm_o[(w * 8 + h) * 128 + d];
+        }
+        const int head = kvh * group + h;
+        if (num_splits == 1) {
+            const u32 pk = pack_bf16x2(o * vs / lt, 0.f);
             Out[(i64)b * stride_ot + (i64)head * 128 + d] = (u16)(pk & 0xffff);
         } else {
             const i64 row = ((i64)b * kv_heads * group + head) * num_splits + split;
