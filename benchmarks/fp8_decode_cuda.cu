@@ -426,10 +426,11 @@ fp8_decode_async_kernel(const u16* __restrict__ Q, const unsigned char* __restri
                         const float* __restrict__ v_scale, u16* __restrict__ Out,
                         float* __restrict__ mid_o, float* __restrict__ mid_ml,
                         float qk_scale_log2, int group, int num_splits, i64 stride_qt,
-                        i64 stride_kn, i64 stride_vn, i64 stride_ot) {
+                        i64 stride_kn, i64 stride_vn, i64 stride_ot,
+                        const i64* __restrict__ order) {
     extern __shared__ __align__(128) unsigned char smem[];
     const int kvh = blockIdx.x;
-    const int b = blockIdx.y;
+    const int b = order ? (int)order[blockIdx.y] : blockIdx.y;  // longest sequences first
     const int split = blockIdx.z;
     const int kv_heads = gridDim.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -478,7 +479,11 @@ fp8_decode_async_kernel(const u16* __restrict__ Q, const unsigned char* __restri
         Tile cur;
         read_tile(cur, ring + (j % STAGES) * TILE_BYTES, g, t);
         __syncwarp();  // this stage is refilled next iteration
+#ifdef GATHER_ONLY  // the memory traffic alone: a ceiling for this access pattern
+        st.acc[0][0] += __int_as_float((cur.k[0].x ^ cur.k[3].w ^ cur.v[0].y ^ cur.v[3].z) & 0x3fffffff);
+#else
         step_tile(st, cur, qf, scale, n0, hi, g);
+#endif
     }
     asm volatile("cp.async.wait_group 0;");
     reduce_l(st);

@@ -77,7 +77,7 @@ def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.float() - ref).norm() / ref.norm())
 
 
-def run_cuda(kern, q, k, v, indptr, idx, ks, vs, scale, splits, shared=0):
+def run_cuda(kern, q, k, v, indptr, idx, ks, vs, scale, splits, shared=0, order=None):
     b, hq, d = q.shape
     kvh = k.shape[1]
     group = hq // kvh
@@ -89,6 +89,8 @@ def run_cuda(kern, q, k, v, indptr, idx, ks, vs, scale, splits, shared=0):
             ctypes.c_int(splits), ctypes.c_longlong(q.stride(0)),
             ctypes.c_longlong(k.stride(0)), ctypes.c_longlong(v.stride(0)),
             ctypes.c_longlong(out.stride(0))]
+    if shared:  # the cp.async kernel takes the launch order (a null pointer: none)
+        args.append(order if order is not None else ctypes.c_void_p(0))
 
     def launch():
         kern((kvh, b, splits), (128, 1, 1), args, shared=shared)
@@ -118,6 +120,10 @@ def main() -> None:
     kern = CudaKernel(cubin, "fp8_decode_kernel")
     kern_async = CudaKernel(cubin, "fp8_decode_async_kernel")
     kern_async.allow_shared(ASYNC_SHARED)
+    gather = CudaKernel(compile_cubin(source("fp8_decode_cuda.cu"), "fp8_gather",
+                                      options=("--use_fast_math", "-DGATHER_ONLY")),
+                        "fp8_decode_async_kernel")
+    gather.allow_shared(ASYNC_SHARED)
     dev = torch.device("cuda")
     sms = num_sms(dev)
     rows = []
@@ -143,6 +149,13 @@ def main() -> None:
         e_tri = rel(tri().view_as(q), ref)
         cs = run_cuda(kern_async, q, k, v, indptr, idx, ks, vs, scale, splits,
                       shared=ASYNC_SHARED)
+        csort = run_cuda(kern_async, q, k, v, indptr, idx, ks, vs, scale, splits,
+                         shared=ASYNC_SHARED, order=decode_order(indptr))
+        cg = run_cuda(gather, q, k, v, indptr, idx, ks, vs, scale, splits,
+                      shared=ASYNC_SHARED, order=decode_order(indptr))
+        e_sort = rel(csort(), ref)
+        t_sort = do_bench(csort, warmup=20, rep=200) * 1e3
+        t_gather = do_bench(cg, warmup=20, rep=200) * 1e3
         e_cu = rel(cu(), ref)
         e_cs = rel(cs(), ref)
         t_tri = do_bench(tri, warmup=20, rep=200) * 1e3
@@ -154,12 +167,16 @@ def main() -> None:
                "triton_us": t_tri, "cuda_us": t_cu, "triton_tbs": nbytes / t_tri / 1e6,
                "cuda_tbs": nbytes / t_cu / 1e6, "err_triton": e_tri, "err_cuda": e_cu,
                "cuda_async_us": t_cs, "cuda_async_tbs": nbytes / t_cs / 1e6,
-               "err_cuda_async": e_cs}
+               "err_cuda_async": e_cs, "cuda_async_sorted_us": t_sort,
+               "err_cuda_async_sorted": e_sort, "gather_only_us": t_gather,
+               "gather_only_tbs": nbytes / t_gather / 1e6}
         rows.append(row)
         print(f"B={b:5d} ctx~{mean:5d} g={group} splits {splits}/{plan.num_splits}: "
               f"triton {t_tri:8.1f} µs ({row['triton_tbs']:.2f} TB/s, err {e_tri:.1e})  "
               f"cuda {t_cu:8.1f} µs ({row['cuda_tbs']:.2f} TB/s, err {e_cu:.1e})  "
-              f"async {t_cs:8.1f} µs ({row['cuda_async_tbs']:.2f} TB/s, err {e_cs:.1e})",
+              f"async {t_cs:8.1f} µs ({row['cuda_async_tbs']:.2f} TB/s, err {e_cs:.1e})  "
+              f"sorted {t_sort:8.1f} µs (err {e_sort:.1e})  gather-only {t_gather:8.1f} µs "
+              f"({row['gather_only_tbs']:.2f} TB/s)",
               flush=True)
     write_json(args.out, {"benchmark": "fp8_decode_probe", "cases": rows})
 
