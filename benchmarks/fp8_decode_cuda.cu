@@ -534,3 +534,148 @@ fp8_decode_async_kernel(const u16* __restrict__ Q, const unsigned char* __restri
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Whole pool rows: one CTA per (split, sequence) and a warp per KV head. Each 16-key stage
+// holds every head's K and V rows of its keys (kv_heads × 128 bytes contiguous per slot), so
+// DRAM sees 1 KB rows instead of 128-byte pieces; the warps share the stage (a CTA barrier a
+// tile) and each keeps its own head's softmax to the end: no merge across warps.
+
+#define RSTAGES 3
+
+extern "C" __global__ void __launch_bounds__(256)
+fp8_decode_rows_kernel(const u16* __restrict__ Q, const unsigned char* __restrict__ K,
+                       const unsigned char* __restrict__ V, const i64* __restrict__ kv_indptr,
+                       const i64* __restrict__ kv_indices, const float* __restrict__ k_scale,
+                       const float* __restrict__ v_scale, u16* __restrict__ Out,
+                       float* __restrict__ mid_o, float* __restrict__ mid_ml,
+                       float qk_scale_log2, int group, int num_splits, i64 stride_qt,
+                       i64 stride_kn, i64 stride_vn, i64 stride_ot,
+                       const i64* __restrict__ order) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int split = blockIdx.x;
+    const int b = order ? (int)order[blockIdx.y] : blockIdx.y;
+    const int kv_heads = blockDim.x >> 5;
+    const int kvh = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int row_bytes = kv_heads * 128;            // one slot's K (or V) row, every head
+    const int stage_bytes = 2 * 16 * row_bytes;      // K rows then V rows
+    const int chunks_per_row = kv_heads * 8;
+    const i64 beg = kv_indptr[b];
+    const int seq_len = (int)(kv_indptr[b + 1] - beg);
+    const int per = (seq_len + num_splits - 1) / num_splits;
+    const int chunk = ((per + 15) / 16) * 16;
+    const int lo = split * chunk;
+    const int hi = min(lo + chunk, seq_len);
+    const i64* idx = kv_indices + beg;
+    const u32 base = smem_addr(smem);
+    // this thread copies chunk (tid + nthreads*j) % (16*chunks_per_row) of K (j < J) and of V
+    const int nthreads = blockDim.x;
+    const int per_thread = 16 * chunks_per_row / nthreads;  // chunks of K (and of V) a tile
+
+    u32 qf[16];
+    load_q(qf, Q + (i64)b * stride_qt + (i64)(kvh * group + (g < group ? g : 0)) * 128 + 32 * t,
+           g < group);
+    const float scale = qk_scale_log2 * k_scale[kvh];
+    WarpState st;
+    state_init(st);
+
+    // slots of the keys this thread copies (at most 8 per tile)
+    i64 slots[8];
+    auto load_slots_rows = [&](int n0) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            if (j < per_thread) {
+                const int r = (threadIdx.x + nthreads * j) / chunks_per_row;
+                slots[j] = n0 + r < hi ? idx[n0 + r] : 0;
+            }
+        }
+    };
+    auto issue = [&](int stage, int n0) {
+        const u32 sk = base + stage * stage_bytes;
+        const u32 sv = sk + 16 * row_bytes;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            if (j < per_thread) {
+                const int c = threadIdx.x + nthreads * j;
+                const int r = c / chunks_per_row, q = c % chunks_per_row;
+                const bool ok = n0 + r < hi;
+                const u32 off = r * row_bytes + ((q ^ (r & 7)) << 4);
+                cp_async16(sk + off, K + slots[j] * stride_kn + 16 * q, ok);
+                cp_async16(sv + off, V + slots[j] * stride_vn + 16 * q, ok);
+            }
+        }
+    };
+    const int hc = kvh * 8;  // this head's first chunk in a row
+    auto rd = [&](u32 s, int r, int c) {
+        return lds128(s + r * row_bytes + (((hc + c) ^ (r & 7)) << 4));
+    };
+
+    load_slots_rows(lo);
+#pragma unroll
+    for (int s = 0; s < RSTAGES - 1; ++s) {
+        const int n = lo + 16 * s;
+        if (n < hi) {
+            issue(s, n);
+            load_slots_rows(n + 16);
+        }
+        asm volatile("cp.async.commit_group;");
+    }
+    int j = 0;
+    for (int n0 = lo; n0 < hi; n0 += 16, ++j) {
+        asm volatile("cp.async.wait_group 1;");  // RSTAGES - 2 groups may stay in flight
+        __syncthreads();
+        const int n_issue = n0 + 16 * (RSTAGES - 1);
+        if (n_issue < hi) {
+            issue((j + RSTAGES - 1) % RSTAGES, n_issue);
+            load_slots_rows(n_issue + 16);
+        }
+        asm volatile("cp.async.commit_group;");
+        const u32 sk = base + (j % RSTAGES) * stage_bytes;
+        const u32 sv = sk + 16 * row_bytes;
+        Tile cur;
+        cur.k[0] = rd(sk, g, 2 * t);
+        cur.k[1] = rd(sk, g, 2 * t + 1);
+        cur.k[2] = rd(sk, g + 8, 2 * t);
+        cur.k[3] = rd(sk, g + 8, 2 * t + 1);
+        cur.v[0] = rd(sv, 2 * t, g);
+        cur.v[1] = rd(sv, 2 * t + 1, g);
+        cur.v[2] = rd(sv, 2 * t + 8, g);
+        cur.v[3] = rd(sv, 2 * t + 9, g);
+#ifdef GATHER_ONLY
+        st.acc[0][0] += __int_as_float((cur.k[0].x ^ cur.k[3].w ^ cur.v[0].y ^ cur.v[3].z) & 0x3fffffff);
+#else
+        step_tile(st, cur, qf, scale, n0, hi, g);
+#endif
+    }
+    asm volatile("cp.async.wait_group 0;");
+    reduce_l(st);
+    const float vs = v_scale[kvh];
+    const int q_heads = kv_heads * group;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        const int h = 2 * t + c;
+        if (h >= group) continue;
+        const int head = kvh * group + h;
+        const float inv = 1.f / st.l[c];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int d = 16 * g + 2 * m + r;
+                const float o = st.acc[m][2 * r + c];
+                if (num_splits == 1) {
+                    const u32 pk = pack_bf16x2(o * vs * inv, 0.f);
+                    Out[(i64)b * stride_ot + (i64)head * 128 + d] = (u16)(pk & 0xffff);
+                } else {
+                    const i64 row = ((i64)b * q_heads + head) * num_splits + split;
+                    mid_o[row * 128 + d] = o * vs;
+                    if (g == 0 && m == 0 && r == 0) {
+                        mid_ml[row * 2] = st.m[c];
+                        mid_ml[row * 2 + 1] = st.l[c];
+                    }
+                }
+            }
+        }
+    }
+}

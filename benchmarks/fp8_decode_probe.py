@@ -30,6 +30,7 @@ from phaseflip.kernels.attention import (
 )
 
 ASYNC_SHARED = 4 * 4 * 4096  # warps × stages × tile bytes
+ROWS_SHARED = 3 * 2 * 16 * 8 * 128  # stages × (K, V) × keys × heads × head_dim
 CASES = [(1000, 454, 4), (300, 423, 4), (128, 1024, 4), (64, 2048, 4), (256, 512, 8),
          (32, 1024, 4), (4, 4096, 4)]
 
@@ -77,7 +78,8 @@ def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.float() - ref).norm() / ref.norm())
 
 
-def run_cuda(kern, q, k, v, indptr, idx, ks, vs, scale, splits, shared=0, order=None):
+def run_cuda(kern, q, k, v, indptr, idx, ks, vs, scale, splits, shared=0, order=None,
+             rows=False):
     b, hq, d = q.shape
     kvh = k.shape[1]
     group = hq // kvh
@@ -92,8 +94,14 @@ def run_cuda(kern, q, k, v, indptr, idx, ks, vs, scale, splits, shared=0, order=
     if shared:  # the cp.async kernel takes the launch order (a null pointer: none)
         args.append(order if order is not None else ctypes.c_void_p(0))
 
+    def kernel_only():
+        if rows:  # a CTA per (split, sequence), a warp per KV head
+            kern((splits, b, 1), (32 * kvh, 1, 1), args, shared=shared)
+        else:
+            kern((kvh, b, splits), (128, 1, 1), args, shared=shared)
+
     def launch():
-        kern((kvh, b, splits), (128, 1, 1), args, shared=shared)
+        kernel_only()
         if splits == 1:
             return out
         m = mid_ml.view(b, hq, splits, 2)
@@ -102,6 +110,7 @@ def run_cuda(kern, q, k, v, indptr, idx, ks, vs, scale, splits, shared=0, order=
         f = torch.exp2(m[..., 0] - mt).nan_to_num(0.0)
         return ((f[..., None] * o).sum(2) / (f * m[..., 1]).sum(-1)[..., None]).to(q.dtype)
 
+    launch.launch_only = kernel_only  # the kernel alone: a split's merge is torch here
     return launch
 
 
@@ -124,6 +133,8 @@ def main() -> None:
                                       options=("--use_fast_math", "-DGATHER_ONLY")),
                         "fp8_decode_async_kernel")
     gather.allow_shared(ASYNC_SHARED)
+    kern_rows = CudaKernel(cubin, "fp8_decode_rows_kernel")
+    kern_rows.allow_shared(ROWS_SHARED)
     dev = torch.device("cuda")
     sms = num_sms(dev)
     rows = []
@@ -156,6 +167,11 @@ def main() -> None:
         e_sort = rel(csort(), ref)
         t_sort = do_bench(csort, warmup=20, rep=200) * 1e3
         t_gather = do_bench(cg, warmup=20, rep=200) * 1e3
+        rsplits = max(1, min(math.ceil(2 * 2 * sms / b), math.ceil(max_len / 128), 16))
+        crows = run_cuda(kern_rows, q, k, v, indptr, idx, ks, vs, scale, rsplits,
+                         shared=ROWS_SHARED, order=decode_order(indptr), rows=True)
+        e_rows = rel(crows(), ref)
+        t_rows = do_bench(crows.launch_only, warmup=20, rep=200) * 1e3
         e_cu = rel(cu(), ref)
         e_cs = rel(cs(), ref)
         t_tri = do_bench(tri, warmup=20, rep=200) * 1e3
@@ -169,14 +185,17 @@ def main() -> None:
                "cuda_async_us": t_cs, "cuda_async_tbs": nbytes / t_cs / 1e6,
                "err_cuda_async": e_cs, "cuda_async_sorted_us": t_sort,
                "err_cuda_async_sorted": e_sort, "gather_only_us": t_gather,
-               "gather_only_tbs": nbytes / t_gather / 1e6}
+               "gather_only_tbs": nbytes / t_gather / 1e6, "rows_splits": rsplits,
+               "rows_kernel_us": t_rows, "rows_tbs": nbytes / t_rows / 1e6,
+               "err_rows": e_rows}
         rows.append(row)
         print(f"B={b:5d} ctx~{mean:5d} g={group} splits {splits}/{plan.num_splits}: "
               f"triton {t_tri:8.1f} µs ({row['triton_tbs']:.2f} TB/s, err {e_tri:.1e})  "
               f"cuda {t_cu:8.1f} µs ({row['cuda_tbs']:.2f} TB/s, err {e_cu:.1e})  "
               f"async {t_cs:8.1f} µs ({row['cuda_async_tbs']:.2f} TB/s, err {e_cs:.1e})  "
               f"sorted {t_sort:8.1f} µs (err {e_sort:.1e})  gather-only {t_gather:8.1f} µs "
-              f"({row['gather_only_tbs']:.2f} TB/s)",
+              f"({row['gather_only_tbs']:.2f} TB/s)  rows[{rsplits}] kernel {t_rows:8.1f} µs "
+              f"({row['rows_tbs']:.2f} TB/s, err {e_rows:.1e})",
               flush=True)
     write_json(args.out, {"benchmark": "fp8_decode_probe", "cases": rows})
 
