@@ -1,7 +1,8 @@
-"""Probe: the CUDA FP8 decode attention kernel (`fp8_decode_cuda.cu`, NVRTC) against the
-shipped Triton kernel and a float32 reference, on random paged FP8 pools.
+"""The CUDA FP8 decode attention kernel (`kernels/csrc/fp8_decode.cu`) against the Triton
+kernel and a float32 reference, on random paged FP8 pools; and the kernel built with
+-DGATHER_ONLY (the same loads, no math: the access pattern's ceiling).
 
-    python -m benchmarks.fp8_decode_probe --out probe.json [--cubin F]
+    python -m benchmarks.fp8_decode_probe --out probe.json
 
 Each case: B sequences with random context lengths around a mean, 8 KV heads × head_dim 128,
 pages of 16 slots shuffled, per-KV-head scales. Prints each kernel's µs, the pool bytes read
@@ -11,28 +12,25 @@ per µs (TB/s against 4.2) and the relative error of both against the reference.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import math
 
 import torch
 
 from benchmarks.common import write_json
-from benchmarks.cuda_rtc import CudaKernel, compile_cubin, source
 from phaseflip.kernels.attention import (
     decode_attention,
     decode_config,
     decode_order,
-    decode_workspace,
     num_sms,
     orders_decode,
     plan_decode,
 )
+from phaseflip.kernels.attention_cuda import CudaFp8Decode
 
-ASYNC_SHARED = 4 * 4 * 4096  # warps × stages × tile bytes
-ROWS_SHARED = 3 * 2 * 16 * 8 * 128  # stages × (K, V) × keys × heads × head_dim
-CASES = [(1000, 454, 4), (300, 423, 4), (128, 1024, 4), (64, 2048, 4), (256, 512, 8),
-         (32, 1024, 4), (4, 4096, 4)]
+# (sequences, mean context, group): unsplit launches only (the CUDA kernel's share)
+CASES = [(1000, 454, 4), (600, 450, 4), (300, 423, 4), (160, 600, 4), (128, 1024, 4),
+         (66, 2048, 4), (256, 512, 8)]
 
 
 def make_case(b: int, mean: int, group: int, kvh: int = 8, d: int = 128, seed: int = 0,
@@ -78,64 +76,16 @@ def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.float() - ref).norm() / ref.norm())
 
 
-def run_cuda(kern, q, k, v, indptr, idx, ks, vs, scale, splits, shared=0, order=None,
-             rows=False):
-    b, hq, d = q.shape
-    kvh = k.shape[1]
-    group = hq // kvh
-    out = torch.empty_like(q)
-    mid_o = torch.empty(b * hq * splits * d, device=q.device, dtype=torch.float32)
-    mid_ml = torch.empty(b * hq * splits * 2, device=q.device, dtype=torch.float32)
-    args = [q, k, v, indptr, idx, ks, vs, out, mid_o, mid_ml,
-            ctypes.c_float(scale * 1.4426950408889634), ctypes.c_int(group),
-            ctypes.c_int(splits), ctypes.c_longlong(q.stride(0)),
-            ctypes.c_longlong(k.stride(0)), ctypes.c_longlong(v.stride(0)),
-            ctypes.c_longlong(out.stride(0))]
-    if shared:  # the cp.async kernel takes the launch order (a null pointer: none)
-        args.append(order if order is not None else ctypes.c_void_p(0))
-
-    def kernel_only():
-        if rows:  # a CTA per (split, sequence), a warp per KV head
-            kern((splits, b, 1), (32 * kvh, 1, 1), args, shared=shared)
-        else:
-            kern((kvh, b, splits), (128, 1, 1), args, shared=shared)
-
-    def launch():
-        kernel_only()
-        if splits == 1:
-            return out
-        m = mid_ml.view(b, hq, splits, 2)
-        o = mid_o.view(b, hq, splits, d)
-        mt = m[..., 0].amax(-1, keepdim=True)
-        f = torch.exp2(m[..., 0] - mt).nan_to_num(0.0)
-        return ((f[..., None] * o).sum(2) / (f * m[..., 1]).sum(-1)[..., None]).to(q.dtype)
-
-    launch.launch_only = kernel_only  # the kernel alone: a split's merge is torch here
-    return launch
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cubin", default=None, help="a prebuilt cubin (else NVRTC)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from triton.testing import do_bench
 
-    if args.cubin:
-        cubin = open(args.cubin, "rb").read()
-    else:
-        cubin = compile_cubin(source("fp8_decode_cuda.cu"), "fp8_decode",
-                              options=("--use_fast_math",))
-    kern = CudaKernel(cubin, "fp8_decode_kernel")
-    kern_async = CudaKernel(cubin, "fp8_decode_async_kernel")
-    kern_async.allow_shared(ASYNC_SHARED)
-    gather = CudaKernel(compile_cubin(source("fp8_decode_cuda.cu"), "fp8_gather",
-                                      options=("--use_fast_math", "-DGATHER_ONLY")),
-                        "fp8_decode_async_kernel")
-    gather.allow_shared(ASYNC_SHARED)
-    kern_rows = CudaKernel(cubin, "fp8_decode_rows_kernel")
-    kern_rows.allow_shared(ROWS_SHARED)
     dev = torch.device("cuda")
+
+    cuda = CudaFp8Decode(dev)
+    gather = CudaFp8Decode(dev, options=("-DGATHER_ONLY",))
     sms = num_sms(dev)
     rows = []
     for b, mean, group in CASES:
@@ -146,57 +96,30 @@ def main() -> None:
         max_len = int((indptr[1:] - indptr[:-1]).max())
         cfg = decode_config(q.dtype, d, group, dev, kv_dtype=k.dtype)
         heads_blocks = math.ceil(group / cfg.block_m)
-        plan = plan_decode(b, kvh, heads_blocks, max_len, sms)
-        ws = decode_workspace(b, q.shape[1], d, plan, dev) if plan.num_splits > 1 else None
+        plan = plan_decode(b, kvh, heads_blocks, max_len, sms, num_splits=1)
         order = decode_order(indptr) if orders_decode(b, kvh, heads_blocks, sms) else None
         tri_out = torch.empty(b, q.shape[1] * d, device=dev, dtype=q.dtype)
-
+        cu_out = torch.empty_like(tri_out)
         tri = functools.partial(decode_attention, q, k, v, indptr, idx, scale, plan,
-                                out=tri_out, workspace=ws, config=cfg, k_scale=ks,
-                                v_scale=vs, order=order)
-
-        splits = max(1, min(math.ceil(4 * sms / (b * kvh)), math.ceil(max_len / 128), 16))
-        cu = run_cuda(kern, q, k, v, indptr, idx, ks, vs, scale, splits)
-        e_tri = rel(tri().view_as(q), ref)
-        cs = run_cuda(kern_async, q, k, v, indptr, idx, ks, vs, scale, splits,
-                      shared=ASYNC_SHARED)
-        csort = run_cuda(kern_async, q, k, v, indptr, idx, ks, vs, scale, splits,
-                         shared=ASYNC_SHARED, order=decode_order(indptr))
-        cg = run_cuda(gather, q, k, v, indptr, idx, ks, vs, scale, splits,
-                      shared=ASYNC_SHARED, order=decode_order(indptr))
-        e_sort = rel(csort(), ref)
-        t_sort = do_bench(csort, warmup=20, rep=200) * 1e3
-        t_gather = do_bench(cg, warmup=20, rep=200) * 1e3
-        rsplits = max(1, min(math.ceil(2 * 2 * sms / b), math.ceil(max_len / 128), 16))
-        crows = run_cuda(kern_rows, q, k, v, indptr, idx, ks, vs, scale, rsplits,
-                         shared=ROWS_SHARED, order=decode_order(indptr), rows=True)
-        e_rows = rel(crows(), ref)
-        t_rows = do_bench(crows.launch_only, warmup=20, rep=200) * 1e3
-        e_cu = rel(cu(), ref)
-        e_cs = rel(cs(), ref)
+                                out=tri_out, config=cfg, k_scale=ks, v_scale=vs, order=order)
+        cu = functools.partial(cuda, q, k, v, indptr, idx, ks, vs, scale, cu_out, order)
+        gat = functools.partial(gather, q, k, v, indptr, idx, ks, vs, scale, cu_out, order)
+        assert CudaFp8Decode.accepts(q, k, v, cu_out, indptr, idx, ks, vs, order, None)
+        e_tri, e_cu = rel(tri().view_as(q), ref), rel(cu().view_as(q), ref)
         t_tri = do_bench(tri, warmup=20, rep=200) * 1e3
         t_cu = do_bench(cu, warmup=20, rep=200) * 1e3
-        t_cs = do_bench(cs, warmup=20, rep=200) * 1e3
+        t_gat = do_bench(gat, warmup=20, rep=200) * 1e3
         nbytes = int(indptr[-1]) * kvh * d * 2
-        row = {"batch": b, "mean_ctx": mean, "group": group, "splits_cuda": splits,
-               "splits_triton": plan.num_splits, "pool_mb": nbytes / 1e6,
-               "triton_us": t_tri, "cuda_us": t_cu, "triton_tbs": nbytes / t_tri / 1e6,
-               "cuda_tbs": nbytes / t_cu / 1e6, "err_triton": e_tri, "err_cuda": e_cu,
-               "cuda_async_us": t_cs, "cuda_async_tbs": nbytes / t_cs / 1e6,
-               "err_cuda_async": e_cs, "cuda_async_sorted_us": t_sort,
-               "err_cuda_async_sorted": e_sort, "gather_only_us": t_gather,
-               "gather_only_tbs": nbytes / t_gather / 1e6, "rows_splits": rsplits,
-               "rows_kernel_us": t_rows, "rows_tbs": nbytes / t_rows / 1e6,
-               "err_rows": e_rows}
+        row = {"batch": b, "mean_ctx": mean, "group": group, "ordered": order is not None,
+               "pool_mb": nbytes / 1e6, "triton_us": t_tri, "cuda_us": t_cu,
+               "gather_only_us": t_gat, "triton_tbs": nbytes / t_tri / 1e6,
+               "cuda_tbs": nbytes / t_cu / 1e6, "gather_only_tbs": nbytes / t_gat / 1e6,
+               "err_triton": e_tri, "err_cuda": e_cu}
         rows.append(row)
-        print(f"B={b:5d} ctx~{mean:5d} g={group} splits {splits}/{plan.num_splits}: "
-              f"triton {t_tri:8.1f} µs ({row['triton_tbs']:.2f} TB/s, err {e_tri:.1e})  "
-              f"cuda {t_cu:8.1f} µs ({row['cuda_tbs']:.2f} TB/s, err {e_cu:.1e})  "
-              f"async {t_cs:8.1f} µs ({row['cuda_async_tbs']:.2f} TB/s, err {e_cs:.1e})  "
-              f"sorted {t_sort:8.1f} µs (err {e_sort:.1e})  gather-only {t_gather:8.1f} µs "
-              f"({row['gather_only_tbs']:.2f} TB/s)  rows[{rsplits}] kernel {t_rows:8.1f} µs "
-              f"({row['rows_tbs']:.2f} TB/s, err {e_rows:.1e})",
-              flush=True)
+        print(f"B={b:5d} ctx~{mean:5d} g={group} (unsplit): triton {t_tri:7.1f} µs "
+              f"({row['triton_tbs']:.2f} TB/s, err {e_tri:.1e})  cuda {t_cu:7.1f} µs "
+              f"({row['cuda_tbs']:.2f} TB/s, err {e_cu:.1e})  gather-only {t_gat:7.1f} µs "
+              f"({row['gather_only_tbs']:.2f} TB/s)", flush=True)
     write_json(args.out, {"benchmark": "fp8_decode_probe", "cases": rows})
 
 

@@ -31,6 +31,7 @@ import torch
 from phaseflip.cache.kv_pool import KVPool
 from phaseflip.forward_batch import ForwardBatch
 from phaseflip.kernels import attention as kernels
+from phaseflip.kernels.attention_cuda import CudaFp8Decode
 
 
 def _to_device(data: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
@@ -62,6 +63,8 @@ class TritonAttention:
     tuning). By default the split count is planned per batch from the GPU's SM count.
     `mixed_decode=False` sends a mixed batch's one-token sequences through the extend kernel
     with the others (as before the decode kernel took them; for A/B runs and tests).
+    `cuda_decode=False` keeps the unsplit FP8 decode launches on Triton rather than the CUDA
+    kernel (`kernels.attention_cuda`, used where it loads: an sm_90 GPU with NVRTC).
     """
 
     name = "triton"
@@ -75,13 +78,26 @@ class TritonAttention:
         decode_config: kernels.KernelConfig | None = None,
         extend_config: kernels.KernelConfig | None = None,
         mixed_decode: bool = True,
+        cuda_decode: bool = True,
     ) -> None:
         self.mixed_decode = mixed_decode
+        self.cuda_decode = cuda_decode
+        self._cuda: CudaFp8Decode | None = None
+        self._cuda_tried = False
         self.decode_splits = decode_splits
         self.decode_min_chunk = decode_min_chunk
         self.decode_config = decode_config
         self.extend_config = extend_config
         self._meta: _BatchMeta | None = None
+
+    def _cuda_kernel(self, device: torch.device) -> CudaFp8Decode | None:
+        """The CUDA decode kernel, compiled and loaded at the first decode outside a graph
+        capture (a capture's warm-up runs come first); None where it cannot run."""
+        if not self._cuda_tried and self.cuda_decode and device.type == "cuda" \
+                and not torch.cuda.is_current_stream_capturing():
+            self._cuda_tried = True
+            self._cuda = CudaFp8Decode.create(device)
+        return self._cuda
 
     def _batch_meta(self, batch: ForwardBatch, device: torch.device) -> _BatchMeta:
         meta = self._meta
@@ -173,6 +189,12 @@ class TritonAttention:
             if kernels.orders_decode(batch.batch_size, num_kv_heads, head_blocks,
                                      kernels.num_sms(q.device)):
                 order = self._decode_order(meta, layer_id, batch)
+            cuda = self._cuda_kernel(q.device) if plan.num_splits == 1 else None
+            if cuda is not None and cuda.accepts(q, k_cache, v_cache, out, batch.kv_indptr,
+                                                 batch.kv_indices, k_scale, v_scale, order,
+                                                 sliding_window):
+                return cuda(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, k_scale,
+                            v_scale, scale, out, order)
             return kernels.decode_attention(
                 q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, scale, plan,
                 sliding_window=sliding_window, out=out, workspace=ws, config=cfg,

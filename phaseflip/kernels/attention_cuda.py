@@ -1,0 +1,108 @@
+"""FP8-KV decode attention written in CUDA C++ (`csrc/fp8_decode.cu`), for Hopper.
+
+Triton's FP8 decode kernel gathers V byte by byte (its P·V dot wants key pairs in a register
+and the pool stores V key-major) and reaches ~2.6 TB/s of the H200's 4.2 at 1 000 sequences.
+The CUDA kernel puts the keys where each MMA wants contiguous pairs (K as the first operand of
+S^T = K·q^T, V^T as the first of O^T = V^T·P^T, key pairs interleaved by PRMT, P transposed by
+movmatrix) and stages every warp's tiles four deep by cp.async: 8–13 % faster at 128–1 000
+sequences (`benchmarks/fp8_decode_probe.py`, docs/kernels.md). It takes the unsplit launches
+only (one program per sequence and KV head: the large batches); a split plan, a sliding window,
+a mixed batch's decodes and every other layout stay on Triton.
+
+Compiled once per process by NVRTC (cubins cached on disk), loaded by the driver; no build
+step. `PHASEFLIP_NO_CUDA_ATTENTION=1` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from phaseflip.kernels.cuda_rtc import CudaKernel, compile_cubin
+
+log = logging.getLogger(__name__)
+
+NO_CUDA_ATTENTION_ENV = "PHASEFLIP_NO_CUDA_ATTENTION"
+SOURCE = Path(__file__).parent / "csrc" / "fp8_decode.cu"
+HEAD_DIM = 128
+MAX_GROUP = 8  # the MMA's N: query heads of one KV head
+WARPS, STAGES, TILE_BYTES = 4, 4, 4096  # as in the source
+SHARED = WARPS * STAGES * TILE_BYTES
+LOG2E = 1.4426950408889634
+
+
+class CudaFp8Decode:
+    """The compiled kernel of one device; `accepts` says which launches it takes."""
+
+    def __init__(self, device: torch.device, options: tuple[str, ...] = ()) -> None:
+        cubin = compile_cubin(SOURCE.read_text(), "fp8_decode",
+                              options=("--use_fast_math", *options))
+        self._kernel = CudaKernel(cubin, "fp8_decode_async_kernel", device)
+        self._kernel.allow_shared(SHARED)
+
+    @classmethod
+    def create(cls, device: torch.device) -> CudaFp8Decode | None:
+        """The kernel for `device`, or None where it cannot run (not an sm_90 GPU, switched
+        off, no NVRTC, a compile or load error: logged once, Triton serves instead)."""
+        if os.environ.get(NO_CUDA_ATTENTION_ENV) == "1" or device.type != "cuda":
+            return None
+        if torch.cuda.get_device_capability(device) != (9, 0):
+            return None
+        try:
+            return cls(device)
+        except (OSError, RuntimeError) as exc:
+            log.warning("CUDA FP8 decode attention unavailable, using Triton's: %s", exc)
+            return None
+
+    @staticmethod
+    def accepts(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                out: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                order: torch.Tensor | None, sliding_window: int | None) -> bool:
+        """Whether a decode launch has the one layout the kernel reads: bf16 q [B, H, 128]
+        with rows of heads, an e4m3 pool [slots, KVH, 128], H / KVH <= 8, int64 indices,
+        float32 scales, no window."""
+        if sliding_window is not None or k_scale is None or v_scale is None:
+            return False
+        if q.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
+            return False
+        if k_cache.dtype != torch.float8_e4m3fn or v_cache.dtype != torch.float8_e4m3fn:
+            return False
+        if q.dim() != 3 or q.shape[2] != HEAD_DIM or k_cache.shape[2] != HEAD_DIM:
+            return False
+        heads, kv_heads = q.shape[1], k_cache.shape[1]
+        if heads % kv_heads or heads // kv_heads > MAX_GROUP:
+            return False
+        if q.stride(2) != 1 or q.stride(1) != HEAD_DIM or out.stride(-1) != 1:
+            return False
+        for cache in (k_cache, v_cache):
+            if cache.stride(2) != 1 or cache.stride(1) != HEAD_DIM:
+                return False
+        ints = (kv_indptr, kv_indices) + (() if order is None else (order,))
+        if any(t.dtype != torch.int64 for t in ints):
+            return False
+        return all(s.dtype == torch.float32 and s.is_contiguous() and s.numel() == kv_heads
+                   for s in (k_scale, v_scale))
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 kv_indptr: torch.Tensor, kv_indices: torch.Tensor, k_scale: torch.Tensor,
+                 v_scale: torch.Tensor, scale: float, out: torch.Tensor,
+                 order: torch.Tensor | None = None) -> torch.Tensor:
+        """out [B, H*128] (row b: sequence b) = attention of q row b over its context, one
+        program per (KV head, sequence) in `order` (all B rows when None)."""
+        seqs = q.shape[0] if order is None else order.numel()
+        if seqs == 0:
+            return out
+        kv_heads = k_cache.shape[1]
+        args = [q, k_cache, v_cache, kv_indptr, kv_indices, k_scale, v_scale, out,
+                None, None,  # a split's partials: never, this launch is unsplit
+                ctypes.c_float(scale * LOG2E), ctypes.c_int(q.shape[1] // kv_heads),
+                ctypes.c_int(1), ctypes.c_longlong(q.stride(0)),
+                ctypes.c_longlong(k_cache.stride(0)), ctypes.c_longlong(v_cache.stride(0)),
+                ctypes.c_longlong(out.stride(0)), order]
+        self._kernel((kv_heads, seqs, 1), (32 * WARPS, 1, 1), args, shared=SHARED)
+        return out

@@ -1,0 +1,134 @@
+"""The CUDA FP8 decode attention kernel (`kernels.attention_cuda`, sm_90 only): which launches
+it takes (everywhere), and on an H200 its outputs against the float32 reference and Triton's
+kernel, inside a CUDA graph, and routed to by the Triton backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_interpreter import interpret_without_cuda
+
+interpret_without_cuda()  # before triton is imported
+
+from phaseflip.attention.triton_backend import TritonAttention  # noqa: E402
+from phaseflip.kernels.attention_cuda import (  # noqa: E402
+    NO_CUDA_ATTENTION_ENV,
+    CudaFp8Decode,
+)
+
+FP8 = torch.float8_e4m3fn
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+gpu = pytest.mark.skipif(not SM90, reason="the kernel runs on sm_90 only")
+
+
+def _layout(b=3, heads=32, kv_heads=8, d=128, q_dtype=torch.bfloat16, kv=FP8,
+            idx_dtype=torch.int64):
+    q = torch.zeros(b, heads, d, dtype=q_dtype)
+    cache = torch.zeros(64, kv_heads, d).to(kv)
+    out = torch.zeros(b, heads * d, dtype=q_dtype)
+    indptr = torch.zeros(b + 1, dtype=idx_dtype)
+    idx = torch.zeros(10, dtype=idx_dtype)
+    scale = torch.ones(kv_heads)
+    return q, cache, cache.clone(), out, indptr, idx, scale, scale.clone()
+
+
+def _accepts(q, k, v, out, indptr, idx, ks, vs, order=None, window=None) -> bool:
+    return CudaFp8Decode.accepts(q, k, v, out, indptr, idx, ks, vs, order, window)
+
+
+def test_accepts_only_the_layout_the_kernel_reads():
+    assert _accepts(*_layout())
+    assert _accepts(*_layout(heads=64))  # group 8
+    q, k, v, out, indptr, idx, ks, vs = _layout()
+    assert not _accepts(q, k, v, out, indptr, idx, ks, vs, window=128)
+    assert not _accepts(q, k, v, out, indptr, idx, None, None)
+    assert not _accepts(q, k, v, out, indptr, idx, ks, vs, order=torch.zeros(3, dtype=torch.int32))
+    assert not _accepts(*_layout(heads=128))  # group 16: past the MMA's N
+    assert not _accepts(*_layout(d=64))
+    assert not _accepts(*_layout(q_dtype=torch.float16))
+    assert not _accepts(*_layout(kv=torch.bfloat16))
+    assert not _accepts(*_layout(idx_dtype=torch.int32))
+    wide = torch.zeros(3, 32, 256, dtype=torch.bfloat16)[:, :, :128]  # head stride 256
+    assert not _accepts(wide, k, v, out, indptr, idx, ks, vs)
+    qkv = torch.zeros(3, 48, 128, dtype=torch.bfloat16)  # q as the qkv projection's slice
+    assert _accepts(qkv[:, :32], k, v, out, indptr, idx, ks, vs)
+
+
+def test_no_kernel_off_the_gpu_or_when_switched_off(monkeypatch):
+    assert CudaFp8Decode.create(torch.device("cpu")) is None
+    monkeypatch.setenv(NO_CUDA_ATTENTION_ENV, "1")
+    assert CudaFp8Decode.create(torch.device("cuda")) is None
+
+
+def _case(b, mean, group, seed=0):
+    from benchmarks.fp8_decode_probe import make_case
+
+    q, k, v, indptr, _, ks, vs = make_case(b, mean, group, seed=seed)
+    # tile edges first (1, 15, 16, 17 ... keys), then the case's own lengths
+    edges = torch.tensor([1, 15, 16, 17, 63, 64, 65, 130], device="cuda")[: b - 1]
+    lens = torch.cat([edges, indptr.diff()[len(edges):]])
+    indptr = torch.zeros_like(indptr)
+    indptr[1:] = torch.cumsum(lens, 0)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    assert int(indptr[-1]) <= k.shape[0]
+    idx = torch.randperm(k.shape[0], generator=gen, device="cuda")[: int(indptr[-1])]
+    return q, k, v, indptr, idx, ks, vs
+
+
+@gpu
+@pytest.mark.parametrize("b,mean,group,ordered", [(12, 200, 4, False), (40, 300, 8, True),
+                                                   (9, 700, 1, True), (70, 200, 2, False)])
+def test_matches_the_reference_and_triton(b, mean, group, ordered):
+    from benchmarks.fp8_decode_probe import reference
+    from phaseflip.kernels.attention import decode_attention, decode_order, plan_decode
+
+    q, k, v, indptr, idx, ks, vs = _case(b, mean, group)
+    scale = 128 ** -0.5
+    order = decode_order(indptr) if ordered else None
+    ref = reference(q, k, v, indptr, idx, ks, vs, scale)
+    kern = CudaFp8Decode.create(q.device)
+    assert kern is not None
+    out = torch.full((b, q.shape[1] * 128), float("nan"), device="cuda", dtype=q.dtype)
+    kern(q, k, v, indptr, idx, ks, vs, scale, out, order)
+    assert torch.isfinite(out).all(), "unwritten rows"
+    got = out.view_as(q).float()
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+    plan = plan_decode(b, k.shape[1], 1, int(indptr.diff().max()), 132, num_splits=1)
+    tri = decode_attention(q, k, v, indptr, idx, scale, plan, k_scale=ks, v_scale=vs)
+    assert ((got - tri.view_as(q).float()).norm() / ref.norm()).item() < 1e-2
+
+
+@gpu
+def test_replays_in_a_cuda_graph_with_new_lengths():
+    q, k, v, indptr, idx, ks, vs = _case(16, 200, 4)
+    scale = 128 ** -0.5
+    kern = CudaFp8Decode.create(q.device)
+    s_indptr, s_idx = indptr.clone(), torch.zeros(8192, dtype=torch.int64, device="cuda")
+    s_idx[: idx.numel()] = idx
+    out = torch.empty(16, 32 * 128, device="cuda", dtype=q.dtype)
+    kern(q, k, v, s_indptr, s_idx, ks, vs, scale, out)  # loaded and run before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kern(q, k, v, s_indptr, s_idx, ks, vs, scale, out)
+    lens = indptr.diff().flip(0)  # other lengths, same total
+    s_indptr[1:] = torch.cumsum(lens, 0)
+    graph.replay()
+    want = torch.empty_like(out)
+    kern(q, k, v, s_indptr, s_idx, ks, vs, scale, want)
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+
+
+@gpu
+def test_the_backend_routes_unsplit_fp8_decodes_to_it():
+    from test_fp8_kv import run_fp8_case
+
+    seqs = [(5, 1), (140, 1), (0, 1), (37, 1), (300, 1)]
+    backend = TritonAttention(decode_splits=1)
+    run_fp8_case(seqs, dtype=torch.bfloat16, num_kv_heads=8, group=4, head_dim=128,
+                 backend=backend)
+    assert backend._cuda is not None, "the CUDA kernel was not used"
+    off = TritonAttention(decode_splits=1, cuda_decode=False)
+    run_fp8_case(seqs, dtype=torch.bfloat16, num_kv_heads=8, group=4, head_dim=128,
+                 backend=off)
+    assert off._cuda is None
