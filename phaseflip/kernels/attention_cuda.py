@@ -6,8 +6,8 @@ The CUDA kernel puts the keys where each MMA wants contiguous pairs (K as the fi
 S^T = K·q^T, V^T as the first of O^T = V^T·P^T, key pairs interleaved by PRMT, P transposed by
 movmatrix) and stages every warp's tiles four deep by cp.async: 8–13 % faster at 128–1 000
 sequences (`benchmarks/fp8_decode_probe.py`, docs/kernels.md). It takes the unsplit launches
-only (one program per sequence and KV head: the large batches); a split plan, a sliding window,
-a mixed batch's decodes and every other layout stay on Triton.
+only (one program per sequence and KV head: the large batches) of GQA groups up to 4; a split
+plan, a sliding window, a mixed batch's decodes and every other layout stay on Triton.
 
 Compiled once per process by NVRTC (cubins cached on disk), loaded by the driver; no build
 step. `PHASEFLIP_NO_CUDA_ATTENTION=1` turns it off.
@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 NO_CUDA_ATTENTION_ENV = "PHASEFLIP_NO_CUDA_ATTENTION"
 SOURCE = Path(__file__).parent / "csrc" / "fp8_decode.cu"
 HEAD_DIM = 128
-MAX_GROUP = 8  # the MMA's N: query heads of one KV head
+MAX_GROUP = 8  # the MMA's N: query heads of one KV head (what the kernel computes)
+ROUTED_MAX_GROUP = 4  # what it is given: at group 8 it was 4 % slower than Triton (H200)
 WARPS, STAGES, TILE_BYTES = 4, 4, 4096  # as in the source
 SHARED = WARPS * STAGES * TILE_BYTES
 LOG2E = 1.4426950408889634
@@ -63,9 +64,9 @@ class CudaFp8Decode:
                 out: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                 k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                 order: torch.Tensor | None, sliding_window: int | None) -> bool:
-        """Whether a decode launch has the one layout the kernel reads: bf16 q [B, H, 128]
-        with rows of heads, an e4m3 pool [slots, KVH, 128], H / KVH <= 8, int64 indices,
-        float32 scales, no window."""
+        """Whether a decode launch has the layout the kernel reads and a group it is faster
+        at: bf16 q [B, H, 128] with rows of heads, an e4m3 pool [slots, KVH, 128],
+        H / KVH <= 4 (it computes up to 8), int64 indices, float32 scales, no window."""
         if sliding_window is not None or k_scale is None or v_scale is None:
             return False
         if q.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
@@ -75,7 +76,7 @@ class CudaFp8Decode:
         if q.dim() != 3 or q.shape[2] != HEAD_DIM or k_cache.shape[2] != HEAD_DIM:
             return False
         heads, kv_heads = q.shape[1], k_cache.shape[1]
-        if heads % kv_heads or heads // kv_heads > MAX_GROUP:
+        if heads % kv_heads or heads // kv_heads > ROUTED_MAX_GROUP:
             return False
         if q.stride(2) != 1 or q.stride(1) != HEAD_DIM or out.stride(-1) != 1:
             return False
