@@ -132,3 +132,13 @@ def test_the_backend_routes_unsplit_fp8_decodes_to_it():
     run_fp8_case(seqs, dtype=torch.bfloat16, num_kv_heads=8, group=4, head_dim=128,
                  backend=off)
     assert off._cuda is None
+
+
+def test_the_kernel_source_ships_with_the_package():
+    from pathlib import Path
+
+    from phaseflip.kernels.attention_cuda import SOURCE
+
+    assert SOURCE.exists()
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert '"kernels/csrc/*.cu"' in pyproject, "a wheel would lack the CUDA source"
