@@ -104,22 +104,25 @@ def main() -> None:
                                 out=tri_out, config=cfg, k_scale=ks, v_scale=vs, order=order)
         cu = functools.partial(cuda, q, k, v, indptr, idx, ks, vs, scale, cu_out, order)
         gat = functools.partial(gather, q, k, v, indptr, idx, ks, vs, scale, cu_out, order)
+        plain = functools.partial(cuda, q, k, v, indptr, idx, ks, vs, scale, cu_out, None)
         assert CudaFp8Decode.accepts(q, k, v, cu_out, indptr, idx, ks, vs, order, None)
         e_tri, e_cu = rel(tri().view_as(q), ref), rel(cu().view_as(q), ref)
         t_tri = do_bench(tri, warmup=20, rep=200) * 1e3
         t_cu = do_bench(cu, warmup=20, rep=200) * 1e3
         t_gat = do_bench(gat, warmup=20, rep=200) * 1e3
+        t_plain = do_bench(plain, warmup=20, rep=200) * 1e3  # launch order ignored
         nbytes = int(indptr[-1]) * kvh * d * 2
         row = {"batch": b, "mean_ctx": mean, "group": group, "ordered": order is not None,
                "pool_mb": nbytes / 1e6, "triton_us": t_tri, "cuda_us": t_cu,
                "gather_only_us": t_gat, "triton_tbs": nbytes / t_tri / 1e6,
                "cuda_tbs": nbytes / t_cu / 1e6, "gather_only_tbs": nbytes / t_gat / 1e6,
-               "err_triton": e_tri, "err_cuda": e_cu}
+               "err_triton": e_tri, "err_cuda": e_cu, "cuda_in_row_order_us": t_plain}
         rows.append(row)
         print(f"B={b:5d} ctx~{mean:5d} g={group} (unsplit): triton {t_tri:7.1f} µs "
               f"({row['triton_tbs']:.2f} TB/s, err {e_tri:.1e})  cuda {t_cu:7.1f} µs "
               f"({row['cuda_tbs']:.2f} TB/s, err {e_cu:.1e})  gather-only {t_gat:7.1f} µs "
-              f"({row['gather_only_tbs']:.2f} TB/s)", flush=True)
+              f"({row['gather_only_tbs']:.2f} TB/s)  cuda in row order {t_plain:7.1f} µs",
+              flush=True)
     write_json(args.out, {"benchmark": "fp8_decode_probe", "cases": rows})
 
 
