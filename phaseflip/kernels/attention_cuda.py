@@ -4,10 +4,11 @@ Triton's FP8 decode kernel gathers V byte by byte (its P·V dot wants key pairs 
 and the pool stores V key-major) and reaches ~2.6 TB/s of the H200's 4.2 at 1 000 sequences.
 The CUDA kernel puts the keys where each MMA wants contiguous pairs (K as the first operand of
 S^T = K·q^T, V^T as the first of O^T = V^T·P^T, key pairs interleaved by PRMT, P transposed by
-movmatrix) and stages every warp's tiles four deep by cp.async: 8–13 % faster at 128–1 000
-sequences (`benchmarks/fp8_decode_probe.py`, docs/kernels.md). It takes the unsplit launches
-only (one program per sequence and KV head: the large batches) of GQA groups up to 4; a split
-plan, a sliding window, a mixed batch's decodes and every other layout stay on Triton.
+movmatrix) and stages every warp's tiles four deep by cp.async: 4–15 % faster per launch at
+66–1 000 sequences on the H200 (`benchmarks/fp8_decode_probe.py`, docs/kernels.md). It takes
+the unsplit launches only (one program per sequence and KV head: the large batches) of GQA
+groups up to 4; a split plan, a sliding window, a mixed batch's decodes and every other layout
+stay on Triton.
 
 Compiled once per process by NVRTC (cubins cached on disk), loaded by the driver; no build
 step. `PHASEFLIP_NO_CUDA_ATTENTION=1` turns it off.
