@@ -353,14 +353,62 @@ class VocabParallelEmbedding(nn.Module):
         return self.layout.tp_comm.all_reduce(out)
 
 
+# LM-head row buckets of the eager steps (prefill, mixed). Their row count (the rows that
+# sample) is new at almost every step, and cuBLAS picks its kernel for a few-row, 128k-column
+# GEMM by the row count in steps of ~8 rows: the first call of a kernel loads it, and on the
+# H200 that load waited for the GPU's queued work to drain (~100 ms behind a busy queue;
+# `benchmarks/first_shape_probe.py`), after which the GPU idled while the host caught up.
+# Padded to these buckets (warmed at build, `ParallelLMHead.warm`) no step meets a new kernel.
+ROW_BUCKETS_SMALL = (1, 2, 4, 8, 16, 32)
+ROW_BUCKET = 32  # above 32 rows, up to ROW_BUCKET_WIDE_FROM
+ROW_BUCKET_WIDE_FROM, ROW_BUCKET_WIDE = 1024, 256  # prompt-logprob steps: thousands of rows
+
+
+def lm_head_rows(rows: int) -> int:
+    """The bucket `rows` is padded to in an eager step's LM head."""
+    for b in ROW_BUCKETS_SMALL:
+        if rows <= b:
+            return b
+    step = ROW_BUCKET if rows <= ROW_BUCKET_WIDE_FROM else ROW_BUCKET_WIDE
+    return -(-rows // step) * step
+
+
+def lm_head_buckets(max_rows: int) -> list[int]:
+    """Every bucket a step of at most `max_rows` rows can pad to (what `warm` runs)."""
+    return sorted({lm_head_rows(r) for r in range(1, max(1, max_rows) + 1)})
+
+
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection, vocabulary split across TP ranks. Only TP rank 0 samples, so only
     it receives the other ranks' shards (a gather, not an all-gather: the others would hold
-    4 bytes × vocab per row for nothing); logits are float32, cut back to the true vocabulary."""
+    4 bytes × vocab per row for nothing); logits are float32, cut back to the true vocabulary.
+
+    On CUDA an eager step's rows are padded to `lm_head_rows` buckets (`bucket_rows`: None
+    = on CUDA only; tests force it on the CPU), so the GEMM meets only shapes `warm` ran."""
+
+    bucket_rows: bool | None = None
 
     @property
     def padded_vocab(self) -> int:
         return (self.end - self.start) * self.layout.tp_size
+
+    def _buckets(self, hidden: torch.Tensor) -> bool:
+        return hidden.is_cuda if self.bucket_rows is None else self.bucket_rows
+
+    def warm(self, max_rows: int) -> int:
+        """Runs this rank's shard of the LM head once at every row bucket up to `max_rows`
+        (local GEMMs, no collective: each rank warms its own), so cuBLAS's kernels and
+        heuristics are loaded before serving; returns the buckets run (0 off CUDA)."""
+        if not self._buckets(self.weight):
+            return 0
+        buckets = lm_head_buckets(max_rows)
+        x = torch.zeros(buckets[-1], self.weight.shape[1], dtype=self.weight.dtype,
+                        device=self.weight.device)
+        for b in buckets:
+            linear(x[:b], self.weight)
+        if self.weight.is_cuda:
+            torch.cuda.synchronize(self.weight.device)
+        return len(buckets)
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
                ) -> torch.Tensor | None:
@@ -368,11 +416,16 @@ class ParallelLMHead(VocabParallelEmbedding):
         `[rows, padded_vocab]` to write (a decode graph's static buffer), else a new one. The
         shards travel in the weights' dtype and are widened once, on rank 0 (the same values
         as widening before the gather, half the bytes in bf16)."""
-        local = linear(hidden, self.weight)
+        rows, tp = hidden.shape[0], self.layout.tp_size
+        padded = lm_head_rows(rows) if out is None and self._buckets(hidden) else rows
+        if padded != rows:
+            x = hidden.new_zeros(padded, hidden.shape[1])
+            x[:rows].copy_(hidden)
+            hidden = x
+        local = linear(hidden, self.weight)[:rows]
         shards = self.layout.tp_comm.gather(local)  # [tp, rows, vocab / tp]
         if shards is None:
             return None
-        rows, tp = hidden.shape[0], self.layout.tp_size
         if out is None:
             out = torch.empty(rows, self.padded_vocab, dtype=torch.float32, device=local.device)
         out.view(rows, tp, self.end - self.start).copy_(shards.transpose(0, 1))
