@@ -2,14 +2,14 @@
 
 For each projection of the model shapes (`--shapes`: Llama-3.1-8B's and Qwen3-8B's qkv, o,
 gate_up, down), each `--dtype` (FP8 with row-wise scales against `torch._scaled_mm`, bf16
-against `F.linear`) and each row bucket from 129 to 1024 rows (the decode graphs' capture
-sizes), times cuBLAS and every candidate launch shape (up to 256 rows also split-K ones) as
-`--copies` calls over distinct weights in one CUDA graph (so each call reads its weight from
-HBM, as a decode step does), checks each candidate against cuBLAS's product, and keeps the
-fastest where it beats
-cuBLAS by `--margin`. `--table` merges the winners into the shipped table
-(`phaseflip/assets/kernel_configs/tile_gemm_<gpu>.json`), cuBLAS's buckets as rows without a
-config; `--out` writes every timing.
+against `F.linear`) and each row bucket from 48 to 1024 rows (the decode graphs' capture
+sizes), times cuBLAS (up to 128 rows also the skinny kernel, where it takes the rows) and
+every candidate launch shape (up to 256 rows also split-K ones) as `--copies` calls over
+distinct weights in one CUDA graph (so each call reads its weight from HBM, as a decode step
+does), checks each candidate against cuBLAS's product, and keeps the fastest where it beats
+both by `--margin`. `--table` merges the winners into the shipped table
+(`phaseflip/assets/kernel_configs/tile_gemm_<gpu>.json`), the buckets as rows without a
+config where the baseline won; `--out` writes every timing.
 
     python -m benchmarks.tile_gemm_tune --dtype fp8 bf16 --table auto --out tile_gemm_tune.json
 """
@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from benchmarks.common import graph_replay_us, print_table, write_json
+from phaseflip.kernels.linear import skinny_linear
+from phaseflip.kernels.linear_configs import load_bundled_configs
 from phaseflip.kernels.tile_gemm import (
     TileGemmConfig,
     buckets,
@@ -34,6 +36,7 @@ from phaseflip.kernels.tile_gemm import (
     tile_gemm,
     to_rows,
 )
+from phaseflip.model.quant.fp8 import skinny_rows
 
 SHAPES = {
     "llama.qkv": (6144, 4096), "llama.o": (4096, 4096), "llama.gate_up": (28672, 4096),
@@ -106,6 +109,13 @@ def _sweep_rows(m: int, ws: list[tuple[torch.Tensor, torch.Tensor | None]], reps
             _cublas(x, sx, w, s)
 
     row: dict = {"cublas": round(_graph_us(cublas, len(ws), reps), 2)}
+    if scaled and skinny_rows(x, ws[0][0]):  # these rows' other contender: the skinny kernel
+
+        def skinny() -> None:
+            for w, s in ws:
+                skinny_linear(x, w, weight_scale=s, x_scale=sx, out_dtype=torch.bfloat16)
+
+        row["skinny"] = round(_graph_us(skinny, len(ws), reps), 2)
     ref = _cublas(x, sx, *ws[0]).float()
     for cfg in candidates(dtype, m):
         if not cfg.fits(n, k):
@@ -127,7 +137,8 @@ def _sweep_rows(m: int, ws: list[tuple[torch.Tensor, torch.Tensor | None]], reps
 
 def winners(results: dict, margin: float) -> tuple[dict, dict]:
     """(entries, timings): per (bucket, n, k, dtype) the fastest correct config beating
-    cuBLAS by `margin`, else None; and the two times for the record."""
+    cuBLAS and the skinny kernel (where timed) by `margin`, else None; and the times for the
+    record."""
     entries, timings = {}, {}
     for (shape, dname), rows in results.items():
         n, k = SHAPES[shape]
@@ -137,10 +148,13 @@ def winners(results: dict, margin: float) -> tuple[dict, dict]:
             ok = [(v[0], lab) for lab, v in row.items()
                   if isinstance(v, list) and v[1] < 1e-2]
             best = min(ok) if ok else None
-            win = best is not None and best[0] < row["cublas"] * (1 - margin)
+            baseline = min(row["cublas"], row.get("skinny", row["cublas"]))
+            win = best is not None and best[0] < baseline * (1 - margin)
             key = (m, n, k, dtype_name(dtype))
             entries[key] = by_label[best[1]] if win else None
             timings[key] = {"us": best[0] if best else None, "cublas_us": row["cublas"]}
+            if "skinny" in row:
+                timings[key]["skinny_us"] = row["skinny"]
     return entries, timings
 
 
@@ -162,6 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--m takes row buckets only: {sorted(set(ms) - set(buckets()))} are not "
                  f"among {buckets()}")
     torch.manual_seed(0)
+    load_bundled_configs(torch.device("cuda"))  # the skinny kernel's tuned W8A8 entries
     results = {}
     cases = len(ms) * len(args.shapes) * len(args.dtype)
     with tqdm(total=cases, desc="tile gemm tune", unit="case") as bar:
@@ -173,9 +188,11 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for (m, n, k, d), cfg in sorted(entries.items()):
         t = timings[(m, n, k, d)]
-        rows.append([d, n, k, m, t["cublas_us"], t["us"], cfg.label() if cfg else "cuBLAS",
-                     t["cublas_us"] / min(t["us"] or t["cublas_us"], t["cublas_us"])])
-    print_table(["dtype", "N", "K", "M", "cuBLAS us", "best tile us", "ships", "speed-up"],
+        base = min(t["cublas_us"], t.get("skinny_us", t["cublas_us"]))
+        rows.append([d, n, k, m, t["cublas_us"], t.get("skinny_us", "-"), t["us"],
+                     cfg.label() if cfg else "baseline", base / min(t["us"] or base, base)])
+    print_table(["dtype", "N", "K", "M", "cuBLAS us", "skinny us", "best tile us", "ships",
+                 "speed-up"],
                 rows, title="tile GEMM per row bucket (weights cold)")
     if args.table:
         path = table_path(torch.cuda.get_device_name()) if args.table == "auto" else Path(

@@ -134,7 +134,8 @@ def test_buckets_are_the_decode_graph_sizes():
     sizes = [s for s in capture_sizes(tile_gemm.GEMM_MAX_M) if s >= tile_gemm.GEMM_MIN_M]
     assert tile_gemm.buckets() == sizes
     assert all(tile_gemm.m_bucket(s) == s for s in sizes)
-    assert tile_gemm.m_bucket(128) is None and tile_gemm.m_bucket(1025) is None
+    assert tile_gemm.m_bucket(32) is None and tile_gemm.m_bucket(1025) is None
+    assert tile_gemm.m_bucket(33) == 48 and tile_gemm.m_bucket(72) == 80
     assert tile_gemm.m_bucket(129) == 144 and tile_gemm.m_bucket(257) == 288
 
 
@@ -152,7 +153,7 @@ def test_table_rows_and_pick(monkeypatch):
     assert tile_gemm.pick(260, 64, 128, f8, DEV) == TileGemmConfig(64, 32)
     assert tile_gemm.pick(260, 64, 128, torch.bfloat16, DEV) is None  # another dtype's row
     assert tile_gemm.pick(300, 64, 128, f8, DEV) is None  # cuBLAS won that bucket
-    assert tile_gemm.pick(100, 64, 128, f8, DEV) is None  # the skinny kernel's rows
+    assert tile_gemm.pick(20, 64, 128, f8, DEV) is None  # the skinny kernel's rows
 
 
 def test_no_table_off_the_gpu_or_when_turned_off(monkeypatch):
@@ -297,3 +298,38 @@ def test_tuner_ships_only_clear_winners():
     assert entries[(288, 4096, 14336, FP8)] is None  # 1 % faster: within the margin
     assert timings[(288, 4096, 14336, FP8)] == {"us": 49.5, "cublas_us": 50.0}
     assert all(c.split_k == 1 for c in tune.candidates(f8, 288))
+
+
+def test_cublas_rows_are_those_where_it_beat_the_skinny_kernel_too():
+    rows = [{"m_bucket": 80, "n": 64, "k": 128, "dtype": FP8, "config": None,
+             "cublas_us": 14.4, "skinny_us": 24.9},
+            {"m_bucket": 64, "n": 64, "k": 128, "dtype": FP8, "config": None,
+             "cublas_us": 14.7, "skinny_us": 9.7},
+            {"m_bucket": 96, "n": 64, "k": 128, "dtype": FP8, "config": {"block_m": 64},
+             "cublas_us": 14.4, "skinny_us": 20.5},
+            {"m_bucket": 320, "n": 64, "k": 128, "dtype": FP8, "config": None,
+             "cublas_us": 1.0}]
+    assert tile_gemm.cublas_keys(rows) == {(80, 64, 128, FP8)}
+    assert not tile_gemm.cublas_wins(80, 64, 128, torch.float8_e4m3fn, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("tiled,cublas,want", [
+    (True, True, "tile"), (True, False, "tile"), (False, True, "cublas"),
+    (False, False, "skinny")])
+def test_fp8_rows_the_table_orders_before_the_skinny_kernel(monkeypatch, tiled, cublas, want):
+    """Rows the skinny kernel could take go to the tile GEMM when the table has a config for
+    them, to cuBLAS when the tuner found it faster than the skinny kernel, else to it."""
+    from phaseflip.kernels import linear as linear_kernels
+
+    x_q, x_s, w_q, w_s = _operands(80, 64, 128, seed=15)
+    ran: list[str] = []
+    monkeypatch.setattr(fp8, "skinny_rows", lambda x, w: True)
+    monkeypatch.setattr(fp8, "_tile_gemm_config", lambda x, w: SMALL if tiled else None)
+    monkeypatch.setattr(tile_gemm, "cublas_wins", lambda *a: cublas)
+    out = torch.zeros(80, 64, dtype=torch.bfloat16, device=DEV)
+    monkeypatch.setattr(tile_gemm, "tile_gemm", lambda *a, **k: ran.append("tile") or out)
+    monkeypatch.setattr(fp8, "_scaled_mm", lambda *a: ran.append("cublas") or out)
+    monkeypatch.setattr(linear_kernels, "skinny_linear",
+                        lambda *a, **k: ran.append("skinny") or out)
+    fp8._rows_linear(x_q, x_s.view(-1, 1), w_q, w_s, None, torch.bfloat16)
+    assert ran == [want]

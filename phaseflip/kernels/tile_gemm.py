@@ -31,8 +31,12 @@ import triton.language as tl
 from phaseflip.kernels.linear_configs import plan_splits
 from phaseflip.kernels.linear_workspace import workspace_for
 
-# Rows the table covers; fewer go to the skinny kernel, more to cuBLAS.
-GEMM_MIN_M = 129
+# Rows the table covers; fewer go to the skinny kernel, more to cuBLAS. From 33 rows a row
+# bucket without a config falls back to the skinny kernel where it takes the rows (up to
+# 128, `model/quant/fp8.py`), else cuBLAS: the tuner times both against the tiles. (The
+# skinny kernel's one M tile pads 72 rows to 128: in the FP8 offline run's tail, 72
+# sequences spent 5.5 ms a step in it, 103 sequences 3.9 ms.)
+GEMM_MIN_M = 33
 GEMM_MAX_M = 1024
 # Turns the kernel off (every row count back to cuBLAS), for A/B runs.
 NO_TILE_GEMM_ENV = "PHASEFLIP_NO_TILE_GEMM"
@@ -69,7 +73,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def m_bucket(m: int) -> int | None:
     """The table's row bucket for m rows: the decode graphs' capture sizes (multiples of 16
-    up to 256, of 32 up to GEMM_MAX_M), so a graph's padded batch is its own bucket; None
+    from 48 up to 256, of 32 up to GEMM_MAX_M), so a graph's padded batch is its own bucket; None
     outside [GEMM_MIN_M, GEMM_MAX_M]."""
     if m < GEMM_MIN_M or m > GEMM_MAX_M:
         return None
@@ -239,10 +243,27 @@ def to_rows(entries: dict[Key, TileGemmConfig | None],
             for (b, n, k, d), c in sorted(entries.items())]
 
 
+def cublas_keys(rows: Iterable[dict]) -> set[Key]:
+    """The rows without a config where cuBLAS also beat the skinny kernel (the tuner times
+    it up to 128 rows): those rows go to cuBLAS, not to the skinny kernel."""
+    return {(r["m_bucket"], r["n"], r["k"], r["dtype"]) for r in rows
+            if not r.get("config") and r.get("cublas_us", 0) < r.get("skinny_us", 0)}
+
+
+@functools.cache
+def _rows_for(device_name: str) -> tuple[dict]:
+    path = table_path(device_name)
+    return tuple(json.loads(path.read_text())) if path.exists() else ()
+
+
 @functools.cache
 def _table_for(device_name: str) -> dict[Key, TileGemmConfig]:
-    path = table_path(device_name)
-    return parse_table(json.loads(path.read_text())) if path.exists() else {}
+    return parse_table(_rows_for(device_name))
+
+
+@functools.cache
+def _cublas_for(device_name: str) -> frozenset[Key]:
+    return frozenset(cublas_keys(_rows_for(device_name)))
 
 
 @functools.cache
@@ -250,15 +271,28 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def table(device: torch.device) -> dict[Key, TileGemmConfig]:
-    """The shipped table for this device's GPU model (empty for none, or off the GPU)."""
+def _gpu_name(device: torch.device) -> str | None:
+    """The GPU model whose table applies (None off the GPU or with the kernel turned off)."""
     if device.type != "cuda" or os.environ.get(NO_TILE_GEMM_ENV) == "1":
-        return {}
+        return None
     if device.index is None:  # a tensor's device always has its index; a bare "cuda" may not
         if not torch.cuda.is_available():
-            return {}
+            return None
         device = torch.device("cuda", torch.cuda.current_device())
-    return _table_for(_device_name(device.index))
+    return _device_name(device.index)
+
+
+def table(device: torch.device) -> dict[Key, TileGemmConfig]:
+    """The shipped table for this device's GPU model (empty for none, or off the GPU)."""
+    name = _gpu_name(device)
+    return {} if name is None else _table_for(name)
+
+
+def cublas_wins(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the tuner found cuBLAS fastest for m rows where the skinny kernel also runs."""
+    bucket, name = m_bucket(m), _gpu_name(device)
+    return (bucket is not None and name is not None
+            and (bucket, n, k, dtype_name(dtype)) in _cublas_for(name))
 
 
 def pick(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device

@@ -247,19 +247,28 @@ def scaled_mm_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
 
 def _rows_linear(x_q: torch.Tensor, sx: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                  bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """[T, N] in `dtype` from per-token quantized rows: the skinny kernel's W8A8 loop for a
-    few rows, the tile GEMM (`kernels/tile_gemm.py`) where this GPU's table says it beats
-    cuBLAS for the row count, else `_scaled_mm`."""
-    if skinny_rows(x_q, w_q):
-        from phaseflip.kernels.linear import skinny_linear
-
-        return skinny_linear(x_q, w_q, bias, weight_scale=w_scale, x_scale=sx, out_dtype=dtype)
+    """[T, N] in `dtype` from per-token quantized rows: the tile GEMM (`kernels/tile_gemm.py`)
+    where this GPU's table says it beats both the skinny kernel and cuBLAS for the row count,
+    else the skinny kernel's W8A8 loop for a few rows (unless the table found cuBLAS faster
+    there), else `_scaled_mm`."""
     cfg = _tile_gemm_config(x_q, w_q)
     if cfg is not None:
         from phaseflip.kernels.tile_gemm import tile_gemm
 
         return _finish(tile_gemm(x_q, w_q, cfg, sx, w_scale), bias, dtype)
+    if skinny_rows(x_q, w_q) and not _cublas_rows(x_q, w_q):
+        from phaseflip.kernels.linear import skinny_linear
+
+        return skinny_linear(x_q, w_q, bias, weight_scale=w_scale, x_scale=sx, out_dtype=dtype)
     return _scaled_mm(x_q, sx, w_q, w_scale, bias, dtype)
+
+
+def _cublas_rows(x_q: torch.Tensor, w_q: torch.Tensor) -> bool:
+    """Rows the skinny kernel takes but where the tuner found cuBLAS faster (the skinny
+    kernel's one M tile at 80 or 96 rows, `kernels/tile_gemm.py`)."""
+    from phaseflip.kernels import tile_gemm
+
+    return tile_gemm.cublas_wins(x_q.shape[0], *w_q.shape, w_q.dtype, x_q.device)
 
 
 def _tile_gemm_config(x_q: torch.Tensor, w_q: torch.Tensor) -> TileGemmConfig | None:
