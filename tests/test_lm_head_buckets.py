@@ -1,8 +1,7 @@
 """An eager step's LM head meets only the row counts its build warmed.
 
-On the H200 the first call of a cuBLAS kernel waited for the GPU's queued work to drain, and
-cuBLAS picks the LM head's kernel by the row count in steps of ~8 rows, so an eager (prefill
-or mixed) step, whose rows are new almost every time, drained the GPU (`layers.py`,
+On the H200 some new row counts of the LM head's cuBLAS GEMM waited for the GPU's queued work
+to drain, and an eager (prefill or mixed) step's rows are new almost every time (`layers.py`,
 `benchmarks/first_shape_probe.py`). These tests check the padding that prevents it on the CPU
 (`bucket_rows=True` forces what runs on CUDA only): the logits are unchanged, and the GEMM
 sees only `lm_head_buckets` shapes, the ones `warm` runs.

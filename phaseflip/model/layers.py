@@ -355,10 +355,10 @@ class VocabParallelEmbedding(nn.Module):
 
 # LM-head row buckets of the eager steps (prefill, mixed). Their row count (the rows that
 # sample) is new at almost every step, and cuBLAS picks its kernel for a few-row, 128k-column
-# GEMM by the row count in steps of ~8 rows: the first call of a kernel loads it, and on the
-# H200 that load waited for the GPU's queued work to drain (~100 ms behind a busy queue;
-# `benchmarks/first_shape_probe.py`), after which the GPU idled while the host caught up.
-# Padded to these buckets (warmed at build, `ParallelLMHead.warm`) no step meets a new kernel.
+# GEMM by the row count (profiles name a different kernel at nearly every mixed step). On the
+# H200 2 of 16 new row counts waited for the GPU's queued work to drain (~100 ms behind a busy
+# queue; `benchmarks/first_shape_probe.py`), read as a kernel's first call. Padded to these
+# buckets (warmed at build, `ParallelLMHead.warm`) no step meets a new shape: 0 of 16 waited.
 ROW_BUCKETS_SMALL = (1, 2, 4, 8, 16, 32)
 ROW_BUCKET = 32  # above 32 rows, up to ROW_BUCKET_WIDE_FROM
 ROW_BUCKET_WIDE_FROM, ROW_BUCKET_WIDE = 1024, 256  # prompt-logprob steps: thousands of rows

@@ -237,7 +237,9 @@ class ModelRunner:
         # how the decode graphs came: None (eager), "at build", "on first use", "parked"
         self.graphs, self.graph_capture = self._capture_graphs(lazy_graphs, graph_reuse)
         self.pieces = self._capture_pieces() if self.graph_capture == "at build" else None
-        if self.layout.is_last_stage:  # an eager step's LM head meets no new cuBLAS kernel
+        if self.layout.is_last_stage and self.graph_capture == "at build":
+            # an eager step's LM head meets no new cuBLAS kernel (`layers.ParallelLMHead`);
+            # a flip's new layout skips it: its first uses would lengthen the seam
             self.model.lm_head.warm(cfg.max_running_requests)
         # how long building this rank took, by part (a flip's census reads rank 0's)
         self.build_s = {"weights": t_weights - t0, "wait_for_ranks": t_sizing - t_weights,
