@@ -15,7 +15,9 @@ import platform
 import shlex
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -365,6 +367,29 @@ def join_rank_group(rank: int, spec: Any) -> Any:
                             world_size=spec.world_size,
                             timeout=_dt.timedelta(seconds=spec.timeout_s), **extra)
     return device
+
+
+def wrap_method(obj: Any, name: str, around: Callable[[], AbstractContextManager]) -> None:
+    """Replaces `obj.name` (an engine phase: the scheduler's `schedule`, the runner's
+    `forward`, ...) by the same call made inside `around()` — a profiler range, a timer — so
+    the benchmarks that time or profile the engine's phases share one way of hooking them."""
+    fn = getattr(obj, name)
+
+    def wrapped(*a: Any, **kw: Any) -> Any:
+        with around():
+            return fn(*a, **kw)
+
+    setattr(obj, name, wrapped)
+
+
+@contextmanager
+def adds_seconds(totals: dict[str, float], key: str) -> Iterator[None]:
+    """Adds the block's perf_counter seconds to totals[key] (a defaultdict(float))."""
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        totals[key] += time.perf_counter() - t
 
 
 def pct_ms(values: list[float], q: float) -> float | None:

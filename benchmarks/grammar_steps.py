@@ -42,7 +42,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from benchmarks.common import itl_split
+from benchmarks.common import adds_seconds, itl_split, wrap_method
 from benchmarks.common import pct_ms as _pct
 
 SCHEMA = Path(__file__).parent / "schemas" / "nested.json"
@@ -53,16 +53,7 @@ PHASES = (("scheduler", "schedule"), ("runner", "forward"), ("grammars", "masks"
 
 def _timed(obj, name: str, clock: dict) -> None:
     """Wraps `obj.name` so each call's seconds add to clock[name] (this turn's)."""
-    inner = getattr(obj, name)
-
-    def wrapper(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return inner(*a, **k)
-        finally:
-            clock[name] += time.perf_counter() - t0
-
-    setattr(obj, name, wrapper)
+    wrap_method(obj, name, lambda: adds_seconds(clock, name))
 
 
 def _owners(core) -> dict:

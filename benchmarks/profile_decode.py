@@ -21,7 +21,13 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from benchmarks.common import add_model_args, parse_engine_args, random_prompts, write_json
+from benchmarks.common import (
+    add_model_args,
+    parse_engine_args,
+    random_prompts,
+    wrap_method,
+    write_json,
+)
 from benchmarks.gpu_gaps import gap_report, print_gaps
 from phaseflip import Engine, SamplingParams
 
@@ -32,20 +38,11 @@ PHASES = [("schedule", "scheduler", "schedule"), ("forward", "runner", "forward"
           ("tokens", "outputs", "take_tokens")]
 
 
-def _wrap(obj: Any, name: str, label: str) -> None:
-    fn = getattr(obj, name)
-
-    def wrapped(*a: Any, **kw: Any) -> Any:
-        with record_function(label):
-            return fn(*a, **kw)
-
-    setattr(obj, name, wrapped)
-
-
 def wrap_phases(core: Any) -> None:
     """Profiler ranges around the engine's schedule/forward/sample calls (this core only)."""
     for label, owner, name in PHASES:
-        _wrap(core if owner is None else getattr(core, owner), name, f"phase:{label}")
+        obj = core if owner is None else getattr(core, owner)
+        wrap_method(obj, name, lambda label=label: record_function(f"phase:{label}"))
 
 
 def per_step_times(prof: Any, steps: int) -> tuple[dict[str, float], dict[str, float]]:

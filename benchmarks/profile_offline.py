@@ -36,9 +36,11 @@ from benchmarks.bench_scheduler import install_null_forward
 from benchmarks.common import (
     add_model_args,
     add_workload_args,
+    adds_seconds,
     engine_with_workload,
     print_table,
     release_engine,
+    wrap_method,
     write_json,
 )
 from benchmarks.gpu_gaps import gap_report, print_gaps
@@ -86,19 +88,8 @@ class HostClock:
     def __init__(self, core: Any) -> None:
         self.step: dict[str, float] = defaultdict(float)
         for label, owner, name in self.PHASES:
-            self._wrap(getattr(core, owner), name, label)
-
-    def _wrap(self, obj: Any, name: str, label: str) -> None:
-        fn, acc = getattr(obj, name), self.step
-
-        def timed(*a: Any, **kw: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                acc[label] += time.perf_counter() - t
-
-        setattr(obj, name, timed)
+            wrap_method(getattr(core, owner), name,
+                        lambda label=label: adds_seconds(self.step, label))
 
     def take(self) -> dict[str, float]:
         """This step's phase times (ms), reset for the next."""

@@ -447,3 +447,18 @@ def test_bench_flip_times_each_seam_under_load(tmp_path):
     assert flip["retracted"] == 3 and flip["rows_moved"] == 0
     assert flip["wall_s"] >= flip["total_s"] > 0 and flip["first_step_after_s"] > 0
     assert data["output_tokens"] == 3 * 12
+
+
+def test_profile_offline_host_clock_times_every_phase(tmp_path):
+    """`--host-clock`: each step's host phases by perf_counter, summed by batch band."""
+    from benchmarks import profile_offline
+
+    data = profile_offline.main(["--model", str(EMBEDDED_MODEL), "--device", "cpu",
+                                 "--num-prompts", "4", "--dataset", "fixed", "--input-len", "8",
+                                 "--output-len", "4", "--max-running-requests", "4",
+                                 "--host-clock", "--out", str(tmp_path / "hc.json")])
+    bands = data["host_clock"]
+    assert bands and sum(b["steps"] for b in bands) == len(data["steps"])
+    phases = set().union(*(b["host_ms"] for b in bands))
+    assert {"schedule", "forward"} <= phases
+    assert all(v >= 0 for b in bands for v in b["host_ms"].values())
