@@ -15,7 +15,9 @@ each ends with the GPU work it queued done). Every step is classified:
 and the totals per class (steps, seconds, output tokens, prompt tokens) say which kind of step
 the run's time is spent in. `--profile-at K` also runs torch.profiler over `--profile-steps`
 steps from step K on and reports GPU kernel time and host phases per step for that window, as
-`profile_decode` does. `--plot` draws the step-time timeline (PNG).
+`profile_decode` does. `--host-clock` / `--gpu-clock` time every step's host phases and its
+GPU span and idle without a profiler (`step_clocks.py`). `--plot` draws the step-time
+timeline (PNG).
 """
 
 from __future__ import annotations
@@ -36,16 +38,15 @@ from benchmarks.bench_scheduler import install_null_forward
 from benchmarks.common import (
     add_model_args,
     add_workload_args,
-    adds_seconds,
     engine_with_workload,
     print_table,
     release_engine,
-    wrap_method,
     write_json,
 )
 from benchmarks.gpu_gaps import gap_report, print_gaps
 from benchmarks.plot import pyplot, save
 from benchmarks.profile_decode import per_step_times, wrap_phases
+from benchmarks.step_clocks import GpuClock, HostClock, attach_gpu_times, summarize_bands
 
 KINDS = ("decode/graph", "decode/eager", "mixed", "prefill")
 
@@ -67,35 +68,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--host-clock", action="store_true",
                     help="time the host phases of every step with perf_counter (no profiler) "
                          "and summarize them by step kind and batch size")
+    ap.add_argument("--gpu-clock", action="store_true",
+                    help="CUDA events at every step's start and end (no profiler): each "
+                         "step's span on the GPU and the GPU's idle time before it, by step "
+                         "kind and batch size (CUDA, one-GPU layouts)")
     ap.add_argument("--null-forward", action="store_true",
                     help="precomputed logits instead of the model (host overhead only)")
     ap.add_argument("--cprofile", default=None, help="cProfile the whole run into this file")
     ap.add_argument("--plot", default=None, help="write the step timeline PNG here")
     ap.add_argument("--out", default=None)
     return ap.parse_args(argv)
-
-
-class HostClock:
-    """perf_counter totals of the engine's host phases within each step, without a profiler
-    (whose per-op cost inflates exactly the host time in question). `forward` of a replayed
-    graph is its input preparation and launch; `tokens` includes the wait for the previous
-    step's tokens."""
-
-    PHASES = (("schedule", "scheduler", "schedule"), ("forward", "runner", "forward"),
-              ("sample", "sampling", "sample_ahead"), ("tokens", "outputs", "take_tokens"),
-              ("text", "outputs", "emit_text"))
-
-    def __init__(self, core: Any) -> None:
-        self.step: dict[str, float] = defaultdict(float)
-        for label, owner, name in self.PHASES:
-            wrap_method(getattr(core, owner), name,
-                        lambda label=label: adds_seconds(self.step, label))
-
-    def take(self) -> dict[str, float]:
-        """This step's phase times (ms), reset for the next."""
-        out = {k: round(v * 1e3, 3) for k, v in self.step.items()}
-        self.step.clear()
-        return out
 
 
 class StepLog:
@@ -133,6 +115,7 @@ def run_steps(core: Any, args: argparse.Namespace, total_out: int) -> tuple[list
     """Steps the core to the end; returns the per-step records and the profile windows."""
     log, records, windows = StepLog(core), [], []
     clock = HostClock(core) if args.host_clock else None
+    gpu_clock = GpuClock(core) if args.gpu_clock else None
     if args.profile_at:
         wrap_phases(core)  # once: the ranges cost nothing while no profiler runs
     cuda = core.runner.device.type == "cuda"
@@ -144,7 +127,11 @@ def run_steps(core: Any, args: argparse.Namespace, total_out: int) -> tuple[list
         if step in args.profile_at:
             if clock is not None:
                 clock.take()
+            if gpu_clock is not None:
+                gpu_clock.take()
             windows.append(_profile(core, log, args, step, sync, cuda))
+            if gpu_clock is not None:  # the window's own marks: not a step's
+                gpu_clock.discard()
             step += args.profile_steps
             t_prev = time.perf_counter()
             continue
@@ -157,9 +144,14 @@ def run_steps(core: Any, args: argparse.Namespace, total_out: int) -> tuple[list
                             "sequences": seqs, "decode_rows": ones, "prompt_tokens": prompt})
             if clock is not None:
                 records[-1]["host_ms"] = clock.take()
+            if gpu_clock is not None:
+                records[-1]["gpu_pair"] = gpu_clock.take()
         bar.update(sum(len(d.token_ids) for d in deltas))
         step, t_prev = step + 1, now
     bar.close()
+    if gpu_clock is not None:
+        sync()
+        attach_gpu_times(records, gpu_clock)
     return records, windows
 
 
@@ -201,30 +193,6 @@ def summarize(records: list[dict]) -> dict[str, dict[str, float]]:
     return out
 
 
-SEQ_BANDS = (0, 100, 200, 400, 700, 10**9)
-
-
-def summarize_host(records: list[dict]) -> list[dict[str, Any]]:
-    """Mean step wall and host phase times (ms) by step kind and batch-size band, for steps
-    timed by `HostClock`: a band whose phases add up to its step time is host-bound."""
-    out = []
-    for kind in KINDS:
-        for lo, hi in zip(SEQ_BANDS, SEQ_BANDS[1:]):
-            rs = [r for r in records if r["kind"] == kind and "host_ms" in r
-                  and lo <= r["sequences"] < hi]
-            if not rs:
-                continue
-            phases: dict[str, float] = defaultdict(float)
-            for r in rs:
-                for k, v in r["host_ms"].items():
-                    phases[k] += v / len(rs)
-            out.append({"kind": kind, "sequences": f"{lo}-{min(hi, 10**4) - 1}",
-                        "steps": len(rs),
-                        "step_ms": 1e3 * sum(r["seconds"] for r in rs) / len(rs),
-                        "host_ms": dict(phases)})
-    return out
-
-
 def _allocator_stats(device: torch.device) -> dict[str, int] | None:
     """The caching allocator's counters over the run: a retry frees cached blocks with a
     device-wide synchronize, which stalls the overlapped steps."""
@@ -253,6 +221,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     engine, work = engine_with_workload(args)
     core = engine.core
+    if args.gpu_clock and core.runner.device.type != "cuda":
+        release_engine(engine)
+        raise SystemExit("--gpu-clock needs a CUDA device (its clock is CUDA events)")
     if args.null_forward:
         install_null_forward(core, args.max_running_requests, engine.model_config.vocab_size,
                              args.seed)
@@ -276,7 +247,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "seconds": seconds, "output_tokens": work.output_tokens,
               "output_tokens_per_s": work.output_tokens / seconds, "by_step_kind": classes,
               "profiles": windows, "allocator": allocator,
-              "host_clock": summarize_host(records) if args.host_clock else None,
+              "host_clock": summarize_bands(records, "host_ms", KINDS) if args.host_clock
+              else None,
+              "gpu_clock": summarize_bands(records, "gpu_ms", KINDS) if args.gpu_clock
+              else None,
               "steps": records}
     _print(result)
     if args.plot:
@@ -300,6 +274,12 @@ def _print(result: dict[str, Any]) -> None:
                       *(h["host_ms"].get(n, 0.0) for n in names), sum(h["host_ms"].values())]
                      for h in result["host_clock"]],
                     title="host phases per step (perf_counter, ms)")
+    if result.get("gpu_clock"):
+        print_table(["kind", "seqs", "steps", "step ms", "GPU span", "GPU idle before"],
+                    [[g["kind"], g["sequences"], g["steps"], g["step_ms"],
+                      g["gpu_ms"].get("span", 0.0), g["gpu_ms"].get("idle_before", 0.0)]
+                     for g in result["gpu_clock"]],
+                    title="GPU time per step (CUDA events on the compute stream, ms)")
     if result.get("allocator"):
         print("allocator:", result["allocator"])
     for w in result["profiles"]:

@@ -462,3 +462,54 @@ def test_profile_offline_host_clock_times_every_phase(tmp_path):
     phases = set().union(*(b["host_ms"] for b in bands))
     assert {"schedule", "forward"} <= phases
     assert all(v >= 0 for b in bands for v in b["host_ms"].values())
+
+
+class _FakeEvent:
+    """A CUDA event stand-in: `record` stamps a shared counter, `elapsed_time` subtracts."""
+
+    clock = [0.0]
+
+    def record(self) -> None:
+        self.t = self.clock[0]
+        self.clock[0] += 1.0
+
+    def elapsed_time(self, other: _FakeEvent) -> float:
+        return other.t - self.t
+
+
+def test_gpu_clock_pairs_each_steps_first_forward_with_its_last_sample():
+    """`GpuClock` (profile_offline --gpu-clock) on fake events: a step's span runs from its
+    first forward's start to its last sampling call's end; the idle before a step is measured
+    from the previous step's end; a step that launched nothing has no pair."""
+    from types import SimpleNamespace
+
+    from benchmarks.step_clocks import GpuClock, attach_gpu_times
+
+    runner = SimpleNamespace(forward=lambda: None)
+    sampling = SimpleNamespace(sample=lambda: None, sample_ahead=lambda: None)
+    clock = GpuClock(SimpleNamespace(runner=runner, sampling=sampling), event=_FakeEvent)
+    records = []
+    runner.forward()  # start at 0
+    _FakeEvent.clock[0] += 3.0
+    runner.forward(), sampling.sample_ahead()  # a second forward (PP parts): no new start
+    records.append({"gpu_pair": clock.take()})
+    records.append({"gpu_pair": clock.take()})  # nothing launched
+    _FakeEvent.clock[0] += 5.0
+    runner.forward(), sampling.sample(), sampling.sample_ahead()  # 10, (11), 12
+    records.append({"gpu_pair": clock.take()})
+    runner.forward()
+    clock.discard()  # a profiled window's marks
+    attach_gpu_times(records, clock)
+    assert records[0]["gpu_ms"] == {"span": 4.0, "idle_before": 0.0}
+    assert "gpu_ms" not in records[1]
+    assert records[2]["gpu_ms"] == {"span": 2.0, "idle_before": 6.0}
+    assert len(clock.pairs) == 2
+
+
+def test_profile_offline_gpu_clock_refuses_the_cpu():
+    from benchmarks import profile_offline
+
+    with pytest.raises(SystemExit, match="CUDA"):
+        profile_offline.main(["--model", str(EMBEDDED_MODEL), "--device", "cpu",
+                              "--num-prompts", "2", "--dataset", "fixed", "--input-len", "4",
+                              "--output-len", "2", "--gpu-clock"])
