@@ -206,7 +206,9 @@ def sm90_report(ms: list[int], dtype: torch.dtype) -> list[dict]:
     kernel = linear._skinny_kernel
     ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     signature = dict.fromkeys(kernel.arg_names, "i32")
-    signature.update(X=ptr, W=ptr, B=ptr, Y=ptr, PARTIALS="*fp32", COUNTERS="*i32")
+    signature.update(X=ptr, W=ptr, B=ptr, G=ptr, R=ptr, Y=ptr, S="*fp32", XS="*fp32",
+                     PARTIALS="*fp32", COUNTERS="*i32", eps="fp32",
+                     RP=(ptr,) * 8, RI=("i32",) * 7 + ("fp32",))  # the rotary fold's tuples
     aligned = {"X", "W", "B", "Y", "PARTIALS", "COUNTERS", "N", "K", "stride_xm", "stride_wn",
                "stride_ym", "k_per_split"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
@@ -224,7 +226,9 @@ def sm90_report(ms: list[int], dtype: torch.dtype) -> list[dict]:
                       "BLOCK_K": cfg.block_k, "LOOP": cfg.loop, "SPLIT": False,
                       "HAS_BIAS": False, "EVEN_K": True, "VEC": 16 // dtype.itemsize,
                       "DOT_PREC": linear._dot_precision(dtype), "HAS_SCALE": False,
-                      "HAS_XSCALE": False, "PDL": False, "PF_LINE": 64}
+                      "HAS_XSCALE": False, "PDL": False, "PF_LINE": 64, "NORM": False,
+                      "SILU": False, "HAS_RES": False, "LIBDEVICE": linear.USE_LIBDEVICE,
+                      "ROPE": False, "FP8_KV": False}
             sig = {**signature, **dict.fromkeys(consts, "constexpr")}
             compiled = triton.compile(
                 ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
