@@ -127,8 +127,6 @@ def run_steps(core: Any, args: argparse.Namespace, total_out: int) -> tuple[list
         if step in args.profile_at:
             if clock is not None:
                 clock.take()
-            if gpu_clock is not None:
-                gpu_clock.take()
             windows.append(_profile(core, log, args, step, sync, cuda))
             if gpu_clock is not None:  # the window's own marks: not a step's
                 gpu_clock.discard()

@@ -12,6 +12,8 @@ is host-bound; whose span exceeds its kernels' sum (a profile window says) launc
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -43,19 +45,18 @@ class HostClock:
         return out
 
 
-class _Mark:
-    """Records an event on the current stream when the wrapped call starts or ends."""
+@contextmanager
+def _before(mark: Callable[[], None]) -> Iterator[None]:
+    mark()
+    yield
 
-    def __init__(self, clock: GpuClock, at_start: bool) -> None:
-        self.clock, self.at_start = clock, at_start
 
-    def __enter__(self) -> None:
-        if self.at_start:
-            self.clock.mark_start()
-
-    def __exit__(self, *exc: object) -> None:
-        if not self.at_start:
-            self.clock.mark_end()
+@contextmanager
+def _after(mark: Callable[[], None]) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        mark()
 
 
 class GpuClock:
@@ -69,9 +70,9 @@ class GpuClock:
         self._start: Any = None
         self._end: Any = None
         self.pairs: list[tuple[Any, Any]] = []  # (start, end) of each step taken
-        wrap_method(core.runner, "forward", lambda: _Mark(self, at_start=True))
+        wrap_method(core.runner, "forward", lambda: _before(self.mark_start))
         for name in ("sample", "sample_ahead"):
-            wrap_method(core.sampling, name, lambda: _Mark(self, at_start=False))
+            wrap_method(core.sampling, name, lambda: _after(self.mark_end))
 
     def mark_start(self) -> None:
         if self._start is None:  # the step's first forward (PP micro-batches: several)

@@ -419,9 +419,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         rows, tp = hidden.shape[0], self.layout.tp_size
         padded = lm_head_rows(rows) if out is None and self._buckets(hidden) else rows
         if padded != rows:
-            x = hidden.new_zeros(padded, hidden.shape[1])
-            x[:rows].copy_(hidden)
-            hidden = x
+            hidden = F.pad(hidden, (0, 0, 0, padded - rows))
         local = linear(hidden, self.weight)[:rows]
         shards = self.layout.tp_comm.gather(local)  # [tp, rows, vocab / tp]
         if shards is None:
