@@ -186,11 +186,12 @@ def _rows_ew(X, W, G, M, rows_w, k_lo, k_hi, K, eps, stride_xm, stride_wn,
 
 
 @triton.jit
-def _rows_dot(X, W, rows_x, rows_w, k_lo, k_hi, stride_xm, stride_wn,
+def _rows_dot(X, W, rows_x, x_live, rows_w, k_lo, k_hi, stride_xm, stride_wn,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, W8A8: tl.constexpr):
-    """Tensor cores, swap-AB (W tile on the MMA's M side): returns [BLOCK_M, BLOCK_N] fp32.
-    W8A8: FP8 W and FP8 x go to the FP8 MMA as they are (no conversion in the loop)."""
+    """Tensor cores, swap-AB (W tile on the MMA's M side): returns [BLOCK_M, BLOCK_N] fp32;
+    x's rows outside `x_live` read as zeros (no memory traffic). W8A8: FP8 W and FP8 x go to
+    the FP8 MMA as they are (no conversion in the loop)."""
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = W + rows_w[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = X + rows_x[None, :] * stride_xm + (k_lo + offs_k)[:, None]  # x^T: [BLOCK_K, BM]
@@ -198,11 +199,11 @@ def _rows_dot(X, W, rows_x, rows_w, k_lo, k_hi, stride_xm, stride_wn,
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs, eviction_policy="evict_first")
-            x = tl.load(x_ptrs)
+            x = tl.load(x_ptrs, mask=x_live[None, :], other=0.0)
         else:
             mask_k = (k0 + offs_k) < k_hi
             w = tl.load(w_ptrs, mask=mask_k[None, :], other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptrs, mask=mask_k[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=mask_k[:, None] & x_live[None, :], other=0.0)
         if W8A8:
             acc = tl.dot(w, x, acc)
         else:
@@ -311,14 +312,18 @@ def _skinny_kernel(
     pid_k = tl.program_id(1)
     rows_w, offs_n = _tile_rows(pid_n, N, RI[0], BLOCK_N, SILU, ROPE)
     offs_m = tl.arange(0, BLOCK_M)
+    # Rows past M are masked, not re-read: clamped onto row M - 1 they were one L2 line read
+    # by every padded row of every CTA (80 rows in a 128-row tile: the 8B gate_up 1.19x slower
+    # than 128 rows under one config, docs/kernels.md; masked, as fast as 128).
     rows_x = tl.minimum(offs_m, M - 1)
+    x_live = offs_m < M
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     if PDL:
         cols = tl.minimum(k_lo + tl.arange(0, BLOCK_K // PF_LINE) * PF_LINE, K - 1)
         prefetch_then_wait(W + rows_w[:, None].to(tl.int64) * stride_wn + cols[None, :], PDL)
     if LOOP == "dot":
-        acc = _rows_dot(X, W, rows_x, rows_w, k_lo, k_hi, stride_xm, stride_wn,
+        acc = _rows_dot(X, W, rows_x, x_live, rows_w, k_lo, k_hi, stride_xm, stride_wn,
                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, HAS_XSCALE)
     else:
         acc = _rows_ew(X, W, G, M, rows_w, k_lo, k_hi, K, eps, stride_xm, stride_wn,
