@@ -24,7 +24,7 @@ layer's reduce has consumed the partials before the next layer overwrites them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -40,6 +40,14 @@ def _to_device(data: list[int] | list[list[int]], device: torch.device) -> torch
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+class _Cache(NamedTuple):
+    """One layer's paged K/V and, for an FP8 pool, its per-KV-head scales."""
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
 
 
 @dataclass
@@ -172,46 +180,64 @@ class TritonAttention:
             return out
         meta = self._batch_meta(batch, q.device)
         key = (num_kv_heads, group, head_dim, dtype, sliding_window)
+        cache = _Cache(k_cache, v_cache, k_scale, v_scale)
         if meta.is_decode:
-            cfg = self._decode_cfg(dtype, head_dim, group, q.device, k_cache.dtype)
-            head_blocks = -(-group // cfg.block_m)
-            cached = meta.by_layout.get(key)
-            if cached is None:
-                plan = self._plan(batch.batch_size, num_kv_heads, head_blocks, meta.max_kv_len,
-                                  sliding_window, q.device)
-                ws = None
-                if plan.num_splits > 1:
-                    ws = kernels.decode_workspace(batch.batch_size, num_heads, head_dim, plan,
-                                                  q.device)
-                cached = meta.by_layout[key] = (plan, ws)
-            plan, ws = cached
-            order = None
-            if kernels.orders_decode(batch.batch_size, num_kv_heads, head_blocks,
-                                     kernels.num_sms(q.device)):
-                order = self._decode_order(meta, layer_id, batch)
-            cuda = self._cuda_kernel(q.device) if plan.num_splits == 1 else None
-            if cuda is not None and cuda.accepts(q, k_cache, v_cache, out, batch.kv_indptr,
-                                                 batch.kv_indices, k_scale, v_scale, order,
-                                                 sliding_window):
-                return cuda(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, k_scale,
-                            v_scale, scale, out, order)
-            return kernels.decode_attention(
-                q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, scale, plan,
-                sliding_window=sliding_window, out=out, workspace=ws, config=cfg,
-                k_scale=k_scale, v_scale=v_scale, order=order,
-            )
+            return self._decode(layer_id, q, cache, batch, meta, key, scale, sliding_window, out)
+        return self._extend(q, cache, batch, meta, key, scale, sliding_window, out)
+
+    def _decode(self, layer_id: int, q: torch.Tensor, cache: _Cache, batch: ForwardBatch,
+                meta: _BatchMeta, key: tuple[Any, ...], scale: float,
+                sliding_window: int | None, out: torch.Tensor) -> torch.Tensor:
+        """Every sequence has one new token: the CUDA FP8 kernel where it takes the launch
+        (unsplit plans), else the Triton split-K decode kernel."""
+        num_kv_heads, group, head_dim, dtype = key[:4]
+        cfg = self._decode_cfg(dtype, head_dim, group, q.device, cache.k.dtype)
+        head_blocks = -(-group // cfg.block_m)
+        cached = meta.by_layout.get(key)
+        if cached is None:
+            plan = self._plan(batch.batch_size, num_kv_heads, head_blocks, meta.max_kv_len,
+                              sliding_window, q.device)
+            ws = None
+            if plan.num_splits > 1:
+                ws = kernels.decode_workspace(batch.batch_size, q.shape[1], head_dim, plan,
+                                              q.device)
+            cached = meta.by_layout[key] = (plan, ws)
+        plan, ws = cached
+        order = None
+        if kernels.orders_decode(batch.batch_size, num_kv_heads, head_blocks,
+                                 kernels.num_sms(q.device)):
+            order = self._decode_order(meta, layer_id, batch)
+        cuda = self._cuda_kernel(q.device) if plan.num_splits == 1 else None
+        if cuda is not None and cuda.accepts(q, cache.k, cache.v, out, batch.kv_indptr,
+                                             batch.kv_indices, cache.k_scale, cache.v_scale,
+                                             order, sliding_window):
+            return cuda(q, cache.k, cache.v, batch.kv_indptr, batch.kv_indices, cache.k_scale,
+                        cache.v_scale, scale, out, order)
+        return kernels.decode_attention(
+            q, cache.k, cache.v, batch.kv_indptr, batch.kv_indices, scale, plan,
+            sliding_window=sliding_window, out=out, workspace=ws, config=cfg,
+            k_scale=cache.k_scale, v_scale=cache.v_scale, order=order,
+        )
+
+    def _extend(self, q: torch.Tensor, cache: _Cache, batch: ForwardBatch, meta: _BatchMeta,
+                key: tuple[Any, ...], scale: float, sliding_window: int | None,
+                out: torch.Tensor) -> torch.Tensor:
+        """Prefill / mixed batches: a mixed batch's one-token sequences through the decode
+        kernel, the rest through the tiled extend kernel."""
         assert meta.qo_indptr is not None
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        group, dtype = key[1], key[3]
         one_token = self._mixed_decode(meta, batch, key, q.device, num_heads, head_dim,
-                                       k_cache.dtype, sliding_window)
+                                       cache.k.dtype, sliding_window)
         if one_token is not None:  # a mixed batch's one-token sequences: the decode kernel
             seqs, plan, ws, dcfg = one_token
             kernels.mixed_decode_attention(
-                q, k_cache, v_cache, meta.qo_indptr, batch.kv_indptr, batch.kv_indices, seqs,
+                q, cache.k, cache.v, meta.qo_indptr, batch.kv_indptr, batch.kv_indices, seqs,
                 scale, plan, out, sliding_window=sliding_window, workspace=ws, config=dcfg,
-                k_scale=k_scale, v_scale=v_scale,
+                k_scale=cache.k_scale, v_scale=cache.v_scale,
             )
         cfg = self.extend_config or kernels.extend_config(dtype, head_dim, q.device,
-                                                          k_cache.dtype)
+                                                          cache.k.dtype)
         tkey = ("tiles", group, cfg.block_m)
         tiles = meta.by_layout.get(tkey)
         if tiles is None:
@@ -221,9 +247,9 @@ class TritonAttention:
             host = kernels.extend_tiles(ext, batch.prefix_lens, group, cfg.block_m)
             tiles = meta.by_layout[tkey] = _to_device(host, q.device)
         return kernels.extend_attention(
-            q, k_cache, v_cache, meta.qo_indptr, batch.kv_indptr, batch.kv_indices, tiles,
+            q, cache.k, cache.v, meta.qo_indptr, batch.kv_indptr, batch.kv_indices, tiles,
             scale, sliding_window=sliding_window, out=out, config=cfg,
-            k_scale=k_scale, v_scale=v_scale,
+            k_scale=cache.k_scale, v_scale=cache.v_scale,
         )
 
     def _decode_cfg(self, dtype: torch.dtype, head_dim: int, group: int,
