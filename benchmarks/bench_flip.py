@@ -147,12 +147,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "flip_every": args.flip_every, "seconds": seconds, "output_tokens": produced,
               "flips": flips, "steps": steps}
     _print(result)
+    result = write_json(args.out, result)  # before the plots: a failed plot keeps the figures
     if args.plot:
         plot_timeline(steps, flips, args.plot)
         if flips:
             plot = Path(args.plot)
             plot_breakdown(flips, plot.with_name(plot.stem + "_breakdown" + plot.suffix))
-    return write_json(args.out, result)
+    return result
 
 
 def _print(result: dict[str, Any]) -> None:

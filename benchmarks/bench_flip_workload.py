@@ -401,11 +401,12 @@ def finish(result: dict[str, Any], trace: list[wl.Arrival], calib: dict[str, Any
     print_report(result)
     result["sim_check"] = sim_check(result, args.tolerance)
     print_check(result["sim_check"], args.tolerance)
-    if args.plot and served(result):
-        plot(result, args.plot)
     if not result.get("resimulated"):  # a resimulation keeps the measured run's total
         result.setdefault("timing", {})["total_s"] = time.monotonic() - budget.start
-    return write_json(args.out, result)
+    written = write_json(args.out, result)  # before the plot: a failed plot keeps the figures
+    if args.plot and served(result):
+        plot(result, args.plot)
+    return written
 
 
 if __name__ == "__main__":

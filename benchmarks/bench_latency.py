@@ -27,6 +27,7 @@ import argparse
 import gc
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,9 +87,13 @@ class StepRecorder:
         self._cuda = engine.core.runner.device.type == "cuda"
         self._overlap = engine.core.cfg.overlap_schedule
 
+    # the runner's entry points a step's plan passes through: `launch` is a TP/PP runner's
+    # under overlap scheduling (`EngineCore._launch`), `forward` every other step's
+    ENTRIES = ("forward", "launch")
+
     def __enter__(self) -> StepRecorder:
         core, runner = self.core, self.core.runner
-        step, forward = core.step, runner.forward
+        step = core.step
 
         def timed_step() -> list:
             self._plan = None
@@ -106,16 +111,22 @@ class StepRecorder:
                 self.records.append(rec)
             return out
 
-        def noting_forward(plan: ForwardBatch, *a: Any, **kw: Any):
-            self._plan = plan
-            return forward(plan, *a, **kw)
+        def noting(entry: Callable[..., Any]) -> Callable[..., Any]:
+            def noted(plan: ForwardBatch, *a: Any, **kw: Any) -> Any:
+                self._plan = plan
+                return entry(plan, *a, **kw)
+            return noted
 
-        core.step, runner.forward = timed_step, noting_forward
+        core.step = timed_step
+        for name in self.ENTRIES:
+            if hasattr(runner, name):
+                setattr(runner, name, noting(getattr(runner, name)))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for obj, name in ((self.core, "step"), (self.core.runner, "forward")):
-            obj.__dict__.pop(name, None)
+        self.core.__dict__.pop("step", None)
+        for name in self.ENTRIES:
+            self.core.runner.__dict__.pop(name, None)
 
 
 def engine_dtype(engine: Engine) -> torch.dtype:

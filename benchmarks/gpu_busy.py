@@ -356,7 +356,7 @@ class GpuBusySampler:
 
 def add_gpu_busy_arg(ap: Any) -> None:
     ap.add_argument("--gpu-busy", choices=["auto", "off"], default="auto",
-                    help="sample each GPU's NVML busy % over the timed region (auto: when the "
+                    help="sample each GPU's NVML busy %% over the timed region (auto: when the "
                          "engine runs on CUDA) and estimate the host bubble per step")
 
 

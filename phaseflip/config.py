@@ -220,8 +220,8 @@ class EngineConfig:
 
     model: str = str(EMBEDDED_MODEL)
     """Hugging Face model directory, ORG/NAME from the local Hugging Face cache (never
-    downloaded), or a bundled shape name (llama-3.1-8b, qwen3-8b, llama-3.2-1b, qwen3-0.6b)
-    with --load-format dummy (default: the tiny shipped model)."""
+    downloaded), or a bundled shape name (llama-3.1-8b, llama-3.1-70b, qwen3-8b, llama-3.2-1b,
+    qwen3-0.6b) with --load-format dummy (default: the tiny shipped model)."""
     device: str = "auto"
     """cpu, cuda or auto (cuda when available)."""
     cpu_threads: int | None = None

@@ -32,13 +32,17 @@ def main(argv: list[str] | None = None) -> Path:
                     help="default: the config's dtype")
     ap.add_argument("--shard-gb", type=float, default=5.0, help="max shard size (GB, 1e9 bytes)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu",
+                    help="where the tensors are drawn: 'cuda' writes an 8B checkpoint in "
+                         "seconds (another draw than the CPU's, which equals a CPU dummy model)")
     args = ap.parse_args(argv)
     if not Path(args.model).is_dir() and args.model.lower() not in bundled_models():
         ap.error(f"--model {args.model!r} is neither a directory nor a bundled model "
                  f"({', '.join(bundled_models())})")
     out = write_random_checkpoint(args.model, args.out,
                                   dtype=_DTYPES[args.dtype] if args.dtype else None,
-                                  shard_gb=args.shard_gb, seed=args.seed)
+                                  shard_gb=args.shard_gb, seed=args.seed,
+                                  device=args.device)
     print(f"wrote {out}", file=sys.stderr)
     return out
 

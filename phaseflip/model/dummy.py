@@ -332,13 +332,16 @@ def write_random_checkpoint(
     shard_gb: float = 5.0,
     seed: int = 0,
     progress: bool = True,
+    device: torch.device | str = "cpu",
 ) -> Path:
     """Writes a random-weight Hugging Face checkpoint of `model` (bundled name or a directory
     with config.json) to `out`: safetensors shards (+ index when more than one), config.json
     (dtype set to `dtype`), generation_config.json and tokenizer files.
 
-    Tensors are drawn on the CPU and written one at a time (memory: the largest tensor, not
-    the model). The values equal `init_dummy_weights(model, seed)` on a CPU model.
+    Tensors are drawn on `device` and written one at a time (memory: the largest tensor, not
+    the model). Drawn on the CPU, the values equal `init_dummy_weights(model, seed)` on a CPU
+    model; on a GPU (an 8B checkpoint in seconds, not minutes) they are another draw of the
+    same distribution, each GPU model's generator its own.
     """
     src = resolve_model_dir(model)
     cfg = ModelConfig.from_dir(src)
@@ -374,7 +377,7 @@ def write_random_checkpoint(
             with open(tmp, "wb") as f:
                 f.write(_safetensors_header(shard, dtype))
                 for name, shape in shard:
-                    t = random_tensor(name, shape, seed, "cpu", dtype).contiguous()
+                    t = random_tensor(name, shape, seed, device, dtype).contiguous().cpu()
                     f.write(t.reshape(-1).view(torch.uint8).numpy().data)
                     bar.update(t.numel() * itemsize)
                     weight_map[name] = fname

@@ -1,0 +1,67 @@
+# pair call 1 of 3 (nvidia-h200-x2, NCCL one rank per GPU; ~8.5 min, guarded to end by 570 s):
+# the NVLink link, live-flip seams tp2 <-> pp2 on Llama-3.1-8B dummy weights (peer forced; the
+# planner's choice over 50 flips under load with the accounting checked every step; reload
+# forced), the NCCL correctness tests, and tests/test_flip.py's strategy tests moved to CUDA.
+# step (est. / skipped under MIN s left / killed at MAX s): comm_nvl 30/30/90, flip_peer 50/60/150,
+# flip_auto50 70/80/200, tests_nccl 180/150/260, flip_reload 45/60/150, tests_flip_cuda 120/90/200.
+# Results: $OUT/pair_call1.tgz (pair_call1_only.tgz under ONLY="a b", which runs only those steps): x/<step>.log, .json, .png, summary.txt.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .carry/whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site:$PWD || exit
+export PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+END=${END:-570}; X=$OUT/x; mkdir -p $X; cp "$0" $X/
+{ nvidia-smi topo -m; nvidia-smi --query-gpu=name,memory.total --format=csv; df -h /dev/shm; } > $X/topo.txt 2>&1
+step() {  # step NAME MIN_S MAX_S LINES 'command': its log in x/NAME.log, the last LINES key lines printed
+  local name=$1 min=$2 max=$3 left=$((END - SECONDS)) t0=$SECONDS rc
+  [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]] && return
+  [ $left -lt $min ] && { echo "== $name SKIPPED: $left s left, needs $min"; return; }
+  local t=$((max < left - 15 ? max : left - 15))
+  STEP_S=$t timeout -k 10 $t bash -c "$5" > $X/$name.log 2>&1; rc=$?
+  echo "== $name rc=$rc $((SECONDS - t0)) s (limit $t s)"
+  [ $rc -ge 124 ] && nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null
+  tr '\r' '\n' < $X/$name.log | grep -aE '^\||passed|failed|FAILED|skipped|Error|error:' | grep -v '^|-' | tail -n $4
+}
+pl() { python3 -c "import matplotlib" 2>/dev/null && echo "--plot $X/$1.png"; }  # a plot that fails would lose the JSON (written after it)
+seams() {  # every flip run: seam vs 2 x rank 0's bytes / link + 0.1 s; device memory and KV slots across flips
+  python3 - $X <<'EOF' | tee $X/summary.txt
+import glob, json, statistics as st, sys
+x = sys.argv[1]
+try:
+    link = max(r["busbw_GBps"] for r in json.load(open(x + "/comm_nvl.json"))["rows"] if r["op"] == "send 0->1")
+except Exception:
+    link = None
+print(f"link: send 0->1, best size: {link and round(link, 1)} GB/s")
+for f in sorted(glob.glob(x + "/flip_*.json")):
+    F = json.load(open(f))["flips"]
+    s, free = [c["wall_s"] for c in F], [(c["device_free_after_bytes"] or 0) / 2**30 for c in F]
+    kv = [c["kv_slots_after"] for c in F if c["kv_slots_after"] is not None]
+    print(f"{f.split('/')[-1][:-5]}: {len(F)} flips {sorted({c['weights'] for c in F})}, seam median "
+          f"{st.median(s):.3f} max {max(s):.3f} s; device free {free[0]:.3f} -> {free[-1]:.3f} GiB; "
+          f"KV slots {min(kv, default=None)}..{max(kv, default=None)}")
+    for c in F[:4]:
+        b = c["weights_bytes_moved"] or 0
+        tgt = 2 * b / 1e9 / link + 0.1 if link else float("nan")
+        parts = {k: v for k, v in c["segments"].items() if k != "relayout"} | (c["relayout_parts"] or {})
+        print(f"  {c['source']}->{c['target']} {c['wall_s']:.3f} s ({', '.join(f'{k} {v:.3f}' for k, v in parts.items())});"
+              f" {b / 2**30:.2f} GiB at {c['weights_gbps'] or 0:.1f} GB/s; target {tgt:.3f} s: "
+              f"{'met' if c['wall_s'] <= tgt else 'MISSED'}")
+EOF
+}
+M="--model llama-3.1-8b --load-format dummy --mem-fraction 0.5"
+FL="$M --layouts tp2,pp2,tp2,pp2,tp2 --num-prompts 32 --dataset fixed --input-len 256 --output-len 64 --flip-every 6"
+L50=$(printf 'tp2,pp2,%.0s' {1..25})tp2
+cat > /tmp/site/pf_cuda_flip.py <<'EOF'
+"""pytest plugin: the engines of tests/test_flip.py (CFG device cpu) on CUDA: tp2 over NCCL, one rank per GPU."""
+def pytest_collection_modifyitems(items):
+    for m in {getattr(i, "module", None) for i in items}:
+        if isinstance(getattr(m, "CFG", None), dict) and m.CFG.get("device") == "cpu":
+            m.CFG["device"] = "cuda"
+            print(f"pf_cuda_flip: {m.__name__} engines on cuda")
+EOF
+step comm_nvl 30 90 3 "python3 -m benchmarks.bench_comm --world-size 2 --out $X/comm_nvl.json"
+step flip_peer 60 150 2 "python3 -m benchmarks.bench_flip $FL --engine-arg flip_weights=peer --out $X/flip_peer.json $(pl flip_peer)"
+step flip_auto50 80 200 2 "python3 -m benchmarks.bench_flip $M --layouts $L50 --num-prompts 32 --dataset fixed --input-len 256 --output-len 260 --flip-every 4 --engine-arg check_accounting=true --out $X/flip_auto50.json $(pl flip_auto50)"
+step tests_nccl 150 260 8 "python3 -m pytest -q -p no:cacheprovider -rs --durations=5 tests/test_multi_gpu.py tests/test_gpu.py::test_resident_flips_over_nccl_replay_parked_graphs tests/test_symm_allreduce.py::test_symm_mem_equals_nccl_one_rank_per_gpu -k 'not server'"
+step flip_reload 60 150 2 "python3 -m benchmarks.bench_flip $FL --engine-arg flip_weights=reload --out $X/flip_reload.json"
+step tests_flip_cuda 90 200 8 "python3 -m pytest -q -p no:cacheprovider -p pf_cuda_flip --durations=5 tests/test_flip.py -k 'each_weights_strategy or kv_pressure or three_flip_cycles or fp8_slices'"
+seams
+cd $OUT && tar czf pair_call1${ONLY:+_only}.tgz x && rm -rf x

@@ -1,0 +1,68 @@
+# pair call 2 of 3 (nvidia-h200-x2, NCCL; ~8.5 min, guarded to end by 570 s): live-flip seams
+# tp2 <-> pp2 with a real random Llama-3.1-8B checkpoint (host-image and reload forced; peer and
+# resident at the end if time is left), then the fast path over NVLink: bench_latency and
+# bench_offline (1000 ShareGPT-like) for tp2, pp2 and one GPU, each GPU's NVML busy.
+# step (est. / skipped under MIN s left / killed at MAX s): comm_nvl 15/20/60, ckpt 30/30/150,
+# flip_host-image_real 60/70/150, flip_reload_real 55/70/150, lat_tp2 50/50/120, lat_pp2 50/50/120,
+# tp1 (latency on GPU 0 beside offline on GPU 1) 60/60/150, off_tp2 50/50/120, off_pp2 50/50/120,
+# flip_peer_real 50/60/120, flip_resident_real 50/60/120, tests_server (the two NCCL server tests
+# of tests/test_multi_gpu.py, left out of call 1) 90/90/150.
+# Results: $OUT/pair_call2.tgz (pair_call2_only.tgz under ONLY="a b", which runs only those steps): x/<step>.log, .json, .png, summary.txt.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .carry/whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site:$PWD || exit
+export PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+END=${END:-570}; X=$OUT/x; mkdir -p $X; cp "$0" $X/
+{ nvidia-smi topo -m; df -h /dev/shm /tmp; free -g; } > $X/topo.txt 2>&1
+step() {  # step NAME MIN_S MAX_S LINES 'command': its log in x/NAME.log, the last LINES key lines printed
+  local name=$1 min=$2 max=$3 left=$((END - SECONDS)) t0=$SECONDS rc
+  [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]] && return
+  [ $left -lt $min ] && { echo "== $name SKIPPED: $left s left, needs $min"; return; }
+  local t=$((max < left - 15 ? max : left - 15))
+  STEP_S=$t timeout -k 10 $t bash -c "$5" > $X/$name.log 2>&1; rc=$?
+  echo "== $name rc=$rc $((SECONDS - t0)) s (limit $t s)"
+  [ $rc -ge 124 ] && nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null
+  tr '\r' '\n' < $X/$name.log | grep -aE '^\||passed|failed|FAILED|skipped|Error|error:|^wrote /' | grep -v '^|-' | tail -n $4
+}
+pl() { python3 -c "import matplotlib" 2>/dev/null && echo "--plot $X/$1.png"; }  # a plot that fails would lose the JSON (written after it)
+# the checkpoint drawn on the GPU (seconds; on the CPU's one thread a minute or more for 8B);
+# tmpfs when it holds it and the host image
+CK=/dev/shm/ck8b; [ "$(df --output=avail -BG /dev/shm | tail -1 | tr -dc 0-9)" -ge 48 ] || CK=/tmp/ck8b
+R="--model $CK --mem-fraction 0.5 --layouts tp2,pp2,tp2,pp2,tp2 --num-prompts 32 --dataset fixed --input-len 256 --output-len 64 --flip-every 6"
+LAT="--model llama-3.1-8b --load-format dummy --batch-sizes 1,64,256 --input-len 1024 --output-len 128 --num-iters 1 --num-warmup 1 --max-prefill-tokens 32768"
+OFF="--model llama-3.1-8b --load-format dummy --num-prompts 1000 --dataset sharegpt-like --seed 0 --mem-fraction 0.85 --max-running-requests 1024 --max-duration-s 90"
+flip() { step flip_$1_real $2 $3 1 "python3 -m benchmarks.bench_flip $R --engine-arg flip_weights=$1 --out $X/flip_$1_real.json $(pl flip_$1_real)"; }
+step comm_nvl 20 60 2 "python3 -m benchmarks.bench_comm --world-size 2 --sizes 128M,1G --iters 10 --out $X/comm_nvl.json"
+step ckpt 30 150 2 "python3 tools/make_random_checkpoint.py --model llama-3.1-8b --out $CK --device cuda && du -sh $CK"
+flip host-image 70 150
+flip reload 70 150
+step lat_tp2 50 120 5 "python3 -m benchmarks.bench_latency $LAT --engine-arg tp_size=2 --out $X/lat_tp2.json"
+step lat_pp2 50 120 5 "python3 -m benchmarks.bench_latency $LAT --engine-arg pp_size=2 --out $X/lat_pp2.json"
+step tp1 60 150 8 "CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_latency $LAT --out $X/lat_tp1.json > $X/lat_tp1.log 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 python3 -m benchmarks.bench_offline $OFF --out $X/off_tp1.json; wait; cat $X/lat_tp1.log"
+step off_tp2 50 120 2 "python3 -m benchmarks.bench_offline $OFF --engine-arg tp_size=2 --out $X/off_tp2.json"
+step off_pp2 50 120 2 "python3 -m benchmarks.bench_offline $OFF --engine-arg pp_size=2 --out $X/off_pp2.json"
+flip peer 60 120
+flip resident 60 120
+step tests_server 90 150 4 "python3 -m pytest -q -p no:cacheprovider --durations=2 tests/test_multi_gpu.py -k server"
+python3 - $X <<'EOF' | tee $X/summary.txt
+import glob, json, sys
+x = sys.argv[1]
+try:
+    link = max(r["busbw_GBps"] for r in json.load(open(x + "/comm_nvl.json"))["rows"] if r["op"] == "send 0->1")
+except Exception:
+    link = None
+print(f"link: send 0->1, best size: {link and round(link, 1)} GB/s")
+for f in sorted(glob.glob(x + "/flip_*.json")):
+    for c in json.load(open(f))["flips"]:
+        b = c["weights_bytes_moved"] or 0
+        tgt = 2 * b / 1e9 / link + 0.1 if link else float("nan")
+        parts = {k: v for k, v in c["segments"].items() if k != "relayout"} | (c["relayout_parts"] or {})
+        print(f"{f.split('/')[-1][:-5]} {c['source']}->{c['target']} {c['wall_s']:.3f} s ({', '.join(f'{k} {v:.3f}' for k, v in parts.items())});"
+              f" {b / 2**30:.2f} GiB at {c['weights_gbps'] or 0:.1f} GB/s, h2d {c['weights_h2d_wait_s']}; target {tgt:.3f} s: {'met' if c['wall_s'] <= tgt else 'MISSED'}")
+for f in sorted(glob.glob(x + "/off_*.json")):
+    d = json.load(open(f)); p = d["phaseflip"]
+    busy = [(g["ranks"], g["mean_pct"] and round(g["mean_pct"], 1)) for g in d["gpu_busy"]["devices"] or []]
+    print(f"{f.split('/')[-1][:-5]}: {p['output_tokens_per_s']:.0f} out tok/s, {p['total_tokens_per_s']:.0f} total, {p['duration_s']:.2f} s, complete {p['complete']}, busy {busy}")
+EOF
+rm -rf $CK  # the machine may stay warm for call 3: free its tmpfs
+cd $OUT && tar czf pair_call2${ONLY:+_only}.tgz x && rm -rf x

@@ -1,0 +1,55 @@
+# pair call 3 of 3 (nvidia-h200-x2; ~9 min, guarded to end by 570 s): a PCIe-class link emulated on
+# the pair (NCCL_P2P_DISABLE=1: NCCL goes through host memory), its bandwidth (bench_comm), the
+# fast-path tables for tp2 and pp2 under it, then the flip's payoff: bench_flip_workload (auto,
+# pp2, tp2 through the real server, calibrated, --simulate: the simulator's prediction of the same
+# runs) over the emulated link, and over NVLink if time is left (else: ONLY=wl_nvl, ~330 s alone).
+# step (est. / skipped under MIN s left / killed at MAX s): comm_pcie 30/30/90, lat_tp2_pcie
+# 55/50/120, lat_pp2_pcie 50/50/120, off_tp2_pcie 55/50/120, off_pp2_pcie 50/50/120,
+# wl_pcie 300/240/420, wl_nvl 300/240/420 (the workload's own --time-budget-s: its limit - 10 s).
+# Results: $OUT/pair_call3.tgz (pair_call3_only.tgz under ONLY="a b", which runs only those steps): x/<step>.log, .json, .png, summary.txt.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .carry/whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site:$PWD || exit
+export PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+END=${END:-570}; X=$OUT/x; mkdir -p $X; cp "$0" $X/
+step() {  # step NAME MIN_S MAX_S LINES 'command': its log in x/NAME.log, the last LINES key lines printed
+  local name=$1 min=$2 max=$3 left=$((END - SECONDS)) t0=$SECONDS rc
+  [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]] && return
+  [ $left -lt $min ] && { echo "== $name SKIPPED: $left s left, needs $min"; return; }
+  local t=$((max < left - 15 ? max : left - 15))
+  STEP_S=$t timeout -k 10 $t bash -c "$5" > $X/$name.log 2>&1; rc=$?
+  echo "== $name rc=$rc $((SECONDS - t0)) s (limit $t s)"
+  [ $rc -ge 124 ] && nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null
+  tr '\r' '\n' < $X/$name.log | grep -aE '^\||passed|failed|FAILED|skipped|Error|error:|^run |: (ok|MISSED)$' | grep -v '^|-' | tail -n $4
+}
+pl() { python3 -c "import matplotlib" 2>/dev/null && echo "--plot $X/$1.png"; }  # a plot that fails would lose the JSON (written after it)
+P=NCCL_P2P_DISABLE=1
+LAT="--model llama-3.1-8b --load-format dummy --batch-sizes 1,64,256 --input-len 1024 --output-len 128 --num-iters 1 --num-warmup 1 --max-prefill-tokens 32768"
+OFF="--model llama-3.1-8b --load-format dummy --num-prompts 1000 --dataset sharegpt-like --seed 0 --mem-fraction 0.85 --max-running-requests 1024 --max-duration-s 90"
+SERVE="--model llama-3.1-8b --load-format dummy --device cuda --dtype bfloat16 --enable-hicache --hicache-host-gb 16 --mem-fraction 0.85 --page-size 16 --max-running-requests 128 --chunked-prefill-size 8192 --max-prefill-tokens 8192 --dist-timeout-s 120 --shutdown-timeout 5"
+WL="--duration-s 30 --alternate --burst-every-s 6 --burst-requests 32 --burst-prefix-tokens 4096 --burst-suffix-tokens 4096 --burst-output-tokens 32 --background-rps 2 --background-prompt-tokens 256 --background-output-tokens 128 --calib-bursts 8 --calib-background 12 --calib-max-new-tokens 16 --calib-timeout-s 150 --launch-estimate-s 60 --reserve-s 25"
+wl() { step wl_$1 240 420 16 "$2 python3 -m benchmarks.bench_flip_workload --runs auto,pp2,tp2 --flip-layouts tp2,pp2 --serve-args '$SERVE' $WL --time-budget-s \$((STEP_S - 10)) --out $X/wl_$1.json $(pl wl_$1)"; }
+step comm_pcie 30 90 3 "$P python3 -m benchmarks.bench_comm --world-size 2 --out $X/comm_pcie.json"
+step lat_tp2_pcie 50 120 5 "$P python3 -m benchmarks.bench_latency $LAT --engine-arg tp_size=2 --out $X/lat_tp2_pcie.json"
+step lat_pp2_pcie 50 120 5 "$P python3 -m benchmarks.bench_latency $LAT --engine-arg pp_size=2 --out $X/lat_pp2_pcie.json"
+step off_tp2_pcie 50 120 2 "$P python3 -m benchmarks.bench_offline $OFF --engine-arg tp_size=2 --out $X/off_tp2_pcie.json"
+step off_pp2_pcie 50 120 2 "$P python3 -m benchmarks.bench_offline $OFF --engine-arg pp_size=2 --out $X/off_pp2_pcie.json"
+wl pcie $P
+wl nvl ""
+python3 - $X <<'EOF' | tee $X/summary.txt
+import glob, json, sys
+x = sys.argv[1]
+for f in sorted(glob.glob(x + "/comm_*.json")):
+    rows = [r for r in json.load(open(f))["rows"] if r["size_bytes"] == 1 << 30]
+    print(f.split("/")[-1][:-5], "1 GiB busbw GB/s:", {r["op"]: round(r["busbw_GBps"], 1) for r in rows})
+for f in sorted(glob.glob(x + "/wl_*.json")):
+    d = json.load(open(f))
+    runs = {r["run"]: r for r in d["runs"] if "ok" in r}
+    for k in ("", "sim", "sim_scaled"):
+        got = {s: (r.get(k) or {}) if k else r for s, r in runs.items()}
+        tps = {s: g.get("throughput_tps") and round(g["throughput_tps"]) for s, g in got.items()}
+        static = [v for s, v in tps.items() if s != "auto" and v]
+        ratio = tps.get("auto") / max(static) if tps.get("auto") and static else None
+        print(f"{f.split('/')[-1][:-5]} {k or 'measured'}: auto / best static {ratio and round(ratio, 3)}; tok/s {tps}; flips { {s: g.get('flips') for s, g in got.items()} }")
+    print("  timing", d.get("timing"), "calibration", "ok" if d.get("calibration") else d.get("calibration_error"))
+EOF
+cd $OUT && tar czf pair_call3${ONLY:+_only}.tgz x && rm -rf x

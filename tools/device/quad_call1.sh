@@ -1,0 +1,65 @@
+# quad call 1 (nvidia-h200-x4, NCCL one rank per GPU; ~9 min, guarded to end by 570 s): the
+# tp2xpp2 NCCL tests; bandwidth (4 ranks); live flips among tp4, pp4 and tp2xpp2 (all six
+# directions) for Llama-3.1-8B and a Llama-3.1-70B-shaped model (bundled as llama-3.1-70b:
+# 80 layers, hidden 8192), dummy weights, the planner's choice (8B: resident,
+# 70B: peer); then the workload (auto, pp4, tp4; --simulate) over an emulated PCIe-class link.
+# step (est. / skipped under MIN s left / killed at MAX s): tests_quad 60/60/200, comm_nvl
+# 25/25/90, flip_8b 60/60/150, flip_70b 150/100/260, wl_pcie 300/200/420 (its --time-budget-s:
+# what is left - 10 s; it skips or cuts the runs that do not fit), then if time is left comm_pcie
+# 20/20/90, flip_8b_peer 60/60/150, wl_nvl 300/200/420; the rest in a second call with ONLY=...
+# Results: $OUT/quad_call1.tgz (quad_call1_only.tgz under ONLY="a b", which runs only those steps): x/<step>.log, .json, .png, summary.txt.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .carry/whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site:$PWD || exit
+export PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+END=${END:-570}; X=$OUT/x; mkdir -p $X; cp "$0" $X/
+{ nvidia-smi topo -m; df -h /dev/shm; } > $X/topo.txt 2>&1
+step() {  # step NAME MIN_S MAX_S LINES 'command': its log in x/NAME.log, the last LINES key lines printed
+  local name=$1 min=$2 max=$3 left=$((END - SECONDS)) t0=$SECONDS rc
+  [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]] && return
+  [ $left -lt $min ] && { echo "== $name SKIPPED: $left s left, needs $min"; return; }
+  local t=$((max < left - 15 ? max : left - 15))
+  STEP_S=$t timeout -k 10 $t bash -c "$5" > $X/$name.log 2>&1; rc=$?
+  echo "== $name rc=$rc $((SECONDS - t0)) s (limit $t s)"
+  [ $rc -ge 124 ] && nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null
+  tr '\r' '\n' < $X/$name.log | grep -aE '^\||passed|failed|FAILED|skipped|Error|error:|^run |: (ok|MISSED)$' | grep -v '^|-' | tail -n $4
+}
+pl() { python3 -c "import matplotlib" 2>/dev/null && echo "--plot $X/$1.png"; }  # a plot that fails would lose the JSON (written after it)
+P=NCCL_P2P_DISABLE=1
+Q="--load-format dummy --layouts tp4,pp4,tp2xpp2,tp4,tp2xpp2,pp4,tp4 --num-prompts 32 --dataset fixed --input-len 256 --output-len 64 --flip-every 6"
+SERVE="--model llama-3.1-8b --load-format dummy --device cuda --dtype bfloat16 --enable-hicache --hicache-host-gb 16 --mem-fraction 0.85 --page-size 16 --max-running-requests 128 --chunked-prefill-size 8192 --max-prefill-tokens 8192 --dist-timeout-s 120 --shutdown-timeout 5"
+WL="--duration-s 30 --alternate --burst-every-s 6 --burst-requests 32 --burst-prefix-tokens 4096 --burst-suffix-tokens 4096 --burst-output-tokens 32 --background-rps 2 --background-prompt-tokens 256 --background-output-tokens 128 --calib-bursts 8 --calib-background 12 --calib-max-new-tokens 16 --calib-timeout-s 150 --launch-estimate-s 60 --reserve-s 25"
+wl() { step wl_$1 200 420 16 "$2 python3 -m benchmarks.bench_flip_workload --runs auto,pp4,tp4 --flip-layouts tp4,pp4 --serve-args '$SERVE' $WL --time-budget-s \$((STEP_S - 10)) --out $X/wl_$1.json $(pl wl_$1)"; }
+step tests_quad 60 200 6 "python3 -m pytest -q -p no:cacheprovider --durations=3 tests/test_multi_gpu.py -k 2-2"
+step comm_nvl 25 90 4 "python3 -m benchmarks.bench_comm --world-size 4 --sizes 8K,2M,128M,1G --out $X/comm_nvl.json"
+step flip_8b 60 150 2 "python3 -m benchmarks.bench_flip --model llama-3.1-8b $Q --mem-fraction 0.5 --out $X/flip_8b.json $(pl flip_8b)"
+step flip_70b 100 260 2 "python3 -m benchmarks.bench_flip --model llama-3.1-70b $Q --mem-fraction 0.8 --out $X/flip_70b.json $(pl flip_70b)"
+wl pcie $P
+step comm_pcie 20 90 4 "$P python3 -m benchmarks.bench_comm --world-size 4 --sizes 8K,2M,128M,1G --out $X/comm_pcie.json"
+step flip_8b_peer 60 150 2 "python3 -m benchmarks.bench_flip --model llama-3.1-8b $Q --mem-fraction 0.5 --engine-arg flip_weights=peer --out $X/flip_8b_peer.json"
+wl nvl ""
+python3 - $X <<'EOF' | tee $X/summary.txt
+import glob, json, sys
+x = sys.argv[1]
+try:
+    link = max(r["busbw_GBps"] for r in json.load(open(x + "/comm_nvl.json"))["rows"] if r["op"] == "send 0->1")
+except Exception:
+    link = None
+print(f"link: send 0->1, best size: {link and round(link, 1)} GB/s")
+for f in sorted(glob.glob(x + "/flip_*.json")):
+    for c in json.load(open(f))["flips"]:
+        b = c["weights_bytes_moved"] or 0
+        tgt = 2 * b / 1e9 / link + 0.1 if link else float("nan")
+        parts = {k: v for k, v in c["segments"].items() if k != "relayout"} | (c["relayout_parts"] or {})
+        print(f"{f.split('/')[-1][:-5]} {c['source']}->{c['target']} {c['weights']} {c['wall_s']:.3f} s ({', '.join(f'{k} {v:.3f}' for k, v in parts.items())});"
+              f" {b / 2**30:.2f} GiB at {c['weights_gbps'] or 0:.1f} GB/s; target {tgt:.3f} s: {'met' if c['wall_s'] <= tgt else 'MISSED'}")
+for f in sorted(glob.glob(x + "/wl_*.json")):
+    d = json.load(open(f))
+    runs = {r["run"]: r for r in d["runs"] if "ok" in r}
+    for k in ("", "sim", "sim_scaled"):
+        got = {s: (r.get(k) or {}) if k else r for s, r in runs.items()}
+        tps = {s: g.get("throughput_tps") and round(g["throughput_tps"]) for s, g in got.items()}
+        static = [v for s, v in tps.items() if s != "auto" and v]
+        ratio = tps.get("auto") / max(static) if tps.get("auto") and static else None
+        print(f"{f.split('/')[-1][:-5]} {k or 'measured'}: auto / best static {ratio and round(ratio, 3)}; tok/s {tps}; flips { {s: g.get('flips') for s, g in got.items()} }")
+EOF
+cd $OUT && tar czf quad_call1${ONLY:+_only}.tgz x && rm -rf x
