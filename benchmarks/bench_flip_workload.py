@@ -39,6 +39,7 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +169,7 @@ async def replay(base: str, trace: list[wl.Arrival], poll_s: float,
     done = asyncio.Event()
     async with httpx.AsyncClient(timeout=60) as info_client:
         model = (await info_client.get(base + "/v1/models")).json()["data"][0]["id"]
+        busy0 = (await info_client.get(base + "/server_info")).json().get("busy_s")
         start = time.perf_counter()
 
         async def poll() -> None:
@@ -198,7 +200,8 @@ async def replay(base: str, trace: list[wl.Arrival], poll_s: float,
         final = (await info_client.get(base + "/server_info")).json()
     results = [t.result() if t not in pending else (a.t_s, _cut(a))
                for t, a in zip(tasks, trace)]
-    return {"results": results, "timeline": timeline, "final": final, "cut": bool(pending)}
+    return {"results": results, "timeline": timeline, "final": final, "cut": bool(pending),
+            "busy0_s": busy0}
 
 
 def _cut(a: wl.Arrival) -> RequestResult:
@@ -229,9 +232,13 @@ def summarize_run(run: str, got: dict[str, Any]) -> dict[str, Any]:
     itl = [x for r in ok for x in r.itls]
     pol = got["final"].get("flip_policy") or {}
     censuses = got["final"].get("flip_censuses") or []
+    busy = (got["final"]["busy_s"] - got["busy0_s"]
+            if got["final"].get("busy_s") is not None and got.get("busy0_s") is not None
+            else math.nan)
     return {"run": run, "requests": len(results), "ok": len(ok), "cut": got.get("cut", False),
             "errors": sorted({r.error for _, r in results if r.error})[:3],
             "seconds": seconds, "throughput_tps": tokens / seconds if ok else math.nan,
+            "busy_s": busy, "busy_tps": tokens / busy if ok and busy > 0 else math.nan,
             "e2e_mean_s": statistics.fmean(r.e2e for r in ok) if ok else math.nan,
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
@@ -306,14 +313,47 @@ def print_report(result: dict[str, Any]) -> None:
                      None if sim.get("e2e_mean_s") is None else 1e3 * sim["e2e_mean_s"],
                      sim.get("flips")]
         rows.append([r["run"], f"{r['ok']}/{r['requests']}", r["seconds"], r["throughput_tps"],
+                     r.get("busy_tps"), (r.get("sim") or {}).get("busy_tps"),
                      1e3 * r["ttft_p50_s"], 1e3 * r["ttft_p99_s"], 1e3 * r["itl_p50_s"],
                      1e3 * r["itl_p99_s"], 1e3 * r["e2e_mean_s"], r["flips"],
                      r["seam_s_recent"], *sims])
-    print_table(["run", "ok", "s", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
-                 "ITL p99 ms", "E2E mean ms", "flips", "seam s (last 4)", "sim tok/s",
-                 "sim E2E ms", "sim flips", "sim* tok/s", "sim* E2E ms", "sim* flips"], rows,
+    print_table(["run", "ok", "s", "tok/s", "busy tok/s", "sim busy tok/s", "TTFT p50 ms",
+                 "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "E2E mean ms", "flips",
+                 "seam s (last 4)", "sim tok/s", "sim E2E ms", "sim flips", "sim* tok/s",
+                 "sim* E2E ms", "sim* flips"], rows,
                 title=f"flip workload: {result['workload']} (sim*: step models scaled to "
                       f"the static runs' measured prefill rates {result.get('server_scales')})")
+    for a in result.get("auto_vs_static") or []:
+        print(f"{a['run']} / best static ({a['best_static']}): throughput "
+              f"{a['throughput']:.3f}, busy tok/s {a['busy']:.3f}, sim busy tok/s "
+              f"{a['sim_busy']:.3f}")
+
+
+def auto_vs_static(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each auto run over the best static run, by throughput (first send to last token:
+    ~1.0 whenever every layout keeps up with the arrivals) and by tokens per busy second
+    (the flip map's figure of merit), measured and simulated; NaN where a side is missing."""
+    runs = served(result)
+    static = [r for r in runs if not r["run"].startswith("auto") and not r.get("cut")]
+    if not static:
+        return []
+
+    def best(key: Callable[[dict[str, Any]], float | None]) -> float:
+        vals = [v for v in map(key, static) if v is not None and math.isfinite(v)]
+        return max(vals) if vals else math.nan
+
+    def sim_busy(r: dict[str, Any]) -> float | None:
+        return (r.get("sim") or {}).get("busy_tps")
+
+    def busy(r: dict[str, Any]) -> float | None:
+        return r.get("busy_tps")
+
+    top = max(static, key=lambda r: busy(r) if math.isfinite(busy(r) or math.nan) else -1.0)
+    return [{"run": r["run"], "best_static": top["run"],
+             "throughput": r["throughput_tps"] / best(lambda x: x["throughput_tps"]),
+             "busy": (busy(r) or math.nan) / best(busy),
+             "sim_busy": (sim_busy(r) or math.nan) / best(sim_busy)}
+            for r in runs if r["run"].startswith("auto") and not r.get("cut")]
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -398,6 +438,7 @@ def finish(result: dict[str, Any], trace: list[wl.Arrival], calib: dict[str, Any
                 continue
             r["sim"] = simulate_run(r, calib, trace)
             r["sim_scaled"] = simulate_run(r, calib, trace, scales) if scales else None
+    result["auto_vs_static"] = auto_vs_static(result)
     print_report(result)
     result["sim_check"] = sim_check(result, args.tolerance)
     print_check(result["sim_check"], args.tolerance)

@@ -149,11 +149,6 @@ class BurstSchedule:
         return self.decode
 
 
-def busy_tps(res: sim.SimResult) -> float:
-    """Tokens per busy second (steps and seams, refills included)."""
-    return res.tokens / (sum(res.busy_s.values()) + res.seam_s)
-
-
 def scaled(trace: list[wl.Arrival], k: float) -> list[wl.Arrival]:
     return [wl.Arrival(a.t_s * k, a.prompt_ids, a.max_new_tokens, a.kind, a.group)
             for a in trace]
@@ -170,7 +165,7 @@ def oracle(b: Bench, trace: list[wl.Arrival], statics: dict[str, float]
 
     def score(ch: set[int]) -> tuple[float, int]:
         r = b.run(trace, None, BurstSchedule(trace, ch, b.pt.decode, b.pt.prefill))
-        return busy_tps(r), len(r.flips)
+        return r.busy_tps, len(r.flips)
 
     cur = score(chosen)
     for g in groups:
@@ -192,7 +187,7 @@ def run_point(pt: Point, gpu: sim.GpuCalib, load: float, seed: int,
     statics, extra = {}, {}
     for lay in pt.layouts():
         r = b.run(trace, lay)
-        statics[layout_name(lay)] = busy_tps(r)
+        statics[layout_name(lay)] = r.busy_tps
         extra[layout_name(lay)] = r.summary()
     auto = b.run(trace, None)
     best_static = max(statics.values())
@@ -200,10 +195,10 @@ def run_point(pt: Point, gpu: sim.GpuCalib, load: float, seed: int,
     return {"model": pt.model, "gpus": pt.gpus, "gbps": pt.gbps, "share": pt.share,
             "prefill_share": wl.prefill_share(trace), "statics": statics,
             "best_static": max(statics, key=statics.__getitem__),
-            "auto_tps": busy_tps(auto), "auto_flips": len(auto.flips),
-            "auto_vs_static": busy_tps(auto) / best_static,
+            "auto_tps": auto.busy_tps, "auto_flips": len(auto.flips),
+            "auto_vs_static": auto.busy_tps / best_static,
             "oracle_tps": o_tps, "oracle": o_what, "oracle_flips": o_flips,
-            "auto_vs_oracle": busy_tps(auto) / o_tps, "seed_pp_speedup": b.speedup(),
+            "auto_vs_oracle": auto.busy_tps / o_tps, "seed_pp_speedup": b.speedup(),
             "seam_s": b.seam_s(pt.decode, pt.prefill), "auto": auto.summary(),
             "static_runs": extra}
 
@@ -257,7 +252,7 @@ def plot_timeline(pt: Point, gpu: sim.GpuCalib, load: float, seed: int, path: Pa
     for name, r in runs.items():
         t = [s[0] for s in r.steps]
         done = np.cumsum([s[3] + s[4] for s in r.steps]) / 1e6
-        ax.plot(t, done, label=f"{name} ({busy_tps(r):.0f} tok/s busy)",
+        ax.plot(t, done, label=f"{name} ({r.busy_tps:.0f} tok/s busy)",
                 lw=2 if name == "auto" else 1)
     for a in trace:
         if a.kind == "burst":

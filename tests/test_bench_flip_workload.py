@@ -51,7 +51,7 @@ class FakeInfo:
     """httpx.AsyncClient for /v1/models and /server_info."""
 
     def __init__(self, *_a, **_k) -> None:
-        pass
+        self.busy_s = 0.0
 
     async def __aenter__(self):
         return self
@@ -60,9 +60,12 @@ class FakeInfo:
         return False
 
     async def get(self, url: str):
+        if not url.endswith("/v1/models"):
+            self.busy_s += 0.5  # each /server_info finds the engine 0.5 s busier
         body = ({"data": [{"id": "m"}]} if url.endswith("/v1/models") else
                 {"running": 0, "waiting": 0, "flip_policy": {"flips": 2, "layout": "tp2×pp1"},
-                 "config": {"tp_size": 2, "pp_size": 1}, "pool": {"total": 4096}})
+                 "config": {"tp_size": 2, "pp_size": 1}, "pool": {"total": 4096},
+                 "busy_s": self.busy_s})
         return SimpleNamespace(json=lambda: body)
 
 
@@ -105,6 +108,9 @@ def test_a_replay_past_its_limit_is_cut_and_keeps_what_finished(monkeypatch):
     assert run["flips"] == 2
     finished = sum(len(x.prompt_ids) + x.max_new_tokens for x in trace[:3])
     assert run["throughput_tps"] == pytest.approx(finished / run["seconds"])  # only finished
+    polls = len(got["timeline"]) + 1  # the samples and the final /server_info after busy0
+    assert run["busy_s"] == pytest.approx(0.5 * polls)
+    assert run["busy_tps"] == pytest.approx(finished / run["busy_s"])
     assert any("cut" in e for e in run["errors"])
 
 
@@ -369,3 +375,22 @@ def test_after_a_cut_the_runs_that_finished_are_still_simulated(monkeypatch):
     res = bfw.finish(result, trace_of(a), {"steps": {}, "seams": []}, a, bfw.Budget(5.0))
     assert [c["run"] for c in res["sim_check"]] == ["auto"] and res["sim_check"][0]["ok"]
     assert cut["sim_skipped"] == "run cut"
+
+
+def test_auto_is_compared_with_the_best_static_run_by_throughput_and_busy_seconds():
+    """Below saturation every layout serves what arrives (throughput ratio ~1): tokens per
+    busy second still tell the layouts apart, measured and simulated."""
+    def run(name: str, tps: float, busy: float | None, sim_busy: float | None) -> dict:
+        return {"run": name, "ok": 1, "throughput_tps": tps, "busy_tps": busy,
+                "sim": None if sim_busy is None else {"busy_tps": sim_busy}}
+
+    result = {"runs": [run("tp2", 100.0, 400.0, 410.0), run("pp2", 101.0, 500.0, 480.0),
+                       run("auto", 100.5, 650.0, 600.0), {"run": "tp2xpp2", "skipped": "x"}]}
+    (cmp,) = bfw.auto_vs_static(result)
+    assert cmp["best_static"] == "pp2"
+    assert cmp["throughput"] == pytest.approx(100.5 / 101.0)
+    assert cmp["busy"] == pytest.approx(1.3) and cmp["sim_busy"] == pytest.approx(1.25)
+    result["runs"][1]["busy_tps"] = math.nan  # a server without busy_s: that side is NaN
+    (cmp,) = bfw.auto_vs_static(result)
+    assert cmp["best_static"] == "tp2" and cmp["busy"] == pytest.approx(650 / 400)
+    assert bfw.auto_vs_static({"runs": [run("auto", 1.0, 1.0, 1.0)]}) == []

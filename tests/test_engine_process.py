@@ -33,6 +33,7 @@ def test_a_slow_step_is_logged_and_can_dump_its_stack(llama_dir, make_engine, mo
     engine = make_engine(llama_dir)
     server = ep.EngineServer.__new__(ep.EngineServer)
     server.core, server.send, server.trace_after_s = engine.core, lambda msg: None, 0.05
+    server.busy_s = 0.0
     engine.core.add_request("r", [1, 2, 3], SamplingParams(max_new_tokens=2, ignore_eos=True))
     step = engine.core.step
 
@@ -47,6 +48,7 @@ def test_a_slow_step_is_logged_and_can_dump_its_stack(llama_dir, make_engine, mo
     assert any("slow step" in r.getMessage() and "3 prompt tokens" in r.getMessage()
                for r in caplog.records), [r.getMessage() for r in caplog.records]
     assert "slow_step" in capfd.readouterr().err  # the stack dumped while it slept
+    assert server.busy_s >= 0.3  # the step's wall time counts as busy
     monkeypatch.undo()
     while engine.core.has_work():
         engine.core.step()

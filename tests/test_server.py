@@ -186,6 +186,7 @@ def test_native_endpoints(server):
         assert name in metrics
     info = httpx.get(server + "/server_info").json()
     assert info["pool"]["balanced"] and info["versions"]["phaseflip"]
+    assert info["busy_s"] > 0  # seconds inside steps: this test's requests ran some
     # what the weights and the cache run in, as resolved (not only the flags)
     assert info["numerics"] == {"dtype": "float32", "kv_cache_dtype": "float32",
                                 "quantization": None}

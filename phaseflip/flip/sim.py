@@ -252,6 +252,13 @@ class SimResult:
     def seam_s(self) -> float:
         return sum(f["seam_s"] + f["refill_s"] for f in self.flips)
 
+    @property
+    def busy_tps(self) -> float:
+        """Prompt + output tokens per busy second (steps, seams and refills): unlike
+        `throughput`, it tells layouts apart below saturation too."""
+        busy = sum(self.busy_s.values()) + self.seam_s
+        return self.tokens / busy if busy > 0 else math.nan
+
     def summary(self) -> dict[str, Any]:
         ttft = [r.ttft_s for r in self.requests if r.token_s]
         itl = [x for r in self.requests for x in r.itl_s]
@@ -265,7 +272,7 @@ class SimResult:
                 "flips": len(self.flips), "seam_s": self.seam_s,
                 "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
                 "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99),
-                "busy_s": self.busy_s}
+                "busy_s": self.busy_s, "busy_tps": self.busy_tps}
 
 
 class Schedule(Protocol):

@@ -67,6 +67,9 @@ class EngineServer:
         self.core.request_failed = self._request_failed  # (a grammar that failed to compile)
         self.watchdog = StepWatchdog(cfg.watchdog_timeout_s, self._on_stall)
         self.trace_after_s = float(os.environ.get(TRACE_ENV) or 0) or None
+        # wall seconds inside steps since launch (auto flips' seams included): a workload's
+        # tokens over it are its throughput per busy second, whatever the arrival rate
+        self.busy_s = 0.0
         if not cfg.skip_warmup:  # the first client should not pay for the kernels' compile
             self._warm_up()
         self.send(self._ready())
@@ -132,6 +135,7 @@ class EngineServer:
             if self.trace_after_s:
                 faulthandler.cancel_dump_traceback_later()
         seconds = time.perf_counter() - t0
+        self.busy_s += seconds
         if seconds >= SLOW_STEP_S:
             log.warning("slow step: %.2f s, %d prompt tokens, %d decode rows; %d running, "
                         "%d waiting (%s=<s> dumps the stack of a step that long)", seconds,
@@ -202,6 +206,7 @@ class EngineServer:
                 "pool": dataclasses.asdict(acc) | {"balanced": acc.balanced},
                 "scheduler": dataclasses.asdict(sched.stats),
                 "running": len(sched.running), "waiting": len(sched.waiting),
+                "busy_s": self.busy_s,
                 "config": self.cfg.flat_dict(),
                 "numerics": self.core.runner.numerics,
                 "all_reduce": all_reduce_path(self.core.runner),

@@ -50,6 +50,8 @@ for f in sorted(glob.glob(x + "/wl_*.json")):
         static = [v for s, v in tps.items() if s != "auto" and v]
         ratio = tps.get("auto") / max(static) if tps.get("auto") and static else None
         print(f"{f.split('/')[-1][:-5]} {k or 'measured'}: auto / best static {ratio and round(ratio, 3)}; tok/s {tps}; flips { {s: g.get('flips') for s, g in got.items()} }")
+    for a in d.get("auto_vs_static") or []:  # by tokens per busy second too (the map's figure of merit)
+        print(f"  {a['run']} / {a['best_static']}: throughput {a['throughput']:.3f}, busy tok/s {a['busy']:.3f}, sim busy tok/s {a['sim_busy']:.3f}")
     print("  timing", d.get("timing"), "calibration", "ok" if d.get("calibration") else d.get("calibration_error"))
 EOF
 cd $OUT && tar czf pair_call3${ONLY:+_only}.tgz x && rm -rf x
