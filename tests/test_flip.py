@@ -540,13 +540,19 @@ def test_each_weights_strategy_matches_the_unflipped_run(model_dirs, strategy):
         assert ptr is None and views[1:] == [None] * 3
     model_cfg = ModelConfig.from_dir(str(model_dirs["llama"]))
     for c, target in zip(censuses, flips.values(), strict=True):
+        # every rank's build, rank 0's as the census's own fields say
+        assert [r["rank"] for r in c.ranks] == [0, 1]
+        assert {r["weights"] for r in c.ranks} == {strategy}
+        assert c.ranks[0]["bytes_moved"] == c.weights_bytes_moved
+        moved = [r["bytes_moved"] for r in c.ranks]
         if strategy == "resident":
             assert c.weights_bytes_moved == 0 and c.relayout_parts["weights"] < 0.05
-        elif strategy == "peer":  # only the slices rank 0 lacked, less than its shard
-            shard = shard_bytes(model_cfg, *target, torch.float32)[0]
-            assert 0 < c.weights_bytes_moved < shard, (c.weights_bytes_moved, shard)
+            assert moved == [0, 0]
+        elif strategy == "peer":  # only the slices each rank lacked, less than its shard
+            shards = shard_bytes(model_cfg, *target, torch.float32)
+            assert all(0 < m < s for m, s in zip(moved, shards)), (moved, shards)
         else:
-            assert c.weights_bytes_moved > 0
+            assert all(m > 0 for m in moved)
     assert set(got) == set(want)
     for rid, (ids, lps, reasons) in got.items():
         assert reasons == want[rid][2] and set(reasons) == {"length"}, rid

@@ -244,7 +244,7 @@ def test_a_flip_mid_generation_fills_its_refill_and_warmup(model_dirs):
         assert bands["≤1"]["ratio"] is None  # no steady state of tp1×pp2 yet
         while core.has_work():
             core.step()
-        info = EngineServer._control(SimpleNamespace(core=core, cfg=core.cfg),
+        info = EngineServer._control(SimpleNamespace(core=core, cfg=core.cfg, busy_s=0.0),
                                      m.Control(1, "info"))
         m.encode(info)
         last = json.loads(json.dumps(info.data["last_flip"]))

@@ -110,6 +110,7 @@ class DistributedRunner:
             self.closed = True
             raise
         self.groups, self.runner, self.stage = layout.groups, layout.runner, layout.stage
+        self.rank_builds = layout.rank_builds  # every rank's build report (`build_report`)
         self.decode_depth = self._decode_depth(cfg)
         # the last stage is another rank: it samples the steps whose rows allow it
         # (`sampling/last_stage.py`), and only their ids cross to rank 0

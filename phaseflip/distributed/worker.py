@@ -16,6 +16,7 @@ import signal
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,7 @@ from phaseflip.distributed.plan_codec import PlanDecoder
 from phaseflip.distributed.reshard import PeerWeights, plan_between
 from phaseflip.distributed.stage import StageExecutor, StepMessage
 from phaseflip.distributed.watchdog import PositionTracker
-from phaseflip.flip.weights import shard_bytes
+from phaseflip.flip.weights import build_report, shard_bytes
 from phaseflip.heap import freeze_heap, release_freed_heap
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.cuda_graph import DecodeGraphs, GraphReuse
@@ -74,6 +75,9 @@ class RankLayout:
     groups: RankGroups
     runner: ModelRunner
     stage: StageExecutor
+    # rank 0 only: every rank's build of this layout (`flip.weights.build_report`), so a
+    # seam's census has each rank's bytes and free memory, not rank 0's alone
+    rank_builds: list[dict[str, Any]] | None = None
 
     def release(self, keep_weights: bool = False,
                 graphs_parked: bool = False) -> LlamaForCausalLM | None:
@@ -154,6 +158,11 @@ class RankProcess:
             self.layout = self._build(cfg, lazy_graphs, peer, kv_arena)
         parts = ", ".join(f"{k} {v:.3f} s" for k, v in self.layout.runner.build_s.items())
         log.info("rank %d built tp%d×pp%d: %s", self.rank, cfg.tp_size, cfg.pp_size, parts)
+        report = build_report(self.rank, self.layout.runner)
+        builds = [None] * dist.get_world_size(self.fabric.cpu_group) if self.rank == 0 else None
+        with self.tracker.at("handing rank 0 this rank's build report"):
+            dist.gather_object(report, builds, dst=0, group=self.fabric.cpu_group)
+        self.layout.rank_builds = builds
         self.tracker.set("idle")
         return self.layout
 

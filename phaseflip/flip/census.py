@@ -63,6 +63,9 @@ class SeamCensus:
     # free memory of rank 0's device, every process on it counted, once the new layout is
     # built (None off CUDA): flat from flip to flip when nothing leaks anywhere on the device
     device_free_after_bytes: int | None = None
+    # every rank's build of the new layout (`flip.weights.build_report`: strategy, bytes
+    # moved, load seconds and GB/s, its device's free bytes), rank order; None with one process
+    ranks: list[dict[str, Any]] | None = None
     # After the cutover (`flip/ledger.py` completes these in place as steps run): what
     # refilling the retracted requests cost. None until the last of them is refilled (law 5);
     # the loads' fields also without a host tier, the rate also when nothing was loaded.

@@ -148,6 +148,7 @@ def _mutate(host: LayoutHost, census: SeamCensus, segment, target_cfg) -> None:
     with segment("relayout"):
         runner = host.install_layout(target_cfg)
         record_weights(census, runner.weights_load)
+        census.ranks = getattr(runner, "rank_builds", None)  # one process: rank 0's above
         census.relayout_parts = dict(runner.build_s)
         census.graph_capture = runner.graph_capture
         census.graphs_kept_bytes = getattr(runner, "graphs_kept_bytes", None)

@@ -128,3 +128,17 @@ def record_weights(census: Any, load: Any) -> None:
     census.weights_h2d_wait_s, census.weights_drain_s = load.h2d_wait_s, load.drain_s
     census.weights_bytes_moved = moved = load.bytes_moved
     census.weights_gbps = (moved / load.load_s / 1e9 if moved and load.load_s else None)
+
+
+def build_report(rank: int, runner: Any) -> dict[str, Any]:
+    """One rank's build of a layout as a seam's census lists it: its weights' strategy, bytes
+    moved onto its device, load time and rate, and its device's free memory after the build
+    (None off CUDA, law 5)."""
+    load = runner.weights_load
+    moved = load.bytes_moved
+    free = (torch.cuda.mem_get_info(runner.device)[0] if runner.device.type == "cuda"
+            else None)
+    return {"rank": rank, "weights": strategy_of(load), "bytes_moved": moved,
+            "load_s": load.load_s,
+            "gbps": moved / load.load_s / 1e9 if moved and load.load_s else None,
+            "device_free_after_bytes": free}

@@ -47,7 +47,9 @@ except Exception:
 print(f"link: send 0->1, best size: {link and round(link, 1)} GB/s")
 for f in sorted(glob.glob(x + "/flip_*.json")):
     for c in json.load(open(f))["flips"]:
-        b = c["weights_bytes_moved"] or 0
+        R = c.get("ranks") or [{"bytes_moved": c["weights_bytes_moved"]}]  # every rank (older results: rank 0)
+        b = max(r["bytes_moved"] or 0 for r in R)  # the busiest rank's bytes set the target
+        print(f"    per rank GiB moved {[round((r['bytes_moved'] or 0) / 2**30, 2) for r in R]}, free after {[r.get('device_free_after_bytes') and round(r['device_free_after_bytes'] / 2**30, 2) for r in R]}")
         tgt = 2 * b / 1e9 / link + 0.1 if link else float("nan")
         parts = {k: v for k, v in c["segments"].items() if k != "relayout"} | (c["relayout_parts"] or {})
         print(f"{f.split('/')[-1][:-5]} {c['source']}->{c['target']} {c['weights']} {c['wall_s']:.3f} s ({', '.join(f'{k} {v:.3f}' for k, v in parts.items())});"
