@@ -189,17 +189,7 @@ class ModelRunner:
         self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self.dtype)  # FP8 KV: 2x tokens
         self.quant = resolve_quantization(cfg.quantization, model_cfg.model_dir,
                                           cfg.load_format)  # FP8 weights, or None
-        if resident is not None:  # this layout's shard, parked on the device at launch
-            self.model = resident
-            self.weights_load = WeightsLoad("resident", 0.0, bytes_moved=0)
-        else:
-            with torch.device(self.device):
-                self.model = LlamaForCausalLM(model_cfg, self.layout, self.dtype, self.quant)
-            # one load path: dummy init, the checkpoint, or the host image a phase flip's
-            # ranks copy their shards from (`weights`); timed (`WeightsLoad`, the census's)
-            self.weights_load = (weights_from(self.model) if weights_from is not None else
-                                 load_model_weights(self.model, cfg, model_cfg.model_dir,
-                                                    self.device, weights))
+        self.model, self.weights_load = self._load_model(resident, weights_from, weights)
         log.info("tp rank %d, stage %d: %s", self.layout.tp_rank, self.layout.pp_rank,
                  self.weights_load.line())
         self.model.eval()
@@ -212,26 +202,7 @@ class ModelRunner:
             before_sizing()
         self.device_share = device_share
         t_sizing = time.perf_counter()
-        n_layers = self.model.end_layer - self.model.start_layer
-        kv_heads = self.model.layers[0].self_attn.num_kv_heads if n_layers else 0
-        per_slot = KVPool.bytes_per_slot(n_layers, kv_heads, model_cfg.head_dim, self.kv_dtype)
-        # the build that reserves the arena leaves what a later layout's larger shard needs
-        self.kv_headroom = kv_arena.headroom if kv_arena is not None and not kv_arena.nbytes \
-            else 0
-        if kv_arena is not None and kv_arena.nbytes and cfg.max_total_tokens is None:
-            ps = cfg.page_size  # the rank's budget, reserved at launch, in this layout's slots
-            local = kv_arena.nbytes // per_slot // ps * ps
-        else:  # from free memory, or the cap (which reads none)
-            local = self._kv_slots()
-        if kv_arena is not None:  # this rank's own slots, not the agreed (smaller) count
-            kv_arena.reserve(local * per_slot, self.device)
-        self.num_slots = agree_slots(local) if agree_slots else local
-        self.pool = KVPool(
-            self.num_slots, (self.model.start_layer, self.model.end_layer), kv_heads,
-            model_cfg.head_dim, self.kv_dtype, self.device, arena=kv_arena,
-        )
-        load_kv_scales(self.pool, self.model, model_cfg.model_dir, cfg.load_format)  # FP8
-        log.info("KV pool: %d slots on %s (%s)", self.num_slots, self.device, self.kv_dtype)
+        self.pool = self._build_pool(kv_arena, agree_slots)
         self._workspace_held = _gemm_workspace(self.device, hold=True)
         t_pool = time.perf_counter()
         # how the decode graphs came: None (eager), "at build", "on first use", "parked"
@@ -245,6 +216,47 @@ class ModelRunner:
         self.build_s = {"weights": t_weights - t0, "wait_for_ranks": t_sizing - t_weights,
                         "kv_pool": t_pool - t_sizing, "graphs": time.perf_counter() - t_pool}
         self.closed = False
+
+    def _load_model(self, resident: LlamaForCausalLM | None,
+                    weights_from: Callable[[LlamaForCausalLM], WeightsLoad] | None,
+                    weights: WeightImage | None) -> tuple[LlamaForCausalLM, WeightsLoad]:
+        """This rank's shard and how it came: parked on the device at launch (`resident`), or
+        built here and filled by one load path — dummy init, the checkpoint, or the host image
+        a phase flip's ranks copy their shards from (`weights`); timed (the census's)."""
+        if resident is not None:
+            return resident, WeightsLoad("resident", 0.0, bytes_moved=0)
+        with torch.device(self.device):
+            model = LlamaForCausalLM(self.model_cfg, self.layout, self.dtype, self.quant)
+        load = (weights_from(model) if weights_from is not None else
+                load_model_weights(model, self.cfg, self.model_cfg.model_dir, self.device,
+                                   weights))
+        return model, load
+
+    def _build_pool(self, kv_arena: KVArena | None,
+                    agree_slots: Callable[[int], int] | None) -> KVPool:
+        """The KV pool: this rank's slots from its arena (reserved at launch) or from free
+        memory, agreed over the ranks (`agree_slots`: the smallest); sets `num_slots` and
+        `kv_headroom` (what the arena's first build leaves a later layout's larger shard)."""
+        cfg, model = self.cfg, self.model
+        n_layers = model.end_layer - model.start_layer
+        kv_heads = model.layers[0].self_attn.num_kv_heads if n_layers else 0
+        per_slot = KVPool.bytes_per_slot(n_layers, kv_heads, self.model_cfg.head_dim,
+                                         self.kv_dtype)
+        self.kv_headroom = (kv_arena.headroom if kv_arena is not None and not kv_arena.nbytes
+                            else 0)
+        if kv_arena is not None and kv_arena.nbytes and cfg.max_total_tokens is None:
+            ps = cfg.page_size  # the rank's budget, reserved at launch, in this layout's slots
+            local = kv_arena.nbytes // per_slot // ps * ps
+        else:  # from free memory, or the cap (which reads none)
+            local = self._kv_slots()
+        if kv_arena is not None:  # this rank's own slots, not the agreed (smaller) count
+            kv_arena.reserve(local * per_slot, self.device)
+        self.num_slots = agree_slots(local) if agree_slots else local
+        pool = KVPool(self.num_slots, (model.start_layer, model.end_layer), kv_heads,
+                      self.model_cfg.head_dim, self.kv_dtype, self.device, arena=kv_arena)
+        load_kv_scales(pool, model, self.model_cfg.model_dir, cfg.load_format)  # FP8
+        log.info("KV pool: %d slots on %s (%s)", self.num_slots, self.device, self.kv_dtype)
+        return pool
 
     @property
     def numerics(self) -> dict[str, str | None]:
