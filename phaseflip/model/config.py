@@ -514,8 +514,8 @@ def _special_tokens(cfg: _Fields, gen: _Fields | None, d
     return eos, bos, pad
 
 
-def _parse_model_dir(model_dir: str | os.PathLike[str]) -> ModelConfig:
-    directory = os.path.abspath(os.fspath(model_dir))
+def _config_fields(directory: str) -> tuple[_Fields, str]:
+    """The directory's config.json, read; a clear error for each way it is not there."""
     if not os.path.exists(directory):
         raise ModelLoadError(f"model directory does not exist: {directory}")
     if not os.path.isdir(directory):
@@ -523,7 +523,23 @@ def _parse_model_dir(model_dir: str | os.PathLike[str]) -> ModelConfig:
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
         raise ModelLoadError(f"config.json not found in model directory: {directory}")
-    cfg = _Fields(_read_json(config_path, "config.json"), config_path)
+    return _Fields(_read_json(config_path, "config.json"), config_path), config_path
+
+
+def _check_rotary(rope: RopeConfig, head_dim: int, config_path: str) -> None:
+    rotary_dim = int(head_dim * rope.partial_rotary_factor)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise ModelLoadError(
+            f"rotary dimension {rotary_dim} (head_dim {head_dim} x partial_rotary_factor "
+            f"{rope.partial_rotary_factor}) must be even and >= 2 in {config_path}"
+        )
+    if rope.rope_type == "dynamic" and rotary_dim == 2:
+        raise ModelLoadError(f"dynamic RoPE needs a rotary dimension > 2 in {config_path}")
+
+
+def _parse_model_dir(model_dir: str | os.PathLike[str]) -> ModelConfig:
+    directory = os.path.abspath(os.fspath(model_dir))
+    cfg, config_path = _config_fields(directory)
 
     arch = _resolve_architecture(cfg)
     d = _ARCH_DEFAULTS[arch]
@@ -545,14 +561,7 @@ def _parse_model_dir(model_dir: str | os.PathLike[str]) -> ModelConfig:
         )
     max_pos = cfg.get_int("max_position_embeddings", d.max_position_embeddings)
     rope = _parse_rope(cfg, max_pos)
-    rotary_dim = int(head_dim * rope.partial_rotary_factor)
-    if rotary_dim < 2 or rotary_dim % 2:
-        raise ModelLoadError(
-            f"rotary dimension {rotary_dim} (head_dim {head_dim} x partial_rotary_factor "
-            f"{rope.partial_rotary_factor}) must be even and >= 2 in {config_path}"
-        )
-    if rope.rope_type == "dynamic" and rotary_dim == 2:
-        raise ModelLoadError(f"dynamic RoPE needs a rotary dimension > 2 in {config_path}")
+    _check_rotary(rope, head_dim, config_path)
 
     attention_bias = d.attention_bias
     if attention_bias is None:
