@@ -178,14 +178,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     gpus, why_not = gpus_to_sample(engine, args.gpu_busy)
     try:
         if args.num_warmup:
-            # The server's launch warm-up first: the short batch alone never mixes an extend
-            # with decodes, and on the H200 the mixed route's decode kernels then compiled
-            # inside the timed run (one 1.5 s step, FP8 8B, cold Triton cache).
-            warm_up(engine.core)
-            warm = make_workload("fixed", args.num_warmup, min(64, max_context // 2), 4,
-                                 m.vocab_size, args.seed + 99, max_context)
-            engine.generate(warm.prompts, SamplingParams(max_new_tokens=4, ignore_eos=True),
-                            use_tqdm=False)
+            _warm(engine, args.num_warmup, args.seed)
         t0 = time.perf_counter()
         deadline = t0 + args.max_duration_s if args.max_duration_s else None
         complete = True
@@ -200,15 +193,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             seconds = time.perf_counter() - t0
     finally:
         release_engine(engine)
-    if complete:
-        produced = sum(len(o.token_ids) for o in outs)
-        if produced != work.output_tokens:
-            raise RuntimeError(f"expected {work.output_tokens} output tokens, got {produced}")
-        rates = _rates(len(work.prompts), work.input_tokens, work.output_tokens, seconds)
-    else:
-        rates = _rates(progress.finished, progress.input_tokens, progress.output_tokens, seconds)
-        rates["requests_started"] = len(progress.started)
-    rates["complete"] = complete
+    rates = _run_rates(work, outs if complete else None, progress, seconds)
     step_s = seconds / progress.steps if progress.steps else None  # mean wall time of a step
     busy = sampler.summary([(t0, t0 + seconds)], step_s)
     if not complete:
@@ -245,6 +230,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["hf"]["batch_size"] = args.hf_batch_size
     _print(result)
     return write_json(args.out, result)
+
+
+def _warm(engine: Any, num_prompts: int, seed: int) -> None:
+    """The server's launch warm-up, then a short batch: the batch alone never mixes an extend
+    with decodes, and on the H200 the mixed route's decode kernels then compiled inside the
+    timed run (one 1.5 s step, FP8 8B, cold Triton cache)."""
+    warm_up(engine.core)
+    max_context = engine.core.max_context
+    warm = make_workload("fixed", num_prompts, min(64, max_context // 2), 4,
+                         engine.model_config.vocab_size, seed + 99, max_context)
+    engine.generate(warm.prompts, SamplingParams(max_new_tokens=4, ignore_eos=True),
+                    use_tqdm=False)
+
+
+def _run_rates(work: Any, outs: list | None, progress: Any, seconds: float) -> dict[str, Any]:
+    """The run's rates: of the whole workload (every token checked in) when `outs` came
+    back, else of the requests finished before the deadline (`complete` False)."""
+    if outs is not None:
+        produced = sum(len(o.token_ids) for o in outs)
+        if produced != work.output_tokens:
+            raise RuntimeError(f"expected {work.output_tokens} output tokens, got {produced}")
+        rates = _rates(len(work.prompts), work.input_tokens, work.output_tokens, seconds)
+    else:
+        rates = _rates(progress.finished, progress.input_tokens, progress.output_tokens, seconds)
+        rates["requests_started"] = len(progress.started)
+    rates["complete"] = outs is not None
+    return rates
 
 
 def _print(result: dict[str, Any]) -> None:
