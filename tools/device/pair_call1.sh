@@ -5,22 +5,7 @@
 # step (est. / skipped under MIN s left / killed at MAX s): comm_nvl 30/30/90, flip_peer 50/60/150,
 # flip_auto50 70/80/200, tests_nccl 180/150/260, flip_reload 45/60/150, tests_flip_cuda 120/90/200.
 # Results: $OUT/pair_call1.tgz (pair_call1_only.tgz under ONLY="a b", which runs only those steps): x/<step>.log, .json, .png, summary.txt.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .carry/whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site:$PWD || exit
-export PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-END=${END:-570}; X=$OUT/x; mkdir -p $X; cp "$0" $X/
-{ nvidia-smi topo -m; nvidia-smi --query-gpu=name,memory.total --format=csv; df -h /dev/shm; } > $X/topo.txt 2>&1
-step() {  # step NAME MIN_S MAX_S LINES 'command': its log in x/NAME.log, the last LINES key lines printed
-  local name=$1 min=$2 max=$3 left=$((END - SECONDS)) t0=$SECONDS rc
-  [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]] && return
-  [ $left -lt $min ] && { echo "== $name SKIPPED: $left s left, needs $min"; return; }
-  local t=$((max < left - 15 ? max : left - 15))
-  STEP_S=$t timeout -k 10 $t bash -c "$5" > $X/$name.log 2>&1; rc=$?
-  echo "== $name rc=$rc $((SECONDS - t0)) s (limit $t s)"
-  [ $rc -ge 124 ] && nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null
-  tr '\r' '\n' < $X/$name.log | grep -aE '^\||passed|failed|FAILED|skipped|Error|error:' | grep -v '^|-' | tail -n $4
-}
-pl() { python3 -c "import matplotlib" 2>/dev/null && echo "--plot $X/$1.png"; }  # a plot that fails would lose the JSON (written after it)
+. tools/device/lib.sh
 seams() {  # every flip run: seam vs 2 x rank 0's bytes / link + 0.1 s; device memory and KV slots across flips
   python3 - $X <<'EOF' | tee $X/summary.txt
 import glob, json, statistics as st, sys

@@ -8,22 +8,7 @@
 # flip_peer_real 50/60/120, flip_resident_real 50/60/120, tests_server (the two NCCL server tests
 # of tests/test_multi_gpu.py, left out of call 1) 90/90/150.
 # Results: $OUT/pair_call2.tgz (pair_call2_only.tgz under ONLY="a b", which runs only those steps): x/<step>.log, .json, .png, summary.txt.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .carry/whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site:$PWD || exit
-export PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-END=${END:-570}; X=$OUT/x; mkdir -p $X; cp "$0" $X/
-{ nvidia-smi topo -m; df -h /dev/shm /tmp; free -g; } > $X/topo.txt 2>&1
-step() {  # step NAME MIN_S MAX_S LINES 'command': its log in x/NAME.log, the last LINES key lines printed
-  local name=$1 min=$2 max=$3 left=$((END - SECONDS)) t0=$SECONDS rc
-  [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]] && return
-  [ $left -lt $min ] && { echo "== $name SKIPPED: $left s left, needs $min"; return; }
-  local t=$((max < left - 15 ? max : left - 15))
-  STEP_S=$t timeout -k 10 $t bash -c "$5" > $X/$name.log 2>&1; rc=$?
-  echo "== $name rc=$rc $((SECONDS - t0)) s (limit $t s)"
-  [ $rc -ge 124 ] && nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null
-  tr '\r' '\n' < $X/$name.log | grep -aE '^\||passed|failed|FAILED|skipped|Error|error:|^wrote /' | grep -v '^|-' | tail -n $4
-}
-pl() { python3 -c "import matplotlib" 2>/dev/null && echo "--plot $X/$1.png"; }  # a plot that fails would lose the JSON (written after it)
+. tools/device/lib.sh
 # the checkpoint drawn on the GPU (seconds; on the CPU's one thread a minute or more for 8B);
 # tmpfs when it holds it and the host image
 CK=/dev/shm/ck8b; [ "$(df --output=avail -BG /dev/shm | tail -1 | tr -dc 0-9)" -ge 48 ] || CK=/tmp/ck8b

@@ -7,21 +7,7 @@
 # 55/50/120, lat_pp2_pcie 50/50/120, off_tp2_pcie 55/50/120, off_pp2_pcie 50/50/120,
 # wl_pcie 300/240/420, wl_nvl 300/240/420 (the workload's own --time-budget-s: its limit - 10 s).
 # Results: $OUT/pair_call3.tgz (pair_call3_only.tgz under ONLY="a b", which runs only those steps): x/<step>.log, .json, .png, summary.txt.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .carry/whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site:$PWD || exit
-export PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-END=${END:-570}; X=$OUT/x; mkdir -p $X; cp "$0" $X/
-step() {  # step NAME MIN_S MAX_S LINES 'command': its log in x/NAME.log, the last LINES key lines printed
-  local name=$1 min=$2 max=$3 left=$((END - SECONDS)) t0=$SECONDS rc
-  [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]] && return
-  [ $left -lt $min ] && { echo "== $name SKIPPED: $left s left, needs $min"; return; }
-  local t=$((max < left - 15 ? max : left - 15))
-  STEP_S=$t timeout -k 10 $t bash -c "$5" > $X/$name.log 2>&1; rc=$?
-  echo "== $name rc=$rc $((SECONDS - t0)) s (limit $t s)"
-  [ $rc -ge 124 ] && nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null
-  tr '\r' '\n' < $X/$name.log | grep -aE '^\||passed|failed|FAILED|skipped|Error|error:|^run |: (ok|MISSED)$' | grep -v '^|-' | tail -n $4
-}
-pl() { python3 -c "import matplotlib" 2>/dev/null && echo "--plot $X/$1.png"; }  # a plot that fails would lose the JSON (written after it)
+. tools/device/lib.sh
 P=NCCL_P2P_DISABLE=1
 LAT="--model llama-3.1-8b --load-format dummy --batch-sizes 1,64,256 --input-len 1024 --output-len 128 --num-iters 1 --num-warmup 1 --max-prefill-tokens 32768"
 OFF="--model llama-3.1-8b --load-format dummy --num-prompts 1000 --dataset sharegpt-like --seed 0 --mem-fraction 0.85 --max-running-requests 1024 --max-duration-s 90"

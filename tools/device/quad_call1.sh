@@ -8,22 +8,7 @@
 # what is left - 10 s; it skips or cuts the runs that do not fit), then if time is left comm_pcie
 # 20/20/90, flip_8b_peer 60/60/150, wl_nvl 300/200/420; the rest in a second call with ONLY=...
 # Results: $OUT/quad_call1.tgz (quad_call1_only.tgz under ONLY="a b", which runs only those steps): x/<step>.log, .json, .png, summary.txt.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .carry/whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site:$PWD || exit
-export PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-END=${END:-570}; X=$OUT/x; mkdir -p $X; cp "$0" $X/
-{ nvidia-smi topo -m; df -h /dev/shm; } > $X/topo.txt 2>&1
-step() {  # step NAME MIN_S MAX_S LINES 'command': its log in x/NAME.log, the last LINES key lines printed
-  local name=$1 min=$2 max=$3 left=$((END - SECONDS)) t0=$SECONDS rc
-  [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]] && return
-  [ $left -lt $min ] && { echo "== $name SKIPPED: $left s left, needs $min"; return; }
-  local t=$((max < left - 15 ? max : left - 15))
-  STEP_S=$t timeout -k 10 $t bash -c "$5" > $X/$name.log 2>&1; rc=$?
-  echo "== $name rc=$rc $((SECONDS - t0)) s (limit $t s)"
-  [ $rc -ge 124 ] && nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null
-  tr '\r' '\n' < $X/$name.log | grep -aE '^\||passed|failed|FAILED|skipped|Error|error:|^run |: (ok|MISSED)$' | grep -v '^|-' | tail -n $4
-}
-pl() { python3 -c "import matplotlib" 2>/dev/null && echo "--plot $X/$1.png"; }  # a plot that fails would lose the JSON (written after it)
+. tools/device/lib.sh
 P=NCCL_P2P_DISABLE=1
 Q="--load-format dummy --layouts tp4,pp4,tp2xpp2,tp4,tp2xpp2,pp4,tp4 --num-prompts 32 --dataset fixed --input-len 256 --output-len 64 --flip-every 6"
 SERVE="--model llama-3.1-8b --load-format dummy --device cuda --dtype bfloat16 --enable-hicache --hicache-host-gb 16 --mem-fraction 0.85 --page-size 16 --max-running-requests 128 --chunked-prefill-size 8192 --max-prefill-tokens 8192 --dist-timeout-s 120 --shutdown-timeout 5"

@@ -1,0 +1,24 @@
+# Sourced first by every device call here (`. tools/device/lib.sh` from the repo root): the
+# server's wheels from .carry/whl (the device has no FastAPI, pydantic, pyzmq ...), the NVLink
+# multicast switches off, $X for results, and `step`, which runs one measurement inside the
+# call's deadline. Each script copies itself and this file into its results.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .carry/whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site:$PWD || exit
+export PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+END=${END:-570}; X=$OUT/x; mkdir -p $X; cp "$0" tools/device/lib.sh $X/
+{ nvidia-smi topo -m; nvidia-smi --query-gpu=name,memory.total --format=csv; df -h /dev/shm /tmp; free -g; } > $X/topo.txt 2>&1
+# step NAME MIN_S MAX_S LINES 'command': skipped (ONLY="a b" names the steps to run) or when
+# fewer than MIN_S seconds are left of END; killed at MAX_S or END - 15 s (then the GPU's
+# leftover processes too); its log in x/NAME.log, its last LINES key lines printed
+step() {
+  local name=$1 min=$2 max=$3 left=$((END - SECONDS)) t0=$SECONDS rc
+  [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]] && return
+  [ $left -lt $min ] && { echo "== $name SKIPPED: $left s left, needs $min"; return; }
+  local t=$((max < left - 15 ? max : left - 15))
+  STEP_S=$t timeout -k 10 $t bash -c "$5" > $X/$name.log 2>&1; rc=$?
+  echo "== $name rc=$rc $((SECONDS - t0)) s (limit $t s)"
+  [ $rc -ge 124 ] && nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null
+  tr '\r' '\n' < $X/$name.log | grep -aE '^\||passed|failed|FAILED|skipped|Error|error:|^wrote /|^run |: (ok|MISSED)$' | grep -v '^|-' | tail -n $4
+}
+# --plot PATH when matplotlib imports (the device may lack it)
+pl() { python3 -c "import matplotlib" 2>/dev/null && echo "--plot $X/$1.png"; }
