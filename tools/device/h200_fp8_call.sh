@@ -37,16 +37,6 @@ cp /tmp/table_new.json $X/tile_table_new.json
 for i in 1 2; do for a in clamp mask tuned; do
   arm $a; step off_$a$i 60 110 0 "python3 -m benchmarks.bench_offline $OFF $F8 --out $X/off_$a$i.json"; done; done
 arm tuned; step bf16 60 110 0 "python3 -m benchmarks.bench_offline $OFF --out $X/off_bf16.json"
-python3 - $X <<'PY' | tee $X/summary.txt
-import glob, json, sys
-x = sys.argv[1]
-for f in sorted(glob.glob(x + "/lk_*.json")):
-    rows = json.load(open(f))["rows"]
-    print(f.split("/")[-1][:-5], {(r["shapes"][0].split(".")[1], r["m"]): round(r["skinny_graph_us"], 1) for r in rows if r["m"] in (24, 48, 80, 96, 112, 128)})
-for f in sorted(glob.glob(x + "/off_*.json")):
-    d = json.load(open(f))
-    print(f.split("/")[-1][:-5], round(d["phaseflip"]["output_tokens_per_s"]), "tok/s, busy",
-          round(d["gpu_busy"]["devices"][0]["mean_pct"], 1), "%,", round(d["phaseflip"]["duration_s"], 2), "s")
-PY
+python3 tools/device/summary.py $X fp8 offline | tee $X/summary.txt
 cp /tmp/linear_mask.py $L; cp /tmp/table_old.json $T
 cd $OUT && tar czf h200_fp8_call.tgz x && rm -rf x

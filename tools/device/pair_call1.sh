@@ -6,33 +6,7 @@
 # flip_auto50 70/80/200, tests_nccl 180/150/260, flip_reload 45/60/150, tests_flip_cuda 120/90/200.
 # Results: $OUT/pair_call1.tgz (pair_call1_only.tgz under ONLY="a b", which runs only those steps): x/<step>.log, .json, .png, summary.txt.
 . tools/device/lib.sh
-seams() {  # every flip run: seam vs 2 x rank 0's bytes / link + 0.1 s; device memory and KV slots across flips
-  python3 - $X <<'EOF' | tee $X/summary.txt
-import glob, json, statistics as st, sys
-x = sys.argv[1]
-try:
-    link = max(r["busbw_GBps"] for r in json.load(open(x + "/comm_nvl.json"))["rows"] if r["op"] == "send 0->1")
-except Exception:
-    link = None
-print(f"link: send 0->1, best size: {link and round(link, 1)} GB/s")
-for f in sorted(glob.glob(x + "/flip_*.json")):
-    F = json.load(open(f))["flips"]
-    s, free = [c["wall_s"] for c in F], [(c["device_free_after_bytes"] or 0) / 2**30 for c in F]
-    kv = [c["kv_slots_after"] for c in F if c["kv_slots_after"] is not None]
-    print(f"{f.split('/')[-1][:-5]}: {len(F)} flips {sorted({c['weights'] for c in F})}, seam median "
-          f"{st.median(s):.3f} max {max(s):.3f} s; device free {free[0]:.3f} -> {free[-1]:.3f} GiB; "
-          f"KV slots {min(kv, default=None)}..{max(kv, default=None)}")
-    for c in F[:4]:
-        R = c.get("ranks") or [{"bytes_moved": c["weights_bytes_moved"]}]  # every rank (older results: rank 0)
-        b = max(r["bytes_moved"] or 0 for r in R)  # the busiest rank's bytes set the target
-        print(f"    per rank GiB moved {[round((r['bytes_moved'] or 0) / 2**30, 2) for r in R]}, free after {[r.get('device_free_after_bytes') and round(r['device_free_after_bytes'] / 2**30, 2) for r in R]}")
-        tgt = 2 * b / 1e9 / link + 0.1 if link else float("nan")
-        parts = {k: v for k, v in c["segments"].items() if k != "relayout"} | (c["relayout_parts"] or {})
-        print(f"  {c['source']}->{c['target']} {c['wall_s']:.3f} s ({', '.join(f'{k} {v:.3f}' for k, v in parts.items())});"
-              f" {b / 2**30:.2f} GiB at {c['weights_gbps'] or 0:.1f} GB/s; target {tgt:.3f} s: "
-              f"{'met' if c['wall_s'] <= tgt else 'MISSED'}")
-EOF
-}
+seams() { python3 tools/device/summary.py $X flips | tee $X/summary.txt; }
 M="--model llama-3.1-8b --load-format dummy --mem-fraction 0.5"
 FL="$M --layouts tp2,pp2,tp2,pp2,tp2 --num-prompts 32 --dataset fixed --input-len 256 --output-len 64 --flip-every 6"
 L50=$(printf 'tp2,pp2,%.0s' {1..25})tp2

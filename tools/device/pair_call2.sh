@@ -29,27 +29,6 @@ step off_pp2 50 120 2 "python3 -m benchmarks.bench_offline $OFF --engine-arg pp_
 flip peer 60 120
 flip resident 60 120
 step tests_server 90 150 4 "python3 -m pytest -q -p no:cacheprovider --durations=2 tests/test_multi_gpu.py -k server"
-python3 - $X <<'EOF' | tee $X/summary.txt
-import glob, json, sys
-x = sys.argv[1]
-try:
-    link = max(r["busbw_GBps"] for r in json.load(open(x + "/comm_nvl.json"))["rows"] if r["op"] == "send 0->1")
-except Exception:
-    link = None
-print(f"link: send 0->1, best size: {link and round(link, 1)} GB/s")
-for f in sorted(glob.glob(x + "/flip_*.json")):
-    for c in json.load(open(f))["flips"]:
-        R = c.get("ranks") or [{"bytes_moved": c["weights_bytes_moved"]}]  # every rank (older results: rank 0)
-        b = max(r["bytes_moved"] or 0 for r in R)  # the busiest rank's bytes set the target
-        print(f"    per rank GiB moved {[round((r['bytes_moved'] or 0) / 2**30, 2) for r in R]}, free after {[r.get('device_free_after_bytes') and round(r['device_free_after_bytes'] / 2**30, 2) for r in R]}")
-        tgt = 2 * b / 1e9 / link + 0.1 if link else float("nan")
-        parts = {k: v for k, v in c["segments"].items() if k != "relayout"} | (c["relayout_parts"] or {})
-        print(f"{f.split('/')[-1][:-5]} {c['source']}->{c['target']} {c['wall_s']:.3f} s ({', '.join(f'{k} {v:.3f}' for k, v in parts.items())});"
-              f" {b / 2**30:.2f} GiB at {c['weights_gbps'] or 0:.1f} GB/s, h2d {c['weights_h2d_wait_s']}; target {tgt:.3f} s: {'met' if c['wall_s'] <= tgt else 'MISSED'}")
-for f in sorted(glob.glob(x + "/off_*.json")):
-    d = json.load(open(f)); p = d["phaseflip"]
-    busy = [(g["ranks"], g["mean_pct"] and round(g["mean_pct"], 1)) for g in d["gpu_busy"]["devices"] or []]
-    print(f"{f.split('/')[-1][:-5]}: {p['output_tokens_per_s']:.0f} out tok/s, {p['total_tokens_per_s']:.0f} total, {p['duration_s']:.2f} s, complete {p['complete']}, busy {busy}")
-EOF
+python3 tools/device/summary.py $X flips offline | tee $X/summary.txt
 rm -rf $CK  # the machine may stay warm for call 3: free its tmpfs
 cd $OUT && tar czf pair_call2${ONLY:+_only}.tgz x && rm -rf x

@@ -21,23 +21,5 @@ step off_tp2_pcie 50 120 2 "$P python3 -m benchmarks.bench_offline $OFF --engine
 step off_pp2_pcie 50 120 2 "$P python3 -m benchmarks.bench_offline $OFF --engine-arg pp_size=2 --out $X/off_pp2_pcie.json"
 wl pcie $P
 wl nvl ""
-python3 - $X <<'EOF' | tee $X/summary.txt
-import glob, json, sys
-x = sys.argv[1]
-for f in sorted(glob.glob(x + "/comm_*.json")):
-    rows = [r for r in json.load(open(f))["rows"] if r["size_bytes"] == 1 << 30]
-    print(f.split("/")[-1][:-5], "1 GiB busbw GB/s:", {r["op"]: round(r["busbw_GBps"], 1) for r in rows})
-for f in sorted(glob.glob(x + "/wl_*.json")):
-    d = json.load(open(f))
-    runs = {r["run"]: r for r in d["runs"] if "ok" in r}
-    for k in ("", "sim", "sim_scaled"):
-        got = {s: (r.get(k) or {}) if k else r for s, r in runs.items()}
-        tps = {s: g.get("throughput_tps") and round(g["throughput_tps"]) for s, g in got.items()}
-        static = [v for s, v in tps.items() if s != "auto" and v]
-        ratio = tps.get("auto") / max(static) if tps.get("auto") and static else None
-        print(f"{f.split('/')[-1][:-5]} {k or 'measured'}: auto / best static {ratio and round(ratio, 3)}; tok/s {tps}; flips { {s: g.get('flips') for s, g in got.items()} }")
-    for a in d.get("auto_vs_static") or []:  # by tokens per busy second too (the map's figure of merit)
-        print(f"  {a['run']} / {a['best_static']}: throughput {a['throughput']:.3f}, busy tok/s {a['busy']:.3f}, sim busy tok/s {a['sim_busy']:.3f}")
-    print("  timing", d.get("timing"), "calibration", "ok" if d.get("calibration") else d.get("calibration_error"))
-EOF
+python3 tools/device/summary.py $X comm offline workload | tee $X/summary.txt
 cd $OUT && tar czf pair_call3${ONLY:+_only}.tgz x && rm -rf x

@@ -22,33 +22,5 @@ wl pcie $P
 step comm_pcie 20 90 4 "$P python3 -m benchmarks.bench_comm --world-size 4 --sizes 8K,2M,128M,1G --out $X/comm_pcie.json"
 step flip_8b_peer 60 150 2 "python3 -m benchmarks.bench_flip --model llama-3.1-8b $Q --mem-fraction 0.5 --engine-arg flip_weights=peer --out $X/flip_8b_peer.json"
 wl nvl ""
-python3 - $X <<'EOF' | tee $X/summary.txt
-import glob, json, sys
-x = sys.argv[1]
-try:
-    link = max(r["busbw_GBps"] for r in json.load(open(x + "/comm_nvl.json"))["rows"] if r["op"] == "send 0->1")
-except Exception:
-    link = None
-print(f"link: send 0->1, best size: {link and round(link, 1)} GB/s")
-for f in sorted(glob.glob(x + "/flip_*.json")):
-    for c in json.load(open(f))["flips"]:
-        R = c.get("ranks") or [{"bytes_moved": c["weights_bytes_moved"]}]  # every rank (older results: rank 0)
-        b = max(r["bytes_moved"] or 0 for r in R)  # the busiest rank's bytes set the target
-        print(f"    per rank GiB moved {[round((r['bytes_moved'] or 0) / 2**30, 2) for r in R]}, free after {[r.get('device_free_after_bytes') and round(r['device_free_after_bytes'] / 2**30, 2) for r in R]}")
-        tgt = 2 * b / 1e9 / link + 0.1 if link else float("nan")
-        parts = {k: v for k, v in c["segments"].items() if k != "relayout"} | (c["relayout_parts"] or {})
-        print(f"{f.split('/')[-1][:-5]} {c['source']}->{c['target']} {c['weights']} {c['wall_s']:.3f} s ({', '.join(f'{k} {v:.3f}' for k, v in parts.items())});"
-              f" {b / 2**30:.2f} GiB at {c['weights_gbps'] or 0:.1f} GB/s; target {tgt:.3f} s: {'met' if c['wall_s'] <= tgt else 'MISSED'}")
-for f in sorted(glob.glob(x + "/wl_*.json")):
-    d = json.load(open(f))
-    runs = {r["run"]: r for r in d["runs"] if "ok" in r}
-    for k in ("", "sim", "sim_scaled"):
-        got = {s: (r.get(k) or {}) if k else r for s, r in runs.items()}
-        tps = {s: g.get("throughput_tps") and round(g["throughput_tps"]) for s, g in got.items()}
-        static = [v for s, v in tps.items() if s != "auto" and v]
-        ratio = tps.get("auto") / max(static) if tps.get("auto") and static else None
-        print(f"{f.split('/')[-1][:-5]} {k or 'measured'}: auto / best static {ratio and round(ratio, 3)}; tok/s {tps}; flips { {s: g.get('flips') for s, g in got.items()} }")
-    for a in d.get("auto_vs_static") or []:  # by tokens per busy second too (the map's figure of merit)
-        print(f"  {a['run']} / {a['best_static']}: throughput {a['throughput']:.3f}, busy tok/s {a['busy']:.3f}, sim busy tok/s {a['sim_busy']:.3f}")
-EOF
+python3 tools/device/summary.py $X flips comm workload | tee $X/summary.txt
 cd $OUT && tar czf quad_call1${ONLY:+_only}.tgz x && rm -rf x
