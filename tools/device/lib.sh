@@ -22,3 +22,8 @@ step() {
 }
 # --plot PATH when matplotlib imports (the device may lack it)
 pl() { python3 -c "import matplotlib" 2>/dev/null && echo "--plot $X/$1.png"; }
+# the flip's payoff through the real server: wl NAME MIN_S RUNS FLIP_LAYOUTS [ENV=VALUE]
+# (bench_flip_workload, calibrated, --simulate; its own --time-budget-s: its limit - 10 s)
+WL_SERVE="--model llama-3.1-8b --load-format dummy --device cuda --dtype bfloat16 --enable-hicache --hicache-host-gb 16 --mem-fraction 0.85 --page-size 16 --max-running-requests 128 --chunked-prefill-size 8192 --max-prefill-tokens 8192 --dist-timeout-s 120 --shutdown-timeout 5"
+WL_ARGS="--duration-s 30 --alternate --burst-every-s 6 --burst-requests 32 --burst-prefix-tokens 4096 --burst-suffix-tokens 4096 --burst-output-tokens 32 --background-rps 2 --background-prompt-tokens 256 --background-output-tokens 128 --calib-bursts 8 --calib-background 12 --calib-max-new-tokens 16 --calib-timeout-s 150 --launch-estimate-s 60 --reserve-s 25"
+wl() { step wl_$1 $2 420 16 "$5 python3 -m benchmarks.bench_flip_workload --runs $3 --flip-layouts $4 --serve-args '$WL_SERVE' $WL_ARGS --time-budget-s \$((STEP_S - 10)) --out $X/wl_$1.json $(pl wl_$1)"; }

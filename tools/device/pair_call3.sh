@@ -11,15 +11,12 @@
 P=NCCL_P2P_DISABLE=1
 LAT="--model llama-3.1-8b --load-format dummy --batch-sizes 1,64,256 --input-len 1024 --output-len 128 --num-iters 1 --num-warmup 1 --max-prefill-tokens 32768"
 OFF="--model llama-3.1-8b --load-format dummy --num-prompts 1000 --dataset sharegpt-like --seed 0 --mem-fraction 0.85 --max-running-requests 1024 --max-duration-s 90"
-SERVE="--model llama-3.1-8b --load-format dummy --device cuda --dtype bfloat16 --enable-hicache --hicache-host-gb 16 --mem-fraction 0.85 --page-size 16 --max-running-requests 128 --chunked-prefill-size 8192 --max-prefill-tokens 8192 --dist-timeout-s 120 --shutdown-timeout 5"
-WL="--duration-s 30 --alternate --burst-every-s 6 --burst-requests 32 --burst-prefix-tokens 4096 --burst-suffix-tokens 4096 --burst-output-tokens 32 --background-rps 2 --background-prompt-tokens 256 --background-output-tokens 128 --calib-bursts 8 --calib-background 12 --calib-max-new-tokens 16 --calib-timeout-s 150 --launch-estimate-s 60 --reserve-s 25"
-wl() { step wl_$1 240 420 16 "$2 python3 -m benchmarks.bench_flip_workload --runs auto,pp2,tp2 --flip-layouts tp2,pp2 --serve-args '$SERVE' $WL --time-budget-s \$((STEP_S - 10)) --out $X/wl_$1.json $(pl wl_$1)"; }
 step comm_pcie 30 90 3 "$P python3 -m benchmarks.bench_comm --world-size 2 --out $X/comm_pcie.json"
 step lat_tp2_pcie 50 120 5 "$P python3 -m benchmarks.bench_latency $LAT --engine-arg tp_size=2 --out $X/lat_tp2_pcie.json"
 step lat_pp2_pcie 50 120 5 "$P python3 -m benchmarks.bench_latency $LAT --engine-arg pp_size=2 --out $X/lat_pp2_pcie.json"
 step off_tp2_pcie 50 120 2 "$P python3 -m benchmarks.bench_offline $OFF --engine-arg tp_size=2 --out $X/off_tp2_pcie.json"
 step off_pp2_pcie 50 120 2 "$P python3 -m benchmarks.bench_offline $OFF --engine-arg pp_size=2 --out $X/off_pp2_pcie.json"
-wl pcie $P
-wl nvl ""
+wl pcie 240 auto,pp2,tp2 tp2,pp2 $P
+wl nvl 240 auto,pp2,tp2 tp2,pp2
 python3 tools/device/summary.py $X comm offline workload | tee $X/summary.txt
 cd $OUT && tar czf pair_call3${ONLY:+_only}.tgz x && rm -rf x

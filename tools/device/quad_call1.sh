@@ -11,16 +11,13 @@
 . tools/device/lib.sh
 P=NCCL_P2P_DISABLE=1
 Q="--load-format dummy --layouts tp4,pp4,tp2xpp2,tp4,tp2xpp2,pp4,tp4 --num-prompts 32 --dataset fixed --input-len 256 --output-len 64 --flip-every 6"
-SERVE="--model llama-3.1-8b --load-format dummy --device cuda --dtype bfloat16 --enable-hicache --hicache-host-gb 16 --mem-fraction 0.85 --page-size 16 --max-running-requests 128 --chunked-prefill-size 8192 --max-prefill-tokens 8192 --dist-timeout-s 120 --shutdown-timeout 5"
-WL="--duration-s 30 --alternate --burst-every-s 6 --burst-requests 32 --burst-prefix-tokens 4096 --burst-suffix-tokens 4096 --burst-output-tokens 32 --background-rps 2 --background-prompt-tokens 256 --background-output-tokens 128 --calib-bursts 8 --calib-background 12 --calib-max-new-tokens 16 --calib-timeout-s 150 --launch-estimate-s 60 --reserve-s 25"
-wl() { step wl_$1 200 420 16 "$2 python3 -m benchmarks.bench_flip_workload --runs auto,pp4,tp4 --flip-layouts tp4,pp4 --serve-args '$SERVE' $WL --time-budget-s \$((STEP_S - 10)) --out $X/wl_$1.json $(pl wl_$1)"; }
 step tests_quad 60 200 6 "python3 -m pytest -q -p no:cacheprovider --durations=3 tests/test_multi_gpu.py -k 2-2"
 step comm_nvl 25 90 4 "python3 -m benchmarks.bench_comm --world-size 4 --sizes 8K,2M,128M,1G --out $X/comm_nvl.json"
 step flip_8b 60 150 2 "python3 -m benchmarks.bench_flip --model llama-3.1-8b $Q --mem-fraction 0.5 --out $X/flip_8b.json $(pl flip_8b)"
 step flip_70b 100 260 2 "python3 -m benchmarks.bench_flip --model llama-3.1-70b $Q --mem-fraction 0.8 --out $X/flip_70b.json $(pl flip_70b)"
-wl pcie $P
+wl pcie 200 auto,pp4,tp4 tp4,pp4 $P
 step comm_pcie 20 90 4 "$P python3 -m benchmarks.bench_comm --world-size 4 --sizes 8K,2M,128M,1G --out $X/comm_pcie.json"
 step flip_8b_peer 60 150 2 "python3 -m benchmarks.bench_flip --model llama-3.1-8b $Q --mem-fraction 0.5 --engine-arg flip_weights=peer --out $X/flip_8b_peer.json"
-wl nvl ""
+wl nvl 200 auto,pp4,tp4 tp4,pp4
 python3 tools/device/summary.py $X flips comm workload | tee $X/summary.txt
 cd $OUT && tar czf quad_call1${ONLY:+_only}.tgz x && rm -rf x
