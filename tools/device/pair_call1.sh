@@ -21,7 +21,7 @@ EOF
 step comm_nvl 30 90 3 "python3 -m benchmarks.bench_comm --world-size 2 --out $X/comm_nvl.json"
 step flip_peer 60 150 2 "python3 -m benchmarks.bench_flip $FL --engine-arg flip_weights=peer --out $X/flip_peer.json $(pl flip_peer)"
 step flip_auto50 80 200 2 "python3 -m benchmarks.bench_flip $M --layouts $L50 --num-prompts 32 --dataset fixed --input-len 256 --output-len 260 --flip-every 4 --engine-arg check_accounting=true --out $X/flip_auto50.json $(pl flip_auto50)"
-step tests_nccl 150 260 8 "python3 -m pytest -q -p no:cacheprovider -rs --durations=5 tests/test_multi_gpu.py tests/test_gpu.py::test_resident_flips_over_nccl_replay_parked_graphs tests/test_symm_allreduce.py::test_symm_mem_equals_nccl_one_rank_per_gpu -k 'not server'"
+step tests_nccl 150 260 8 "PHASEFLIP_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rs --durations=5 tests/test_multi_gpu.py tests/test_gpu.py::test_resident_flips_over_nccl_replay_parked_graphs tests/test_symm_allreduce.py::test_symm_mem_equals_nccl_one_rank_per_gpu -k 'not server'"
 step flip_reload 60 150 2 "python3 -m benchmarks.bench_flip $FL --engine-arg flip_weights=reload --out $X/flip_reload.json"
 step tests_flip_cuda 90 200 8 "python3 -m pytest -q -p no:cacheprovider -p pf_cuda_flip --durations=5 tests/test_flip.py -k 'each_weights_strategy or kv_pressure or three_flip_cycles or fp8_slices'"
 seams

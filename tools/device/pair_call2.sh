@@ -28,7 +28,7 @@ step off_tp2 50 120 2 "python3 -m benchmarks.bench_offline $OFF --engine-arg tp_
 step off_pp2 50 120 2 "python3 -m benchmarks.bench_offline $OFF --engine-arg pp_size=2 --out $X/off_pp2.json"
 flip peer 60 120
 flip resident 60 120
-step tests_server 90 150 4 "python3 -m pytest -q -p no:cacheprovider --durations=2 tests/test_multi_gpu.py -k server"
+step tests_server 90 150 4 "PHASEFLIP_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --durations=2 tests/test_multi_gpu.py -k server"
 python3 tools/device/summary.py $X flips offline | tee $X/summary.txt
 rm -rf $CK  # the machine may stay warm for call 3: free its tmpfs
 cd $OUT && tar czf pair_call2${ONLY:+_only}.tgz x && rm -rf x

@@ -11,7 +11,7 @@
 . tools/device/lib.sh
 P=NCCL_P2P_DISABLE=1
 Q="--load-format dummy --layouts tp4,pp4,tp2xpp2,tp4,tp2xpp2,pp4,tp4 --num-prompts 32 --dataset fixed --input-len 256 --output-len 64 --flip-every 6"
-step tests_quad 60 200 6 "python3 -m pytest -q -p no:cacheprovider --durations=3 tests/test_multi_gpu.py -k 2-2"
+step tests_quad 60 200 6 "PHASEFLIP_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --durations=3 tests/test_multi_gpu.py -k 2-2"
 step comm_nvl 25 90 4 "python3 -m benchmarks.bench_comm --world-size 4 --sizes 8K,2M,128M,1G --out $X/comm_nvl.json"
 step flip_8b 60 150 2 "python3 -m benchmarks.bench_flip --model llama-3.1-8b $Q --mem-fraction 0.5 --out $X/flip_8b.json $(pl flip_8b)"
 step flip_70b 100 260 2 "python3 -m benchmarks.bench_flip --model llama-3.1-70b $Q --mem-fraction 0.8 --out $X/flip_70b.json $(pl flip_70b)"
