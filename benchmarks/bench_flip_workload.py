@@ -324,36 +324,43 @@ def print_report(result: dict[str, Any]) -> None:
                 title=f"flip workload: {result['workload']} (sim*: step models scaled to "
                       f"the static runs' measured prefill rates {result.get('server_scales')})")
     for a in result.get("auto_vs_static") or []:
-        print(f"{a['run']} / best static ({a['best_static']}): throughput "
-              f"{a['throughput']:.3f}, busy tok/s {a['busy']:.3f}, sim busy tok/s "
-              f"{a['sim_busy']:.3f}")
+        print(f"{a['run']} / best static: throughput {a['throughput']:.3f}, busy tok/s "
+              f"{a['busy']:.3f} ({a['best_static']}), sim busy tok/s {a['sim_busy']:.3f}")
 
 
 def auto_vs_static(result: dict[str, Any]) -> list[dict[str, Any]]:
     """Each auto run over the best static run, by throughput (first send to last token:
     ~1.0 whenever every layout keeps up with the arrivals) and by tokens per busy second
-    (the flip map's figure of merit), measured and simulated; NaN where a side is missing."""
+    (the flip map's figure of merit), measured and simulated; each measure's best static
+    run is its own (`best_static`: the busy one's, None when no static run has it), NaN
+    where a side is missing."""
     runs = served(result)
     static = [r for r in runs if not r["run"].startswith("auto") and not r.get("cut")]
     if not static:
         return []
+    measures = {"throughput": lambda r: r.get("throughput_tps"),
+                "busy": lambda r: r.get("busy_tps"),
+                "sim_busy": lambda r: (r.get("sim") or {}).get("busy_tps")}
 
-    def best(key: Callable[[dict[str, Any]], float | None]) -> float:
-        vals = [v for v in map(key, static) if v is not None and math.isfinite(v)]
-        return max(vals) if vals else math.nan
+    def best(key: Callable[[dict[str, Any]], float | None]) -> dict[str, Any] | None:
+        ok = [r for r in static if _positive(key(r))]
+        return max(ok, key=key) if ok else None
 
-    def sim_busy(r: dict[str, Any]) -> float | None:
-        return (r.get("sim") or {}).get("busy_tps")
+    tops = {name: best(key) for name, key in measures.items()}
+    out = []
+    for r in runs:
+        if not r["run"].startswith("auto") or r.get("cut"):
+            continue
+        row: dict[str, Any] = {"run": r["run"], "best_static": (tops["busy"] or {}).get("run")}
+        for name, key in measures.items():
+            top, mine = tops[name], key(r)
+            row[name] = mine / key(top) if top is not None and _positive(mine) else math.nan
+        out.append(row)
+    return out
 
-    def busy(r: dict[str, Any]) -> float | None:
-        return r.get("busy_tps")
 
-    top = max(static, key=lambda r: busy(r) if math.isfinite(busy(r) or math.nan) else -1.0)
-    return [{"run": r["run"], "best_static": top["run"],
-             "throughput": r["throughput_tps"] / best(lambda x: x["throughput_tps"]),
-             "busy": (busy(r) or math.nan) / best(busy),
-             "sim_busy": (sim_busy(r) or math.nan) / best(sim_busy)}
-            for r in runs if r["run"].startswith("auto") and not r.get("cut")]
+def _positive(x: float | None) -> bool:
+    return x is not None and math.isfinite(x) and x > 0
 
 
 def plot(result: dict[str, Any], path: str) -> None:

@@ -394,3 +394,8 @@ def test_auto_is_compared_with_the_best_static_run_by_throughput_and_busy_second
     (cmp,) = bfw.auto_vs_static(result)
     assert cmp["best_static"] == "tp2" and cmp["busy"] == pytest.approx(650 / 400)
     assert bfw.auto_vs_static({"runs": [run("auto", 1.0, 1.0, 1.0)]}) == []
+    for r in result["runs"][:2]:  # servers that report no busy_s: no best static by it
+        r["busy_tps"] = None
+    (cmp,) = bfw.auto_vs_static(result)
+    assert cmp["best_static"] is None and math.isnan(cmp["busy"])
+    assert cmp["throughput"] == pytest.approx(100.5 / 101.0)

@@ -381,6 +381,12 @@ def test_admin_flip_over_http_under_load():
                 assert r.status_code in (400, 422), r.text
                 info = httpx.get(url + "/server_info", timeout=30).json()
                 assert (info["config"]["tp_size"], info["config"]["pp_size"]) == (1, 2)
+                # a manual flip's seam is busy time: idle, a flip back adds at least its seam
+                back = httpx.post(url + "/admin/flip", json={"tp_size": 2, "pp_size": 1},
+                                  timeout=120)
+                assert back.status_code == 200, back.text
+                busy = httpx.get(url + "/server_info", timeout=30).json()["busy_s"]
+                assert busy - info["busy_s"] >= back.json()["total_s"] > 0
         finally:
             stop_server(proc)
     assert texts[0] == texts[1] and texts[0]

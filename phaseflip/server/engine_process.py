@@ -67,7 +67,7 @@ class EngineServer:
         self.core.request_failed = self._request_failed  # (a grammar that failed to compile)
         self.watchdog = StepWatchdog(cfg.watchdog_timeout_s, self._on_stall)
         self.trace_after_s = float(os.environ.get(TRACE_ENV) or 0) or None
-        # wall seconds inside steps since launch (auto flips' seams included): a workload's
+        # wall seconds inside steps and flips since launch: a workload's
         # tokens over it are its throughput per busy second, whatever the arrival rate
         self.busy_s = 0.0
         if not cfg.skip_warmup:  # the first client should not pay for the kernels' compile
@@ -187,6 +187,7 @@ class EngineServer:
             return m.ControlReply(msg.call_id, True, {"freed_tokens": freed})
         if msg.op == "flip":
             self.watchdog.beat(True)  # a seam is work, with or without requests
+            t0 = time.perf_counter()
             try:
                 census, _ = self.core.flip(msg.args["tp_size"], msg.args["pp_size"],
                                            sink=self._send_deltas)
@@ -194,6 +195,8 @@ class EngineServer:
                 if self.core.dead:  # failed after the seam began: the engine is gone
                     raise
                 return m.ControlReply(msg.call_id, False, message=str(e))
+            finally:  # a manual flip's drain and seam are busy time, as an auto flip's are
+                self.busy_s += time.perf_counter() - t0
             self.cfg = self.core.cfg
             self.send(self._ready())  # before the reply: the caller sees the new limits
             return m.ControlReply(msg.call_id, True, census.as_dict())

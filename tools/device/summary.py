@@ -99,10 +99,16 @@ def workload(d: str) -> None:
                   f"{ratio and round(ratio, 3)}; tok/s {tps}; flips "
                   f"{ {s: g.get('flips') for s, g in got.items()} }")
         for a in r.get("auto_vs_static") or []:  # tokens per busy second: the map's measure
-            print(f"  {a['run']} / {a['best_static']}: throughput {a['throughput']:.3f}, "
-                  f"busy tok/s {a['busy']:.3f}, sim busy tok/s {a['sim_busy']:.3f}")
+            print(f"  {a['run']} / best static: throughput {_ratio(a['throughput'])}, busy "
+                  f"tok/s {_ratio(a['busy'])} ({a['best_static']}), sim busy tok/s "
+                  f"{_ratio(a['sim_busy'])}")
         print("  timing", r.get("timing"), "calibration",
               "ok" if r.get("calibration") else r.get("calibration_error"))
+
+
+def _ratio(v: float | None) -> str:
+    """A ratio the JSON may hold as null (NaN written by `write_json`)."""
+    return "n/a" if v is None else f"{v:.3f}"
 
 
 def comm(d: str) -> None:
