@@ -41,12 +41,10 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch
-
 from phaseflip.errors import InvalidRequestError
 from phaseflip.flip.census import SeamCensus, layout_name
 from phaseflip.flip.host import LayoutHost
-from phaseflip.flip.weights import record_weights
+from phaseflip.flip.weights import device_free_bytes, record_weights
 
 log = logging.getLogger("phaseflip.engine.flip")  # the operators' greppable name (docs)
 
@@ -125,11 +123,6 @@ def _fence(host: LayoutHost, census: SeamCensus, segment) -> None:
     census.fence_s = census.segments["fence"]
 
 
-def _device_free(device: torch.device) -> int | None:
-    """cudaMemGetInfo's free bytes (what the driver reports for the whole device)."""
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-
-
 def _mutate(host: LayoutHost, census: SeamCensus, segment, target_cfg) -> None:
     """The seam from the retract on: from here a failure leaves no usable engine."""
     with segment("retract"):
@@ -152,7 +145,7 @@ def _mutate(host: LayoutHost, census: SeamCensus, segment, target_cfg) -> None:
         census.relayout_parts = dict(runner.build_s)
         census.graph_capture = runner.graph_capture
         census.graphs_kept_bytes = getattr(runner, "graphs_kept_bytes", None)
-        census.device_free_after_bytes = _device_free(runner.device)
+        census.device_free_after_bytes = device_free_bytes(runner.device)
         acc = host.check_pool()
         census.kv_slots_after = acc.total
         census.rows_moved = acc.total - acc.free  # nothing is re-admitted yet (law 6)

@@ -121,13 +121,25 @@ def strategy_of(load: Any) -> str:
     return load.source if load.source in ("host-image", "resident", "peer") else "reload"
 
 
+def load_gbps(load: Any) -> float | None:
+    """A `WeightsLoad`'s bytes moved over its whole load, GB/s (None: nothing moved, or
+    unmeasured)."""
+    moved = load.bytes_moved
+    return moved / load.load_s / 1e9 if moved and load.load_s else None
+
+
+def device_free_bytes(device: torch.device) -> int | None:
+    """cudaMemGetInfo's free bytes (the whole device, every process on it); None off CUDA."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
 def record_weights(census: Any, load: Any) -> None:
     """Rank 0's load of its shard, into the seam census."""
     census.weights = strategy_of(load)
     census.weights_load_s, census.weights_read_s = load.load_s, load.read_s
     census.weights_h2d_wait_s, census.weights_drain_s = load.h2d_wait_s, load.drain_s
-    census.weights_bytes_moved = moved = load.bytes_moved
-    census.weights_gbps = (moved / load.load_s / 1e9 if moved and load.load_s else None)
+    census.weights_bytes_moved = load.bytes_moved
+    census.weights_gbps = load_gbps(load)
 
 
 def build_report(rank: int, runner: Any) -> dict[str, Any]:
@@ -135,10 +147,6 @@ def build_report(rank: int, runner: Any) -> dict[str, Any]:
     moved onto its device, load time and rate, and its device's free memory after the build
     (None off CUDA, law 5)."""
     load = runner.weights_load
-    moved = load.bytes_moved
-    free = (torch.cuda.mem_get_info(runner.device)[0] if runner.device.type == "cuda"
-            else None)
-    return {"rank": rank, "weights": strategy_of(load), "bytes_moved": moved,
-            "load_s": load.load_s,
-            "gbps": moved / load.load_s / 1e9 if moved and load.load_s else None,
-            "device_free_after_bytes": free}
+    return {"rank": rank, "weights": strategy_of(load), "bytes_moved": load.bytes_moved,
+            "load_s": load.load_s, "gbps": load_gbps(load),
+            "device_free_after_bytes": device_free_bytes(runner.device)}
