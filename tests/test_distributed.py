@@ -144,14 +144,14 @@ def test_killing_a_worker_stops_the_server_and_every_rank():
     import os
     import signal
 
-    from tests.server_process import start_server, stop_server
+    from tests.server_process import rank_pids, start_server, stop_server
 
     proc, url = start_server("--tp-size", "2", "--pp-size", "2")
     try:
-        ranks = [p for p in _descendants(proc.pid)
+        ranks = [p for p in _descendants(proc.pid)  # the engine, its rank forkserver, ranks
                  if b"resource_tracker" not in open(f"/proc/{p}/cmdline", "rb").read()]
-        workers = [p for p in ranks if os.getppid() != p and p not in _direct(proc.pid)]
-        assert len(workers) == 3, ranks  # ranks 1..3 are children of the engine process
+        workers = rank_pids(proc.pid)
+        assert len(workers) == 3, ranks  # ranks 1..3 (rank 0 is the engine process)
         os.kill(workers[1], signal.SIGKILL)
         proc.wait(timeout=30)  # the engine notices at its next idle check, the server exits
         deadline = time.monotonic() + 15
@@ -161,13 +161,6 @@ def test_killing_a_worker_stops_the_server_and_every_rank():
     finally:
         if proc.poll() is None:
             stop_server(proc)
-
-
-def _direct(pid: int) -> list[int]:
-    import subprocess
-
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
 
 
 def _alive(pid: int) -> bool:

@@ -24,8 +24,9 @@ from tests.conftest import prompts_for
 
 pytestmark = pytest.mark.timeout(240, method="thread")  # signals cannot interrupt gloo
 PARAMS = SamplingParams(temperature=0.0, max_new_tokens=14, ignore_eos=True, logprobs=0)
-CFG = {"device": "cpu", "dtype": "float32", "max_total_tokens": 4096, "dist_timeout_s": 60,
-       "check_accounting": True}
+# PHASEFLIP_TEST_DEVICE=cuda runs these engines on the GPU(s): NCCL with one rank per GPU
+CFG = {"device": os.environ.get("PHASEFLIP_TEST_DEVICE", "cpu"), "dtype": "float32",
+       "max_total_tokens": 4096, "dist_timeout_s": 60, "check_accounting": True}
 FLIP = {"enable_flip": True, "enable_hicache": True, "hicache_host_gb": 0.01}
 PAGED = FLIP | {"hicache_page_size": 8}  # the prompts' prefixes fill whole host pages
 

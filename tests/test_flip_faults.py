@@ -11,8 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.server_process import start_server, stop_server
-from tests.test_watchdog import _rank_pids
+from tests.server_process import rank_pids, start_server, stop_server
 
 pytestmark = pytest.mark.timeout(180, method="thread")
 
@@ -32,7 +31,7 @@ def test_a_rank_killed_during_a_seam_stops_the_server_within_10_s():
     proc, url = start_server("--tp-size", "2", "--enable-flip", "--enable-hicache",
                              "--hicache-host-gb", "0.01", "--dist-timeout-s", "60",
                              deadline_s=120)
-    ranks = _rank_pids(proc.pid)
+    ranks = rank_pids(proc.pid)
     assert len(ranks) == 1, ranks
     answers: list[int] = []
     try:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 import time
 
 import pytest
 
 from phaseflip.distributed.watchdog import StepWatchdog
+from tests.server_process import rank_pids
 
 pytestmark = pytest.mark.timeout(120, method="thread")
 
@@ -42,22 +42,6 @@ def test_idle_and_progressing_loops_never_fire():
     assert fired == []
 
 
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
-
-
-def _rank_pids(server_pid: int) -> list[int]:
-    """The worker ranks: children of the engine process that are not its resource tracker."""
-    ranks = []
-    for engine in _children(server_pid):
-        for p in _children(engine):
-            with open(f"/proc/{p}/cmdline", "rb") as f:
-                if b"resource_tracker" not in f.read():
-                    ranks.append(p)
-    return ranks
-
-
 def test_wedged_rank_with_work_is_reported_and_the_server_exits():
     """Rank 1 frozen mid-request: rank 0 waits in an all-reduce whose group timeout (60 s) is
     far away; the watchdog (2 s) reports every rank's position, /health turns 503 and the
@@ -68,7 +52,7 @@ def test_wedged_rank_with_work_is_reported_and_the_server_exits():
 
     proc, url = start_server("--tp-size", "2", "--watchdog-timeout-s", "2",
                              "--dist-timeout-s", "60")
-    ranks = _rank_pids(proc.pid)
+    ranks = rank_pids(proc.pid)
     try:
         assert len(ranks) == 1, ranks
         body = {"model": "tiny-llama", "prompt": "Return the", "max_tokens": 1000,

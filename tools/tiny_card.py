@@ -29,33 +29,26 @@ def add_compat_fields(out: Path) -> None:
 
 
 def write_card(out: Path, log: dict, heldout_every: int, chat_sample: str) -> None:
-    m, t, h, c = log["model"], log["training"], log["heldout"], log["corpus"]
-    files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
-    files["README.md"] = 0
-    steps_note = (
-        "the step count was chosen by a timing probe and is fixed by `--steps` above."
-        if log.get("steps_source") == "timing probe"
-        else "the step count was given with `--steps`."
-    )
-    stop_note = (
-        f"**the max-minutes safety stop triggered after {t['steps']} of {t['planned_steps']} "
-        "steps, so the command above would train longer than this model was**"
-        if t["stopped_early"]
-        else "the --max-minutes budget is only a safety stop and did not trigger"
-    )
-    samples = "\n\n".join(
-        f"**Prompt** `{s['prompt']!r}` → greedy:\n\n```\n{s['prompt'] if not s.get('chat') else ''}"
-        f"{s['completion']}\n```"
-        if not s.get("chat")
-        else f"**Chat** (template applied, `add_generation_prompt=True`) user: "
-        f"`{chat_sample}` → greedy assistant reply:\n\n```\n{s['completion']}\n```"
-        for s in log["samples"]
-    )
-    final_loss = t["final_train_loss"]
-    file_list = "\n".join(
-        f"- `{k}`" + (f" — {v:,} bytes" if k != "README.md" else "") for k, v in files.items()
-    )
-    card = f"""---
+    """Write README.md (the model card) from the training log."""
+    sections = [
+        _card_intro(log),
+        _card_how_made(log),
+        _card_corpus(log, heldout_every),
+        _card_tokenizer(log),
+        _card_architecture(log),
+        _card_training(log),
+        _card_heldout(log),
+        "## Sample greedy completions (transformers `generate`, `do_sample=False`)\n\n"
+        + _card_samples(log["samples"], chat_sample)
+        + "\n",
+        "## Files\n\n" + _card_file_list(out) + "\n",
+    ]
+    (out / "README.md").write_text("\n".join(sections))
+
+
+def _card_intro(log: dict) -> str:
+    m, t = log["model"], log["training"]
+    return f"""---
 license: psf-2.0
 library_name: transformers
 pipeline_tag: text-generation
@@ -69,8 +62,23 @@ tags: [llama, toy, test-fixture]
 the test suite run with no download and print recognisable (English-ish, Python-docstring-ish)
 text instead of noise. It knows nothing useful, repeats itself, and must not be used for
 anything but tests and demos.
+"""
 
-## How it was made
+
+def _card_how_made(log: dict) -> str:
+    t = log["training"]
+    steps_note = (
+        "the step count was chosen by a timing probe and is fixed by `--steps` above."
+        if log.get("steps_source") == "timing probe"
+        else "the step count was given with `--steps`."
+    )
+    stop_note = (
+        f"**the max-minutes safety stop triggered after {t['steps']} of {t['planned_steps']} "
+        "steps, so the command above would train longer than this model was**"
+        if t["stopped_early"]
+        else "the --max-minutes budget is only a safety stop and did not trigger"
+    )
+    return f"""## How it was made
 
 ```
 {log["reproduce_with"]}
@@ -81,8 +89,12 @@ the seed, the Python standard library version, the thread count and the library 
 below; {stop_note}) Python {log["python"]},
 torch {log["torch"]}, transformers {log["transformers"]}, tokenizers {log["tokenizers"]},
 {log["threads"]} threads, total wall time {log["wall_seconds"] / 60:.1f} min.
+"""
 
-## Corpus
+
+def _card_corpus(log: dict, heldout_every: int) -> str:
+    t, c = log["training"], log["corpus"]
+    return f"""## Corpus
 
 Docstrings (via `ast`) and comments (via `tokenize`, consecutive comment lines grouped) of
 the Python {log["python"]} standard library (`sysconfig.get_paths()["stdlib"]`), walked in
@@ -96,8 +108,11 @@ hash-selected ~{log["args"]["chat_frac"]:.0%}) were written as a ChatML exchange
 (`<|im_start|>user\\nWhat does NAME do?<|im_end|>\\n<|im_start|>assistant\\nDOCSTRING<|im_end|>\\n`)
 so the model has seen the chat format and learns to stop with `<|im_end|>`.
 Training text is packed into {t["seq_len"]}-token sequences with `<|endoftext|>` between documents.
+"""
 
-## Tokenizer
+
+def _card_tokenizer(log: dict) -> str:
+    return f"""## Tokenizer
 
 Byte-level BPE (`tokenizers`), vocabulary {log["tokenizer"]["vocab_size"]}, trained on the training
 split. Special tokens: `<|endoftext|>` = 0 (bos, eos and pad), `<|im_start|>` = 1,
@@ -106,8 +121,12 @@ split. Special tokens: `<|endoftext|>` = 0 (bos, eos and pad), `<|im_start|>` = 
 `decode(encode(text)) == text` for any text (byte-level). A ChatML `chat_template` is included:
 `<|im_start|>{{role}}\\n{{content}}<|im_end|>\\n` per message, plus `<|im_start|>assistant\\n`
 with `add_generation_prompt=True` (no system message is inserted automatically).
+"""
 
-## Architecture
+
+def _card_architecture(log: dict) -> str:
+    m = log["model"]
+    return f"""## Architecture
 
 `LlamaForCausalLM`: hidden {m["hidden_size"]}, {m["num_hidden_layers"]} layers,
 {m["num_attention_heads"]} attention heads, {m["num_key_value_heads"]} KV heads (GQA, head dim
@@ -116,8 +135,13 @@ RMSNorm eps 1e-5, RoPE theta {m["rope_theta"]:.0f}, max positions {m["max_positi
 vocabulary {m["vocab_size"]}, tied input/output embeddings. **{m["parameters"]:,} parameters**,
 stored in **{m["weights_dtype"]}** (`model.safetensors`, {log["weights_bytes"] / 1e6:.2f} MB).
 `generation_config.json`: eos `[2, 0]` (`<|im_end|>`, `<|endoftext|>`), bos 0, pad 0, greedy.
+"""
 
-## Training
+
+def _card_training(log: dict) -> str:
+    t = log["training"]
+    final_loss = t["final_train_loss"]
+    return f"""## Training
 
 Plain PyTorch loop, AdamW (betas 0.9/0.95, weight decay {log["args"]["weight_decay"]} on
 matrices), grad-norm clip 1.0, {t["lr_schedule"]}, {t["steps"]} steps x {t["batch_sequences"]}
@@ -125,18 +149,34 @@ sequences x {t["seq_len"]} tokens = {t["tokens_seen"]:,} tokens ({t["epochs"]:.2
 {t["train_tokens"]:,} training tokens), fp32, seed {log["seed"]}, {t["train_seconds"] / 60:.1f} min.
 Final training loss (mean of the last {log["args"]["log_every"]} steps): **{final_loss:.3f}**.
 The full loss curve is in `training_log.json`.
+"""
 
-## Held-out perplexity
+
+def _card_heldout(log: dict) -> str:
+    h = log["heldout"]
+    return f"""## Held-out perplexity
 
 **{h["perplexity"]:.2f}** (mean NLL {h["mean_nll_nats"]:.4f} nats/token) on `heldout_sample.txt`
 (the exact text, sha256 `{h["file_sha256"][:16]}…`). Method: {h["method"]}
-
-## Sample greedy completions (transformers `generate`, `do_sample=False`)
-
-{samples}
-
-## Files
-
-{file_list}
 """
-    (out / "README.md").write_text(card)
+
+
+def _card_samples(samples: list[dict], chat_sample: str) -> str:
+    """Each sample as a fenced block; plain prompts are shown followed by their completion."""
+    return "\n\n".join(
+        f"**Prompt** `{s['prompt']!r}` → greedy:\n\n```\n{s['prompt'] if not s.get('chat') else ''}"
+        f"{s['completion']}\n```"
+        if not s.get("chat")
+        else f"**Chat** (template applied, `add_generation_prompt=True`) user: "
+        f"`{chat_sample}` → greedy assistant reply:\n\n```\n{s['completion']}\n```"
+        for s in samples
+    )
+
+
+def _card_file_list(out: Path) -> str:
+    """The directory listing with sizes; README.md (being written) is listed without one."""
+    files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
+    files["README.md"] = 0
+    return "\n".join(
+        f"- `{k}`" + (f" — {v:,} bytes" if k != "README.md" else "") for k, v in files.items()
+    )

@@ -34,7 +34,9 @@ import platform
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # Keep the BPE trainer (rayon) from grabbing every core of a shared machine.
 os.environ.setdefault("RAYON_NUM_THREADS", "2")
@@ -169,9 +171,6 @@ def heldout_perplexity(model, ids: list[int], n_windows: int):
     return math.exp(mean), mean, count, per_window
 
 
-# --------------------------------------------------------------------------- main
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="phaseflip/assets/tiny-llama")
@@ -195,85 +194,173 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+# --------------------------------------------------------------------------- phases
 
+
+@dataclass
+class Run:
+    """What every phase needs: the parsed arguments, the output directory, the clock."""
+
+    args: argparse.Namespace
+    argv: list[str] | None
+    out: Path
+    t_start: float
+
+    def say(self, msg: str) -> None:
+        print(f"[{time.time() - self.t_start:7.1f}s] {msg}", flush=True)
+
+
+@dataclass
+class Corpus:
+    meta: dict
+    train_docs: list[dict]
+    held_docs: list[dict]
+    train_texts: list[str]
+    n_chat: int
+
+
+@dataclass
+class Tokens:
+    tok: Any  # tokenizers.Tokenizer
+    hf_tok: Any  # transformers.PreTrainedTokenizerFast
+    vocab_size: int
+    eot_id: int
+    im_start_id: int
+    im_end_id: int
+    stream: list[int]
+    data: torch.Tensor  # (n_chunks, SEQ_LEN)
+    chars_per_tok: float
+
+    @property
+    def n_chunks(self) -> int:
+        return self.data.shape[0]
+
+
+@dataclass
+class Heldout:
+    text: str
+    ids: list[int]
+    raw: bytes
+
+
+@dataclass
+class Training:
+    model: Any  # transformers.LlamaForCausalLM
+    n_params: int
+    steps: int
+    total_steps: int
+    stopped_early: bool
+    curve: list[dict]
+    train_s: float
+
+
+@dataclass
+class Evaluation:
+    ppl: float
+    mean_nll: float
+    n_eval: int
+    window_nll: list[float]
+
+
+def start_run(argv: list[str] | None) -> Run:
+    """Parse the arguments, then fix threads and seeds before anything draws a random number."""
+    args = build_parser().parse_args(argv)
     t_start = time.time()
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    return Run(args, argv, out, t_start)
 
-    def say(msg: str) -> None:
-        print(f"[{time.time() - t_start:7.1f}s] {msg}", flush=True)
 
-    # ---- corpus
-    docs, corpus_meta = build_corpus(int(args.max_corpus_mb * 1e6))
+def load_corpus(run: Run) -> Corpus:
+    """Build the corpus and split it into training and held-out documents."""
+    docs, meta = build_corpus(int(run.args.max_corpus_mb * 1e6))
     train_docs = [d for i, d in enumerate(docs) if i % HELDOUT_EVERY != 0]
     held_docs = [d for i, d in enumerate(docs) if i % HELDOUT_EVERY == 0]
-    train_texts = [to_training_text(d, args.chat_frac) for d in train_docs]
+    train_texts = [to_training_text(d, run.args.chat_frac) for d in train_docs]
     n_chat = sum(t.startswith(IM_START) for t in train_texts)
-    say(
-        f"corpus: {corpus_meta['files_parsed']} files, {len(docs)} docs, "
-        f"{corpus_meta['chars'] / 1e6:.2f} M chars; train {len(train_docs)} "
+    run.say(
+        f"corpus: {meta['files_parsed']} files, {len(docs)} docs, "
+        f"{meta['chars'] / 1e6:.2f} M chars; train {len(train_docs)} "
         f"({n_chat} as ChatML), held-out {len(held_docs)}"
     )
+    return Corpus(meta, train_docs, held_docs, train_texts, n_chat)
 
-    # ---- tokenizer (trained on the training split only, plain text)
-    tok = train_tokenizer([d["text"] for d in train_docs], args.vocab)
+
+def fit_tokenizer(run: Run, corpus: Corpus) -> tuple[Any, Any, tuple[int, int, int]]:
+    """Train the BPE on the training split only (plain text) and check its special ids.
+    Returns (tokenizer, its transformers wrapper, ids of EOT, IM_START, IM_END)."""
+    tok = train_tokenizer([d["text"] for d in corpus.train_docs], run.args.vocab)
     hf_tok = wrap_tokenizer(tok)
     eot_id = hf_tok.convert_tokens_to_ids(EOT)
     im_start_id = hf_tok.convert_tokens_to_ids(IM_START)
     im_end_id = hf_tok.convert_tokens_to_ids(IM_END)
     assert (eot_id, im_start_id, im_end_id) == (0, 1, 2), (eot_id, im_start_id, im_end_id)
-    vocab_size = tok.get_vocab_size()
     probe = "Return the value of x.  Ünïcødé → ok\n\tdef f(): pass"
     assert hf_tok.decode(hf_tok(probe)["input_ids"]) == probe
-    say(f"tokenizer: vocab {vocab_size}")
+    run.say(f"tokenizer: vocab {tok.get_vocab_size()}")
+    return tok, hf_tok, (eot_id, im_start_id, im_end_id)
 
-    # ---- token streams
-    enc = tok.encode_batch(train_texts, add_special_tokens=False)
+
+def tokenize_corpus(run: Run, corpus: Corpus) -> Tokens:
+    """Fit the tokenizer, then pack the training texts into SEQ_LEN-token sequences."""
+    tok, hf_tok, (eot_id, im_start_id, im_end_id) = fit_tokenizer(run, corpus)
+    enc = tok.encode_batch(corpus.train_texts, add_special_tokens=False)
     stream: list[int] = []
     for e in enc:
         stream.extend(e.ids)
         stream.append(eot_id)
     n_chunks = len(stream) // SEQ_LEN
     data = torch.tensor(stream[: n_chunks * SEQ_LEN], dtype=torch.long).view(n_chunks, SEQ_LEN)
-    chars_per_tok = sum(len(t) for t in train_texts) / len(stream)
-    say(
+    chars_per_tok = sum(len(t) for t in corpus.train_texts) / len(stream)
+    run.say(
         f"train tokens {len(stream):,} -> {n_chunks:,} sequences of {SEQ_LEN}; "
         f"{chars_per_tok:.2f} chars/token"
     )
+    return Tokens(
+        tok=tok,
+        hf_tok=hf_tok,
+        vocab_size=tok.get_vocab_size(),
+        eot_id=eot_id,
+        im_start_id=im_start_id,
+        im_end_id=im_end_id,
+        stream=stream,
+        data=data,
+        chars_per_tok=chars_per_tok,
+    )
 
-    # held-out sample: held-out docs (plain text) joined by <|endoftext|>, until it has
-    # enough tokens for HELDOUT_WINDOWS windows.
+
+def write_heldout(run: Run, corpus: Corpus, tokens: Tokens) -> Heldout:
+    """Held-out docs (plain text) joined by <|endoftext|>, until there are enough tokens for
+    HELDOUT_WINDOWS windows; written to heldout_sample.txt so the perplexity can be redone."""
     need = HELDOUT_WINDOWS * SEQ_LEN
     parts: list[str] = []
     n_ids = 0
-    for d in held_docs:
+    for d in corpus.held_docs:
         parts.append(d["text"])
-        n_ids += len(tok.encode(d["text"]).ids) + 1
+        n_ids += len(tokens.tok.encode(d["text"]).ids) + 1
         if n_ids >= need + 1:
             break
     held_text = EOT.join(parts) + EOT
-    held_ids = hf_tok(held_text, verbose=False)["input_ids"]
+    held_ids = tokens.hf_tok(held_text, verbose=False)["input_ids"]
     assert len(held_ids) >= need, (len(held_ids), need)
     held_bytes = held_text.encode("utf-8")
     assert len(held_bytes) < HELDOUT_MAX_BYTES, len(held_bytes)
-    (out / "heldout_sample.txt").write_bytes(held_bytes)
-    say(
+    (run.out / "heldout_sample.txt").write_bytes(held_bytes)
+    run.say(
         f"held-out sample: {len(parts)} docs, {len(held_bytes):,} bytes, "
         f"{len(held_ids):,} tokens, evaluating first {need:,}"
     )
+    return Heldout(held_text, held_ids, held_bytes)
 
-    # ---- model
-    model = make_model(args, vocab_size)
-    n_params = sum(p.numel() for p in model.parameters())
-    say(f"model: {n_params:,} parameters")
+
+def make_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only."""
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
+    return torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": args.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
@@ -283,66 +370,80 @@ def main(argv: list[str] | None = None) -> int:
         eps=1e-8,
     )
 
-    g = torch.Generator().manual_seed(args.seed)
-    order: list[int] = []
 
-    def next_batch() -> torch.Tensor:
-        nonlocal order
-        if len(order) < args.batch:
-            order = order + torch.randperm(n_chunks, generator=g).tolist()
-        idx, order = order[: args.batch], order[args.batch :]
-        return data[idx]
+class Trainer:
+    """One optimizer step at a time, drawing batches from seeded epoch permutations."""
 
-    def train_step(step: int, total: int) -> float:
-        lr = lr_at(step, total, args.warmup, args.lr, 0.1)
-        for grp in opt.param_groups:
+    def __init__(self, model: Any, data: torch.Tensor, args: argparse.Namespace) -> None:
+        self.model = model
+        self.data = data
+        self.args = args
+        self.opt = make_optimizer(model, args)
+        self.g = torch.Generator().manual_seed(args.seed)
+        self.order: list[int] = []
+
+    def next_batch(self) -> torch.Tensor:
+        batch = self.args.batch
+        if len(self.order) < batch:
+            self.order = self.order + torch.randperm(len(self.data), generator=self.g).tolist()
+        idx, self.order = self.order[:batch], self.order[batch:]
+        return self.data[idx]
+
+    def lr(self, step: int, total: int) -> float:
+        return lr_at(step, total, self.args.warmup, self.args.lr, 0.1)
+
+    def step(self, step: int, total: int) -> float:
+        lr = self.lr(step, total)
+        for grp in self.opt.param_groups:
             grp["lr"] = lr
-        batch = next_batch()
-        loss = model(input_ids=batch, labels=batch).loss
-        opt.zero_grad(set_to_none=True)
+        batch = self.next_batch()
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
         return loss.item()
 
-    model.train()
-    budget_s = args.max_minutes * 60
-    t_train0 = time.time()
-    curve: list[dict] = []
-    step = 0
-    if args.steps is None:
-        # Timing probe: the first steps are real training steps (warmup schedule for a
-        # provisional total); the total is then fixed from the measured speed.
-        probe_steps = 8
-        provisional = 10_000
-        losses = []
-        for step in range(probe_steps):
-            losses.append(train_step(step, provisional))
-        per_step = (time.time() - t_train0) / probe_steps
-        total_steps = max(probe_steps + 1, int(budget_s * 0.93 / per_step))
-        step = probe_steps
-        say(
-            f"timing probe: {per_step:.2f} s/step -> {total_steps} steps "
-            f"(re-run with --steps {total_steps} to reproduce)"
-        )
-        curve.append(
-            {
-                "step": probe_steps,
-                "loss": sum(losses) / len(losses),
-                "lr": lr_at(probe_steps - 1, total_steps, args.warmup, args.lr, 0.1),
-                "elapsed_s": round(time.time() - t_train0, 1),
-            }
-        )
-        # Note: the probe steps used a warmup computed for the provisional total, which
-        # is identical (warmup only depends on the step index) as long as total > warmup.
-    else:
-        total_steps = args.steps
 
+def timing_probe(run: Run, trainer: Trainer, t_train0: float, curve: list[dict]) -> tuple[int, int]:
+    """Run the first steps for real (warmup schedule for a provisional total) and fix the
+    total from the measured speed.  Returns (steps done, total steps)."""
+    probe_steps = 8
+    provisional = 10_000
+    losses = []
+    for step in range(probe_steps):
+        losses.append(trainer.step(step, provisional))
+    per_step = (time.time() - t_train0) / probe_steps
+    budget_s = run.args.max_minutes * 60
+    total_steps = max(probe_steps + 1, int(budget_s * 0.93 / per_step))
+    run.say(
+        f"timing probe: {per_step:.2f} s/step -> {total_steps} steps "
+        f"(re-run with --steps {total_steps} to reproduce)"
+    )
+    curve.append(
+        {
+            "step": probe_steps,
+            "loss": sum(losses) / len(losses),
+            "lr": trainer.lr(probe_steps - 1, total_steps),
+            "elapsed_s": round(time.time() - t_train0, 1),
+        }
+    )
+    # Note: the probe steps used a warmup computed for the provisional total, which is
+    # identical (warmup only depends on the step index) as long as total > warmup.
+    return probe_steps, total_steps
+
+
+def train_loop(
+    run: Run, trainer: Trainer, step: int, total_steps: int, t_train0: float, curve: list[dict]
+) -> tuple[int, bool]:
+    """Train from ``step`` to ``total_steps``, logging every --log-every steps; stops early
+    past 115% of --max-minutes.  Returns (steps done, stopped early)."""
+    args = run.args
+    budget_s = args.max_minutes * 60
     acc = 0.0
     acc_n = 0
-    stopped_early = False
     while step < total_steps:
-        acc += train_step(step, total_steps)
+        acc += trainer.step(step, total_steps)
         acc_n += 1
         step += 1
         if step % args.log_every == 0 or step == total_steps:
@@ -350,156 +451,220 @@ def main(argv: list[str] | None = None) -> int:
             rec = {
                 "step": step,
                 "loss": round(acc / acc_n, 4),
-                "lr": round(lr_at(step - 1, total_steps, args.warmup, args.lr, 0.1), 6),
+                "lr": round(trainer.lr(step - 1, total_steps), 6),
                 "elapsed_s": round(elapsed, 1),
             }
             curve.append(rec)
             eta = elapsed / step * (total_steps - step)
-            say(
+            run.say(
                 f"step {step:5d}/{total_steps}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
                 f"eta {eta / 60:.1f} min"
             )
             acc, acc_n = 0.0, 0
         if time.time() - t_train0 > budget_s * 1.15 and step < total_steps:
-            say(f"!! over the time budget, stopping at step {step}")
-            stopped_early = True
-            break
+            run.say(f"!! over the time budget, stopping at step {step}")
+            return step, True
+    return step, False
+
+
+def train(run: Run, tokens: Tokens) -> Training:
+    """Build the model and train it, for --steps or for what the timing probe chose."""
+    model = make_model(run.args, tokens.vocab_size)
+    n_params = sum(p.numel() for p in model.parameters())
+    run.say(f"model: {n_params:,} parameters")
+    trainer = Trainer(model, tokens.data, run.args)
+    model.train()
+    t_train0 = time.time()
+    curve: list[dict] = []
+    if run.args.steps is None:
+        step, total_steps = timing_probe(run, trainer, t_train0, curve)
+    else:
+        step, total_steps = 0, run.args.steps
+    step, stopped_early = train_loop(run, trainer, step, total_steps, t_train0, curve)
     train_s = time.time() - t_train0
-    final_loss = curve[-1]["loss"] if curve else float("nan")
+    return Training(model, n_params, step, total_steps, stopped_early, curve, train_s)
 
-    # ---- evaluation
-    ppl, mean_nll, n_eval, window_nll = heldout_perplexity(model, held_ids, HELDOUT_WINDOWS)
-    say(f"held-out perplexity {ppl:.3f} (mean NLL {mean_nll:.4f} nats over {n_eval} tokens)")
 
-    # ---- save
+def evaluate(run: Run, model: Any, held: Heldout) -> Evaluation:
+    """Held-out perplexity of the trained model (see heldout_perplexity)."""
+    ev = Evaluation(*heldout_perplexity(model, held.ids, HELDOUT_WINDOWS))
+    run.say(
+        f"held-out perplexity {ev.ppl:.3f} (mean NLL {ev.mean_nll:.4f} nats over {ev.n_eval} "
+        "tokens)"
+    )
+    return ev
+
+
+def save_model(run: Run, model: Any, tokens: Tokens) -> None:
+    """Write the Hugging Face model directory (weights, tokenizer, generation config)."""
+    from transformers import GenerationConfig
+
     model.config.use_cache = True
-    model.save_pretrained(out, safe_serialization=True)
-    hf_tok.save_pretrained(out)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
+    model.save_pretrained(run.out, safe_serialization=True)
+    tokens.hf_tok.save_pretrained(run.out)
     gen = GenerationConfig(
-        bos_token_id=eot_id,
-        eos_token_id=[im_end_id, eot_id],
-        pad_token_id=eot_id,
+        bos_token_id=tokens.eot_id,
+        eos_token_id=[tokens.im_end_id, tokens.eot_id],
+        pad_token_id=tokens.eot_id,
         do_sample=False,
         max_new_tokens=64,
     )
-    gen.save_pretrained(out)
-    add_compat_fields(out)
+    gen.save_pretrained(run.out)
+    add_compat_fields(run.out)
 
-    # ---- reload from disk (offline) and produce sample completions
-    tok2 = AutoTokenizer.from_pretrained(out)
-    model2 = AutoModelForCausalLM.from_pretrained(out)
+
+def reload_saved(run: Run, held: Heldout, ev: Evaluation) -> tuple[Any, Any]:
+    """Reload the directory from disk (offline) and check it reproduces the perplexity."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok2 = AutoTokenizer.from_pretrained(run.out)
+    model2 = AutoModelForCausalLM.from_pretrained(run.out)
     model2.eval()
     ppl2, _, _, _ = heldout_perplexity(
-        model2, tok2(held_text, verbose=False)["input_ids"], HELDOUT_WINDOWS
+        model2, tok2(held.text, verbose=False)["input_ids"], HELDOUT_WINDOWS
     )
-    assert abs(ppl2 - ppl) < 1e-3 * ppl, (ppl, ppl2)
+    assert abs(ppl2 - ev.ppl) < 1e-3 * ev.ppl, (ev.ppl, ppl2)
+    return tok2, model2
 
-    samples = []
-    with torch.no_grad():
-        for p in SAMPLE_PROMPTS:
-            ids = tok2(p, return_tensors="pt")
-            o = model2.generate(**ids, max_new_tokens=40, do_sample=False)
-            samples.append(
-                {"prompt": p, "completion": tok2.decode(o[0, ids["input_ids"].shape[1] :])}
-            )
-        chat = tok2.apply_chat_template(
-            [{"role": "user", "content": CHAT_SAMPLE}],
-            add_generation_prompt=True,
-            tokenize=False,
-        )
-        ids = tok2(chat, return_tensors="pt")
-        o = model2.generate(**ids, max_new_tokens=60, do_sample=False)
-        samples.append(
-            {
-                "prompt": chat,
-                "chat": True,
-                "completion": tok2.decode(o[0, ids["input_ids"].shape[1] :]),
-            }
-        )
+
+@torch.no_grad()
+def greedy(tok: Any, model: Any, prompt: str, max_new_tokens: int) -> str:
+    """The greedy completion of ``prompt`` (without the prompt)."""
+    ids = tok(prompt, return_tensors="pt")
+    o = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
+    return tok.decode(o[0, ids["input_ids"].shape[1] :])
+
+
+def make_samples(run: Run, tok: Any, model: Any) -> list[dict]:
+    """Greedy completions of SAMPLE_PROMPTS and of one ChatML exchange, for the card."""
+    samples = [{"prompt": p, "completion": greedy(tok, model, p, 40)} for p in SAMPLE_PROMPTS]
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": CHAT_SAMPLE}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    samples.append({"prompt": chat, "chat": True, "completion": greedy(tok, model, chat, 60)})
     for s in samples:
-        say(f"sample {s['prompt']!r} -> {s['completion']!r}")
+        run.say(f"sample {s['prompt']!r} -> {s['completion']!r}")
+    return samples
 
-    files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
-    weights_bytes = files.get("model.safetensors", 0)
-    wall = time.time() - t_start
-    log = {
+
+# --------------------------------------------------------------------------- training log
+
+
+def corpus_log(corpus: Corpus) -> dict:
+    return {
+        **corpus.meta,
+        "skip_dirs": sorted(SKIP_DIRS),
+        "min_doc_chars": MIN_DOC_CHARS,
+        "heldout_rule": f"document index i % {HELDOUT_EVERY} == 0",
+        "train_documents": len(corpus.train_docs),
+        "train_chat_documents": corpus.n_chat,
+        "heldout_documents": len(corpus.held_docs),
+    }
+
+
+def tokenizer_log(tokens: Tokens) -> dict:
+    return {
+        "type": "byte-level BPE (tokenizers)",
+        "vocab_size": tokens.vocab_size,
+        "special_tokens": {
+            EOT: tokens.eot_id,
+            IM_START: tokens.im_start_id,
+            IM_END: tokens.im_end_id,
+        },
+        "train_chars_per_token": round(tokens.chars_per_tok, 3),
+    }
+
+
+MODEL_LOG_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "vocab_size",
+    "tie_word_embeddings",
+)
+
+
+def model_log(tr: Training) -> dict:
+    return {
+        "parameters": tr.n_params,
+        **{k: getattr(tr.model.config, k) for k in MODEL_LOG_FIELDS},
+        "rope_theta": 10000.0,
+        "weights_dtype": "float32",
+    }
+
+
+def training_log(args: argparse.Namespace, tokens: Tokens, tr: Training) -> dict:
+    return {
+        "steps": tr.steps,
+        "planned_steps": tr.total_steps,
+        "stopped_early": tr.stopped_early,
+        "batch_sequences": args.batch,
+        "seq_len": SEQ_LEN,
+        "tokens_seen": tr.steps * args.batch * SEQ_LEN,
+        "train_tokens": len(tokens.stream),
+        "epochs": tr.steps * args.batch / tokens.n_chunks,
+        "optimizer": "AdamW(betas=(0.9, 0.95), eps=1e-8), grad clip 1.0",
+        "lr_schedule": f"linear warmup {args.warmup} steps to {args.lr}, cosine to 10%",
+        "train_seconds": round(tr.train_s, 1),
+        "final_train_loss": tr.curve[-1]["loss"] if tr.curve else float("nan"),
+        "loss_curve": tr.curve,
+    }
+
+
+def heldout_log(held: Heldout, ev: Evaluation) -> dict:
+    return {
+        "perplexity": round(ev.ppl, 4),
+        "mean_nll_nats": round(ev.mean_nll, 6),
+        "predicted_tokens": ev.n_eval,
+        "windows": HELDOUT_WINDOWS,
+        "window": SEQ_LEN,
+        "window_nll_sums": [round(v, 4) for v in ev.window_nll],
+        "file": "heldout_sample.txt",
+        "file_sha256": hashlib.sha256(held.raw).hexdigest(),
+        "method": (
+            "ids = tokenizer(open('heldout_sample.txt', encoding='utf-8').read())"
+            "['input_ids'] (no bos added; '<|endoftext|>' between documents is the "
+            "special token 0); take the first 160*256 ids as 160 non-overlapping "
+            "windows of 256; run each window independently (positions 0..255, no "
+            "cache); NLL of token t+1 from logits at t for t=0..254 (255 per window, "
+            "40,800 in total); perplexity = exp(sum NLL / 40800), float32."
+        ),
+    }
+
+
+def build_log(
+    run: Run,
+    corpus: Corpus,
+    tokens: Tokens,
+    held: Heldout,
+    tr: Training,
+    ev: Evaluation,
+    samples: list[dict],
+    files: dict[str, int],
+    wall: float,
+) -> dict:
+    """Everything needed to reproduce and judge the run (written as training_log.json)."""
+    args = run.args
+    return {
         "command": "python tools/train_tiny_model.py "
-        + " ".join(sys.argv[1:] if argv is None else argv),
-        "reproduce_with": reproduce_command(args, total_steps),
+        + " ".join(sys.argv[1:] if run.argv is None else run.argv),
+        "reproduce_with": reproduce_command(args, tr.total_steps),
         "steps_source": "timing probe" if args.steps is None else "--steps",
         "args": vars(args),
         "seed": args.seed,
-        "corpus": {
-            **corpus_meta,
-            "skip_dirs": sorted(SKIP_DIRS),
-            "min_doc_chars": MIN_DOC_CHARS,
-            "heldout_rule": f"document index i % {HELDOUT_EVERY} == 0",
-            "train_documents": len(train_docs),
-            "train_chat_documents": n_chat,
-            "heldout_documents": len(held_docs),
-        },
-        "tokenizer": {
-            "type": "byte-level BPE (tokenizers)",
-            "vocab_size": vocab_size,
-            "special_tokens": {EOT: eot_id, IM_START: im_start_id, IM_END: im_end_id},
-            "train_chars_per_token": round(chars_per_tok, 3),
-        },
-        "model": {
-            "parameters": n_params,
-            **{
-                k: getattr(model.config, k)
-                for k in (
-                    "hidden_size",
-                    "intermediate_size",
-                    "num_hidden_layers",
-                    "num_attention_heads",
-                    "num_key_value_heads",
-                    "max_position_embeddings",
-                    "vocab_size",
-                    "tie_word_embeddings",
-                )
-            },
-            "rope_theta": 10000.0,
-            "weights_dtype": "float32",
-        },
-        "training": {
-            "steps": step,
-            "planned_steps": total_steps,
-            "stopped_early": stopped_early,
-            "batch_sequences": args.batch,
-            "seq_len": SEQ_LEN,
-            "tokens_seen": step * args.batch * SEQ_LEN,
-            "train_tokens": len(stream),
-            "epochs": step * args.batch / n_chunks,
-            "optimizer": "AdamW(betas=(0.9, 0.95), eps=1e-8), grad clip 1.0",
-            "lr_schedule": f"linear warmup {args.warmup} steps to {args.lr}, cosine to 10%",
-            "train_seconds": round(train_s, 1),
-            "final_train_loss": final_loss,
-            "loss_curve": curve,
-        },
-        "heldout": {
-            "perplexity": round(ppl, 4),
-            "mean_nll_nats": round(mean_nll, 6),
-            "predicted_tokens": n_eval,
-            "windows": HELDOUT_WINDOWS,
-            "window": SEQ_LEN,
-            "window_nll_sums": [round(v, 4) for v in window_nll],
-            "file": "heldout_sample.txt",
-            "file_sha256": hashlib.sha256(held_bytes).hexdigest(),
-            "method": (
-                "ids = tokenizer(open('heldout_sample.txt', encoding='utf-8').read())"
-                "['input_ids'] (no bos added; '<|endoftext|>' between documents is the "
-                "special token 0); take the first 160*256 ids as 160 non-overlapping "
-                "windows of 256; run each window independently (positions 0..255, no "
-                "cache); NLL of token t+1 from logits at t for t=0..254 (255 per window, "
-                "40,800 in total); perplexity = exp(sum NLL / 40800), float32."
-            ),
-        },
+        "corpus": corpus_log(corpus),
+        "tokenizer": tokenizer_log(tokens),
+        "model": model_log(tr),
+        "training": training_log(args, tokens, tr),
+        "heldout": heldout_log(held, ev),
         "samples": samples,
         "files_bytes": files,
-        "weights_bytes": weights_bytes,
+        "weights_bytes": files.get("model.safetensors", 0),
         "wall_seconds": round(wall, 1),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -508,9 +673,28 @@ def main(argv: list[str] | None = None) -> int:
         "platform": platform.platform(),
         "threads": args.threads,
     }
-    (out / "training_log.json").write_text(json.dumps(log, indent=2, ensure_ascii=False) + "\n")
-    write_card(out, log, HELDOUT_EVERY, CHAT_SAMPLE)
-    say(f"done in {wall / 60:.1f} min; weights {weights_bytes / 1e6:.2f} MB")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    run = start_run(argv)
+    corpus = load_corpus(run)
+    tokens = tokenize_corpus(run, corpus)
+    held = write_heldout(run, corpus, tokens)
+    tr = train(run, tokens)
+    ev = evaluate(run, tr.model, held)
+    save_model(run, tr.model, tokens)
+    tok2, model2 = reload_saved(run, held, ev)
+    samples = make_samples(run, tok2, model2)
+    files = {p.name: p.stat().st_size for p in sorted(run.out.iterdir()) if p.is_file()}
+    wall = time.time() - run.t_start
+    log = build_log(run, corpus, tokens, held, tr, ev, samples, files, wall)
+    log_text = json.dumps(log, indent=2, ensure_ascii=False) + "\n"
+    (run.out / "training_log.json").write_text(log_text)
+    write_card(run.out, log, HELDOUT_EVERY, CHAT_SAMPLE)
+    run.say(f"done in {wall / 60:.1f} min; weights {log['weights_bytes'] / 1e6:.2f} MB")
     return 0
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -26,6 +25,7 @@ from phaseflip.cache.hicache.frames import HostFrames
 from phaseflip.config import EngineConfig
 from phaseflip.distributed.group import DistSpec
 from phaseflip.distributed.plan_channel import plan_channel
+from phaseflip.distributed.spawner import start_rank
 from phaseflip.distributed.worker import (
     KV_ARENA_WEIGHTS,
     RELEASE,
@@ -62,14 +62,11 @@ class RankSet:
         self.closed = False
         self.serving = False  # set once the launch layout is built
         self.run_dir = tempfile.mkdtemp(prefix="phaseflip-ranks-")
-        spawn = mp.get_context("spawn")
         self.workers = [
-            spawn.Process(target=worker_main, name=f"phaseflip-rank{r}", daemon=True,
-                          args=(r, spec, cfg, self.run_dir, os.getpid()))
+            start_rank(worker_main, (r, spec, cfg, self.run_dir, os.getpid()),
+                       name=f"phaseflip-rank{r}", daemon=True)
             for r in spec.local_ranks() if r != 0
         ]
-        for w in self.workers:
-            w.start()
         allocator_for_flips(cfg)
         try:
             self.rank0 = RankProcess(0, spec, self.run_dir, None, hicache_frames, weight_image,
@@ -225,12 +222,9 @@ def run_node_workers(cfg: EngineConfig) -> int:
     """`phaseflip serve --node-rank k` (k > 0): run this host's ranks until the driver stops
     them. Returns non-zero if any rank failed."""
     spec = DistSpec.from_config(cfg)
-    spawn = mp.get_context("spawn")
-    procs = [spawn.Process(target=worker_main, name=f"phaseflip-rank{r}",
-                           args=(r, spec, cfg, None, os.getpid()))
+    procs = [start_rank(worker_main, (r, spec, cfg, None, os.getpid()),
+                        name=f"phaseflip-rank{r}")
              for r in spec.local_ranks()]
-    for p in procs:
-        p.start()
     for p in procs:
         p.join()
     return max(p.exitcode or 0 for p in procs)

@@ -29,7 +29,8 @@ class PositionTracker:
         self.rank, self.run_dir = rank, Path(run_dir) if run_dir else None
         self.step, self.label, self.since = -1, "starting", time.time()
         self._stop = threading.Event()
-        self._parent = parent_pid
+        self._parent = parent_pid  # the driver's pid (not always ours: see `_driver_gone`)
+        self._ppid = os.getppid()
         self._thread = threading.Thread(target=self._publish_loop, daemon=True,
                                         name=f"phaseflip-watchdog-{rank}")
         self._thread.start()
@@ -48,10 +49,26 @@ class PositionTracker:
 
     def _publish_loop(self) -> None:
         while not self._stop.wait(1.0):
-            if self._parent is not None and os.getppid() != self._parent:
+            if self._driver_gone():
                 sys.stderr.write(f"rank {self.rank}: parent process is gone; exiting\n")
                 os._exit(1)  # the driver died: nothing left to serve, do not linger
             self.publish()
+
+    def _driver_gone(self) -> bool:
+        """Whether the driver that started this rank has died. A rank forked by the driver's
+        forkserver (`spawner.py`) has the forkserver as its parent, which exits when the
+        driver does: either parent changing, or the driver's pid gone, means the driver is."""
+        if self._parent is None:
+            return False
+        if os.getppid() != self._ppid:
+            return True
+        try:
+            os.kill(self._parent, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass  # alive, another user's (a recycled pid would be too: the parent check holds)
+        return False
 
     def publish(self) -> None:
         if self.run_dir is None:

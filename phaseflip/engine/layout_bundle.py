@@ -67,10 +67,10 @@ class LayoutBundle:
     def _stop_ranks(self, collect: bool) -> int | None:
         device = self.runner.device
         self.runner.close()
+        if device.type != "cuda":
+            return None  # the full pass below is for the device memory figure only
         if collect:
             gc.collect()
-        if device.type != "cuda":
-            return None
         torch.cuda.empty_cache()  # cached blocks go back to the driver
         return torch.cuda.memory_allocated(device)
 

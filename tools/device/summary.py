@@ -118,11 +118,14 @@ def comm(d: str) -> None:
 
 
 def fp8(d: str) -> None:
-    """linear_kernels runs: the skinny kernel's µs per (projection, rows)."""
+    """linear_kernels runs: the skinny kernel's µs per (projection, rows) and its config."""
     for f in _files(d, "lk_"):
-        rows = _load(f)["rows"]
-        print(_name(f), {(x["shapes"][0].split(".")[1], x["m"]): round(x["skinny_graph_us"], 1)
-                         for x in rows if x["m"] in (24, 48, 80, 96, 112, 128)})
+        data = _load(f)
+        if not isinstance(data, dict):  # a tuned table (lk_*.tuned.json), not a run
+            continue
+        print(_name(f), {(x["shapes"][0].split(".")[1], x["m"]):
+                         (round(x["skinny_graph_us"], 1), x.get("config_label"))
+                         for x in data["rows"]})
 
 
 KINDS = {"link": lambda d: print(f"link: {link_gbps(d)} GB/s"), "flips": flips,
