@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -28,6 +29,7 @@ from phaseflip.cache.hicache import (
     TransferOrders,
 )
 from phaseflip.cache.hicache.frames import page_geometry
+from phaseflip.cache.hicache.page import PageGeometry
 from phaseflip.cache.hicache.transfer import PoolPages
 from phaseflip.cache.kv_pool import KVPool
 
@@ -75,13 +77,29 @@ def main() -> None:
     engine = KVTransferEngine(pool, frames, geo, part, dev)
     perm = torch.randperm(args.pool_tokens - 1)[: nb * args.page_tokens] + 1
     pages = list(perm.view(nb, args.page_tokens))
+    many_store = TransferOrders(store_frames=list(range(nb)), store_slots=pages)
+    rows = _transfer_rows(args, dev, dtype, geo, pool, frames, engine, pages, many_store)
+    results = {name: (n, timed(fn, args.repeat, sync)) for name, n, fn in rows}
+    engine.execute(many_store).wait()
+    results.update(_disk_rows(args, geo, frames, nb))
+    out = _print_results(args, dev, geo.payload_len, results)
+    if args.out:
+        write_json(args.out, {"bench": "hicache", "args": vars(args), "device": str(dev),
+                              "results": out})
 
-    def run(orders: TransferOrders):
+
+def _transfer_rows(args: argparse.Namespace, dev: torch.device, dtype: torch.dtype,
+                   geo: PageGeometry, pool: KVPool, frames: HostFrames,
+                   engine: KVTransferEngine, pages: list[torch.Tensor], many_store: TransferOrders
+                   ) -> list[tuple[str, float, Callable[[], object]]]:
+    """(name, pages moved per call, call) for every in-memory transfer row and its ceiling."""
+    nb = len(pages)
+
+    def run(orders: TransferOrders) -> Callable[[], object]:
         return lambda: engine.execute(orders).wait()
 
     one_store = TransferOrders(store_frames=[0], store_slots=pages[:1])
     one_load = TransferOrders(load_frames=[0], load_slots=pages[:1])
-    many_store = TransferOrders(store_frames=list(range(nb)), store_slots=pages)
     many_load = TransferOrders(load_frames=list(range(nb)), load_slots=pages)
     gather_idx = pages[0].to(dev)
     pool_pages = PoolPages(pool)
@@ -94,8 +112,7 @@ def main() -> None:
 
     host = torch.empty((nb, geo.payload_len), dtype=torch.uint8, pin_memory=dev.type == "cuda")
     dev_buf = torch.empty((nb, geo.payload_len), dtype=torch.uint8, device=dev)
-    payload = geo.payload_len
-    rows = [
+    return [
         ("device gather (one indexed select)", 1, lambda: pool_pages.gather(gather_idx)),
         ("store: gather + D2H", 1, run(one_store)),
         ("load: H2D + scatter", 1, run(one_load)),
@@ -108,9 +125,11 @@ def main() -> None:
         ("pinned D2H copy (ceiling)", 1, lambda: host[0].copy_(dev_buf[0], non_blocking=True)),
         ("pinned H2D copy (ceiling)", 1, lambda: dev_buf[0].copy_(host[0], non_blocking=True)),
     ]
-    results = {name: (n, timed(fn, args.repeat, sync)) for name, n, fn in rows}
-    engine.execute(many_store).wait()
-    results.update(_disk_rows(args, geo, frames, nb))
+
+
+def _print_results(args: argparse.Namespace, dev: torch.device, payload: int,
+                   results: dict[str, tuple[float, float]]) -> dict[str, dict[str, float]]:
+    """Prints the markdown table; returns its rows for the JSON."""
     print(f"HiCache page transfer, {dev} {args.dtype}, page {payload / 2**20:.1f} MiB "
           f"({args.layers} layers x {args.kv_heads} KV heads x {args.page_tokens} tokens)")
     print("| step | ms per page | GB/s |")
@@ -121,9 +140,7 @@ def main() -> None:
         gbs = payload * n / s / 1e9
         out[name] = {"ms_per_page": per_page * 1e3, "GB/s": gbs}
         print(f"| {name} | {per_page * 1e3:.3f} | {gbs:.1f} |")
-    if args.out:
-        write_json(args.out, {"bench": "hicache", "args": vars(args), "device": str(dev),
-                              "results": out})
+    return out
 
 
 def _disk_rows(args, geo, frames: HostFrames, nb: int) -> dict[str, tuple[int, float]]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -163,6 +164,18 @@ def run_hf(model_dir: str, dtype: torch.dtype, device: torch.device, prompts: li
     return rates
 
 
+@dataclass
+class _TimedRun:
+    """What the timed `generate` left: its outputs (None when the deadline cut it short)."""
+
+    outs: list | None
+    t0: float
+    seconds: float
+    sampler: GpuBusySampler
+    progress: Progress
+    pauses: GcPauses
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     engine = engine_from_args(args)
@@ -175,31 +188,63 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     params = [SamplingParams(max_new_tokens=n, temperature=args.temperature, ignore_eos=True)
               for n in work.output_lens]
     dtype, device = engine.core.runner.dtype, engine.core.runner.device
+    run = _timed_run(engine, args, work, params, device)
+    progress, seconds = run.progress, run.seconds
+    rates = _run_rates(work, run.outs, progress, seconds)
+    step_s = seconds / progress.steps if progress.steps else None  # mean wall time of a step
+    busy = run.sampler.summary([(run.t0, run.t0 + seconds)], step_s)
+    if run.outs is None:
+        print(f"stopped at --max-duration-s {args.max_duration_s}: PARTIAL run, "
+              f"{progress.finished}/{len(work.prompts)} requests finished")
+    result = _run_description(args, engine, work, dtype, device)
+    result.update({
+        "phaseflip": rates,
+        "engine_steps": progress.steps,
+        "gpu_busy": busy,  # per GPU over the whole run, NVML (see benchmarks.gpu_busy)
+        "host_bubble_ms_per_step": busy["host_bubble_ms_per_step"],  # estimate, worst GPU
+        "gc": run.pauses.summary(),  # this process's collector passes during the run
+        "hf": None,
+    })
+    if args.hf:  # shown and saved first: the reference run may fail on its own
+        _print(result)
+        write_json(args.out, result)
+        n = min(args.hf_num_prompts, len(work.prompts))
+        result["hf"] = run_hf(m.model_dir, dtype, device, work.prompts[:n], work.output_lens[:n],
+                              args.hf_batch_size, args.hf_max_duration_s)
+        result["hf"]["batch_size"] = args.hf_batch_size
+    _print(result)
+    return write_json(args.out, result)
+
+
+def _timed_run(engine: Engine, args: argparse.Namespace, work: Any,
+               params: list[SamplingParams], device: torch.device) -> _TimedRun:
+    """Warms up, then times `generate` over the workload; the engine is released either way."""
     gpus, why_not = gpus_to_sample(engine, args.gpu_busy)
     try:
         if args.num_warmup:
             _warm(engine, args.num_warmup, args.seed)
         t0 = time.perf_counter()
         deadline = t0 + args.max_duration_s if args.max_duration_s else None
-        complete = True
+        outs = None
         with GpuBusySampler(gpus, note=why_not) as sampler, \
                 Progress(engine, deadline) as progress, GcPauses() as pauses:
             try:
                 outs = engine.generate(work.prompts, params, use_tqdm=True)
             except _DeadlineReached:
-                complete = False
+                pass
             if device.type == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
     finally:
         release_engine(engine)
-    rates = _run_rates(work, outs if complete else None, progress, seconds)
-    step_s = seconds / progress.steps if progress.steps else None  # mean wall time of a step
-    busy = sampler.summary([(t0, t0 + seconds)], step_s)
-    if not complete:
-        print(f"stopped at --max-duration-s {args.max_duration_s}: PARTIAL run, "
-              f"{progress.finished}/{len(work.prompts)} requests finished")
-    result: dict[str, Any] = {
+    return _TimedRun(outs, t0, seconds, sampler, progress, pauses)
+
+
+def _run_description(args: argparse.Namespace, engine: Engine, work: Any, dtype: torch.dtype,
+                     device: torch.device) -> dict[str, Any]:
+    """The result's leading keys: what ran, on what, with which workload."""
+    m = engine.model_config
+    return {
         "benchmark": "offline",
         "model": args.model or m.model_dir,
         "model_dir": m.model_dir,
@@ -214,22 +259,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "input_lens": [len(p) for p in work.prompts],
         "output_lens": work.output_lens,
         "num_prompts": len(work.prompts),
-        "phaseflip": rates,
-        "engine_steps": progress.steps,
-        "gpu_busy": busy,  # per GPU over the whole run, NVML (see benchmarks.gpu_busy)
-        "host_bubble_ms_per_step": busy["host_bubble_ms_per_step"],  # estimate, worst GPU
-        "gc": pauses.summary(),  # this process's collector passes during the run
-        "hf": None,
     }
-    if args.hf:  # shown and saved first: the reference run may fail on its own
-        _print(result)
-        write_json(args.out, result)
-        n = min(args.hf_num_prompts, len(work.prompts))
-        result["hf"] = run_hf(m.model_dir, dtype, device, work.prompts[:n], work.output_lens[:n],
-                              args.hf_batch_size, args.hf_max_duration_s)
-        result["hf"]["batch_size"] = args.hf_batch_size
-    _print(result)
-    return write_json(args.out, result)
 
 
 def _warm(engine: Any, num_prompts: int, seed: int) -> None:

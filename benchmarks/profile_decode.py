@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -87,16 +88,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     opts.update(parse_engine_args(args.engine_arg))
     engine = Engine(args.model, **opts)
     core = engine.core
-    vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_new_tokens=4 * args.steps + 32, temperature=args.temperature,
-                            ignore_eos=True)
-    for i, p in enumerate(random_prompts([args.input_len] * args.batch_size, vocab, 1)):
-        core.add_request(f"r{i}", p, params)
-    while len(core.scheduler.running) < args.batch_size or any(
-            r.kv_len < len(r.prompt_ids) for r in core.scheduler.running):
-        core.step()
-    for _ in range(3):  # warm: every step from here on is a full decode batch
-        core.step()
+    _fill_decode_batch(core, args, engine.model_config.vocab_size)
     cuda = core.runner.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
@@ -106,14 +98,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sync()
     bare = (time.perf_counter() - t0) / args.steps
     wrap_phases(core)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            with record_function("phase:step"):
-                core.step()
-        sync()
-        wall = (time.perf_counter() - t0) / args.steps
+    prof, wall = _profiled_steps(core, args.steps, cuda, sync)
     if args.trace:
         prof.export_chrome_trace(args.trace)
     kernels, phases = per_step_times(prof, args.steps)
@@ -128,6 +113,43 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "top_kernels_ms_per_step": dict(top),
         "gpu_gaps": gaps,
     }
+    _print_report(args, bare, wall, gpu_ms, phases, top, gaps)
+    if args.out:
+        write_json(args.out, result)
+    engine.shutdown()
+    return result
+
+
+def _fill_decode_batch(core: Any, args: argparse.Namespace, vocab: int) -> None:
+    """Submits the batch and steps until every request is decoding, then a few steps more."""
+    params = SamplingParams(max_new_tokens=4 * args.steps + 32, temperature=args.temperature,
+                            ignore_eos=True)
+    for i, p in enumerate(random_prompts([args.input_len] * args.batch_size, vocab, 1)):
+        core.add_request(f"r{i}", p, params)
+    while len(core.scheduler.running) < args.batch_size or any(
+            r.kv_len < len(r.prompt_ids) for r in core.scheduler.running):
+        core.step()
+    for _ in range(3):  # warm: every step from here on is a full decode batch
+        core.step()
+
+
+def _profiled_steps(core: Any, steps: int, cuda: bool,
+                    sync: Callable[[], None]) -> tuple[Any, float]:
+    """(the profile, wall seconds per step under it) of `steps` steps, each a "phase:step"."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            with record_function("phase:step"):
+                core.step()
+        sync()
+        wall = (time.perf_counter() - t0) / steps
+    return prof, wall
+
+
+def _print_report(args: argparse.Namespace, bare: float, wall: float, gpu_ms: float,
+                  phases: dict[str, float], top: list[tuple[str, float]],
+                  gaps: dict[str, Any] | None) -> None:
     print(f"batch {args.batch_size}, context ~{args.input_len}: wall {bare * 1e3:.2f} ms/step "
           f"({wall * 1e3:.2f} profiled), GPU kernels {gpu_ms:.2f} ms/step "
           f"({100 * gpu_ms / (bare * 1e3):.1f} % busy)")
@@ -137,10 +159,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{ms:8.3f} ms  {name[:110]}")
     if gaps is not None:
         print_gaps(gaps)
-    if args.out:
-        write_json(args.out, result)
-    engine.shutdown()
-    return result
 
 
 if __name__ == "__main__":

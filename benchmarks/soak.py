@@ -21,7 +21,7 @@ At the end, with the clients stopped, it checks:
 - accounting back to idle: /server_info says no request runs or waits, `pool.balanced`, and no
   slot is held by a request (private/protected 0);
 - memory flat: the private resident memory (VmRSS less RssShmem) of the front end, of the
-  engine process (its child; rank 0) and of the worker ranks (the engine's children) at the
+  engine process (its child; rank 0) and of the worker ranks (`spawner.rank_pids`) at the
   end within ±`--rss-tolerance` of a sample taken after the warm-up (the first quarter of the
   run, and a flip round trip when flipping). Shared memory is reported apart: the HiCache
   host tier and the weight image are /dev/shm files the ranks map, resident as they are
@@ -49,6 +49,7 @@ from typing import Any
 import httpx
 
 from benchmarks.common import print_table, write_json
+from phaseflip.distributed.spawner import child_pids, rank_pids
 
 PROMPTS = [
     "def main():", "The quick brown fox", "Return the number of items in", "class Node:",
@@ -106,18 +107,10 @@ def private_rss_bytes(pid: int) -> tuple[int | None, int | None]:
     return (None if rss is None or shmem is None else rss - shmem), shmem
 
 
-def children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            out += [int(c) for c in (task / "children").read_text().split()]
-    return out
-
-
 def engine_pid(server_pid: int) -> int | None:
     """The engine process: the front end's multiprocessing child that is not its resource
     tracker."""
-    for child in children(server_pid):
+    for child in child_pids(server_pid):
         with contextlib.suppress(OSError):
             cmd = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
             if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
@@ -415,13 +408,14 @@ class Soak:
             return {"front_end": None, "engine": None}
         engine = engine_pid(self.server_pid)
         procs = {"front_end": [self.server_pid], "engine": [engine] if engine else [],
-                 "worker_ranks": children(engine) if engine else []}
+                 "worker_ranks": rank_pids(engine) if engine else []}
         out: dict[str, int | None] = {}
         for name, pids in procs.items():  # private RSS under the name, shared under _shmem
             mem = [private_rss_bytes(pid) for pid in pids]
             ok = mem and all(None not in m for m in mem)
             out[name] = sum(m[0] for m in mem) if ok else None
             out[name + "_shmem"] = sum(m[1] for m in mem) if ok else None
+        out["worker_ranks_count"] = len(procs["worker_ranks"])  # the sample is not vacuous
         return out
 
     # ------------------------------------------------------------------ the verdict

@@ -52,29 +52,10 @@ def stop_server(proc: subprocess.Popen) -> None:
         raise
 
 
-def children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        return b""
-
 
 def rank_pids(server_pid: int) -> list[int]:
-    """The worker ranks of a server: the children of its engine process's rank forkserver
-    (`distributed/spawner.py`), or its spawned children under PHASEFLIP_SPAWN_RANKS=1 —
-    never multiprocessing's resource tracker or the forkserver itself."""
-    ranks = []
-    for engine in children(server_pid):
-        for p in children(engine):
-            line = _cmdline(p)
-            if b"forkserver" in line:
-                ranks += children(p)
-            elif b"resource_tracker" not in line:
-                ranks.append(p)
-    return ranks
+    """The worker ranks of a `phaseflip serve` process (those of each engine child)."""
+    from phaseflip.distributed.spawner import child_pids
+    from phaseflip.distributed.spawner import rank_pids as engine_ranks
+
+    return [r for engine in child_pids(server_pid) for r in engine_ranks(engine)]

@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from phaseflip.config import SECTIONS, EngineConfig, ParallelConfig
+from phaseflip.config import EMBEDDED_MODEL, SECTIONS, EngineConfig, ParallelConfig
 from phaseflip.errors import InvalidRequestError
 
 
@@ -60,3 +60,19 @@ def test_help_groups_the_flags_by_section():
         assert title in text, title
     options = text[text.index("parallel options"):text.index("flip options")]
     assert "--tp-size" in options and "--dist-backend" in options
+
+
+@pytest.mark.parametrize("tp, pp, reason", [
+    (1, 8, "pp_size=8 exceeds the model's 4 layers"),
+    (3, 1, "tp_size=3 does not split the model's 8 attention heads"),
+])
+def test_a_layout_the_model_cannot_hold_is_refused_before_any_rank_starts(
+        tp, pp, reason, monkeypatch):
+    """`--pp-size 99` used to start 98 rank processes, each of which then refused it."""
+    from phaseflip import Engine
+    from phaseflip.distributed import rank_set
+
+    monkeypatch.setattr(rank_set, "start_rank",
+                        lambda *a, **k: pytest.fail("a rank started for a layout that cannot be"))
+    with pytest.raises(ValueError, match=reason):
+        Engine(EMBEDDED_MODEL, device="cpu", tp_size=tp, pp_size=pp)

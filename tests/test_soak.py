@@ -37,3 +37,4 @@ def test_soak_tp2_with_flips(tmp_path):
              "--tp-size 2 --enable-flip --enable-hicache --hicache-host-gb 0.05")
     assert r["flips"]["ok"] >= 6, r["flips"]
     assert r["checks"]["worker_ranks RSS flat"]["ok"]
+    assert r["rss"]["end"]["worker_ranks_count"] == 1, r["rss"]  # rank 1, not the forkserver

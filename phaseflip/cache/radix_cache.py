@@ -323,65 +323,88 @@ class RadixCache:
         evictable/protected counters, no slot owned twice, no page 0, no tree page free in the
         allocator.
         """
+        errors = self._root_errors()
+        values, evictable, protected = self._walk_edges(errors)
+        if evictable != self._evictable:
+            errors.append(f"evictable counter {self._evictable} != recomputed {evictable}")
+        if protected != self._protected:
+            errors.append(f"protected counter {self._protected} != recomputed {protected}")
+        if values and not errors:  # slot checks assume well-formed values
+            errors.extend(self._slot_errors(torch.cat(values)))
+        if errors:
+            raise RuntimeError("radix cache integrity check failed:\n  " + "\n  ".join(errors))
+
+    def _root_errors(self) -> list[str]:
         errors: list[str] = []
-        ps = self.page_size
         root = self._root
         if root.parent is not None or root.key or root.value.numel() or root.lock_ref != 0:
             errors.append(f"malformed root {root!r}")
         if not self.enabled and root.children:
             errors.append("disabled cache has a non-empty tree")
+        return errors
+
+    def _walk_edges(self, errors: list[str]) -> tuple[list[torch.Tensor], int, int]:
+        """Check every parent->child edge, appending to `errors`; returns the well-formed
+        values and the recomputed (evictable, protected) token counts."""
         evictable = protected = 0
         values: list[torch.Tensor] = []
-        stack = [root]
+        stack = [self._root]
         while stack:
             node = stack.pop()
             for ckey, child in node.children.items():
                 stack.append(child)
                 where = f"{child!r} under {node!r}"
-                if child.parent is not node:
-                    errors.append(f"bad parent link: {where}")
-                if not child.key:
-                    errors.append(f"empty key: {where}")
+                if not self._edge_shape_ok(node, ckey, child, where, errors):
                     continue
-                if self._child_key(child.key) != ckey:
-                    errors.append(f"child dict key {ckey} != first page of key: {where}")
-                if len(child.key) % ps:
-                    errors.append(f"key length {len(child.key)} not page aligned: {where}")
-                v = child.value
-                if v.dtype != torch.int64 or v.dim() != 1 or v.numel() != len(child.key):
-                    errors.append(
-                        f"value dtype={v.dtype} shape={tuple(v.shape)} vs key len "
-                        f"{len(child.key)}: {where}"
-                    )
-                    continue
-                values.append(v)
+                values.append(child.value)
                 if child.lock_ref < 0:
                     errors.append(f"negative lock_ref: {where}")
-                if node is not root and child.lock_ref > node.lock_ref:
+                if node is not self._root and child.lock_ref > node.lock_ref:
                     errors.append(f"child locked more than parent: {where}")
                 if child.lock_ref > 0:
                     protected += len(child.key)
                 else:
                     evictable += len(child.key)
-        if evictable != self._evictable:
-            errors.append(f"evictable counter {self._evictable} != recomputed {evictable}")
-        if protected != self._protected:
-            errors.append(f"protected counter {self._protected} != recomputed {protected}")
-        if values and not errors:
-            slots = torch.cat(values)
-            if torch.unique(slots).numel() != slots.numel():
-                errors.append("a slot is owned by two tree positions")
-            rows = slots.view(-1, ps)
-            pages = torch.div(rows[:, 0], ps, rounding_mode="floor")
-            offsets = torch.arange(ps, dtype=torch.int64)
-            if not torch.equal(rows, pages[:, None] * ps + offsets[None, :]):
-                errors.append("tree values are not whole pages")
-            elif int(pages.min()) <= 0 or int(pages.max()) >= self.allocator.num_pages:
-                errors.append("tree holds the reserved page 0 or a page outside the pool")
-            elif bool(self.allocator.is_free_page(pages).any()):
-                errors.append("tree holds pages that the allocator lists as free")
-        if errors:
-            raise RuntimeError("radix cache integrity check failed:\n  " + "\n  ".join(errors))
+        return values, evictable, protected
+
+    def _edge_shape_ok(self, node: TreeNode, ckey: ChildKey, child: TreeNode, where: str,
+                       errors: list[str]) -> bool:
+        """Link, key and value checks of one edge; False when the child's key or value is too
+        malformed to count or to check further."""
+        if child.parent is not node:
+            errors.append(f"bad parent link: {where}")
+        if not child.key:
+            errors.append(f"empty key: {where}")
+            return False
+        if self._child_key(child.key) != ckey:
+            errors.append(f"child dict key {ckey} != first page of key: {where}")
+        if len(child.key) % self.page_size:
+            errors.append(f"key length {len(child.key)} not page aligned: {where}")
+        v = child.value
+        if v.dtype != torch.int64 or v.dim() != 1 or v.numel() != len(child.key):
+            errors.append(
+                f"value dtype={v.dtype} shape={tuple(v.shape)} vs key len "
+                f"{len(child.key)}: {where}"
+            )
+            return False
+        return True
+
+    def _slot_errors(self, slots: torch.Tensor) -> list[str]:
+        """Ownership checks of every tree slot against itself and the allocator."""
+        errors: list[str] = []
+        ps = self.page_size
+        if torch.unique(slots).numel() != slots.numel():
+            errors.append("a slot is owned by two tree positions")
+        rows = slots.view(-1, ps)
+        pages = torch.div(rows[:, 0], ps, rounding_mode="floor")
+        offsets = torch.arange(ps, dtype=torch.int64)
+        if not torch.equal(rows, pages[:, None] * ps + offsets[None, :]):
+            errors.append("tree values are not whole pages")
+        elif int(pages.min()) <= 0 or int(pages.max()) >= self.allocator.num_pages:
+            errors.append("tree holds the reserved page 0 or a page outside the pool")
+        elif bool(self.allocator.is_free_page(pages).any()):
+            errors.append("tree holds pages that the allocator lists as free")
+        return errors
 
     # ------------------------------------------------------------------ internals
 

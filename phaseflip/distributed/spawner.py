@@ -21,11 +21,13 @@ A rank's parent is the forkserver, not the driver: a rank that watches for its d
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
 from collections.abc import Callable
 from multiprocessing import reduction
+from pathlib import Path
 
 SPAWN_ENV = "PHASEFLIP_SPAWN_RANKS"
 PRELOAD = ["torch"]  # ~90 % of a rank's import time; our own modules import after the env
@@ -87,3 +89,29 @@ def _run(env: dict[str, str] | None, stdio: tuple[int | None, ...] | None,
                 os.close(fd)
     target, args = pickle.loads(payload)
     target(*args)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The direct children of `pid` (Linux /proc; [] where it cannot be read)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def rank_pids(engine_pid: int) -> list[int]:
+    """The worker ranks an engine process started on this host: the children of its rank
+    forkserver, or its spawned children (PHASEFLIP_SPAWN_RANKS=1) — never multiprocessing's
+    resource tracker or the forkserver itself. For tools that watch ranks (soak, tests)."""
+    ranks = []
+    for p in child_pids(engine_pid):
+        try:
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"forkserver" in cmd:
+            ranks += child_pids(p)
+        elif b"resource_tracker" not in cmd:
+            ranks.append(p)
+    return ranks

@@ -255,43 +255,21 @@ class RankProcess:
                peer: PeerWeights | None = None, kv_arena: bool = False) -> RankLayout:
         groups = self.fabric.groups(cfg.tp_size, cfg.pp_size)
         model_cfg = ModelConfig.from_dir(cfg.model)
-        if cfg.pp_size > model_cfg.num_layers:
-            raise ValueError(f"pp_size={cfg.pp_size} exceeds the model's "
-                             f"{model_cfg.num_layers} layers")
+        misfit = model_cfg.layout_error(cfg.tp_size, cfg.pp_size)
+        if misfit is not None:  # the driver refuses it first; a rank never builds it
+            raise ValueError(misfit)
         tracker = self.tracker
 
-        def least(value: int, what: str) -> int:  # over every rank of the group
-            t = torch.tensor([value], dtype=torch.int64)
-            with tracker.at(what):
-                dist.all_reduce(t, op=dist.ReduceOp.MIN, group=groups.cpu_group)
-            return int(t.item())
-
         def agree(local_slots: int) -> int:
-            return least(local_slots, "agreeing on the KV slot space")
+            return self._least(groups, local_slots, "agreeing on the KV slot space")
 
-        key = (cfg.tp_size, cfg.pp_size)
-        reuse = None  # a seam's build of resident layouts: its parked graphs, if all agree
-        if kv_arena and lazy_graphs and cfg.flip_weights == "resident":  # (others' move)
-            reuse = GraphReuse(self.parked_graphs.pop(key, None), lambda ok: bool(
-                least(int(ok), "agreeing on reusing the parked decode graphs")))
-
-        device = rank_device(self.rank, groups.spec, cfg)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        if not self._warm:  # the launch layout's build: every layout's communicators now
-            with tracker.at("making every layout's communicators"):
-                warm_communicators(self.fabric, device)
-            self._warm = True
-        if self.spec.weight_image and self.image is None:
-            with tracker.at("mapping the host weight image"):
-                # page-locked only for a GPU rank (a CPU rank would make a CUDA context for it)
-                self.image = WeightImage.open(self.spec.weight_image,
-                                              register=device.type == "cuda")
-                self._own_image = True
         def settle() -> None:  # every rank's new weights in, every old layout gone
             with tracker.at("waiting for every rank's weights before sizing the KV pool"):
                 dist.barrier(group=groups.cpu_group)
 
+        key = (cfg.tp_size, cfg.pp_size)
+        reuse = self._graph_reuse(cfg, groups, lazy_graphs, kv_arena)
+        device = self._prepare_device(cfg, groups)
         with tracker.at("loading weights, sizing the KV pool"):
             runner = ModelRunner(cfg, model_cfg, groups.layout(), device,
                                  agree_slots=agree, weights=self.image, before_sizing=settle,
@@ -303,16 +281,56 @@ class RankProcess:
                                  graph_reuse=reuse)
         if self.rank == 0:  # the census's (it reads the allocator's snapshot)
             runner.graphs_kept_bytes = self.graphs_kept_bytes()
-        transfers = None
-        if self.spec.hicache_frames:
-            geo = page_geometry(model_cfg.num_layers, model_cfg.num_kv_heads,
-                                model_cfg.head_dim, runner.kv_dtype, cfg.hicache_page_size)
-            if self.frames is None:
-                self.frames = HostFrames.open_shared(self.spec.hicache_frames, geo.total_size)
-                self._own_frames = True
-            part = rank_slice(runner.layout, model_cfg.num_layers, model_cfg.num_kv_heads)
-            transfers = KVTransferEngine(runner.pool, self.frames, geo, part, device)
+        transfers = self._hicache_transfers(cfg, model_cfg, runner, device)
         return RankLayout(groups, runner, StageExecutor(runner, groups, tracker, transfers))
+
+    def _least(self, groups: RankGroups, value: int, what: str) -> int:
+        """The minimum of `value` over every rank of the group."""
+        t = torch.tensor([value], dtype=torch.int64)
+        with self.tracker.at(what):
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=groups.cpu_group)
+        return int(t.item())
+
+    def _graph_reuse(self, cfg: EngineConfig, groups: RankGroups, lazy_graphs: bool,
+                     kv_arena: bool) -> GraphReuse | None:
+        """A seam's build of resident layouts: its parked graphs, if all agree (under the other
+        flip weights the weights move)."""
+        if not (kv_arena and lazy_graphs and cfg.flip_weights == "resident"):
+            return None
+        key = (cfg.tp_size, cfg.pp_size)
+        return GraphReuse(self.parked_graphs.pop(key, None), lambda ok: bool(
+            self._least(groups, int(ok), "agreeing on reusing the parked decode graphs")))
+
+    def _prepare_device(self, cfg: EngineConfig, groups: RankGroups) -> torch.device:
+        """Selects the rank's device; the launch build also makes every layout's communicators
+        and maps the host weight image."""
+        device = rank_device(self.rank, groups.spec, cfg)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if not self._warm:  # the launch layout's build: every layout's communicators now
+            with self.tracker.at("making every layout's communicators"):
+                warm_communicators(self.fabric, device)
+            self._warm = True
+        if self.spec.weight_image and self.image is None:
+            with self.tracker.at("mapping the host weight image"):
+                # page-locked only for a GPU rank (a CPU rank would make a CUDA context for it)
+                self.image = WeightImage.open(self.spec.weight_image,
+                                              register=device.type == "cuda")
+                self._own_image = True
+        return device
+
+    def _hicache_transfers(self, cfg: EngineConfig, model_cfg: ModelConfig,
+                           runner: ModelRunner, device: torch.device) -> KVTransferEngine | None:
+        """The rank's HiCache transfer engine (opening the shared host frames once), if on."""
+        if not self.spec.hicache_frames:
+            return None
+        geo = page_geometry(model_cfg.num_layers, model_cfg.num_kv_heads,
+                            model_cfg.head_dim, runner.kv_dtype, cfg.hicache_page_size)
+        if self.frames is None:
+            self.frames = HostFrames.open_shared(self.spec.hicache_frames, geo.total_size)
+            self._own_frames = True
+        part = rank_slice(runner.layout, model_cfg.num_layers, model_cfg.num_kv_heads)
+        return KVTransferEngine(runner.pool, self.frames, geo, part, device)
 
 
 def arena_headroom(rank: int, launch: tuple[int, int], layouts: tuple[tuple[int, int], ...],

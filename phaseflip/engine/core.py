@@ -55,6 +55,9 @@ class EngineCore:
         # told (request id, error) when an accepted request ends by an error: its grammar,
         # compiled off the loop, failed (the engine process answers the client's 400 with it)
         self.request_failed: Callable[[str, InvalidRequestError], None] | None = None
+        misfit = model_cfg.layout_error(cfg.tp_size, cfg.pp_size)
+        if misfit is not None:  # before any rank starts (pp 99 would start 98 of them)
+            raise ValueError(misfit)
         auto = cfg.flip_weights == "auto"
         cfg = self._plan_flip_weights(cfg)  # `--flip-weights auto` resolved, once
         self._hicache = self._new_hicache(cfg)  # before the ranks: they map its host tier

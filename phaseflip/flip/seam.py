@@ -65,18 +65,9 @@ def check_target(cfg, model_cfg, tp_size: int, pp_size: int) -> None:
     if (tp_size, pp_size) == (cfg.tp_size, cfg.pp_size):
         raise InvalidRequestError(
             f"already running {layout_name(tp_size, pp_size)}", "layout")
-    m = model_cfg
-    if pp_size > m.num_layers:
-        raise InvalidRequestError(
-            f"pp_size={pp_size} exceeds the model's {m.num_layers} layers", "layout")
-    kv_ok = m.num_kv_heads % tp_size == 0 or tp_size % m.num_kv_heads == 0
-    for what, ok in ((f"{m.num_heads} attention heads", m.num_heads % tp_size == 0),
-                     (f"{m.num_kv_heads} key/value heads", kv_ok),
-                     (f"intermediate size {m.intermediate_size}",
-                      m.intermediate_size % tp_size == 0)):
-        if not ok:
-            raise InvalidRequestError(
-                f"tp_size={tp_size} does not split the model's {what}", "layout")
+    misfit = model_cfg.layout_error(tp_size, pp_size)
+    if misfit is not None:
+        raise InvalidRequestError(misfit, "layout")
     # the new layout's config passes its own checks (e.g. --flip-layouts) now, not half-way
     # through the seam, where a refusal would leave no layout
     cfg.with_layout(tp_size, pp_size)

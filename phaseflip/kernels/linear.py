@@ -443,6 +443,28 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     return out_dtype
 
 
+def _rows_2d(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x [..., K] as [M, K], contiguous along K; M checked against what the kernel serves."""
+    x2 = x.reshape(math.prod(x.shape[:-1]), k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if m > KERNEL_MAX_M:
+        raise ValueError(f"skinny_linear handles at most {KERNEL_MAX_M} rows (got {m}); "
+                         f"use torch.nn.functional.linear")
+    return x2
+
+
+def _output_for(out: torch.Tensor | None, lead: torch.Size, n_out: int, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """The caller's `out`, checked, or a new one [*lead, n_out]."""
+    if out is None:
+        return torch.empty(*lead, n_out, dtype=dtype, device=device)
+    if out.shape != (*lead, n_out) or out.dtype != dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {(*lead, n_out)} of dtype {dtype}, contiguous in N")
+    return out
+
+
 def skinny_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -473,19 +495,10 @@ def skinny_linear(
     n, k = weight.shape
     if bias is not None and (bias.shape != (n,) or bias.dtype != dtype):
         raise ValueError(f"bias must be [{n}] of dtype {dtype}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(math.prod(lead), k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows_2d(x, k)
     m = x2.shape[0]
-    if m > KERNEL_MAX_M:
-        raise ValueError(f"skinny_linear handles at most {KERNEL_MAX_M} rows (got {m}); "
-                         f"use torch.nn.functional.linear")
     n_out = n // 2 if fold.silu_mul else n
-    if out is None:
-        out = torch.empty(*lead, n_out, dtype=dtype, device=x.device)
-    elif out.shape != (*lead, n_out) or out.dtype != dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be {(*lead, n_out)} of dtype {dtype}, contiguous in N")
+    out = _output_for(out, x.shape[:-1], n_out, dtype, x.device)
     fold.check(x2, weight, bias, out, x_scale is not None)
     if m == 0 or n == 0:
         return out

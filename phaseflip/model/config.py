@@ -204,6 +204,20 @@ class ModelConfig:
         Qwen2 only on q/k/v."""
         return self.attention_bias and self.architecture != "Qwen2ForCausalLM"
 
+    def layout_error(self, tp_size: int, pp_size: int) -> str | None:
+        """Why tp_size × pp_size cannot hold this model (None: it can). Checked before any
+        rank starts (a launch) or any rank moves (a flip), not by each rank half-way."""
+        if pp_size > self.num_layers:
+            return f"pp_size={pp_size} exceeds the model's {self.num_layers} layers"
+        kv_ok = self.num_kv_heads % tp_size == 0 or tp_size % self.num_kv_heads == 0
+        for what, ok in ((f"{self.num_heads} attention heads", self.num_heads % tp_size == 0),
+                         (f"{self.num_kv_heads} key/value heads", kv_ok),
+                         (f"intermediate size {self.intermediate_size}",
+                          self.intermediate_size % tp_size == 0)):
+            if not ok:
+                return f"tp_size={tp_size} does not split the model's {what}"
+        return None
+
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The sliding window of one layer (None: full attention)."""
         if self.sliding_window is None:
@@ -379,48 +393,12 @@ def _select_rope_dict(cfg: _Fields) -> tuple[dict[str, Any], str]:
 def _parse_rope(cfg: _Fields, max_position_embeddings: int) -> RopeConfig:
     rope_dict, key = _select_rope_dict(cfg)
     rp = _Fields(rope_dict, cfg.path, prefix=f"{key}.")
-    rope_type = rope_dict.get("rope_type") or rope_dict.get("type") or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelLoadError(
-            f"unsupported rope type {rope_type!r} ('{key}') in {cfg.path}; "
-            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    # Priority as in transformers: rope dict, then top-level key, then the class default.
-    theta = rp.get_float("rope_theta", None)
-    if theta is None:
-        theta = cfg.get_float("rope_theta", _DEFAULT_ROPE_THETA)
-    if theta <= 0:
-        raise rp._bad("rope_theta", theta, "a positive number")
-    partial = rp.get_float("partial_rotary_factor", None)
-    if partial is None:
-        partial = cfg.get_float("partial_rotary_factor", 1.0)
-    if not 0.0 < partial <= 1.0:
-        raise rp._bad("partial_rotary_factor", partial, "in (0, 1]")
-
-    original_max: int | None = rp.get_int("original_max_position_embeddings", None)
-    if rope_type in ("llama3", "yarn"):
-        # transformers re-standardises at RoPE init, when a top-level
-        # original_max_position_embeddings (Phi3 style) overrides the rope dict's value.
-        original_max = cfg.get_int("original_max_position_embeddings", original_max)
-        if original_max is None:
-            original_max = max_position_embeddings
-
-    factor: float = 1.0
-    if rope_type in ("linear", "dynamic", "llama3"):
-        factor = rp.get_float("factor")
-    elif rope_type == "yarn":
-        factor = rp.get_float("factor", None)
-        if factor is None:
-            assert original_max is not None
-            factor = max_position_embeddings / original_max
-    if rope_type != "default" and factor <= 0:
-        raise rp._bad("factor", factor, "a positive number")
-
-    low = high = None
-    if rope_type == "llama3":
-        low, high = rp.get_float("low_freq_factor"), rp.get_float("high_freq_factor")
-        if low == high:
-            raise rp._bad("high_freq_factor", high, "different from low_freq_factor")
+    rope_type = _rope_type(cfg, rope_dict, key)
+    theta = _rope_theta(cfg, rp)
+    partial = _rope_partial_factor(cfg, rp)
+    original_max = _rope_original_max(cfg, rp, rope_type, max_position_embeddings)
+    factor = _rope_factor(rp, rope_type, max_position_embeddings, original_max)
+    low, high = _rope_llama3_freq_factors(rp, rope_type)
     truncate = rope_dict.get("truncate")
     if truncate is not None and not isinstance(truncate, bool):
         raise rp._bad("truncate", truncate, "true or false")
@@ -440,6 +418,72 @@ def _parse_rope(cfg: _Fields, max_position_embeddings: int) -> RopeConfig:
         truncate=truncate if is_yarn else None,
         partial_rotary_factor=partial,
     )
+
+
+def _rope_type(cfg: _Fields, rope_dict: dict[str, Any], key: str) -> str:
+    rope_type = rope_dict.get("rope_type") or rope_dict.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"unsupported rope type {rope_type!r} ('{key}') in {cfg.path}; "
+            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    return rope_type
+
+
+def _rope_theta(cfg: _Fields, rp: _Fields) -> float:
+    # Priority as in transformers: rope dict, then top-level key, then the class default.
+    theta = rp.get_float("rope_theta", None)
+    if theta is None:
+        theta = cfg.get_float("rope_theta", _DEFAULT_ROPE_THETA)
+    if theta <= 0:
+        raise rp._bad("rope_theta", theta, "a positive number")
+    return theta
+
+
+def _rope_partial_factor(cfg: _Fields, rp: _Fields) -> float:
+    partial = rp.get_float("partial_rotary_factor", None)
+    if partial is None:
+        partial = cfg.get_float("partial_rotary_factor", 1.0)
+    if not 0.0 < partial <= 1.0:
+        raise rp._bad("partial_rotary_factor", partial, "in (0, 1]")
+    return partial
+
+
+def _rope_original_max(cfg: _Fields, rp: _Fields, rope_type: str,
+                       max_position_embeddings: int) -> int | None:
+    original_max: int | None = rp.get_int("original_max_position_embeddings", None)
+    if rope_type in ("llama3", "yarn"):
+        # transformers re-standardises at RoPE init, when a top-level
+        # original_max_position_embeddings (Phi3 style) overrides the rope dict's value.
+        original_max = cfg.get_int("original_max_position_embeddings", original_max)
+        if original_max is None:
+            original_max = max_position_embeddings
+    return original_max
+
+
+def _rope_factor(rp: _Fields, rope_type: str, max_position_embeddings: int,
+                 original_max: int | None) -> float:
+    factor: float = 1.0
+    if rope_type in ("linear", "dynamic", "llama3"):
+        factor = rp.get_float("factor")
+    elif rope_type == "yarn":
+        factor = rp.get_float("factor", None)
+        if factor is None:
+            assert original_max is not None
+            factor = max_position_embeddings / original_max
+    if rope_type != "default" and factor <= 0:
+        raise rp._bad("factor", factor, "a positive number")
+    return factor
+
+
+def _rope_llama3_freq_factors(rp: _Fields, rope_type: str) -> tuple[float | None, float | None]:
+    """llama3's (low_freq_factor, high_freq_factor); (None, None) for other rope types."""
+    if rope_type != "llama3":
+        return None, None
+    low, high = rp.get_float("low_freq_factor"), rp.get_float("high_freq_factor")
+    if low == high:
+        raise rp._bad("high_freq_factor", high, "different from low_freq_factor")
+    return low, high
 
 
 def _parse_sliding(

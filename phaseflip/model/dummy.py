@@ -348,11 +348,32 @@ def write_random_checkpoint(
     dtype = dtype or cfg.dtype
     if dtype not in _SAFETENSORS_DTYPES:
         raise ModelLoadError(f"cannot write {dtype} checkpoints; use float32/float16/bfloat16")
+    out_dir = Path(out)
+    _write_checkpoint_metadata(src, out_dir, dtype)
+    shapes = checkpoint_shapes(cfg)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shards = _shard_plan(shapes, itemsize, max(1, int(shard_gb * 1e9)))
+    total = sum(_numel(s) for _, s in shapes) * itemsize
+    names = _shard_file_names(len(shards))
+    weight_map: dict[str, str] = {}
+    with tqdm(total=total, desc="Writing checkpoint", unit="B", unit_scale=True,
+              disable=not progress) as bar:
+        for fname, shard in zip(names, shards):
+            _write_shard(out_dir, fname, shard, seed, device, dtype, bar)
+            weight_map.update((name, fname) for name, _ in shard)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return out_dir
+
+
+def _write_checkpoint_metadata(src: Path, out_dir: Path, dtype: torch.dtype) -> None:
+    """Creates `out_dir` without stale shards, and writes config.json (dtype set to `dtype`),
+    generation_config.json and the tokenizer files."""
     raw_cfg = json.loads((src / "config.json").read_text(encoding="utf-8"))
     dtype_name = str(dtype).removeprefix("torch.")
     raw_cfg["torch_dtype"] = dtype_name  # transformers 4.x
     raw_cfg["dtype"] = dtype_name  # transformers 5.x
-    out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in [*out_dir.glob("*.safetensors"), out_dir / "model.safetensors.index.json"]:
         stale.unlink(missing_ok=True)  # a shard left from a run with another --shard-gb
@@ -363,29 +384,26 @@ def write_random_checkpoint(
     for fname, data in _tokenizer_files(raw_cfg, tok_src).items():
         (out_dir / fname).write_bytes(data)
 
-    shapes = checkpoint_shapes(cfg)
+
+def _shard_file_names(num_shards: int) -> list[str]:
+    if num_shards == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors" for i in range(num_shards)]
+
+
+def _write_shard(out_dir: Path, fname: str, shard: list[tuple[str, tuple[int, ...]]],
+                 seed: int, device: torch.device | str, dtype: torch.dtype, bar: tqdm) -> None:
+    """Streams one shard's tensors to a hidden partial file, renamed into place when complete
+    so that an interrupted run never leaves a truncated shard under its real name."""
+    tmp = out_dir / f".{fname}.partial"
     itemsize = torch.empty((), dtype=dtype).element_size()
-    shards = _shard_plan(shapes, itemsize, max(1, int(shard_gb * 1e9)))
-    total = sum(_numel(s) for _, s in shapes) * itemsize
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    weight_map: dict[str, str] = {}
-    with tqdm(total=total, desc="Writing checkpoint", unit="B", unit_scale=True,
-              disable=not progress) as bar:
-        for fname, shard in zip(names, shards):
-            tmp = out_dir / f".{fname}.partial"
-            with open(tmp, "wb") as f:
-                f.write(_safetensors_header(shard, dtype))
-                for name, shape in shard:
-                    t = random_tensor(name, shape, seed, device, dtype).contiguous().cpu()
-                    f.write(t.reshape(-1).view(torch.uint8).numpy().data)
-                    bar.update(t.numel() * itemsize)
-                    weight_map[name] = fname
-            os.replace(tmp, out_dir / fname)
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return out_dir
+    with open(tmp, "wb") as f:
+        f.write(_safetensors_header(shard, dtype))
+        for name, shape in shard:
+            t = random_tensor(name, shape, seed, device, dtype).contiguous().cpu()
+            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+            bar.update(t.numel() * itemsize)
+    os.replace(tmp, out_dir / fname)
 
 
 def copy_tokenizer(dst: str | os.PathLike[str]) -> None:

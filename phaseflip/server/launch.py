@@ -122,14 +122,7 @@ class Drain:
 
 
 async def _serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> Outcome:
-    ipc_dir = tempfile.mkdtemp(prefix="phaseflip-")
-    req_addr, out_addr = f"ipc://{ipc_dir}/requests", f"ipc://{ipc_dir}/outputs"
-    spawn = mp.get_context("spawn")
-    proc = spawn.Process(target=engine_main, args=(engine_cfg, req_addr, out_addr),
-                         name="phaseflip-engine", daemon=False)  # it spawns ranks
-    client = EngineClient(req_addr, out_addr, proc)  # binds before the engine connects
-    proc.start()
-    client.start()
+    ipc_dir, client, proc = _start_engine(engine_cfg)
     name = server_cfg.served_model_name or Path(engine_cfg.model).name
     ctx = ServerContext(server_cfg, client, load_tokenizer(engine_cfg.model), name)
     app = build_app(ctx)
@@ -140,35 +133,10 @@ async def _serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> Outcome:
                                     timeout_graceful_shutdown=5),
                      drain.on_signal)
     drain.server = server
-
-    async def announce() -> None:
-        try:
-            ready = await client.wait_ready()
-        except Exception as e:  # the engine died while loading
-            log.error("engine failed to start: %s", e)
-            outcome.code, outcome.reason = EXIT_ENGINE_FAILED, f"engine failed to start: {e}"
-            server.should_exit = True
-            return
-        log.info("phaseflip ready: http://%s:%d/v1 (model %s, %s %s, KV %d tokens; %s)",
-                 server_cfg.host, server_cfg.port, name, ready.device, ready.dtype,
-                 ready.kv_capacity_tokens, plan_for(engine_cfg).describe())
-
-    async def stop_if_engine_dies() -> None:
-        while proc.is_alive():
-            await asyncio.sleep(0.5)
-        if server.should_exit:  # it stopped because we asked it to
-            return
-        cause = _exit_cause(proc.exitcode, client.state.unhealthy)
-        log.error("engine process exited (%s); shutting down", cause)
-        if client.state.ready is not None:
-            outcome.code, outcome.reason = EXIT_ENGINE_FAILED, f"the engine died: {cause}"
-        server.should_exit = True
-
-    # uvicorn takes SIGTERM/SIGINT while serving and puts back the handlers it found: these,
-    # so a signal before or after (while the engine stops) is a drain request too, never death
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda sig, _: drain.on_signal(sig))
-    tasks = [asyncio.create_task(announce()), asyncio.create_task(stop_if_engine_dies())]
+    _signals_drain(drain)
+    tasks = [asyncio.create_task(_announce(client, server, outcome, engine_cfg, server_cfg,
+                                           name)),
+             asyncio.create_task(_stop_if_engine_dies(client, proc, server, outcome))]
     try:
         await server.serve()
     finally:
@@ -183,6 +151,54 @@ async def _serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> Outcome:
         outcome.code, outcome.reason = EXIT_ENGINE_FAILED, (
             f"stopped before the engine was ready ({outcome.reason})")
     return outcome
+
+
+def _start_engine(engine_cfg: EngineConfig) -> tuple[str, EngineClient, mp.Process]:
+    """Spawns the engine process and starts its client; returns (IPC dir, client, process)."""
+    ipc_dir = tempfile.mkdtemp(prefix="phaseflip-")
+    req_addr, out_addr = f"ipc://{ipc_dir}/requests", f"ipc://{ipc_dir}/outputs"
+    spawn = mp.get_context("spawn")
+    proc = spawn.Process(target=engine_main, args=(engine_cfg, req_addr, out_addr),
+                         name="phaseflip-engine", daemon=False)  # it spawns ranks
+    client = EngineClient(req_addr, out_addr, proc)  # binds before the engine connects
+    proc.start()
+    client.start()
+    return ipc_dir, client, proc
+
+
+def _signals_drain(drain: Drain) -> None:
+    """uvicorn takes SIGTERM/SIGINT while serving and puts back the handlers it found: these,
+    so a signal before or after (while the engine stops) is a drain request too, never death."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda sig, _: drain.on_signal(sig))
+
+
+async def _announce(client: EngineClient, server: uvicorn.Server, outcome: Outcome,
+                    engine_cfg: EngineConfig, server_cfg: ServerConfig, name: str) -> None:
+    """Logs the ready line once the engine is up, or stops the server if it failed to start."""
+    try:
+        ready = await client.wait_ready()
+    except Exception as e:  # the engine died while loading
+        log.error("engine failed to start: %s", e)
+        outcome.code, outcome.reason = EXIT_ENGINE_FAILED, f"engine failed to start: {e}"
+        server.should_exit = True
+        return
+    log.info("phaseflip ready: http://%s:%d/v1 (model %s, %s %s, KV %d tokens; %s)",
+             server_cfg.host, server_cfg.port, name, ready.device, ready.dtype,
+             ready.kv_capacity_tokens, plan_for(engine_cfg).describe())
+
+
+async def _stop_if_engine_dies(client: EngineClient, proc: mp.Process, server: uvicorn.Server,
+                               outcome: Outcome) -> None:
+    while proc.is_alive():
+        await asyncio.sleep(0.5)
+    if server.should_exit:  # it stopped because we asked it to
+        return
+    cause = _exit_cause(proc.exitcode, client.state.unhealthy)
+    log.error("engine process exited (%s); shutting down", cause)
+    if client.state.ready is not None:
+        outcome.code, outcome.reason = EXIT_ENGINE_FAILED, f"the engine died: {cause}"
+    server.should_exit = True
 
 
 def _exit_cause(code: int | None, unhealthy: str | None) -> str:

@@ -4,7 +4,7 @@
 # masked kernel; FP8 offline A/B, interleaved: clamp + the old table (what ran before),
 # mask + the old table, mask + the re-tuned table; then bf16 offline once if time is left.
 # Needs .carry/linear_clamp.py: `git show 81dcf82:phaseflip/kernels/linear.py > .carry/linear_clamp.py`.
-# step (est. / skipped under MIN s left / killed at MAX s): lk_clamp 40/30/120, lk_mask
+# step (est. / skipped under MIN s left / killed at MAX s): ranks 60/30/120, lk_clamp 40/30/120, lk_mask
 # 40/30/120, tune 40/30/150, off_{clamp,mask,tuned}{1,2} 55/60/110 each, bf16 55/60/110.
 # Results: $OUT/h200_fp8_call.tgz: x/<step>.log, lk_*.json, tile_small.json, off_*.json, summary.txt.
 . tools/device/lib.sh
@@ -17,6 +17,9 @@ arm() { case $1 in clamp) cp .carry/linear_clamp.py $L; cp /tmp/table_old.json $
 LK="--fp8-weights --w8a8 --tuned-json $S --m 16,24,32,48,64,80,96,112,128 --shapes llama.qkv,llama.o,llama.gate_up,llama.down --no-eager --no-model-pass"
 F8="--engine-arg quantization=fp8 --engine-arg kv_cache_dtype=fp8_e4m3"
 OFF="--model llama-3.1-8b --load-format dummy --num-prompts 1000 --dataset sharegpt-like --seed 0 --mem-fraction 0.85 --max-running-requests 1024"
+# ranks forked from the torch-preloaded forkserver (spawner.py, not yet run on a GPU): tp2, pp2
+# and tp2xpp2 sharing the GPU against one process; if this fails, PHASEFLIP_SPAWN_RANKS=1
+step ranks 30 120 4 "PHASEFLIP_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k 'layouts or live_flips' tests/test_pp_last_stage_sampling.py"
 arm clamp; step lk_clamp 30 120 0 "python3 -m benchmarks.linear_kernels $LK --out $X/lk_clamp.json"
 arm mask; step lk_mask 30 120 0 "python3 -m benchmarks.linear_kernels $LK --out $X/lk_mask.json"
 step tune 30 150 30 "python3 -m benchmarks.tile_gemm_tune --dtype fp8 --shapes llama.qkv llama.o llama.gate_up llama.down --m 48,64,80,96,112,128 --table $X/tile_small.json --out $X/tune.json"
