@@ -449,3 +449,22 @@ def test_sigterm_on_a_real_server_mid_stream():
     assert proc.returncode == EXIT_DRAIN_TIMEOUT, log[-2000:]
     last = log.strip().splitlines()[-1]
     assert "exits with code 3" in last and "4 requests" in last, last
+
+
+def test_a_layout_the_model_cannot_hold_ends_serve_at_once_naming_why():
+    """`serve --pp-size 8` on the 4-layer embedded model: the engine refuses the layout before
+    any rank starts, and the server exits 1 with the reason on its last line."""
+    import subprocess
+    import sys
+
+    from tests.server_process import free_port
+
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "phaseflip.cli", "serve", "--port", str(free_port()),
+         "--device", "cpu", "--pp-size", "8"],
+        capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    last = (done.stdout + done.stderr).strip().splitlines()[-1]
+    assert "engine failed to start" in last and "pp_size=8 exceeds the model's 4 layers" in last
+    assert time.monotonic() - start < 30

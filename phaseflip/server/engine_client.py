@@ -70,7 +70,9 @@ class EngineClient:
     async def wait_ready(self, timeout_s: float | None = None) -> m.Ready:
         await asyncio.wait_for(self._ready.wait(), timeout_s)
         if self.state.ready is None:
-            raise EngineDeadError(self.state.dead or "engine failed to start")
+            # the engine's own reason (it reports why it failed before exiting), else its exit
+            raise EngineDeadError(self.state.unhealthy or self.state.dead
+                                  or "engine failed to start")
         return self.state.ready
 
     async def _read(self) -> None:

@@ -224,12 +224,7 @@ class EngineServer:
     def report_unhealthy(self, reason: str) -> None:
         """Tells the front end the engine cannot serve, from any thread (its own socket: the
         loop's may be in use, and a ZeroMQ socket belongs to one thread)."""
-        sock = self.ctx.socket(zmq.PUSH)
-        try:
-            sock.connect(self.outputs_addr)
-            sock.send(m.encode(m.EngineHealth(False, reason)))
-        finally:
-            sock.close(linger=2000)
+        send_unhealthy(self.ctx, self.outputs_addr, reason)
 
     def _on_stall(self, waited_s: float) -> None:
         """The watchdog thread's report of a loop that stopped making progress: every rank's
@@ -259,6 +254,17 @@ def pool_accounting(core: EngineCore) -> PoolAccounting:
     return core.kv.accounting(core.scheduler.running, withheld)
 
 
+def send_unhealthy(ctx: zmq.Context, outputs_addr: str, reason: str) -> None:
+    """One EngineHealth(False) to the front end on a socket of its own (ZeroMQ sockets belong
+    to one thread; the loop's may be in use)."""
+    sock = ctx.socket(zmq.PUSH)
+    try:
+        sock.connect(outputs_addr)
+        sock.send(m.encode(m.EngineHealth(False, reason)))
+    finally:
+        sock.close(linger=2000)
+
+
 def engine_main(cfg: EngineConfig, requests_addr: str, outputs_addr: str) -> None:
     """Entry point of the engine process (spawned by the launcher)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher stops us with a message/SIGTERM
@@ -275,7 +281,14 @@ def engine_main(cfg: EngineConfig, requests_addr: str, outputs_addr: str) -> Non
         server.watchdog.close()
         server.core.close()
     except Exception as e:
-        if server is not None:  # before the log and the teardown: /health turns 503 now
-            server.report_unhealthy(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+        # before the log and the teardown: /health turns 503 now, and a launch that failed
+        # (no server yet) names its cause in the front end's last line
+        reason = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        if server is not None:
+            server.report_unhealthy(reason)
+        else:
+            ctx = zmq.Context()
+            send_unhealthy(ctx, outputs_addr, reason)
+            ctx.term()
         log.error("engine process failed:\n%s", traceback.format_exc())
         raise SystemExit(EXIT_FAILED) from None
