@@ -87,6 +87,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "max_model_len": args.input_len + 4 * args.steps + 64}
     opts.update(parse_engine_args(args.engine_arg))
     engine = Engine(args.model, **opts)
+    try:  # a failed run must not leave the engine's ranks and memory behind
+        return _profile(engine, args)
+    finally:
+        engine.shutdown()
+
+
+def _profile(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
     core = engine.core
     _fill_decode_batch(core, args, engine.model_config.vocab_size)
     cuda = core.runner.device.type == "cuda"
@@ -116,7 +123,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     _print_report(args, bare, wall, gpu_ms, phases, top, gaps)
     if args.out:
         write_json(args.out, result)
-    engine.shutdown()
     return result
 
 
