@@ -82,12 +82,12 @@ def test_a_rank_lives_with_its_driver_and_exits_soon_after_it_dies(tmp_path):
         rank = int(driver.stdout.readline())
         time.sleep(2.5)  # two passes of the rank's driver check
         assert _alive(rank), "the rank exited while its driver lives"
-        driver.send_signal(signal.SIGKILL)
-        driver.wait(10)
-        deadline = time.monotonic() + 10
+        driver.send_signal(signal.SIGKILL)  # not reaped below until the rank is checked:
+        deadline = time.monotonic() + 10  # a dead driver still answers kill(pid, 0)
         while _alive(rank) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not _alive(rank), "the rank outlived its driver"
+        driver.wait(10)
     finally:
         if driver.poll() is None:
             driver.kill()

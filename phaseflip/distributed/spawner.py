@@ -11,11 +11,17 @@ the driver's environment *now* (the forkserver's is the driver's at the forkserv
 ranks read switches such as `PHASEFLIP_NO_STAGE_PIPES` that a caller may set later) and the
 driver's current stdout / stderr (the forkserver's are the driver's at its start: a log
 redirected since would lose the ranks' lines). The target and its arguments travel pickled
-inside the call, so that the modules they import see that environment. The working directory
-and `sys.path` are multiprocessing's own preparation data, as under spawn.
+inside the call, so that the modules they import see that environment (plain pickle: no
+multiprocessing queues or locks among them). The working directory and `sys.path` are
+multiprocessing's own preparation data, as under spawn. What stays the forkserver's, from
+the driver's first rank start: what `import torch` read from the environment then
+(`TORCH_DISTRIBUTED_DEBUG`, `TORCH_LOGS`, ...), `LD_*` and `PYTHON*` settings, umask, rlimits
+and CPU affinity. A driver that changes those between engines wants PHASEFLIP_SPAWN_RANKS=1.
+A forkserver this process already runs with other preloads is not used (spawn instead).
 
-A rank's parent is the forkserver, not the driver: a rank that watches for its driver's death
-(`watchdog.PositionTracker`) must not compare `os.getppid()` with the driver's pid.
+A rank's parent is the forkserver, not the driver, and the forkserver outlives the driver while
+any rank lives: a rank that watches for its driver's death (`watchdog.PositionTracker`) reads
+multiprocessing's pipe from the driver, not `os.getppid()`.
 `PHASEFLIP_SPAWN_RANKS=1` starts ranks by spawn instead (for diagnosis).
 """
 
@@ -26,7 +32,7 @@ import multiprocessing as mp
 import os
 import pickle
 from collections.abc import Callable
-from multiprocessing import reduction
+from multiprocessing import forkserver, reduction
 from pathlib import Path
 
 SPAWN_ENV = "PHASEFLIP_SPAWN_RANKS"
@@ -36,8 +42,14 @@ PRELOAD = ["torch"]  # ~90 % of a rank's import time; our own modules import aft
 def _context() -> mp.context.BaseContext:
     if os.environ.get(SPAWN_ENV) == "1" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
+    server = getattr(forkserver, "_forkserver", None)
+    if getattr(server, "_forkserver_pid", None) is not None \
+            and getattr(server, "_preload_modules", None) != PRELOAD:
+        # a forkserver someone else started (other preloads, maybe code that touched CUDA,
+        # which a fork must not inherit): not ours to fork ranks from
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # no effect once this process's forkserver runs
+    ctx.set_forkserver_preload(PRELOAD)  # before the forkserver starts: it preloads these
     return ctx
 
 
@@ -84,7 +96,7 @@ def _run(env: dict[str, str] | None, stdio: tuple[int | None, ...] | None,
         os.environ.update(env)
     if stdio is not None:
         for fd, target_fd in zip(stdio, (1, 2)):
-            if fd is not None:
+            if fd is not None and fd != target_fd:
                 os.dup2(fd, target_fd)
                 os.close(fd)
     target, args = pickle.loads(payload)

@@ -9,8 +9,11 @@ error says who waited for what, and who was where.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
 import sys
 import threading
@@ -56,10 +59,18 @@ class PositionTracker:
 
     def _driver_gone(self) -> bool:
         """Whether the driver that started this rank has died. A rank forked by the driver's
-        forkserver (`spawner.py`) has the forkserver as its parent, which exits when the
-        driver does: either parent changing, or the driver's pid gone, means the driver is."""
+        forkserver (`spawner.py`) has the forkserver as its parent, which outlives the driver
+        while any rank lives, and a dead driver not yet reaped still answers `kill(pid, 0)`:
+        the pipe multiprocessing keeps from the driver (`parent_process().sentinel`, closed
+        when the driver dies, reaped or not) is what tells; the pid and the parent are the
+        fallbacks."""
         if self._parent is None:
             return False
+        parent = multiprocessing.parent_process()
+        if parent is not None and parent.sentinel is not None:
+            with contextlib.suppress(OSError, ValueError):
+                if multiprocessing.connection.wait([parent.sentinel], 0):
+                    return True
         if os.getppid() != self._ppid:
             return True
         try:
@@ -67,7 +78,7 @@ class PositionTracker:
         except ProcessLookupError:
             return True
         except PermissionError:
-            pass  # alive, another user's (a recycled pid would be too: the parent check holds)
+            pass  # alive, another user's
         return False
 
     def publish(self) -> None:

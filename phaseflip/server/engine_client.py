@@ -106,6 +106,10 @@ class EngineClient:
             return
         while self.process.is_alive():
             await asyncio.sleep(0.5)
+        for _ in range(50):  # its last messages (why it failed) go to the reader first
+            if not await self.inp.poll(0):
+                break
+            await asyncio.sleep(0.01)
         self.state.dead = f"engine process exited with code {self.process.exitcode}"
         self.state.flipping_to = None  # no seam outlives the engine
         self._ready.set()

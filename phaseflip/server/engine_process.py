@@ -16,6 +16,7 @@ image in /dev/shm) the normal way.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import faulthandler
 import logging
@@ -287,8 +288,9 @@ def engine_main(cfg: EngineConfig, requests_addr: str, outputs_addr: str) -> Non
         if server is not None:
             server.report_unhealthy(reason)
         else:
-            ctx = zmq.Context()
-            send_unhealthy(ctx, outputs_addr, reason)
-            ctx.term()
+            with contextlib.suppress(Exception):  # the traceback below matters more
+                ctx = zmq.Context()
+                send_unhealthy(ctx, outputs_addr, reason)
+                ctx.term()
         log.error("engine process failed:\n%s", traceback.format_exc())
         raise SystemExit(EXIT_FAILED) from None
