@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from phaseflip.errors import ModelLoadError
-from phaseflip.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig
+from phaseflip.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from phaseflip.model.rope import rope_inv_freq
+from phaseflip.model.rope_config import RopeConfig
 
 BASE = {
     "vocab_size": 128,

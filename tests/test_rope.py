@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from phaseflip.model.config import RopeConfig
 from phaseflip.model.rope import RotaryEmbedding, apply_rotary, rope_inv_freq
+from phaseflip.model.rope_config import RopeConfig
 
 HEAD_DIM = 64
 MAX_POS = 1024

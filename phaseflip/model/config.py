@@ -11,10 +11,7 @@ engine builds exactly the model transformers would build from the same directory
 
 from __future__ import annotations
 
-import json
-import math
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -22,6 +19,8 @@ from typing import Any
 import torch
 
 from phaseflip.errors import ModelLoadError
+from phaseflip.model.config_fields import Fields, read_json
+from phaseflip.model.rope_config import RopeConfig, parse_rope
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -30,7 +29,6 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 # `model_type` -> architecture, used only when `architectures` is absent from config.json
 # (transformers' Auto classes dispatch on model_type too).
@@ -77,7 +75,6 @@ GENERATION_DEFAULT_KEYS = (
     "min_length",
 )
 
-_REQUIRED: Any = object()  # sentinel: the key has no default and must be present
 
 
 @dataclass(frozen=True)
@@ -126,33 +123,8 @@ _ARCH_DEFAULTS = MappingProxyType(
     }
 )
 
-_DEFAULT_ROPE_THETA = 10000.0  # RotaryEmbeddingConfigMixin.default_theta; no arch overrides it
 _DEFAULT_RMS_NORM_EPS = 1e-6
 _DEFAULT_MAX_WINDOW_LAYERS = 28  # Qwen2/3
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary-embedding parameters, normalised from either config format.
-
-    `original_max_position_embeddings` is already resolved for llama3/yarn (explicit value,
-    else max_position_embeddings, as transformers does); `factor` is resolved for yarn when the
-    checkpoint leaves it null (max_position_embeddings / original_max_position_embeddings).
-    """
-
-    rope_type: str  # "default" | "linear" | "dynamic" | "llama3" | "yarn"
-    theta: float
-    factor: float = 1.0
-    original_max_position_embeddings: int | None = None
-    low_freq_factor: float | None = None  # llama3
-    high_freq_factor: float | None = None  # llama3
-    beta_fast: float | None = None  # yarn (HF default 32)
-    beta_slow: float | None = None  # yarn (HF default 1)
-    mscale: float | None = None  # yarn
-    mscale_all_dim: float | None = None  # yarn
-    attention_factor: float | None = None  # yarn explicit override
-    truncate: bool | None = None  # yarn (newer HF); None means True
-    partial_rotary_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -231,99 +203,7 @@ class ModelConfig:
 # Parsing helpers
 
 
-def _read_json(path: str, what: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"{what} is not valid JSON ({exc}): {path}") from exc
-    except UnicodeDecodeError as exc:
-        raise ModelLoadError(f"{what} is not UTF-8 text: {path}") from exc
-    except OSError as exc:
-        raise ModelLoadError(f"cannot read {what} ({exc.strerror}): {path}") from exc
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{what} must hold a JSON object, got {type(data).__name__}: {path}")
-    return data
-
-
-class _Fields:
-    """Typed access to one JSON object, with errors that name the key and the file."""
-
-    def __init__(self, raw: Mapping[str, Any], path: str, prefix: str = "") -> None:
-        self.raw = raw
-        self.path = path
-        self.prefix = prefix
-
-    def _missing(self, key: str) -> ModelLoadError:
-        return ModelLoadError(f"required field '{self.prefix}{key}' is missing in {self.path}")
-
-    def _bad(self, key: str, value: Any, expected: str) -> ModelLoadError:
-        return ModelLoadError(
-            f"field '{self.prefix}{key}' must be {expected}, got {value!r} in {self.path}"
-        )
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """Raw value; an explicit JSON null counts as absent."""
-        value = self.raw.get(key)
-        return default if value is None else value
-
-    def get_int(self, key: str, default: Any = _REQUIRED, *, positive: bool = True) -> Any:
-        value = self.raw.get(key)
-        if value is None:
-            if default is _REQUIRED:
-                raise self._missing(key)
-            return default
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self._bad(key, value, "an integer")
-        if positive and value <= 0:
-            raise self._bad(key, value, "a positive integer")
-        return value
-
-    def get_float(self, key: str, default: Any = _REQUIRED) -> Any:
-        value = self.raw.get(key)
-        if value is None:
-            if default is _REQUIRED:
-                raise self._missing(key)
-            return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self._bad(key, value, "a number")
-        if not math.isfinite(value):
-            raise self._bad(key, value, "a finite number")
-        return float(value)
-
-    def get_bool(self, key: str, default: bool) -> bool:
-        value = self.raw.get(key)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise self._bad(key, value, "true or false")
-        return value
-
-    def token_ids(self, key: str, default: int | None) -> tuple[int, ...]:
-        """An id field that may be an int or a list of ints (eos_token_id)."""
-        value = self.raw[key] if key in self.raw else default
-        if value is None:
-            return ()
-        items = value if isinstance(value, list) else [value]
-        for item in items:
-            if isinstance(item, bool) or not isinstance(item, int) or item < 0:
-                raise self._bad(key, value, "a token id or a list of token ids")
-        return tuple(items)
-
-    def token_id(self, key: str, default: int | None) -> int | None:
-        value = self.raw[key] if key in self.raw else default
-        if value is None:
-            return None
-        if isinstance(value, list) and len(value) == 1:
-            value = value[0]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise self._bad(key, value, "a token id")
-        return value
-
-
-def _resolve_architecture(cfg: _Fields) -> str:
+def _resolve_architecture(cfg: Fields) -> str:
     archs = cfg.raw.get("architectures")
     if archs is not None:
         if isinstance(archs, str):
@@ -353,7 +233,7 @@ def _resolve_architecture(cfg: _Fields) -> str:
     return arch
 
 
-def _resolve_dtype(cfg: _Fields) -> torch.dtype:
+def _resolve_dtype(cfg: Fields) -> torch.dtype:
     # transformers keeps `dtype` when both are present (5.x) and falls back to `torch_dtype` (4.x).
     for key in ("dtype", "torch_dtype"):
         value = cfg.raw.get(key)
@@ -366,128 +246,8 @@ def _resolve_dtype(cfg: _Fields) -> torch.dtype:
     return torch.float32
 
 
-def _select_rope_dict(cfg: _Fields) -> tuple[dict[str, Any], str]:
-    """Returns the rope dict and the key it came from.
-
-    Like transformers, a non-empty 4.x `rope_scaling` takes priority over `rope_parameters`.
-    A `rope_parameters` nested by layer type is accepted only if every layer type agrees.
-    """
-    for key in ("rope_scaling", "rope_parameters"):
-        value = cfg.raw.get(key)
-        if not value:
-            continue
-        if not isinstance(value, dict):
-            raise cfg._bad(key, value, "a JSON object")
-        nested = [v for v in value.values() if isinstance(v, dict)]
-        if nested:
-            if len(nested) != len(value) or any(v != nested[0] for v in nested[1:]):
-                raise ModelLoadError(
-                    f"per-layer-type '{key}' with differing RoPE settings is unsupported "
-                    f"in {cfg.path}"
-                )
-            value = nested[0]
-        return dict(value), key
-    return {}, "rope_parameters"
-
-
-def _parse_rope(cfg: _Fields, max_position_embeddings: int) -> RopeConfig:
-    rope_dict, key = _select_rope_dict(cfg)
-    rp = _Fields(rope_dict, cfg.path, prefix=f"{key}.")
-    rope_type = _rope_type(cfg, rope_dict, key)
-    theta = _rope_theta(cfg, rp)
-    partial = _rope_partial_factor(cfg, rp)
-    original_max = _rope_original_max(cfg, rp, rope_type, max_position_embeddings)
-    factor = _rope_factor(rp, rope_type, max_position_embeddings, original_max)
-    low, high = _rope_llama3_freq_factors(rp, rope_type)
-    truncate = rope_dict.get("truncate")
-    if truncate is not None and not isinstance(truncate, bool):
-        raise rp._bad("truncate", truncate, "true or false")
-    is_yarn = rope_type == "yarn"
-    return RopeConfig(
-        rope_type=rope_type,
-        theta=theta,
-        factor=factor,
-        original_max_position_embeddings=original_max,
-        low_freq_factor=low,
-        high_freq_factor=high,
-        beta_fast=rp.get_float("beta_fast", None) if is_yarn else None,
-        beta_slow=rp.get_float("beta_slow", None) if is_yarn else None,
-        mscale=rp.get_float("mscale", None) if is_yarn else None,
-        mscale_all_dim=rp.get_float("mscale_all_dim", None) if is_yarn else None,
-        attention_factor=rp.get_float("attention_factor", None) if is_yarn else None,
-        truncate=truncate if is_yarn else None,
-        partial_rotary_factor=partial,
-    )
-
-
-def _rope_type(cfg: _Fields, rope_dict: dict[str, Any], key: str) -> str:
-    rope_type = rope_dict.get("rope_type") or rope_dict.get("type") or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelLoadError(
-            f"unsupported rope type {rope_type!r} ('{key}') in {cfg.path}; "
-            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    return rope_type
-
-
-def _rope_theta(cfg: _Fields, rp: _Fields) -> float:
-    # Priority as in transformers: rope dict, then top-level key, then the class default.
-    theta = rp.get_float("rope_theta", None)
-    if theta is None:
-        theta = cfg.get_float("rope_theta", _DEFAULT_ROPE_THETA)
-    if theta <= 0:
-        raise rp._bad("rope_theta", theta, "a positive number")
-    return theta
-
-
-def _rope_partial_factor(cfg: _Fields, rp: _Fields) -> float:
-    partial = rp.get_float("partial_rotary_factor", None)
-    if partial is None:
-        partial = cfg.get_float("partial_rotary_factor", 1.0)
-    if not 0.0 < partial <= 1.0:
-        raise rp._bad("partial_rotary_factor", partial, "in (0, 1]")
-    return partial
-
-
-def _rope_original_max(cfg: _Fields, rp: _Fields, rope_type: str,
-                       max_position_embeddings: int) -> int | None:
-    original_max: int | None = rp.get_int("original_max_position_embeddings", None)
-    if rope_type in ("llama3", "yarn"):
-        # transformers re-standardises at RoPE init, when a top-level
-        # original_max_position_embeddings (Phi3 style) overrides the rope dict's value.
-        original_max = cfg.get_int("original_max_position_embeddings", original_max)
-        if original_max is None:
-            original_max = max_position_embeddings
-    return original_max
-
-
-def _rope_factor(rp: _Fields, rope_type: str, max_position_embeddings: int,
-                 original_max: int | None) -> float:
-    factor: float = 1.0
-    if rope_type in ("linear", "dynamic", "llama3"):
-        factor = rp.get_float("factor")
-    elif rope_type == "yarn":
-        factor = rp.get_float("factor", None)
-        if factor is None:
-            assert original_max is not None
-            factor = max_position_embeddings / original_max
-    if rope_type != "default" and factor <= 0:
-        raise rp._bad("factor", factor, "a positive number")
-    return factor
-
-
-def _rope_llama3_freq_factors(rp: _Fields, rope_type: str) -> tuple[float | None, float | None]:
-    """llama3's (low_freq_factor, high_freq_factor); (None, None) for other rope types."""
-    if rope_type != "llama3":
-        return None, None
-    low, high = rp.get_float("low_freq_factor"), rp.get_float("high_freq_factor")
-    if low == high:
-        raise rp._bad("high_freq_factor", high, "different from low_freq_factor")
-    return low, high
-
-
 def _parse_sliding(
-    cfg: _Fields, arch: str, defaults: _ArchDefaults, num_layers: int
+    cfg: Fields, arch: str, defaults: _ArchDefaults, num_layers: int
 ) -> tuple[int | None, tuple[str, ...]]:
     if "sliding_window" in cfg.raw:
         window = cfg.get_int("sliding_window", None)  # explicit null: no sliding window
@@ -521,15 +281,15 @@ def _parse_sliding(
     )
 
 
-def _parse_generation_config(path: str) -> tuple[_Fields | None, dict[str, Any]]:
+def _parse_generation_config(path: str) -> tuple[Fields | None, dict[str, Any]]:
     if not os.path.isfile(path):
         return None, {}
-    raw = _read_json(path, "generation_config.json")
+    raw = read_json(path, "generation_config.json")
     defaults = {k: raw[k] for k in GENERATION_DEFAULT_KEYS if raw.get(k) is not None}
-    return _Fields(raw, path), defaults
+    return Fields(raw, path), defaults
 
 
-def _check_mlp(cfg: _Fields, d, config_path: str) -> None:
+def _check_mlp(cfg: Fields, d, config_path: str) -> None:
     hidden_act = cfg.get("hidden_act", "silu")
     if hidden_act not in ("silu", "swish"):  # transformers maps both to SiLU
         raise ModelLoadError(
@@ -539,7 +299,7 @@ def _check_mlp(cfg: _Fields, d, config_path: str) -> None:
         raise ModelLoadError(f"mlp_bias=true is unsupported (in {config_path})")
 
 
-def _special_tokens(cfg: _Fields, gen: _Fields | None, d
+def _special_tokens(cfg: Fields, gen: Fields | None, d
                     ) -> tuple[list[int], int | None, int | None]:
     """(EOS ids, BOS, PAD): generation_config.json is what transformers' generate() uses,
     config.json the fallback (its EOS ids are added after the generation config's)."""
@@ -558,7 +318,7 @@ def _special_tokens(cfg: _Fields, gen: _Fields | None, d
     return eos, bos, pad
 
 
-def _config_fields(directory: str) -> tuple[_Fields, str]:
+def _config_fields(directory: str) -> tuple[Fields, str]:
     """The directory's config.json, read; a clear error for each way it is not there."""
     if not os.path.exists(directory):
         raise ModelLoadError(f"model directory does not exist: {directory}")
@@ -567,7 +327,7 @@ def _config_fields(directory: str) -> tuple[_Fields, str]:
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
         raise ModelLoadError(f"config.json not found in model directory: {directory}")
-    return _Fields(_read_json(config_path, "config.json"), config_path), config_path
+    return Fields(read_json(config_path, "config.json"), config_path), config_path
 
 
 def _check_rotary(rope: RopeConfig, head_dim: int, config_path: str) -> None:
@@ -604,7 +364,7 @@ def _parse_model_dir(model_dir: str | os.PathLike[str]) -> ModelConfig:
             f"in {config_path}"
         )
     max_pos = cfg.get_int("max_position_embeddings", d.max_position_embeddings)
-    rope = _parse_rope(cfg, max_pos)
+    rope = parse_rope(cfg, max_pos)
     _check_rotary(rope, head_dim, config_path)
 
     attention_bias = d.attention_bias

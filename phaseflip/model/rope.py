@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from phaseflip.model.config import SUPPORTED_ROPE_TYPES, RopeConfig
+from phaseflip.model.rope_config import SUPPORTED_ROPE_TYPES, RopeConfig
 
 if TYPE_CHECKING:
     from phaseflip.cache.kv_pool import KVPool
