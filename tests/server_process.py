@@ -59,3 +59,12 @@ def rank_pids(server_pid: int) -> list[int]:
     from phaseflip.distributed.spawner import rank_pids as engine_ranks
 
     return [r for engine in child_pids(server_pid) for r in engine_ranks(engine)]
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -144,7 +144,7 @@ def test_killing_a_worker_stops_the_server_and_every_rank():
     import os
     import signal
 
-    from tests.server_process import rank_pids, start_server, stop_server
+    from tests.server_process import alive, rank_pids, start_server, stop_server
 
     proc, url = start_server("--tp-size", "2", "--pp-size", "2")
     try:
@@ -155,20 +155,12 @@ def test_killing_a_worker_stops_the_server_and_every_rank():
         os.kill(workers[1], signal.SIGKILL)
         proc.wait(timeout=30)  # the engine notices at its next idle check, the server exits
         deadline = time.monotonic() + 15
-        while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+        while any(alive(p) for p in ranks) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not [p for p in ranks if _alive(p)], "orphaned ranks"
+        assert not [p for p in ranks if alive(p)], "orphaned ranks"
     finally:
         if proc.poll() is None:
             stop_server(proc)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def test_two_nodes_on_loopback():

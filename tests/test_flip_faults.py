@@ -11,17 +11,9 @@ import time
 import httpx
 import pytest
 
-from tests.server_process import rank_pids, start_server, stop_server
+from tests.server_process import alive, rank_pids, start_server, stop_server
 
 pytestmark = pytest.mark.timeout(180, method="thread")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie is gone
-    except FileNotFoundError:
-        return False
 
 
 def test_a_rank_killed_during_a_seam_stops_the_server_within_10_s():
@@ -66,4 +58,4 @@ def test_a_rank_killed_during_a_seam_stops_the_server_within_10_s():
     finally:
         if proc.poll() is None:
             stop_server(proc)
-    assert not any(_alive(p) for p in ranks), "orphaned rank"
+    assert not any(alive(p) for p in ranks), "orphaned rank"

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from phaseflip.distributed.spawner import SPAWN_ENV, start_rank
+from tests.server_process import alive
 
 pytestmark = pytest.mark.timeout(120, method="thread")
 PROBE_ENV = "PHASEFLIP_TEST_SPAWNER_PROBE"
@@ -30,14 +31,6 @@ def _watch_driver(driver_pid: int) -> None:
 
     PositionTracker(1, None, driver_pid)
     time.sleep(60)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.parametrize("spawn", [False, True], ids=["forkserver", "spawn"])
@@ -81,12 +74,12 @@ def test_a_rank_lives_with_its_driver_and_exits_soon_after_it_dies(tmp_path):
     try:
         rank = int(driver.stdout.readline())
         time.sleep(2.5)  # two passes of the rank's driver check
-        assert _alive(rank), "the rank exited while its driver lives"
+        assert alive(rank), "the rank exited while its driver lives"
         driver.send_signal(signal.SIGKILL)  # not reaped below until the rank is checked:
         deadline = time.monotonic() + 10  # a dead driver still answers kill(pid, 0)
-        while _alive(rank) and time.monotonic() < deadline:
+        while alive(rank) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(rank), "the rank outlived its driver"
+        assert not alive(rank), "the rank outlived its driver"
         driver.wait(10)
     finally:
         if driver.poll() is None:
