@@ -76,3 +76,24 @@ def test_a_layout_the_model_cannot_hold_is_refused_before_any_rank_starts(
                         lambda *a, **k: pytest.fail("a rank started for a layout that cannot be"))
     with pytest.raises(ValueError, match=reason):
         Engine(EMBEDDED_MODEL, device="cpu", tp_size=tp, pp_size=pp)
+
+
+def test_flip_layouts_the_model_cannot_hold_are_refused_or_never_built(monkeypatch):
+    """With --enable-flip and no --flip-layouts every tp × pp of the ranks was warmed up, and
+    one the model cannot hold (pp8 of 4 layers) failed on every rank at warm-up: now it is
+    not built. Named by --flip-layouts (or the auto policy's tpW/ppW), it is refused at once."""
+    from phaseflip import Engine
+    from phaseflip.distributed import rank_set
+    from phaseflip.distributed.group import runnable_layouts
+    from phaseflip.model.config import ModelConfig
+
+    model_cfg = ModelConfig.from_dir(EMBEDDED_MODEL)
+    cfg = EngineConfig(model=str(EMBEDDED_MODEL), device="cpu", tp_size=8, enable_flip=True,
+                       enable_hicache=True)
+    assert runnable_layouts(cfg, model_cfg) == ((8, 1), (2, 4), (4, 2))
+    monkeypatch.setattr(rank_set, "start_rank",
+                        lambda *a, **k: pytest.fail("a rank started for a layout that cannot be"))
+    for extra in ({"flip_layouts": "tp8,pp8"}, {"flip_policy": "auto"}):
+        with pytest.raises(ValueError, match="--flip-layouts tp1×pp8: pp_size=8 exceeds"):
+            Engine(EMBEDDED_MODEL, device="cpu", tp_size=8, enable_flip=True,
+                   enable_hicache=True, **extra)

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from phaseflip.config import EngineConfig
+from phaseflip.config import EMBEDDED_MODEL, EngineConfig
 from phaseflip.distributed.group import DistSpec, free_port, join
 from phaseflip.distributed.symm_allreduce import (
     SymmBuffer,
@@ -32,6 +32,7 @@ from phaseflip.distributed.symm_allreduce import (
     wanted,
 )
 from phaseflip.layout import ProcessGroupCommunicator
+from phaseflip.model.config import ModelConfig
 
 pytestmark = pytest.mark.timeout(180, method="thread")  # signals cannot interrupt gloo
 KIB = 1 << 10
@@ -80,7 +81,7 @@ def test_the_flags_reach_the_ranks():
     args = parser.parse_args(["--all-reduce", "symm-mem", "--all-reduce-max-kib", "64"])
     assert (args.all_reduce, args.all_reduce_max_kib) == ("symm-mem", 64)
     cfg = EngineConfig(model="m", tp_size=2, all_reduce="nccl", all_reduce_max_kib=64)
-    got = DistSpec.from_config(cfg)
+    got = DistSpec.from_config(cfg, ModelConfig.from_dir(EMBEDDED_MODEL))
     assert (got.all_reduce, got.device, got.all_reduce_max_bytes) == ("nccl", "auto", 64 * KIB)
     assert EngineConfig(model="m").all_reduce == "nccl"  # symm-mem opt-in until run one per GPU
 

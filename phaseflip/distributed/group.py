@@ -35,6 +35,7 @@ from phaseflip.distributed.symm_allreduce import (
     setup_symm_all_reduce,
 )
 from phaseflip.layout import Layout, ProcessGroupCommunicator
+from phaseflip.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +75,13 @@ class DistSpec:
     stage_pipes: bool = True
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig) -> DistSpec:
+    def from_config(cls, cfg: EngineConfig, model_cfg: ModelConfig) -> DistSpec:
         addr = cfg.dist_init_addr or f"127.0.0.1:{free_port()}"
         per_node = cfg.world_size // cfg.nnodes
         return cls(cfg.world_size, cfg.tp_size, cfg.pp_size, addr, dist_backend(cfg),
-                   cfg.dist_timeout_s, per_node, cfg.node_rank, layouts=runnable_layouts(cfg),
-                   all_reduce=cfg.all_reduce, device=cfg.device,
+                   cfg.dist_timeout_s, per_node, cfg.node_rank,
+                   layouts=runnable_layouts(cfg, model_cfg), all_reduce=cfg.all_reduce,
+                   device=cfg.device,
                    all_reduce_max_bytes=cfg.all_reduce_max_kib << 10,
                    stage_pipes=not os.environ.get(NO_STAGE_PIPES_ENV))
 
@@ -106,15 +108,17 @@ def dist_backend(cfg: EngineConfig) -> str:
     return "nccl" if gpus >= per_node and cfg.device != "cpu" else "gloo"
 
 
-def runnable_layouts(cfg: EngineConfig) -> tuple[tuple[int, int], ...]:
+def runnable_layouts(cfg: EngineConfig, model_cfg: ModelConfig) -> tuple[tuple[int, int], ...]:
     """The launch layout first; with flips on, also the two --flip-layouts when given (a flip
-    elsewhere is refused before its seam), else every tp × pp of the same ranks (a manual flip
-    may go to any of them)."""
+    elsewhere is refused before its seam), else every tp × pp of the same ranks that the model
+    can hold (a manual flip may go to any of them; pp8 of a 4-layer model is not built, which
+    the warm-up would otherwise fail on every rank)."""
     w, launch = cfg.world_size, (cfg.tp_size, cfg.pp_size)
     if not cfg.enable_flip:
         return (launch,)
     others = (cfg.flip_layout_pair if cfg.flip_layouts
-              else tuple((tp, w // tp) for tp in range(1, w + 1) if w % tp == 0))
+              else tuple((tp, w // tp) for tp in range(1, w + 1)
+                         if w % tp == 0 and model_cfg.layout_error(tp, w // tp) is None))
     return (launch, *(lay for lay in others if lay != launch))
 
 

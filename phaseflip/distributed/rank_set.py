@@ -36,6 +36,7 @@ from phaseflip.distributed.worker import (
     allocator_for_flips,
     worker_main,
 )
+from phaseflip.model.config import ModelConfig
 from phaseflip.model.weight_image import WeightImage
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class RankSet:
         if dist.is_initialized():  # left by an earlier group of this process that was stopped
             with contextlib.suppress(Exception):  # without teardown (a stall): it is dead
                 _destroy_group(timeout_s=30)
-        spec = DistSpec.from_config(cfg)
+        spec = DistSpec.from_config(cfg, ModelConfig.from_dir(cfg.model))
         if hicache_frames is not None:
             if hicache_frames.path is None:
                 raise ValueError("the ranks of a TP/PP group need shared HiCache host frames")
@@ -221,7 +222,7 @@ def _destroy_group(timeout_s: float) -> None:
 def run_node_workers(cfg: EngineConfig) -> int:
     """`phaseflip serve --node-rank k` (k > 0): run this host's ranks until the driver stops
     them. Returns non-zero if any rank failed."""
-    spec = DistSpec.from_config(cfg)
+    spec = DistSpec.from_config(cfg, ModelConfig.from_dir(cfg.model))
     procs = [start_rank(worker_main, (r, spec, cfg, None, os.getpid()),
                         name=f"phaseflip-rank{r}")
              for r in spec.local_ranks()]

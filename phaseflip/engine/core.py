@@ -44,6 +44,19 @@ log = logging.getLogger(__name__)
 GRAMMAR_WAIT_S = 0.05  # an idle step's wait for a compiling grammar (new messages wait as long)
 
 
+def check_layouts(cfg: EngineConfig, model_cfg: ModelConfig) -> None:
+    """ValueError naming why the launch layout, or a flip layout the engine was told to use
+    (--flip-layouts, or the auto policy's tpW/ppW), cannot hold the model."""
+    wanted = [(cfg.tp_size, cfg.pp_size)]
+    if cfg.enable_flip and (cfg.flip_layouts or cfg.flip_policy == "auto"):
+        wanted += cfg.flip_layout_pair
+    for tp, pp in wanted:
+        misfit = model_cfg.layout_error(tp, pp)
+        if misfit is not None:
+            raise ValueError(misfit if (tp, pp) == wanted[0] else
+                             f"--flip-layouts {layout_name(tp, pp)}: {misfit}")
+
+
 class EngineCore:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, tokenizer) -> None:
         self.model_cfg, self.tokenizer = model_cfg, tokenizer
@@ -55,9 +68,7 @@ class EngineCore:
         # told (request id, error) when an accepted request ends by an error: its grammar,
         # compiled off the loop, failed (the engine process answers the client's 400 with it)
         self.request_failed: Callable[[str, InvalidRequestError], None] | None = None
-        misfit = model_cfg.layout_error(cfg.tp_size, cfg.pp_size)
-        if misfit is not None:  # before any rank starts (pp 99 would start 98 of them)
-            raise ValueError(misfit)
+        check_layouts(cfg, model_cfg)  # before any rank starts (pp 99 would start 98 of them)
         auto = cfg.flip_weights == "auto"
         cfg = self._plan_flip_weights(cfg)  # `--flip-weights auto` resolved, once
         self._hicache = self._new_hicache(cfg)  # before the ranks: they map its host tier
@@ -146,7 +157,7 @@ class EngineCore:
 
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, self.model_cfg, device)
-        plan = plan_weights(cfg, self.model_cfg, runnable_layouts(cfg), dtype,
+        plan = plan_weights(cfg, self.model_cfg, runnable_layouts(cfg, self.model_cfg), dtype,
                             rank_budget(cfg, device), dist_backend(cfg))
         log.info(plan.line())
         self.weights_plan = plan
