@@ -93,7 +93,21 @@ def test_flip_layouts_the_model_cannot_hold_are_refused_or_never_built(monkeypat
     assert runnable_layouts(cfg, model_cfg) == ((8, 1), (2, 4), (4, 2))
     monkeypatch.setattr(rank_set, "start_rank",
                         lambda *a, **k: pytest.fail("a rank started for a layout that cannot be"))
-    for extra in ({"flip_layouts": "tp8,pp8"}, {"flip_policy": "auto"}):
-        with pytest.raises(ValueError, match="--flip-layouts tp1×pp8: pp_size=8 exceeds"):
+    for extra, reason in (
+            ({"flip_layouts": "tp8,pp8"}, "--flip-layouts tp8,pp8: tp1×pp8: pp_size=8 exceeds"),
+            ({"flip_policy": "auto"}, r"--flip-policy auto flips to tp1×pp8 \(the default")):
+        with pytest.raises(ValueError, match=reason):
             Engine(EMBEDDED_MODEL, device="cpu", tp_size=8, enable_flip=True,
                    enable_hicache=True, **extra)
+
+
+def test_another_hosts_ranks_refuse_a_layout_the_model_cannot_hold_at_once(monkeypatch):
+    """`serve --node-rank 1` started its ranks, which failed only after the driver's deadline."""
+    from phaseflip.distributed import rank_set
+
+    monkeypatch.setattr(rank_set, "start_rank",
+                        lambda *a, **k: pytest.fail("a rank started for a layout that cannot be"))
+    cfg = EngineConfig(model=str(EMBEDDED_MODEL), device="cpu", pp_size=8, nnodes=2,
+                       node_rank=1, dist_init_addr="127.0.0.1:29999")
+    with pytest.raises(ValueError, match="pp_size=8 exceeds the model's 4 layers"):
+        rank_set.run_node_workers(cfg)

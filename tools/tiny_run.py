@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ class Run:
     argv: list[str] | None
     out: Path
     t_start: float
-    defaults: dict = field(default_factory=dict)  # the parser's defaults (reproduce_with)
+    defaults: dict  # the parser's defaults (reproduce_with)
 
     def say(self, msg: str) -> None:
         print(f"[{time.time() - self.t_start:7.1f}s] {msg}", flush=True)

@@ -108,6 +108,27 @@ def dist_backend(cfg: EngineConfig) -> str:
     return "nccl" if gpus >= per_node and cfg.device != "cpu" else "gloo"
 
 
+def check_layouts(cfg: EngineConfig, model_cfg: ModelConfig) -> None:
+    """ValueError naming why the launch layout, or a flip layout the engine was told to use
+    (--flip-layouts, or the auto policy's default tpW/ppW), cannot hold the model: checked
+    before any rank starts, by the driver and by every other host's `serve --node-rank`."""
+    misfit = model_cfg.layout_error(cfg.tp_size, cfg.pp_size)
+    if misfit is not None:
+        raise ValueError(misfit)
+    if not cfg.enable_flip or not (cfg.flip_layouts or cfg.flip_policy == "auto"):
+        return
+    for tp, pp in cfg.flip_layout_pair:
+        misfit = model_cfg.layout_error(tp, pp)
+        if misfit is None:
+            continue
+        w = cfg.world_size
+        if cfg.flip_layouts:
+            raise ValueError(f"--flip-layouts {cfg.flip_layouts}: tp{tp}×pp{pp}: {misfit}")
+        raise ValueError(f"--flip-policy auto flips to tp{tp}×pp{pp} (the default --flip-layouts "
+                         f"tp{w},pp{w}): {misfit}; pass --flip-layouts with two layouts the "
+                         "model can hold")
+
+
 def runnable_layouts(cfg: EngineConfig, model_cfg: ModelConfig) -> tuple[tuple[int, int], ...]:
     """The launch layout first; with flips on, also the two --flip-layouts when given (a flip
     elsewhere is refused before its seam), else every tp × pp of the same ranks that the model

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from phaseflip.cache.hicache.frames import HostFrames
 from phaseflip.config import EngineConfig
-from phaseflip.distributed.group import DistSpec
+from phaseflip.distributed.group import DistSpec, check_layouts
 from phaseflip.distributed.plan_channel import plan_channel
 from phaseflip.distributed.spawner import start_rank
 from phaseflip.distributed.worker import (
@@ -222,7 +222,9 @@ def _destroy_group(timeout_s: float) -> None:
 def run_node_workers(cfg: EngineConfig) -> int:
     """`phaseflip serve --node-rank k` (k > 0): run this host's ranks until the driver stops
     them. Returns non-zero if any rank failed."""
-    spec = DistSpec.from_config(cfg, ModelConfig.from_dir(cfg.model))
+    model_cfg = ModelConfig.from_dir(cfg.model)
+    check_layouts(cfg, model_cfg)  # at once, not after the driver's deadline
+    spec = DistSpec.from_config(cfg, model_cfg)
     procs = [start_rank(worker_main, (r, spec, cfg, None, os.getpid()),
                         name=f"phaseflip-rank{r}")
              for r in spec.local_ranks()]

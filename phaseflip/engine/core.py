@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from phaseflip.config import EngineConfig
+from phaseflip.distributed.group import check_layouts
 from phaseflip.engine.layout_bundle import LayoutBundle, build_layout_bundle
 from phaseflip.engine.output_processor import Group, OutputProcessor
 from phaseflip.engine.outputs import StreamDelta
@@ -42,19 +43,6 @@ from phaseflip.scheduler.scheduler import ScheduledBatch, Scheduler
 
 log = logging.getLogger(__name__)
 GRAMMAR_WAIT_S = 0.05  # an idle step's wait for a compiling grammar (new messages wait as long)
-
-
-def check_layouts(cfg: EngineConfig, model_cfg: ModelConfig) -> None:
-    """ValueError naming why the launch layout, or a flip layout the engine was told to use
-    (--flip-layouts, or the auto policy's tpW/ppW), cannot hold the model."""
-    wanted = [(cfg.tp_size, cfg.pp_size)]
-    if cfg.enable_flip and (cfg.flip_layouts or cfg.flip_policy == "auto"):
-        wanted += cfg.flip_layout_pair
-    for tp, pp in wanted:
-        misfit = model_cfg.layout_error(tp, pp)
-        if misfit is not None:
-            raise ValueError(misfit if (tp, pp) == wanted[0] else
-                             f"--flip-layouts {layout_name(tp, pp)}: {misfit}")
 
 
 class EngineCore:
