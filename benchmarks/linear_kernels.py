@@ -186,18 +186,43 @@ def dispatch_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return linear.skinny_linear(x, w) if use else F.linear(x, w)
 
 
+def _sm90_consts(cfg, m: int, dtype: torch.dtype) -> dict:
+    """The skinny kernel's constexprs for a plain launch of `cfg` (no split, fold or bias)."""
+    return {"BLOCK_M": cfg.block_m(m), "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+            "LOOP": cfg.loop, "SPLIT": False, "HAS_BIAS": False, "EVEN_K": True,
+            "VEC": 16 // dtype.itemsize, "DOT_PREC": linear._dot_precision(dtype),
+            "HAS_SCALE": False, "HAS_XSCALE": False, "PDL": False, "PF_LINE": 64,
+            "NORM": False, "SILU": False, "HAS_RES": False, "LIBDEVICE": linear.USE_LIBDEVICE,
+            "ROPE": False, "FP8_KV": False}
+
+
+def _sm90_usage(source, cfg, cuobjdump: Path) -> tuple[int, int, int]:
+    """(registers, spill stack bytes, shared memory bytes) of `source` compiled for sm_90."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(cuobjdump), "-res-usage", f.name], check=True,
+                               capture_output=True, text=True).stdout
+    return (int(re.search(r"REG:(\d+)", usage).group(1)),
+            int(re.search(r"STACK:(\d+)", usage).group(1)), compiled.metadata.shared)
+
+
 def sm90_report(ms: list[int], dtype: torch.dtype) -> list[dict]:
     """Compile every candidate launch shape for sm_90 on this machine (no GPU needed) and read
     registers, spill stack and shared memory from the cubin (`cuobjdump -res-usage`); estimate
     resident programs per SM and weight bytes in flight per SM (ew: one tile per program, dot:
     num_stages - 1 tiles). Splits and ragged K compile separate variants, not reported."""
     import os
-    import re
-    import subprocess
-    import tempfile
 
     import triton.backends.nvidia as nvidia_backend
-    from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
 
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -216,31 +241,14 @@ def sm90_report(ms: list[int], dtype: torch.dtype) -> list[dict]:
     rows, seen = [], set()
     for m in ms:
         for cfg in linear_configs.candidate_configs(m, 4096, 4096, dtype, torch.device("cuda"),
-                                            sms=132):
+                                                    sms=132):
             cfg = replace(cfg, split_k=1)
-            key = (cfg.block_m(m), cfg)
-            if key in seen:
+            if (key := (cfg.block_m(m), cfg)) in seen:
                 continue
             seen.add(key)
-            consts = {"BLOCK_M": cfg.block_m(m), "BLOCK_N": cfg.block_n,
-                      "BLOCK_K": cfg.block_k, "LOOP": cfg.loop, "SPLIT": False,
-                      "HAS_BIAS": False, "EVEN_K": True, "VEC": 16 // dtype.itemsize,
-                      "DOT_PREC": linear._dot_precision(dtype), "HAS_SCALE": False,
-                      "HAS_XSCALE": False, "PDL": False, "PF_LINE": 64, "NORM": False,
-                      "SILU": False, "HAS_RES": False, "LIBDEVICE": linear.USE_LIBDEVICE,
-                      "ROPE": False, "FP8_KV": False}
+            consts = _sm90_consts(cfg, m, dtype)
             sig = {**signature, **dict.fromkeys(consts, "constexpr")}
-            compiled = triton.compile(
-                ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(compiled.asm["cubin"])
-                f.flush()
-                usage = subprocess.run([str(cuobjdump), "-res-usage", f.name], check=True,
-                                       capture_output=True, text=True).stdout
-            regs = int(re.search(r"REG:(\d+)", usage).group(1))
-            stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-            smem = compiled.metadata.shared
+            regs, stack, smem = _sm90_usage(ASTSource(kernel, sig, consts, attrs), cfg, cuobjdump)
             per_sm = min(65536 // (regs * 32 * cfg.num_warps), 64 // cfg.num_warps,
                          (227 << 10) // max(smem + 1024, 1))
             tiles = cfg.num_stages - 1 if cfg.loop == "dot" else 1
