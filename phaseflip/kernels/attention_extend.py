@@ -75,6 +75,21 @@ def _extend_block(
     return acc, l_i, m_new
 
 
+@triton.jit
+def _tile_keys(prefix, r0, num_rows, window, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """The keys a tile of rows [r0, r0 + BLOCK_M) reads: (first, end of the blocks every row
+    sees in full, end). Keys [first, full end) are causally visible to every row of the
+    tile: those blocks need no causal mask (a sliding window still masks them)."""
+    q_lo = prefix + r0 // GROUP
+    q_hi = prefix + (tl.minimum(r0 + BLOCK_M, num_rows) - 1) // GROUP
+    kv_lo = q_lo * 0
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(q_lo - window + 1, 0)
+    full_end = kv_lo + (q_lo + 1 - kv_lo) // BLOCK_N * BLOCK_N
+    return kv_lo, full_end, q_hi + 1
+
+
 # num_tiles varies with every batch: specializing it (== 1, divisible by 16) would compile a
 # new variant mid-serving the first time a batch's tile count lands in another class
 @triton.jit(do_not_specialize=["num_tiles"])
@@ -115,15 +130,8 @@ def _extend_kernel(
     else:
         q = q.to(K.dtype.element_ty)
 
-    q_lo = prefix + r0 // GROUP
-    q_hi = prefix + (tl.minimum(r0 + BLOCK_M, num_rows) - 1) // GROUP
-    kv_hi = q_hi + 1
-    kv_lo = q_lo * 0
-    if HAS_WINDOW:
-        kv_lo = tl.maximum(q_lo - window + 1, 0)
-    # Keys [kv_lo, full_end) are visible to every row of the tile (causally): no mask there.
-    full_end = kv_lo + (q_lo + 1 - kv_lo) // BLOCK_N * BLOCK_N
-
+    kv_lo, full_end, kv_hi = _tile_keys(prefix, r0, num_rows, window, GROUP, BLOCK_M,
+                                        BLOCK_N, HAS_WINDOW)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)

@@ -170,6 +170,14 @@ def _rows_ew(X, W, G, M, rows_w, k_lo, k_hi, K, eps, stride_xm, stride_wn,
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
+    return _rows_tile(a0, a1, a2, a3, a4, a5, a6, a7, s0, s1, K, eps, BLOCK_M, NORM)
+
+
+@triton.jit
+def _rows_tile(a0, a1, a2, a3, a4, a5, a6, a7, s0, s1, K, eps, BLOCK_M: tl.constexpr,
+               NORM: tl.constexpr):
+    """`_rows_ew`'s per-row accumulators reduced and stacked into one [BLOCK_M, BLOCK_N]
+    tile (rows 0 and 1 times their RMSNorm factor under NORM)."""
     row = tl.arange(0, BLOCK_M)[:, None]
     acc = tl.where(row == 0, _rms_scale(a0, s0, K, eps, NORM)[None, :], 0.0)
     if BLOCK_M > 1:
@@ -288,6 +296,20 @@ def _store_tile(acc, B, S, XS, R, Y, offs_m, offs_n, rows_w, pid_n, M, N, stride
                     HAS_BIAS, HAS_SCALE, HAS_XSCALE, HAS_RES)
 
 
+@triton.jit
+def _split_arrive(acc, tile, counter, pid_k, num_splits, tile_elems: tl.constexpr):
+    """Stores split pid_k's partial tile and counts its arrival: whether it came last (and so
+    sums the tile's partials). Every thread's partial is written before one thread publishes
+    the arrival (release); the acquire side makes the others' partials visible to the last."""
+    tl.store(tile + pid_k * tile_elems, acc)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    last = arrived == num_splits - 1
+    if last:
+        tl.debug_barrier()
+    return last
+
+
 @triton.jit(do_not_specialize=["M", "num_splits"])
 def _skinny_kernel(
     X, W, B, S, XS, G, R, Y, PARTIALS, COUNTERS, RP, RI,
@@ -332,19 +354,12 @@ def _skinny_kernel(
     if SPLIT:
         # Tile pid_n owns PARTIALS[pid_n, 0:num_splits, BLOCK_M, BLOCK_N] and COUNTERS[pid_n],
         # which is 0 between launches (the last arrival re-arms it).
-        tile_elems = BLOCK_M * BLOCK_N
-        tile = (PARTIALS + pid_n.to(tl.int64) * num_splits * tile_elems
+        tile = (PARTIALS + pid_n.to(tl.int64) * num_splits * BLOCK_M * BLOCK_N
                 + offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
-        tl.store(tile + pid_k * tile_elems, acc)
-        # Every thread's partial is written before one thread publishes the arrival (release);
-        # the acquire side makes the other programs' partials visible to the last arrival.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(COUNTERS + pid_n, 1, sem="acq_rel")
-        if arrived == num_splits - 1:
-            tl.debug_barrier()
+        if _split_arrive(acc, tile, COUNTERS + pid_n, pid_k, num_splits, BLOCK_M * BLOCK_N):
             total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for s in range(0, num_splits):
-                total += tl.load(tile + s * tile_elems, cache_modifier=".cg")
+                total += tl.load(tile + s * BLOCK_M * BLOCK_N, cache_modifier=".cg")
             _store_tile(total, B, S, XS, R, Y, offs_m, offs_n, rows_w, pid_n, M, N, stride_rm,
                         stride_ym, RP, RI, BLOCK_N, HAS_BIAS, HAS_SCALE, HAS_XSCALE, HAS_RES,
                         SILU, LIBDEVICE, ROPE, FP8_KV)
