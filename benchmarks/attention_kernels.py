@@ -261,16 +261,22 @@ def run_case(name: str, seqs: list[tuple[int, int]], kv_dtype: torch.dtype, args
         "torch_ref_us": ref_ms * 1e3, "speedup_vs_ref": ref_ms / fwd_ms, "rel_err": rel_err,
         "sweep_kernel_us": sweep, "sweep_rel_err": sweep_err,
     }
-    if meta.is_decode:  # the bytes the kernel must read: every context row's K and V once
-        kv_bytes = 2 * kv_len * KV_HEADS * HEAD_DIM * kv_dtype.itemsize
-        row["kv_read_GBps"] = kv_bytes / (kern_ms * 1e-3) / 1e9
-        row["pct_of_bw_ceiling"] = 100 * row["kv_read_GBps"] / (args.bw_ceiling * 1e3)
-        row["sweep_TBps"] = {n: kv_bytes / (us * 1e-6) / 1e12 for n, us in sweep.items()}
-    else:
-        flops = sum(4 * HEAD_DIM * HEADS * (e * p + e * (e + 1) / 2) for p, e in seqs)
-        row["TFLOPs"] = flops / (kern_ms * 1e-3) / 1e12
-        row["pct_of_flops_ceiling"] = 100 * row["TFLOPs"] / args.flops_ceiling
-    return row
+    return row | rates(seqs, kv_dtype, meta.is_decode, kern_ms, sweep, args)
+
+
+def rates(seqs: list[tuple[int, int]], kv_dtype: torch.dtype, is_decode: bool,
+          kern_ms: float, sweep: dict[str, float], args) -> dict:
+    """A case's kernel time against its ceiling: decode reads every context row's K and V
+    once (bytes / s, of the bandwidth ceiling), extend does its causal FLOPs (of the bf16
+    matmul ceiling)."""
+    if is_decode:
+        kv_bytes = 2 * sum(p + e for p, e in seqs) * KV_HEADS * HEAD_DIM * kv_dtype.itemsize
+        gbps = kv_bytes / (kern_ms * 1e-3) / 1e9
+        return {"kv_read_GBps": gbps, "pct_of_bw_ceiling": 100 * gbps / (args.bw_ceiling * 1e3),
+                "sweep_TBps": {n: kv_bytes / (us * 1e-6) / 1e12 for n, us in sweep.items()}}
+    flops = sum(4 * HEAD_DIM * HEADS * (e * p + e * (e + 1) / 2) for p, e in seqs)
+    tflops = flops / (kern_ms * 1e-3) / 1e12
+    return {"TFLOPs": tflops, "pct_of_flops_ceiling": 100 * tflops / args.flops_ceiling}
 
 
 def measure_ceilings(device: torch.device, quick: bool) -> dict:

@@ -94,10 +94,9 @@ def compare(got: torch.Tensor | tuple, want: torch.Tensor | tuple) -> dict:
 def run_token_count(t: int, args, dev: torch.device) -> list[dict]:
     from phaseflip.kernels.activation import silu_and_mul
     from phaseflip.kernels.norm import fused_add_rms_norm, rms_norm
-    from phaseflip.kernels.rope import apply_rotary_inplace
-    from phaseflip.model.config import RopeConfig
     from phaseflip.model.layers import RMSNorm, SiluAndMul
-    from phaseflip.model.rope import RotaryEmbedding, apply_rotary
+    from phaseflip.model.rope import RotaryEmbedding
+    from phaseflip.model.rope_config import RopeConfig
 
     e = DTYPE.itemsize
     norm = RMSNorm(HIDDEN, EPS, DTYPE).to(dev)
@@ -115,13 +114,7 @@ def run_token_count(t: int, args, dev: torch.device) -> list[dict]:
     qkv = torch.randn(t, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=dev, dtype=DTYPE) * 2
     positions = torch.randint(0, 131072, (t,), device=dev)
 
-    def qk(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q = buf[:, : HEADS * HEAD_DIM].view(t, HEADS, HEAD_DIM)
-        k = buf[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(t, KV_HEADS, HEAD_DIM)
-        return q, k
-
-    q, k = qk(qkv)
-    cos, sin = rope.cos_sin(positions, DTYPE)
+    q = qkv[:, : HEADS * HEAD_DIM].view(t, HEADS, HEAD_DIM)
     rows = []
 
     def row(op: str, kernel, torch_fn, check: dict, nbytes: int, **extra) -> None:
@@ -143,17 +136,7 @@ def run_token_count(t: int, args, dev: torch.device) -> list[dict]:
     row("silu_and_mul", lambda: silu_and_mul(gate_up), lambda: act.forward_native(gate_up),
         compare(silu_and_mul(gate_up), act.forward_native(gate_up)), 3 * t * INTER * e)
 
-    want = (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin))
-    qc, kc = qk(qkv.clone())
-    got = apply_rotary_inplace(qc, kc, positions, rope.cos_cache, rope.sin_cache)
-    qt, kt = qk(qkv.clone())
-    gather_us = bench(lambda: rope.cos_sin(positions, DTYPE), args.quick)
-    row("rotary", lambda: apply_rotary_inplace(qt, kt, positions, rope.cos_cache,
-                                               rope.sin_cache),
-        lambda: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)), compare(got, want),
-        2 * t * (HEADS + KV_HEADS) * HEAD_DIM * e + t * (8 + 2 * 4 * rope.rotary_dim // 2),
-        gather_us=gather_us)
-
+    rotary_row(t, qkv, positions, rope, row, args.quick)
     row("head_rms_norm", lambda: rms_norm(q, head_norm.weight, EPS),
         lambda: head_norm.forward_native(q),
         compare(rms_norm(q, head_norm.weight, EPS), head_norm.forward_native(q)),
@@ -161,6 +144,32 @@ def run_token_count(t: int, args, dev: torch.device) -> list[dict]:
     for pool_dtype in (DTYPE, torch.float8_e4m3fn):
         kv_store_rows(t, qkv, positions, rope, pool_dtype, row)
     return rows
+
+
+def rotary_row(t: int, qkv: torch.Tensor, positions: torch.Tensor, rope,
+               row: Callable[..., None], quick: bool) -> None:
+    """The `rotary` row: the in-place kernel on q and k of a qkv buffer vs `apply_rotary`
+    (with the cos/sin gather it needs timed beside it)."""
+    from phaseflip.kernels.rope import apply_rotary_inplace
+    from phaseflip.model.rope import apply_rotary
+
+    def qk(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = buf[:, : HEADS * HEAD_DIM].view(t, HEADS, HEAD_DIM)
+        k = buf[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(t, KV_HEADS, HEAD_DIM)
+        return q, k
+
+    q, k = qk(qkv)
+    cos, sin = rope.cos_sin(positions, DTYPE)
+    want = (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin))
+    qc, kc = qk(qkv.clone())
+    got = apply_rotary_inplace(qc, kc, positions, rope.cos_cache, rope.sin_cache)
+    qt, kt = qk(qkv.clone())
+    gather_us = bench(lambda: rope.cos_sin(positions, DTYPE), quick)
+    row("rotary", lambda: apply_rotary_inplace(qt, kt, positions, rope.cos_cache,
+                                               rope.sin_cache),
+        lambda: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)), compare(got, want),
+        2 * t * (HEADS + KV_HEADS) * HEAD_DIM * DTYPE.itemsize
+        + t * (8 + 2 * 4 * rope.rotary_dim // 2), gather_us=gather_us)
 
 
 def kv_store_rows(t: int, qkv: torch.Tensor, positions: torch.Tensor, rope, pool_dtype,
