@@ -1,11 +1,19 @@
 # the next one-GPU call, by the card that came (a call for nvidia-h200 may get an H100):
+# first `gk`, the compiled check of the kernels refactored since the last GPU run (the
+# skinny kernel's split arrival, the extend kernel's key range: 1fd0908; ~60 s), then
 # H200 -> h200_fp8_call.sh without its `ranks` step (forked ranks passed on CUDA on
-# 2026-12-05), to be followed by h200_fp8_call2.sh; H100 -> h100_call2.sh; anything else ->
-# gpu_tests_call.sh. END and ONLY pass through to the script.
+# 2026-12-05) and without its clamp arm (`lk_clamp`, `off_clamp*`: the clamp was timed in
+# isolation on 2026-12-04; the question now is the re-tuned table), to be followed by
+# h200_fp8_call2.sh; H100 -> h100_call2.sh; anything else -> gpu_tests_call.sh.
+# END and ONLY pass through to the script (its END less the time gk took).
+. tools/device/lib.sh
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "card: $card"
+GK="tests/test_linear_kernel.py tests/test_triton_attention.py"
+step gk 40 120 6 "PHASEFLIP_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider $GK -k 'split or w8a8 or gpu_real or extend or window or diagonal or mixed'"
+export END=$((END - SECONDS))
 case "$card" in
-  *H200*) ONLY=${ONLY:-"lk_clamp lk_mask tune off_clamp1 off_mask1 off_tuned1 off_clamp2 off_mask2 off_tuned2 bf16"} \
+  *H200*) ONLY=${ONLY:-"lk_mask tune off_mask1 off_tuned1 off_mask2 off_tuned2 bf16"} \
             exec bash tools/device/h200_fp8_call.sh;;
   *H100*) exec bash tools/device/h100_call2.sh;;
   *) exec bash tools/device/gpu_tests_call.sh;;
