@@ -1,6 +1,7 @@
 """The CUDA FP8 decode attention kernel (`kernels/csrc/fp8_decode.cu`) against the Triton
-kernel and a float32 reference, on random paged FP8 pools; and the kernel built with
--DGATHER_ONLY (the same loads, no math: the access pattern's ceiling).
+kernel and a float32 reference, on random paged FP8 pools, unsplit and (the decode tail's
+few long sequences) split as the backend plans them; and the kernel built with -DGATHER_ONLY
+(the same loads, no math: the access pattern's ceiling).
 
     python -m benchmarks.fp8_decode_probe --out probe.json
 
@@ -22,15 +23,18 @@ from phaseflip.kernels.attention import (
     decode_attention,
     decode_config,
     decode_order,
+    decode_workspace,
     num_sms,
     orders_decode,
     plan_decode,
 )
 from phaseflip.kernels.attention_cuda import CudaFp8Decode
 
-# (sequences, mean context, group): unsplit launches only (the CUDA kernel's share)
+# (sequences, mean context, group): unsplit launches (the CUDA kernel's share), then the
+# decode tail's few long sequences, split as the backend plans them (`SPLIT_CASES`)
 CASES = [(1000, 454, 4), (600, 450, 4), (300, 423, 4), (160, 600, 4), (128, 1024, 4),
          (66, 2048, 4), (256, 512, 8)]
+SPLIT_CASES = [(50, 1500, 4), (37, 1500, 4), (22, 1500, 4), (8, 2000, 4), (1, 3000, 4)]
 
 
 def make_case(b: int, mean: int, group: int, kvh: int = 8, d: int = 128, seed: int = 0,
@@ -76,53 +80,60 @@ def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.float() - ref).norm() / ref.norm())
 
 
+def probe_case(b: int, mean: int, group: int, split: bool, cuda: CudaFp8Decode,
+               gather: CudaFp8Decode, sms: int) -> dict:
+    """One case: Triton, CUDA, CUDA in row order and gather-only µs, TB/s and errors."""
+    from triton.testing import do_bench
+
+    q, k, v, indptr, idx, ks, vs = make_case(b, mean, group)
+    dev, kvh, d = q.device, k.shape[1], k.shape[2]
+    scale = d ** -0.5
+    ref = reference(q, k, v, indptr, idx, ks, vs, scale)
+    max_len = int((indptr[1:] - indptr[:-1]).max())
+    cfg = decode_config(q.dtype, d, group, dev, kv_dtype=k.dtype)
+    heads_blocks = math.ceil(group / cfg.block_m)
+    plan = plan_decode(b, kvh, heads_blocks, max_len, sms, num_splits=None if split else 1)
+    ws = decode_workspace(b, q.shape[1], d, plan, dev) if plan.num_splits > 1 else None
+    order = decode_order(indptr) if orders_decode(b, kvh, heads_blocks, sms) else None
+    tri_out = torch.empty(b, q.shape[1] * d, device=dev, dtype=q.dtype)
+    cu_out = torch.empty_like(tri_out)
+    tri = functools.partial(decode_attention, q, k, v, indptr, idx, scale, plan, out=tri_out,
+                            workspace=ws, config=cfg, k_scale=ks, v_scale=vs, order=order)
+    args = (q, k, v, indptr, idx, ks, vs, scale, cu_out)
+    cu = functools.partial(cuda, *args, order, plan, ws)
+    gat = functools.partial(gather, *args, order, plan, ws)
+    plain = functools.partial(cuda, *args, None, plan, ws)  # launch order ignored
+    assert CudaFp8Decode.accepts(q, k, v, cu_out, indptr, idx, ks, vs, order, None)
+    e_tri, e_cu = rel(tri().view_as(q), ref), rel(cu().view_as(q), ref)
+    t_tri, t_cu, t_gat, t_plain = (do_bench(f, warmup=20, rep=200) * 1e3
+                                   for f in (tri, cu, gat, plain))
+    nbytes = int(indptr[-1]) * kvh * d * 2
+    return {"batch": b, "mean_ctx": mean, "group": group, "splits": plan.num_splits,
+            "ordered": order is not None, "pool_mb": nbytes / 1e6, "triton_us": t_tri,
+            "cuda_us": t_cu, "gather_only_us": t_gat, "triton_tbs": nbytes / t_tri / 1e6,
+            "cuda_tbs": nbytes / t_cu / 1e6, "gather_only_tbs": nbytes / t_gat / 1e6,
+            "err_triton": e_tri, "err_cuda": e_cu, "cuda_in_row_order_us": t_plain}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--split-only", action="store_true", help="only the split cases")
     args = ap.parse_args()
-    from triton.testing import do_bench
-
     dev = torch.device("cuda")
-
     cuda = CudaFp8Decode(dev)
     gather = CudaFp8Decode(dev, options=("-DGATHER_ONLY",))
-    sms = num_sms(dev)
+    cases = [] if args.split_only else [(*c, False) for c in CASES]
     rows = []
-    for b, mean, group in CASES:
-        q, k, v, indptr, idx, ks, vs = make_case(b, mean, group)
-        kvh, d = k.shape[1], k.shape[2]
-        scale = d ** -0.5
-        ref = reference(q, k, v, indptr, idx, ks, vs, scale)
-        max_len = int((indptr[1:] - indptr[:-1]).max())
-        cfg = decode_config(q.dtype, d, group, dev, kv_dtype=k.dtype)
-        heads_blocks = math.ceil(group / cfg.block_m)
-        plan = plan_decode(b, kvh, heads_blocks, max_len, sms, num_splits=1)
-        order = decode_order(indptr) if orders_decode(b, kvh, heads_blocks, sms) else None
-        tri_out = torch.empty(b, q.shape[1] * d, device=dev, dtype=q.dtype)
-        cu_out = torch.empty_like(tri_out)
-        tri = functools.partial(decode_attention, q, k, v, indptr, idx, scale, plan,
-                                out=tri_out, config=cfg, k_scale=ks, v_scale=vs, order=order)
-        cu = functools.partial(cuda, q, k, v, indptr, idx, ks, vs, scale, cu_out, order)
-        gat = functools.partial(gather, q, k, v, indptr, idx, ks, vs, scale, cu_out, order)
-        plain = functools.partial(cuda, q, k, v, indptr, idx, ks, vs, scale, cu_out, None)
-        assert CudaFp8Decode.accepts(q, k, v, cu_out, indptr, idx, ks, vs, order, None)
-        e_tri, e_cu = rel(tri().view_as(q), ref), rel(cu().view_as(q), ref)
-        t_tri = do_bench(tri, warmup=20, rep=200) * 1e3
-        t_cu = do_bench(cu, warmup=20, rep=200) * 1e3
-        t_gat = do_bench(gat, warmup=20, rep=200) * 1e3
-        t_plain = do_bench(plain, warmup=20, rep=200) * 1e3  # launch order ignored
-        nbytes = int(indptr[-1]) * kvh * d * 2
-        row = {"batch": b, "mean_ctx": mean, "group": group, "ordered": order is not None,
-               "pool_mb": nbytes / 1e6, "triton_us": t_tri, "cuda_us": t_cu,
-               "gather_only_us": t_gat, "triton_tbs": nbytes / t_tri / 1e6,
-               "cuda_tbs": nbytes / t_cu / 1e6, "gather_only_tbs": nbytes / t_gat / 1e6,
-               "err_triton": e_tri, "err_cuda": e_cu, "cuda_in_row_order_us": t_plain}
-        rows.append(row)
-        print(f"B={b:5d} ctx~{mean:5d} g={group} (unsplit): triton {t_tri:7.1f} µs "
-              f"({row['triton_tbs']:.2f} TB/s, err {e_tri:.1e})  cuda {t_cu:7.1f} µs "
-              f"({row['cuda_tbs']:.2f} TB/s, err {e_cu:.1e})  gather-only {t_gat:7.1f} µs "
-              f"({row['gather_only_tbs']:.2f} TB/s)  cuda in row order {t_plain:7.1f} µs",
-              flush=True)
+    for b, mean, group, split in cases + [(*c, True) for c in SPLIT_CASES]:
+        r = probe_case(b, mean, group, split, cuda, gather, num_sms(dev))
+        rows.append(r)
+        print(f"B={b:5d} ctx~{mean:5d} g={group} splits {r['splits']:2d}: triton "
+              f"{r['triton_us']:7.1f} µs ({r['triton_tbs']:.2f} TB/s, err "
+              f"{r['err_triton']:.1e})  cuda {r['cuda_us']:7.1f} µs ({r['cuda_tbs']:.2f} TB/s, "
+              f"err {r['err_cuda']:.1e})  gather-only {r['gather_only_us']:7.1f} µs "
+              f"({r['gather_only_tbs']:.2f} TB/s)  cuda in row order "
+              f"{r['cuda_in_row_order_us']:7.1f} µs", flush=True)
     write_json(args.out, {"benchmark": "fp8_decode_probe", "cases": rows})
 
 

@@ -1,6 +1,7 @@
 """The CUDA FP8 decode attention kernel (`kernels.attention_cuda`, sm_90 only): which launches
-it takes (everywhere), and on an H200 its outputs against the float32 reference and Triton's
-kernel, inside a CUDA graph, and routed to by the Triton backend."""
+it takes and the workspace a split launch needs (everywhere), and on an H200 its outputs,
+unsplit and split, against the float32 reference and Triton's kernel, inside a CUDA graph,
+and routed to by the Triton backend."""
 
 from __future__ import annotations
 
@@ -132,6 +133,100 @@ def test_the_backend_routes_unsplit_fp8_decodes_to_it():
     run_fp8_case(seqs, dtype=torch.bfloat16, num_kv_heads=8, group=4, head_dim=128,
                  backend=off)
     assert off._cuda is None
+
+
+@gpu
+@pytest.mark.parametrize("b,mean,group,splits,min_chunk,ordered", [
+    (5, 1500, 4, 3, 256, False),  # the decode tail: few long sequences
+    (12, 700, 4, 7, 64, True),
+    (4, 40, 4, 4, 16, False),  # short sequences: splits past the last key exit
+    (20, 2000, 2, 2, 256, True),
+])
+def test_split_plans_match_the_reference_and_triton(b, mean, group, splits, min_chunk,
+                                                    ordered):
+    from benchmarks.fp8_decode_probe import reference
+    from phaseflip.kernels.attention import (
+        DecodePlan,
+        decode_attention,
+        decode_order,
+        decode_workspace,
+    )
+
+    q, k, v, indptr, idx, ks, vs = _case(b, mean, group)
+    scale = 128 ** -0.5
+    order = decode_order(indptr) if ordered else None
+    plan = DecodePlan(num_splits=splits, min_chunk=min_chunk)
+    ref = reference(q, k, v, indptr, idx, ks, vs, scale)
+    kern = CudaFp8Decode.create(q.device)
+    ws = decode_workspace(b, q.shape[1], 128, plan, q.device)
+    out = torch.full((b, q.shape[1] * 128), float("nan"), device="cuda", dtype=q.dtype)
+    for _ in range(2):  # the second launch finds the counters re-armed by the first
+        kern(q, k, v, indptr, idx, ks, vs, scale, out, order, plan, ws)
+        assert torch.isfinite(out).all(), "unmerged rows"
+        got = out.view_as(q).float()
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+        assert int(ws[3].abs().sum()) == 0, "split counters left armed"
+    tri = decode_attention(q, k, v, indptr, idx, scale, plan, k_scale=ks, v_scale=vs)
+    assert ((got - tri.view_as(q).float()).norm() / ref.norm()).item() < 1e-2
+
+
+@gpu
+def test_a_split_launch_replays_in_a_cuda_graph_with_new_lengths():
+    from phaseflip.kernels.attention import DecodePlan, decode_workspace
+
+    q, k, v, indptr, idx, ks, vs = _case(6, 900, 4)
+    scale = 128 ** -0.5
+    plan = DecodePlan(num_splits=5, min_chunk=64)
+    kern = CudaFp8Decode.create(q.device)
+    ws = decode_workspace(6, 32, 128, plan, q.device)
+    s_indptr, s_idx = indptr.clone(), torch.zeros(16384, dtype=torch.int64, device="cuda")
+    s_idx[: idx.numel()] = idx
+    out = torch.empty(6, 32 * 128, device="cuda", dtype=q.dtype)
+    kern(q, k, v, s_indptr, s_idx, ks, vs, scale, out, None, plan, ws)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kern(q, k, v, s_indptr, s_idx, ks, vs, scale, out, None, plan, ws)
+    lens = indptr.diff().flip(0)  # other lengths, same total: other active split counts
+    s_indptr[1:] = torch.cumsum(lens, 0)
+    graph.replay()
+    want = torch.empty_like(out)
+    kern(q, k, v, s_indptr, s_idx, ks, vs, scale, want, None, plan, ws)
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+
+
+@gpu
+def test_the_backend_routes_split_fp8_decodes_under_cuda_splits(monkeypatch):
+    from test_fp8_kv import run_fp8_case
+
+    calls = []
+    real = CudaFp8Decode.__call__
+    monkeypatch.setattr(CudaFp8Decode, "__call__",
+                        lambda self, *a, **kw: calls.append(a[10]) or real(self, *a, **kw))
+    seqs = [(500, 1), (1400, 1), (0, 1), (37, 1), (3000, 1)]
+    for splits in (True, False):
+        calls.clear()
+        backend = TritonAttention(decode_splits=3, decode_min_chunk=64, cuda_splits=splits)
+        run_fp8_case(seqs, dtype=torch.bfloat16, num_kv_heads=8, group=4, head_dim=128,
+                     backend=backend)
+        assert [p.num_splits for p in calls] == ([3, 3] if splits else [])
+
+
+def test_a_split_launch_refuses_a_missing_or_short_workspace():
+    from phaseflip.kernels.attention import DecodePlan, decode_workspace
+    from phaseflip.kernels.attention_cuda import _split_workspace
+
+    q = torch.zeros(3, 32, 128)
+    plan = DecodePlan(num_splits=4, min_chunk=64)
+    ws = decode_workspace(3, 32, 128, plan, torch.device("cpu"))
+    assert _split_workspace(ws, q, 8, 4) is not None
+    with pytest.raises(ValueError, match="needs its workspace"):
+        _split_workspace(None, q, 8, 4)
+    with pytest.raises(ValueError, match="does not hold 3 sequences x 32 heads x 5 splits"):
+        _split_workspace(ws, q, 8, 5)
+    short = decode_workspace(2, 32, 128, plan, torch.device("cpu"))
+    with pytest.raises(ValueError, match="does not hold"):
+        _split_workspace(short, q, 8, 4)
 
 
 def test_the_kernel_source_ships_with_the_package():

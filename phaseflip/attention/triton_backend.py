@@ -31,7 +31,7 @@ import torch
 from phaseflip.cache.kv_pool import KVPool
 from phaseflip.forward_batch import ForwardBatch
 from phaseflip.kernels import attention as kernels
-from phaseflip.kernels.attention_cuda import CudaFp8Decode
+from phaseflip.kernels.attention_cuda import SPLIT_PLANS, CudaFp8Decode
 
 
 def _to_device(data: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
@@ -72,7 +72,8 @@ class TritonAttention:
     `mixed_decode=False` sends a mixed batch's one-token sequences through the extend kernel
     with the others (as before the decode kernel took them; for A/B runs and tests).
     `cuda_decode=False` keeps the unsplit FP8 decode launches on Triton rather than the CUDA
-    kernel (`kernels.attention_cuda`, used where it loads: an sm_90 GPU with NVRTC).
+    kernel (`kernels.attention_cuda`, used where it loads: an sm_90 GPU with NVRTC);
+    `cuda_splits` gives it the split plans too (default `attention_cuda.SPLIT_PLANS`).
     """
 
     name = "triton"
@@ -87,9 +88,11 @@ class TritonAttention:
         extend_config: kernels.KernelConfig | None = None,
         mixed_decode: bool = True,
         cuda_decode: bool = True,
+        cuda_splits: bool = SPLIT_PLANS,
     ) -> None:
         self.mixed_decode = mixed_decode
         self.cuda_decode = cuda_decode
+        self.cuda_splits = cuda_splits
         self._cuda: CudaFp8Decode | None = None
         self._cuda_tried = False
         self.decode_splits = decode_splits
@@ -189,7 +192,8 @@ class TritonAttention:
                 meta: _BatchMeta, key: tuple[Any, ...], scale: float,
                 sliding_window: int | None, out: torch.Tensor) -> torch.Tensor:
         """Every sequence has one new token: the CUDA FP8 kernel where it takes the launch
-        (unsplit plans), else the Triton split-K decode kernel."""
+        (unsplit plans; split ones too under `cuda_splits`), else the Triton split-K decode
+        kernel."""
         num_kv_heads, group, head_dim, dtype = key[:4]
         cfg = self._decode_cfg(dtype, head_dim, group, q.device, cache.k.dtype)
         head_blocks = -(-group // cfg.block_m)
@@ -207,12 +211,12 @@ class TritonAttention:
         if kernels.orders_decode(batch.batch_size, num_kv_heads, head_blocks,
                                  kernels.num_sms(q.device)):
             order = self._decode_order(meta, layer_id, batch)
-        cuda = self._cuda_kernel(q.device) if plan.num_splits == 1 else None
+        cuda = self._cuda_kernel(q.device) if plan.num_splits == 1 or self.cuda_splits else None
         if cuda is not None and cuda.accepts(q, cache.k, cache.v, out, batch.kv_indptr,
                                              batch.kv_indices, cache.k_scale, cache.v_scale,
                                              order, sliding_window):
             return cuda(q, cache.k, cache.v, batch.kv_indptr, batch.kv_indices, cache.k_scale,
-                        cache.v_scale, scale, out, order)
+                        cache.v_scale, scale, out, order, plan, ws)
         return kernels.decode_attention(
             q, cache.k, cache.v, batch.kv_indptr, batch.kv_indices, scale, plan,
             sliding_window=sliding_window, out=out, workspace=ws, config=cfg,

@@ -6,9 +6,11 @@ The CUDA kernel puts the keys where each MMA wants contiguous pairs (K as the fi
 S^T = K·q^T, V^T as the first of O^T = V^T·P^T, key pairs interleaved by PRMT, P transposed by
 movmatrix) and stages every warp's tiles four deep by cp.async: 4–15 % faster per launch at
 66–1 000 sequences on the H200 (`benchmarks/fp8_decode_probe.py`, docs/kernels.md). It takes
-the unsplit launches only (one program per sequence and KV head: the large batches) of GQA
-groups up to 4; a split plan, a sliding window, a mixed batch's decodes and every other layout
-stay on Triton.
+the unsplit launches (one program per sequence and KV head: the large batches) of GQA groups up
+to 4; a sliding window, a mixed batch's decodes and every other layout stay on Triton. It also
+computes split plans (fewer sequences: a program per split, the last arrival merging the
+partials in the Triton kernel's workspace), which the backend routes to it only where
+`SPLIT_PLANS` says so: not yet measured on a GPU, so off.
 
 Compiled once per process by NVRTC (cubins cached on disk), loaded by the driver; no build
 step. `PHASEFLIP_NO_CUDA_ATTENTION=1` turns it off.
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from phaseflip.kernels.attention_plan import DecodePlan
 from phaseflip.kernels.cuda_rtc import CudaKernel, compile_cubin
 
 log = logging.getLogger(__name__)
@@ -35,6 +38,9 @@ ROUTED_MAX_GROUP = 4  # what it is given: at group 8 it was 4 % slower than Trit
 WARPS, STAGES, TILE_BYTES = 4, 4, 4096  # as in the source
 SHARED = WARPS * STAGES * TILE_BYTES
 LOG2E = 1.4426950408889634
+# Whether the backend gives the kernel split plans (the decode tail's few long sequences).
+# Off until its GPU tests pass and `fp8_decode_probe`'s split cases say it is faster.
+SPLIT_PLANS = False
 
 
 class CudaFp8Decode:
@@ -93,18 +99,43 @@ class CudaFp8Decode:
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  kv_indptr: torch.Tensor, kv_indices: torch.Tensor, k_scale: torch.Tensor,
                  v_scale: torch.Tensor, scale: float, out: torch.Tensor,
-                 order: torch.Tensor | None = None) -> torch.Tensor:
+                 order: torch.Tensor | None = None, plan: DecodePlan | None = None,
+                 workspace: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """out [B, H*128] (row b: sequence b) = attention of q row b over its context, one
-        program per (KV head, sequence) in `order` (all B rows when None)."""
+        program per (KV head, sequence) in `order` (all B rows when None) and split of `plan`
+        (unsplit when None). A split plan needs `workspace` (`decode_workspace` for the same
+        plan: partials [B, H, S, 128], maxima and sums [B, H, S], int32 counters [B*H], zero
+        and left zero), the layout the Triton kernel merges from."""
         seqs = q.shape[0] if order is None else order.numel()
         if seqs == 0:
             return out
         kv_heads = k_cache.shape[1]
+        splits = 1 if plan is None else plan.num_splits
+        if splits > 1:
+            mid_o, mid_m, mid_l, locks = _split_workspace(workspace, q, kv_heads, splits)
+        else:
+            mid_o = mid_m = mid_l = locks = None  # unsplit: the output directly
         args = [q, k_cache, v_cache, kv_indptr, kv_indices, k_scale, v_scale, out,
-                None, None,  # a split's partials: never, this launch is unsplit
+                mid_o, mid_m, mid_l, locks,
                 ctypes.c_float(scale * LOG2E), ctypes.c_int(q.shape[1] // kv_heads),
-                ctypes.c_int(1), ctypes.c_longlong(q.stride(0)),
-                ctypes.c_longlong(k_cache.stride(0)), ctypes.c_longlong(v_cache.stride(0)),
-                ctypes.c_longlong(out.stride(0)), order]
-        self._kernel((kv_heads, seqs, 1), (32 * WARPS, 1, 1), args, shared=SHARED)
+                ctypes.c_int(splits), ctypes.c_int(1 if plan is None else plan.min_chunk),
+                ctypes.c_longlong(q.stride(0)), ctypes.c_longlong(k_cache.stride(0)),
+                ctypes.c_longlong(v_cache.stride(0)), ctypes.c_longlong(out.stride(0)), order]
+        self._kernel((kv_heads, seqs, splits), (32 * WARPS, 1, 1), args, shared=SHARED)
         return out
+
+
+def _split_workspace(workspace: tuple[torch.Tensor, ...] | None, q: torch.Tensor,
+                     kv_heads: int, splits: int) -> tuple[torch.Tensor, ...]:
+    """A split launch's workspace, checked against the shapes the kernel indexes (it trusts
+    them: a short buffer would be written past its end)."""
+    if workspace is None:
+        raise ValueError("a split plan needs its workspace (decode_workspace)")
+    mid_o, mid_m, mid_l, locks = workspace
+    rows = q.shape[0] * q.shape[1] * splits
+    if (mid_o.numel() < rows * HEAD_DIM or mid_m.numel() < rows or mid_l.numel() < rows
+            or locks.numel() < q.shape[0] * kv_heads or locks.dtype != torch.int32
+            or any(t.dtype != torch.float32 for t in (mid_o, mid_m, mid_l))):
+        raise ValueError(f"the workspace does not hold {q.shape[0]} sequences x {q.shape[1]} "
+                         f"heads x {splits} splits")
+    return mid_o, mid_m, mid_l, locks

@@ -229,14 +229,58 @@ __device__ __forceinline__ void read_tile(Tile& tl, u32 stage, int g, int t) {
     tl.v[3] = lds128(stage + 2048 + chunk_off(2 * t + 9, g));
 }
 
+__device__ __forceinline__ void store_bf16(u16* p, float x) {
+    *p = (u16)(pack_bf16x2(x, 0.f) & 0xffff);
+}
+
+// Whether this CTA is the last of the sequence's `active` splits to store its partial (the
+// CUDA programming guide's last-block pattern, as the Triton kernel's merge): every thread's
+// stores fenced, a CTA barrier, one counter increment; the last arrival re-arms the counter
+// for the next launch and fences again before it reads the others' partials.
+__device__ __forceinline__ bool last_arrival(int* lock, int active) {
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(lock, 1) == active - 1;
+        if (last) atomicExch(lock, 0);
+    }
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
+// out[head, d] = sum_s o_s w_s / sum_s l_s w_s, w_s = exp2(m_s - max m), over a sequence's
+// first `active` splits for the KV head's `group` query heads; thread d owns dimension d.
+// The partials are read past L1 (`__ldcg`): other CTAs wrote them.
+__device__ __forceinline__ void merge_splits(u16* out_row, const float* mid_o,
+                                             const float* mid_m, const float* mid_l,
+                                             i64 head0, int kvh, int group, int num_splits,
+                                             int active, int d) {
+    for (int h = 0; h < group; ++h) {
+        const int head = kvh * group + h;
+        const i64 base = (head0 + head) * num_splits;
+        float mt = NEG_INF;
+        for (int s = 0; s < active; ++s) mt = fmaxf(mt, __ldcg(mid_m + base + s));
+        float lt = 0.f, o = 0.f;
+        for (int s = 0; s < active; ++s) {
+            const float f = ex2(__ldcg(mid_m + base + s) - mt);
+            lt += f * __ldcg(mid_l + base + s);
+            o += f * __ldcg(mid_o + (base + s) * 128 + d);
+        }
+        store_bf16(out_row + (i64)head * 128 + d, o / lt);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(128)
 fp8_decode_async_kernel(const u16* __restrict__ Q, const unsigned char* __restrict__ K,
                         const unsigned char* __restrict__ V, const i64* __restrict__ kv_indptr,
                         const i64* __restrict__ kv_indices, const float* __restrict__ k_scale,
                         const float* __restrict__ v_scale, u16* __restrict__ Out,
-                        float* __restrict__ mid_o, float* __restrict__ mid_ml,
-                        float qk_scale_log2, int group, int num_splits, i64 stride_qt,
-                        i64 stride_kn, i64 stride_vn, i64 stride_ot,
+                        float* __restrict__ mid_o, float* __restrict__ mid_m,
+                        float* __restrict__ mid_l, int* __restrict__ locks,
+                        float qk_scale_log2, int group, int num_splits, int min_chunk,
+                        i64 stride_qt, i64 stride_kn, i64 stride_vn, i64 stride_ot,
                         const i64* __restrict__ order) {
     extern __shared__ __align__(128) unsigned char smem[];
     const int kvh = blockIdx.x;
@@ -247,8 +291,13 @@ fp8_decode_async_kernel(const u16* __restrict__ Q, const unsigned char* __restri
     const int g = lane >> 2, t = lane & 3;
     const i64 beg = kv_indptr[b];
     const int seq_len = (int)(kv_indptr[b + 1] - beg);
+    // the split's keys, cut per sequence from its own length as the Triton kernel cuts them
+    // (`attention._split_chunks`): one grid serves any mix of lengths (a CUDA graph's need);
+    // splits past the last key exit, and the merge counts only the `active` ones
     const int per = (seq_len + num_splits - 1) / num_splits;
-    const int chunk = ((per + 15) / 16) * 16;
+    const int chunk = max(((per + 15) / 16) * 16, max(min_chunk, 16));
+    const int active = max((seq_len + chunk - 1) / chunk, 1);
+    if (split >= active) return;
     const int lo = split * chunk;
     const int hi = min(lo + chunk, seq_len);
     const i64* idx = kv_indices + beg;
@@ -332,16 +381,18 @@ fp8_decode_async_kernel(const u16* __restrict__ Q, const unsigned char* __restri
         }
         const int head = kvh * group + h;
         if (num_splits == 1) {
-            const u32 pk = pack_bf16x2(o * vs / lt, 0.f);
-            Out[(i64)b * stride_ot + (i64)head * 128 + d] = (u16)(pk & 0xffff);
+            store_bf16(Out + (i64)b * stride_ot + (i64)head * 128 + d, o * vs / lt);
         } else {
             const i64 row = ((i64)b * kv_heads * group + head) * num_splits + split;
             mid_o[row * 128 + d] = o * vs;
             if (d == 0) {
-                mid_ml[row * 2] = mt;
-                mid_ml[row * 2 + 1] = lt;
+                mid_m[row] = mt;
+                mid_l[row] = lt;
             }
         }
     }
+    if (num_splits > 1 && last_arrival(locks + (i64)b * kv_heads + kvh, active))
+        merge_splits(Out + (i64)b * stride_ot, mid_o, mid_m, mid_l,
+                     (i64)b * kv_heads * group, kvh, group, num_splits, active, d);
 }
 
