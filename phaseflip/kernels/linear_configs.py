@@ -163,8 +163,13 @@ def ew_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, 
 def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, *,
                       sms: int | None = None, w8a8: bool = False) -> list[SkinnyConfig]:
     """The sweep `tune` times for one (M bucket, N, K): the shapes above (ew for M <= 8, dot
-    for all; dot only for W8A8), each with split-K {1, auto, 2x auto}. Two compiled variants
-    per shape (split or not): the split count is a runtime argument."""
+    for all; dot only for W8A8), each with split-K {1, 2, 3, 4, 6, 8, auto, 2x auto} (as
+    many distinct chunkings as those give). Two compiled variants per shape (split or not):
+    the split count is a runtime argument, so the extra counts cost timing, not compiles.
+    Why the small counts: `auto_split` aims at ~4 programs an SM, but a dot tile with 3-4
+    stages holds 64-100 KB of shared memory, so 2 fit an SM, and a grid of 3-4 an SM runs
+    in two waves (the 8B qkv at 16-64 rows: 96 tiles of 64 rows, whose one-wave split is 2,
+    never timed before)."""
     bucket = m_bucket(m)
     half = 2 if dtype == torch.float32 else 1
     sms = sms or num_sms(device)
@@ -176,8 +181,11 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype, device: torch.
         for bn, bk, warps, stages in shapes:
             bk //= half
             auto = auto_split(n, k, bn, bk, sms)
-            for split in sorted({1, auto, min(2 * auto, 16)}):
-                if split == 1 or plan_splits(k, bk, split)[0] > 1:
+            chunkings: set[int] = set()
+            for split in sorted({1, 2, 3, 4, 6, 8, auto, min(2 * auto, 16)}):
+                chunks = plan_splits(k, bk, split)[0]
+                if chunks not in chunkings and (split == 1 or chunks > 1):
+                    chunkings.add(chunks)
                     out.append(SkinnyConfig(bn, bk, warps, stages, split, loop))
     return list(dict.fromkeys(out))
 
