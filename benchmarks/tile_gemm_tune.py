@@ -62,7 +62,7 @@ def candidates(dtype: torch.dtype, m: int = 0) -> list[TileGemmConfig]:
            in itertools.product(_TILES, (3, 4))]
     if m <= SPLIT_MAX_M:
         out += [TileGemmConfig(bm, bn, block_k, w, 4, split_k=sk) for (bm, bn, w), sk
-                in itertools.product(_SPLIT_TILES, (2, 4))]
+                in itertools.product(_SPLIT_TILES, (2, 3, 4))]
     return out
 
 
