@@ -227,6 +227,11 @@ def test_a_split_launch_refuses_a_missing_or_short_workspace():
     short = decode_workspace(2, 32, 128, plan, torch.device("cpu"))
     with pytest.raises(ValueError, match="does not hold"):
         _split_workspace(short, q, 8, 4)
+    wider = decode_workspace(3, 32, 128, DecodePlan(num_splits=8, min_chunk=64),
+                             torch.device("cpu"))  # large enough, but another row stride
+    with pytest.raises(ValueError, match="does not hold"):
+        _split_workspace(wider, q, 8, 4)
+    assert _split_workspace(decode_workspace(5, 32, 128, plan, torch.device("cpu")), q, 8, 4)
 
 
 def test_the_kernel_source_ships_with_the_package():

@@ -132,10 +132,13 @@ def _split_workspace(workspace: tuple[torch.Tensor, ...] | None, q: torch.Tensor
     if workspace is None:
         raise ValueError("a split plan needs its workspace (decode_workspace)")
     mid_o, mid_m, mid_l, locks = workspace
-    rows = q.shape[0] * q.shape[1] * splits
-    if (mid_o.numel() < rows * HEAD_DIM or mid_m.numel() < rows or mid_l.numel() < rows
-            or locks.numel() < q.shape[0] * kv_heads or locks.dtype != torch.int32
-            or any(t.dtype != torch.float32 for t in (mid_o, mid_m, mid_l))):
+    seqs, heads = q.shape[0], q.shape[1]
+    stats = (seqs, heads, splits)  # the kernel's row stride is the split count: exact there
+    if (mid_m.dim() != 3 or mid_m.shape[0] < seqs or tuple(mid_m.shape[1:]) != stats[1:]
+            or mid_l.shape != mid_m.shape or mid_o.shape != (*mid_m.shape, HEAD_DIM)
+            or locks.numel() < seqs * kv_heads or locks.dtype != torch.int32
+            or any(t.dtype != torch.float32 or not t.is_contiguous()
+                   for t in (mid_o, mid_m, mid_l))):
         raise ValueError(f"the workspace does not hold {q.shape[0]} sequences x {q.shape[1]} "
                          f"heads x {splits} splits")
     return mid_o, mid_m, mid_l, locks
