@@ -141,6 +141,7 @@ def test_the_backend_routes_unsplit_fp8_decodes_to_it():
     (12, 700, 4, 7, 64, True),
     (4, 40, 4, 4, 16, False),  # short sequences: splits past the last key exit
     (20, 2000, 2, 2, 256, True),
+    (6, 900, 1, 5, 64, False),
 ])
 def test_split_plans_match_the_reference_and_triton(b, mean, group, splits, min_chunk,
                                                     ordered):
@@ -156,23 +157,30 @@ def test_split_plans_match_the_reference_and_triton(b, mean, group, splits, min_
     scale = 128 ** -0.5
     order = decode_order(indptr) if ordered else None
     plan = DecodePlan(num_splits=splits, min_chunk=min_chunk)
-    ref = reference(q, k, v, indptr, idx, ks, vs, scale)
     kern = CudaFp8Decode.create(q.device)
     ws = decode_workspace(b, q.shape[1], 128, plan, q.device)
-    out = torch.full((b, q.shape[1] * 128), float("nan"), device="cuda", dtype=q.dtype)
-    for _ in range(2):  # the second launch finds the counters re-armed by the first
+    for t in ws[:3]:
+        t.fill_(float("nan"))  # a split merged from unwritten partials shows
+    for launch in range(2):  # new queries: the second launch's partials are not the first's
+        q = q if launch == 0 else (q.float() * -0.7).to(q.dtype)
+        ref = reference(q, k, v, indptr, idx, ks, vs, scale)
+        out = torch.full((b, q.shape[1] * 128), float("nan"), device="cuda", dtype=q.dtype)
         kern(q, k, v, indptr, idx, ks, vs, scale, out, order, plan, ws)
         assert torch.isfinite(out).all(), "unmerged rows"
         got = out.view_as(q).float()
         assert ((got - ref).norm() / ref.norm()).item() < 1e-2
         assert int(ws[3].abs().sum()) == 0, "split counters left armed"
-    tri = decode_attention(q, k, v, indptr, idx, scale, plan, k_scale=ks, v_scale=vs)
+    # the Triton kernel on the same workspace and counters, after the CUDA launches
+    tri = decode_attention(q, k, v, indptr, idx, scale, plan, workspace=ws, k_scale=ks,
+                           v_scale=vs, order=order)
     assert ((got - tri.view_as(q).float()).norm() / ref.norm()).item() < 1e-2
+    assert int(ws[3].abs().sum()) == 0
 
 
 @gpu
 def test_a_split_launch_replays_in_a_cuda_graph_with_new_lengths():
-    from phaseflip.kernels.attention import DecodePlan, decode_workspace
+    from benchmarks.fp8_decode_probe import reference
+    from phaseflip.kernels.attention import DecodePlan, decode_order, decode_workspace
 
     q, k, v, indptr, idx, ks, vs = _case(6, 900, 4)
     scale = 128 ** -0.5
@@ -181,18 +189,27 @@ def test_a_split_launch_replays_in_a_cuda_graph_with_new_lengths():
     ws = decode_workspace(6, 32, 128, plan, q.device)
     s_indptr, s_idx = indptr.clone(), torch.zeros(16384, dtype=torch.int64, device="cuda")
     s_idx[: idx.numel()] = idx
+    order = decode_order(s_indptr)  # re-sorted inside the graph at every replay
     out = torch.empty(6, 32 * 128, device="cuda", dtype=q.dtype)
-    kern(q, k, v, s_indptr, s_idx, ks, vs, scale, out, None, plan, ws)
+
+    def step() -> None:
+        order.copy_(decode_order(s_indptr))
+        kern(q, k, v, s_indptr, s_idx, ks, vs, scale, out, order, plan, ws)
+
+    step()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        kern(q, k, v, s_indptr, s_idx, ks, vs, scale, out, None, plan, ws)
-    lens = indptr.diff().flip(0)  # other lengths, same total: other active split counts
-    s_indptr[1:] = torch.cumsum(lens, 0)
-    graph.replay()
-    want = torch.empty_like(out)
-    kern(q, k, v, s_indptr, s_idx, ks, vs, scale, want, None, plan, ws)
-    torch.cuda.synchronize()
-    assert torch.equal(out, want)
+        step()
+    for lens in (indptr.diff().flip(0), indptr.diff().roll(2)):  # other active split counts
+        s_indptr[1:] = torch.cumsum(lens, 0)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference(q, k, v, s_indptr, s_idx[: int(s_indptr[-1])], ks, vs, scale)
+        assert ((out.view_as(q).float() - ref).norm() / ref.norm()).item() < 1e-2
+        assert int(ws[3].abs().sum()) == 0, "split counters left armed by a replay"
+        want = torch.empty_like(out)
+        kern(q, k, v, s_indptr, s_idx, ks, vs, scale, want, None, plan, ws)
+        assert torch.equal(out, want)
 
 
 @gpu
@@ -232,6 +249,10 @@ def test_a_split_launch_refuses_a_missing_or_short_workspace():
     with pytest.raises(ValueError, match="does not hold"):
         _split_workspace(wider, q, 8, 4)
     assert _split_workspace(decode_workspace(5, 32, 128, plan, torch.device("cpu")), q, 8, 4)
+    strided = list(ws)
+    strided[3] = torch.zeros(2 * 3 * 8, dtype=torch.int32)[::2]
+    with pytest.raises(ValueError, match="does not hold"):
+        _split_workspace(tuple(strided), q, 8, 4)
 
 
 def test_the_kernel_source_ships_with_the_package():

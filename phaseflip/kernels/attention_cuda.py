@@ -137,8 +137,10 @@ def _split_workspace(workspace: tuple[torch.Tensor, ...] | None, q: torch.Tensor
     if (mid_m.dim() != 3 or mid_m.shape[0] < seqs or tuple(mid_m.shape[1:]) != stats[1:]
             or mid_l.shape != mid_m.shape or mid_o.shape != (*mid_m.shape, HEAD_DIM)
             or locks.numel() < seqs * kv_heads or locks.dtype != torch.int32
-            or any(t.dtype != torch.float32 or not t.is_contiguous()
-                   for t in (mid_o, mid_m, mid_l))):
-        raise ValueError(f"the workspace does not hold {q.shape[0]} sequences x {q.shape[1]} "
-                         f"heads x {splits} splits")
+            or any(t.dtype != torch.float32 for t in (mid_o, mid_m, mid_l))
+            or any(not t.is_contiguous() or t.device != q.device
+                   for t in (mid_o, mid_m, mid_l, locks))):
+        raise ValueError(f"the workspace (partials {tuple(mid_o.shape)} {mid_o.dtype} on "
+                         f"{mid_o.device}) does not hold {seqs} sequences x {heads} heads x "
+                         f"{splits} splits on {q.device}")
     return mid_o, mid_m, mid_l, locks

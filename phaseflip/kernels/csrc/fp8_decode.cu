@@ -14,7 +14,8 @@
 // GQA group (≤ 8 query heads of one KV head) is the MMA's N = 8. One warp walks every
 // fourth 16-key tile of the CTA's chunk with its own online softmax, its tiles staged STAGES
 // deep in shared memory by cp.async; the CTA merges its four warps in shared memory and
-// writes the output (one split) or the split's partial (m, l in log2 units, O unnormalised).
+// writes the output (a sequence one split holds) or the split's partial (m, l in log2 units, O
+// unnormalised), the last of the sequence's splits to arrive merging them.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -234,19 +235,22 @@ __device__ __forceinline__ void store_bf16(u16* p, float x) {
 }
 
 // Whether this CTA is the last of the sequence's `active` splits to store its partial (the
-// CUDA programming guide's last-block pattern, as the Triton kernel's merge): every thread's
-// stores fenced, a CTA barrier, one counter increment; the last arrival re-arms the counter
-// for the next launch and fences again before it reads the others' partials.
+// Triton kernel's merge does the same with an acq_rel atomic): a CTA barrier after every
+// thread's stores, then thread 0 fences (release: cumulative over the barrier), counts the
+// arrival, and where it came last re-arms the counter for the next launch and fences again
+// (acquire) before the barrier that lets the CTA read the others' partials.
 __device__ __forceinline__ bool last_arrival(int* lock, int active) {
     __shared__ int last;
-    __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
+        __threadfence();
         last = atomicAdd(lock, 1) == active - 1;
-        if (last) atomicExch(lock, 0);
+        if (last) {
+            atomicExch(lock, 0);
+            __threadfence();
+        }
     }
     __syncthreads();
-    if (last) __threadfence();
     return last;
 }
 
@@ -291,9 +295,10 @@ fp8_decode_async_kernel(const u16* __restrict__ Q, const unsigned char* __restri
     const int g = lane >> 2, t = lane & 3;
     const i64 beg = kv_indptr[b];
     const int seq_len = (int)(kv_indptr[b + 1] - beg);
-    // the split's keys, cut per sequence from its own length as the Triton kernel cuts them
-    // (`attention._split_chunks`): one grid serves any mix of lengths (a CUDA graph's need);
-    // splits past the last key exit, and the merge counts only the `active` ones
+    // the split's keys, cut per sequence from its own length as `attention._split_chunks`
+    // cuts them for Triton (but in 16-key steps, not BLOCK_N: the split counts may differ,
+    // each launch is self-consistent): one grid serves any mix of lengths (a CUDA graph's
+    // need); splits past the last key exit, and the merge counts only the `active` ones
     const int per = (seq_len + num_splits - 1) / num_splits;
     const int chunk = max(((per + 15) / 16) * 16, max(min_chunk, 16));
     const int active = max((seq_len + chunk - 1) / chunk, 1);
@@ -380,7 +385,7 @@ fp8_decode_async_kernel(const u16* __restrict__ Q, const unsigned char* __restri
             o += f * sm_o[(w * 8 + h) * 128 + d];
         }
         const int head = kvh * group + h;
-        if (num_splits == 1) {
+        if (active == 1) {  // unsplit, or a sequence one split holds: no partials
             store_bf16(Out + (i64)b * stride_ot + (i64)head * 128 + d, o * vs / lt);
         } else {
             const i64 row = ((i64)b * kv_heads * group + head) * num_splits + split;
@@ -391,7 +396,7 @@ fp8_decode_async_kernel(const u16* __restrict__ Q, const unsigned char* __restri
             }
         }
     }
-    if (num_splits > 1 && last_arrival(locks + (i64)b * kv_heads + kvh, active))
+    if (active > 1 && last_arrival(locks + (i64)b * kv_heads + kvh, active))
         merge_splits(Out + (i64)b * stride_ot, mid_o, mid_m, mid_l,
                      (i64)b * kv_heads * group, kvh, group, num_splits, active, d);
 }
