@@ -313,6 +313,18 @@ def test_bundled_h200_table_loads(monkeypatch):
         assert table.get(1, n, k, torch.bfloat16) is not None
 
 
+def test_bundled_h100_table_loads_and_is_found_by_the_card_name(monkeypatch):
+    """The H100's table (W8A8 16-64 rows) parses, and the card's name finds it."""
+    monkeypatch.setattr(linear_configs, "TUNED", linear_configs.ConfigTable())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    path = linear_configs.load_bundled_configs(torch.device("cuda", 0))
+    assert path is not None and path.name == "skinny_linear_nvidia_h100_80gb_hbm3.json"
+    for m in (16, 32, 64):
+        for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+            cfg = linear_configs.TUNED.get(m, n, k, torch.float8_e4m3fn, True)
+            assert cfg is not None and cfg.loop == "dot", (m, n, k)
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("m,n,k", [(1, 17, 64), (3, 256, 100), (8, 17, 512), (16, 33, 128),
                                    (100, 33, 64)])

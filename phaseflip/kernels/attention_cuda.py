@@ -10,7 +10,8 @@ the unsplit launches (one program per sequence and KV head: the large batches) o
 to 4; a sliding window, a mixed batch's decodes and every other layout stay on Triton. It also
 computes split plans (fewer sequences: a program per split, the last arrival merging the
 partials in the Triton kernel's workspace), which the backend routes to it only where
-`SPLIT_PLANS` says so: not yet measured on a GPU, so off.
+`SPLIT_PLANS` says so: off, since on an H100 it was slower than Triton's split kernel in sum
+(docs/kernels.md, "Split plans").
 
 Compiled once per process by NVRTC (cubins cached on disk), loaded by the driver; no build
 step. `PHASEFLIP_NO_CUDA_ATTENTION=1` turns it off.
@@ -39,7 +40,7 @@ WARPS, STAGES, TILE_BYTES = 4, 4, 4096  # as in the source
 SHARED = WARPS * STAGES * TILE_BYTES
 LOG2E = 1.4426950408889634
 # Whether the backend gives the kernel split plans (the decode tail's few long sequences).
-# Off until its GPU tests pass and `fp8_decode_probe`'s split cases say it is faster.
+# Off: correct on an H100, but slower than Triton there at 2 and 9 splits (faster at 3).
 SPLIT_PLANS = False
 
 
