@@ -1,7 +1,8 @@
 """The CUDA FP8 decode attention kernel (`kernels/csrc/fp8_decode.cu`) against the Triton
 kernel and a float32 reference, on random paged FP8 pools, unsplit and (the decode tail's
-few long sequences) split as the backend plans them; and the kernel built with -DGATHER_ONLY
-(the same loads, no math: the access pattern's ceiling).
+few long sequences) split as the backend plans them and at the split counts of
+`SWEEP_SPLITS`; and the kernel built with -DGATHER_ONLY (the same loads, no math: the access
+pattern's ceiling).
 
     python -m benchmarks.fp8_decode_probe --out probe.json
 
@@ -20,6 +21,8 @@ import torch
 
 from benchmarks.common import write_json
 from phaseflip.kernels.attention import (
+    MIN_CHUNK,
+    DecodePlan,
     decode_attention,
     decode_config,
     decode_order,
@@ -109,11 +112,34 @@ def probe_case(b: int, mean: int, group: int, split: bool, cuda: CudaFp8Decode,
     t_tri, t_cu, t_gat, t_plain = (do_bench(f, warmup=20, rep=200) * 1e3
                                    for f in (tri, cu, gat, plain))
     nbytes = int(indptr[-1]) * kvh * d * 2
+    by_splits = split_sweep(cuda, args, order, cfg, ks, vs) if split else {}
     return {"batch": b, "mean_ctx": mean, "group": group, "splits": plan.num_splits,
+            "us_by_splits": by_splits,
             "ordered": order is not None, "pool_mb": nbytes / 1e6, "triton_us": t_tri,
             "cuda_us": t_cu, "gather_only_us": t_gat, "triton_tbs": nbytes / t_tri / 1e6,
             "cuda_tbs": nbytes / t_cu / 1e6, "gather_only_tbs": nbytes / t_gat / 1e6,
             "err_triton": e_tri, "err_cuda": e_cu, "cuda_in_row_order_us": t_plain}
+
+
+# split counts the sweep times both kernels at (the planner aims at ~4 programs an SM, which
+# suits Triton; the CUDA kernel holds 3 CTAs an SM, so its waves fall elsewhere)
+SWEEP_SPLITS = (1, 2, 3, 4, 6, 9)
+
+
+def split_sweep(cuda: CudaFp8Decode, args: tuple, order, cfg, ks, vs) -> dict:
+    """{splits: (Triton µs, CUDA µs)} for one case at each of `SWEEP_SPLITS`."""
+    from triton.testing import do_bench
+
+    q, k, v, indptr, idx, _, _, scale, out = args
+    times = {}
+    for n in SWEEP_SPLITS:
+        plan = DecodePlan(num_splits=n, min_chunk=MIN_CHUNK)
+        ws = decode_workspace(q.shape[0], q.shape[1], q.shape[2], plan, q.device)
+        tri = functools.partial(decode_attention, q, k, v, indptr, idx, scale, plan, out=out,
+                                workspace=ws, config=cfg, k_scale=ks, v_scale=vs, order=order)
+        cu = functools.partial(cuda, *args, order, plan, ws)
+        times[n] = tuple(round(do_bench(f, warmup=10, rep=100) * 1e3, 1) for f in (tri, cu))
+    return times
 
 
 def main() -> None:
@@ -135,6 +161,8 @@ def main() -> None:
               f"err {r['err_cuda']:.1e})  gather-only {r['gather_only_us']:7.1f} µs "
               f"({r['gather_only_tbs']:.2f} TB/s)  cuda in row order "
               f"{r['cuda_in_row_order_us']:7.1f} µs", flush=True)
+        if r["us_by_splits"]:
+            print("  (Triton, CUDA) µs by splits:", r["us_by_splits"], flush=True)
     write_json(args.out, {"benchmark": "fp8_decode_probe", "cases": rows})
 
 

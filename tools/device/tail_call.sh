@@ -23,7 +23,7 @@ TJ=""; [ -f $S ] && { cp $S /tmp/skinny_old.json; TJ="--tuned-json $S"; }
 GK="tests/test_linear_kernel.py tests/test_triton_attention.py tests/test_attention_cuda.py"
 step gk 40 100 6 "PHASEFLIP_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider $GK -k 'split or w8a8 or extend or window or diagonal or cuda_graph or routes or and_triton'"
 step probe_split 30 80 8 "python3 -m benchmarks.fp8_decode_probe --split-only --out $X/probe_split.json"
-grep -a "^B=" $X/probe_split.log
+grep -aE "^B=|^  \(" $X/probe_split.log
 faster=$(python3 -c "import json; c=json.load(open('$X/probe_split.json'))['cases']; print(int(max(r['err_cuda'] for r in c) < 1e-2 and sum(r['cuda_us'] for r in c) < sum(r['triton_us'] for r in c)))" 2>/dev/null)
 echo "CUDA split decode faster and correct: ${faster:-unknown}"
 LK="--fp8-weights --w8a8 --m 16,32,64 --shapes llama.qkv,llama.o,llama.gate_up,llama.down --no-eager --no-model-pass"
