@@ -60,7 +60,7 @@ from phaseflip.kernels.linear_configs import (
     plan_splits,
 )
 from phaseflip.kernels.linear_fold import NO_FOLD, Fold
-from phaseflip.kernels.linear_workspace import SplitKWorkspace, workspace_for
+from phaseflip.kernels.linear_workspace import SplitKWorkspace, split_arrive, workspace_for
 from phaseflip.kernels.pdl import launch_options, prefetch_then_wait
 from phaseflip.kernels.rope import rotary_pair_rows, store_rotary_fold
 
@@ -296,20 +296,6 @@ def _store_tile(acc, B, S, XS, R, Y, offs_m, offs_n, rows_w, pid_n, M, N, stride
                     HAS_BIAS, HAS_SCALE, HAS_XSCALE, HAS_RES)
 
 
-@triton.jit
-def _split_arrive(acc, tile, counter, pid_k, num_splits, tile_elems: tl.constexpr):
-    """Stores split pid_k's partial tile and counts its arrival: whether it came last (and so
-    sums the tile's partials). Every thread's partial is written before one thread publishes
-    the arrival (release); the acquire side makes the others' partials visible to the last."""
-    tl.store(tile + pid_k * tile_elems, acc)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-    last = arrived == num_splits - 1
-    if last:
-        tl.debug_barrier()
-    return last
-
-
 @triton.jit(do_not_specialize=["M", "num_splits"])
 def _skinny_kernel(
     X, W, B, S, XS, G, R, Y, PARTIALS, COUNTERS, RP, RI,
@@ -356,7 +342,7 @@ def _skinny_kernel(
         # which is 0 between launches (the last arrival re-arms it).
         tile = (PARTIALS + pid_n.to(tl.int64) * num_splits * BLOCK_M * BLOCK_N
                 + offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
-        if _split_arrive(acc, tile, COUNTERS + pid_n, pid_k, num_splits, BLOCK_M * BLOCK_N):
+        if split_arrive(acc, tile, COUNTERS + pid_n, pid_k, num_splits, BLOCK_M * BLOCK_N):
             total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for s in range(0, num_splits):
                 total += tl.load(tile + s * BLOCK_M * BLOCK_N, cache_modifier=".cg")

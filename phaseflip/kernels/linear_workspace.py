@@ -1,12 +1,14 @@
 """The split-K workspace of the skinny GEMM (`kernels/linear.py`) and the tile GEMM
 (`kernels/tile_gemm.py`): fp32 partial tiles and int32 arrival counters, one per device, held
-while any runner's CUDA graphs may point at them.
+while any runner's CUDA graphs may point at them; and `split_arrive`, the arrival both
+kernels count in them.
 """
 
 from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 
 def _capturing(device: torch.device) -> bool:
@@ -84,3 +86,17 @@ def release_workspace(device: torch.device) -> None:
         return
     _HOLDERS.pop(device, None)
     _WORKSPACES.pop(device, None)
+
+
+@triton.jit
+def split_arrive(acc, tile, counter, pid_k, num_splits, tile_elems: tl.constexpr):
+    """Stores split pid_k's partial tile and counts its arrival: whether it came last (and so
+    sums the tile's partials). Every thread's partial is written before one thread publishes
+    the arrival (release); the acquire side makes the others' partials visible to the last."""
+    tl.store(tile + pid_k * tile_elems, acc)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    last = arrived == num_splits - 1
+    if last:
+        tl.debug_barrier()
+    return last

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from phaseflip.kernels.linear_configs import plan_splits
-from phaseflip.kernels.linear_workspace import workspace_for
+from phaseflip.kernels.linear_workspace import split_arrive, workspace_for
 
 # Rows the table covers; fewer go to the skinny kernel, more to cuBLAS. From 33 rows a row
 # bucket without a config falls back to the skinny kernel where it takes the rows (up to
@@ -149,11 +149,7 @@ def _tile_gemm_kernel(X, W, XS, WS, B, Y, PARTIALS, COUNTERS, M, N, K, k_per_spl
         tile_elems = BLOCK_M * BLOCK_N
         tile = (PARTIALS + tile_id.to(tl.int64) * num_splits * tile_elems
                 + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
-        tl.store(tile + pid_k * tile_elems, acc)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        arrived = tl.atomic_add(COUNTERS + tile_id, 1, sem="acq_rel")
-        if arrived == num_splits - 1:
-            tl.debug_barrier()
+        if split_arrive(acc, tile, COUNTERS + tile_id, pid_k, num_splits, tile_elems):
             total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for s in range(0, num_splits):
                 total += tl.load(tile + s * tile_elems, cache_modifier=".cg")
