@@ -237,13 +237,23 @@ class ConfigTable:
 TUNED = ConfigTable()
 
 
+def card_name(device_name: str) -> str:
+    """A GPU model's name as the shipped tables spell it ("NVIDIA H100 80GB HBM3" ->
+    "nvidia_h100_80gb_hbm3")."""
+    return device_name.lower().replace(" ", "_").replace("-", "_")
+
+
+def skinny_table_path(device_name: str) -> Path:
+    """Where the skinny GEMM's tuned table for a GPU model ships (it may not exist)."""
+    return BUNDLED_CONFIGS / f"skinny_linear_{card_name(device_name)}.json"
+
+
 def load_bundled_configs(device: torch.device) -> Path | None:
     """Merges the tuned table shipped for this GPU model (e.g. skinny_linear_nvidia_h200.json)
     into `TUNED`; returns its path, or None when none ships (the heuristic then decides)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device).lower().replace(" ", "_").replace("-", "_")
-    path = BUNDLED_CONFIGS / f"skinny_linear_{name}.json"
+    path = skinny_table_path(torch.cuda.get_device_name(device))
     if not path.exists():
         return None
     TUNED.load(path)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from phaseflip.kernels.linear_configs import plan_splits
+from phaseflip.kernels.linear_configs import card_name, plan_splits
 from phaseflip.kernels.linear_workspace import split_arrive, workspace_for
 
 # Rows the table covers; fewer go to the skinny kernel, more to cuBLAS. From 33 rows a row
@@ -221,8 +221,7 @@ def _partial_elems(tiles: int, splits: int, config: TileGemmConfig) -> int:
 
 
 def table_path(device_name: str) -> Path:
-    name = device_name.lower().replace(" ", "_").replace("-", "_")
-    return TABLES / f"tile_gemm_{name}.json"
+    return TABLES / f"tile_gemm_{card_name(device_name)}.json"
 
 
 def parse_table(rows: Iterable[dict]) -> dict[Key, TileGemmConfig]:

@@ -14,9 +14,8 @@
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv > $X/gpu.txt
 read S T < <(python3 -c "
 import torch; from phaseflip.kernels.tile_gemm import table_path
-from phaseflip.kernels.linear_configs import BUNDLED_CONFIGS
-n = torch.cuda.get_device_name(0); t = table_path(n)
-print(BUNDLED_CONFIGS / t.name.replace('tile_gemm_', 'skinny_linear_'), t)")
+from phaseflip.kernels.linear_configs import skinny_table_path
+n = torch.cuda.get_device_name(0); print(skinny_table_path(n), table_path(n))")
 cp $T /tmp/tile_old.json
 TJ=""; [ -f $S ] && { cp $S /tmp/skinny_old.json; TJ="--tuned-json $S"; }  # W8A8 16-64 ships
 LK="--fp8-weights --no-eager --no-model-pass --shapes llama.qkv,llama.o,llama.gate_up,llama.down"

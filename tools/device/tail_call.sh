@@ -13,11 +13,8 @@
 # Results: $OUT/tail_call.tgz: x/<step>.log, probe_split.json, lk_tune*.json, off_*.json.
 . tools/device/lib.sh
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv | tee $X/gpu.txt
-S=$(python3 -c "
-import torch; from phaseflip.kernels.tile_gemm import table_path
-from phaseflip.kernels.linear_configs import BUNDLED_CONFIGS
-t = table_path(torch.cuda.get_device_name(0))
-print(BUNDLED_CONFIGS / t.name.replace('tile_gemm_', 'skinny_linear_'))")
+S=$(python3 -c "import torch; from phaseflip.kernels.linear_configs import skinny_table_path
+print(skinny_table_path(torch.cuda.get_device_name(0)))")
 A=phaseflip/kernels/attention_cuda.py; cp $A /tmp/attention_cuda.py
 TJ=""; [ -f $S ] && { cp $S /tmp/skinny_old.json; TJ="--tuned-json $S"; }
 GK="tests/test_linear_kernel.py tests/test_triton_attention.py tests/test_attention_cuda.py"
