@@ -134,8 +134,8 @@ def _split_workspace(workspace: tuple[torch.Tensor, ...] | None, q: torch.Tensor
         raise ValueError("a split plan needs its workspace (decode_workspace)")
     mid_o, mid_m, mid_l, locks = workspace
     seqs, heads = q.shape[0], q.shape[1]
-    stats = (seqs, heads, splits)  # the kernel's row stride is the split count: exact there
-    if (mid_m.dim() != 3 or mid_m.shape[0] < seqs or tuple(mid_m.shape[1:]) != stats[1:]
+    # [>= B, H, S]: the kernel's row stride is the split count, so S must be exact
+    if (mid_m.dim() != 3 or mid_m.shape[0] < seqs or tuple(mid_m.shape[1:]) != (heads, splits)
             or mid_l.shape != mid_m.shape or mid_o.shape != (*mid_m.shape, HEAD_DIM)
             or locks.numel() < seqs * kv_heads or locks.dtype != torch.int32
             or any(t.dtype != torch.float32 for t in (mid_o, mid_m, mid_l))
