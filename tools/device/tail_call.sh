@@ -1,7 +1,8 @@
 # any one sm_90 GPU (~9 min, guarded to end by END, default 570 s): the FP8 decode tail.
 #   gk           compiled checks of the kernels changed since the last GPU run (the skinny
 #                kernel's split arrival and the extend kernel's key range, 1fd0908; the CUDA
-#                FP8 decode kernel's split plans, 3c85f34)
+#                FP8 decode kernel's split plans, 3c85f34; the tile GEMM's split arrival
+#                through the shared `linear_workspace.split_arrive`)
 #   probe_split  that CUDA kernel against Triton's on the tail's split shapes
 #   tune_sk      the skinny GEMM's W8A8 16/32/64-row buckets re-tuned with the wider split
 #                candidates (1,2,3,4,6,8,auto,2x auto), against the card's shipped
@@ -17,7 +18,7 @@ S=$(python3 -c "import torch; from phaseflip.kernels.linear_configs import skinn
 print(skinny_table_path(torch.cuda.get_device_name(0)))")
 A=phaseflip/kernels/attention_cuda.py; cp $A /tmp/attention_cuda.py
 TJ=""; [ -f $S ] && { cp $S /tmp/skinny_old.json; TJ="--tuned-json $S"; }
-GK="tests/test_linear_kernel.py tests/test_triton_attention.py tests/test_attention_cuda.py"
+GK="tests/test_linear_kernel.py tests/test_triton_attention.py tests/test_attention_cuda.py tests/test_tile_gemm.py"
 step gk 40 100 6 "PHASEFLIP_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider $GK -k 'split or w8a8 or extend or window or diagonal or cuda_graph or routes or and_triton'"
 step probe_split 30 80 8 "python3 -m benchmarks.fp8_decode_probe --split-only --out $X/probe_split.json"
 grep -aE "^B=|^  \(" $X/probe_split.log
