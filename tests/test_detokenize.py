@@ -50,10 +50,35 @@ def tokenizers_by_kind() -> dict[str, PreTrainedTokenizerFast]:
     return {"byte_level": _byte_level(), "metaspace": _metaspace()}
 
 
+class RefusingStream:
+    """A DecodeStream that refuses its `after`-th token (as the real one does when a window's
+    text does not start with its context's)."""
+
+    def __init__(self, stream, after: int) -> None:
+        self.stream, self.left = stream, after
+
+    def step(self, tokenizer, tok):
+        self.left -= 1
+        if self.left < 0:
+            raise RuntimeError("Invalid prefix encountered")
+        return self.stream.step(tokenizer, tok)
+
+
+def _with_path(detok: IncrementalDetokenizer, path: str, rng: random.Random) -> None:
+    if path == "stream":
+        assert detok._stream is not None  # a stock fast tokenizer takes the Rust path
+    elif path == "window":
+        detok._stream = None
+    else:
+        detok._stream = RefusingStream(detok._stream, rng.randint(0, 10))
+
+
 @pytest.mark.parametrize("kind", ["byte_level", "metaspace"])
 @pytest.mark.parametrize("skip_special", [True, False])
+@pytest.mark.parametrize("path", ["stream", "window", "refused"])
 def test_incremental_equals_full_decode(
-    tokenizers_by_kind: dict[str, PreTrainedTokenizerFast], kind: str, skip_special: bool
+    tokenizers_by_kind: dict[str, PreTrainedTokenizerFast], kind: str, skip_special: bool,
+    path: str,
 ) -> None:
     tokenizer = tokenizers_by_kind[kind]
     vocab = len(tokenizer)
@@ -63,6 +88,7 @@ def test_incremental_equals_full_decode(
         ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 8))]
         detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip_special)
+        _with_path(detok, path, rng)
         pos = 0
         while pos < len(ids):
             chunk = ids[pos : pos + rng.randint(1, 3)]

@@ -43,6 +43,7 @@ class OutputProcessor:
     def __init__(self, tokenizer, max_context: int, finish: Callable[[Req], None]) -> None:
         self.tokenizer, self.max_context, self.finish = tokenizer, max_context, finish
         self.groups: dict[str, Group] = {}
+        self._group_of: dict[str, Group] = {}  # by sample rid ("rid#i"): no split a token
         # (request, token to detokenise or None) sampled already, text not yet made
         self.text_pending: list[tuple[Req, int | None]] = []
 
@@ -50,10 +51,12 @@ class OutputProcessor:
         for req in reqs:
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids,
                                                req.params.skip_special_tokens)
-        self.groups[rid] = Group(rid, list(prompt_ids), reqs)
+        group = self.groups[rid] = Group(rid, list(prompt_ids), reqs)
+        for req in reqs:
+            self._group_of[req.rid] = group
 
     def group(self, req: Req) -> Group:
-        return self.groups[req.rid.rsplit("#", 1)[0]]
+        return self._group_of[req.rid]
 
     # ------------------------------------------------------------------ after a step
     def process(self, items: Iterable, sampled: dict) -> list[StreamDelta]:
@@ -151,8 +154,7 @@ class OutputProcessor:
         their deltas."""
         keep, deltas = [], []
         for req, text_tok in self.text_pending:
-            group = req.rid.rsplit("#", 1)[0]
-            if only is not None and group not in only:
+            if only is not None and self._group_of[req.rid].rid not in only:
                 keep.append((req, text_tok))
                 continue
             if text_tok is not None:
@@ -165,31 +167,31 @@ class OutputProcessor:
 
     def delta(self, req: Req) -> StreamDelta:
         """What `req` produced since its last delta. Text that may still become a stop string
-        (a suffix that is a proper prefix of one) is held back until it cannot."""
-        group = self.group(req)
+        (a suffix that is a proper prefix of one) is held back until it cannot. (Runs for
+        every decoding request every step: attribute reads only where a property would do.)"""
+        group = self._group_of[req.rid]
+        p, finished = req.params, req.finish_reason is not None
         text = req.detok.text
         if req.text_limit is not None:
             text = text[: req.text_limit]
         end = len(text)
-        if not req.finished and req.params.stop:
-            end = max(req.text_sent, end - partial_stop_len(text, req.params.stop))
+        if p.stop and not finished:
+            end = max(req.text_sent, end - partial_stop_len(text, p.stop))
         new_text, req.text_sent = text[req.text_sent : end], end
         sent = req.tokens_sent
         req.tokens_sent = len(req.output_ids)
-        lps = req.output_logprobs[sent:] if req.params.logprobs is not None else None
-        tops = req.output_top_logprobs[sent:] if req.params.logprobs is not None else None
-        delta = StreamDelta(
-            request_id=group.rid, index=req.index, text=new_text,
-            token_ids=req.output_ids[sent:], logprobs=lps, top_logprobs=tops,
-            finish_reason=req.finish_reason, matched_stop=req.matched_stop,
-        )
-        if req.index == 0 and not req.prompt_lp_sent and req.prompt_logprobs is not None and (
-            not req.wants_prompt_logprobs or req.finished
+        lps = tops = None
+        if p.logprobs is not None:
+            lps, tops = req.output_logprobs[sent:], req.output_top_logprobs[sent:]
+        delta = StreamDelta(group.rid, req.index, new_text, req.output_ids[sent:], lps, tops,
+                            req.finish_reason, req.matched_stop)
+        if req.index == 0 and req.prompt_logprobs is not None and not req.prompt_lp_sent and (
+            not req.wants_prompt_logprobs or finished
         ):
             delta.prompt_logprobs = req.prompt_logprobs
             delta.prompt_top_logprobs = req.prompt_top_logprobs
             req.prompt_lp_sent = True
-        if req.finished:
+        if finished:
             group.done.add(req.index)
             if len(group.done) == len(group.reqs):
                 delta.usage = Usage(
@@ -198,4 +200,6 @@ class OutputProcessor:
                     cached_tokens=group.reqs[0].cached_tokens,
                 )
                 del self.groups[group.rid]
+                for r in group.reqs:
+                    del self._group_of[r.rid]
         return delta

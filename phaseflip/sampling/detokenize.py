@@ -4,7 +4,10 @@ Decoding token by token and concatenating is wrong for tokenizers whose text dep
 (SentencePiece drops the leading space of the first token it decodes; byte-level BPE can split
 one UTF-8 character over several tokens). We decode a short window instead: `prefix_offset`
 marks a few already-emitted tokens kept as context and `read_offset` the first token whose text
-was not emitted yet; the delta is decode(window) minus decode(context).
+was not emitted yet; the delta is decode(window) minus decode(context). With a stock fast
+tokenizer, `tokenizers.decoders.DecodeStream` runs that same algorithm in Rust (one call a token
+instead of two decodes and the Python around them: ~0.7 against ~2.2 us a token), and the window
+path takes over for good if it refuses a token.
 """
 
 from __future__ import annotations
@@ -51,6 +54,14 @@ def direct_decode(tokenizer: Any) -> Callable[[list[int], bool], str] | None:
     return backend.decode
 
 
+def decode_stream(skip_special_tokens: bool) -> Any | None:
+    """A fresh `tokenizers.decoders.DecodeStream`, or None where this `tokenizers` lacks it
+    (before 0.21)."""
+    decoders = getattr(sys.modules.get("tokenizers"), "decoders", None)
+    cls = getattr(decoders, "DecodeStream", None)
+    return None if cls is None else cls(skip_special_tokens=skip_special_tokens)
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of output token ids into text without re-decoding everything each
     step and without emitting half a UTF-8 character: text ending in U+FFFD is held back until
@@ -80,6 +91,10 @@ class IncrementalDetokenizer:
         # decode(ids[prefix_offset:read_offset]) while the offsets stay put (held-back tokens)
         self._prefix_text: str | None = None
         self._text = ""
+        # the Rust twin of `_append_window` (same offsets, same text); prompt context would
+        # need its prefill, which the window path does as cheaply once per request
+        self._stream = decode_stream(skip_special_tokens) if (
+            self._direct is not None and not context) else None
 
     def _decode(self, ids: list[int]) -> str:
         if not ids:
@@ -90,6 +105,23 @@ class IncrementalDetokenizer:
 
     def append(self, token_ids: list[int]) -> str:
         """Add newly generated tokens; return the text that became stable (possibly "")."""
+        if self._stream is None:
+            return self._append_window(token_ids)
+        out = ""
+        for i, tok in enumerate(token_ids):
+            try:
+                chunk = self._stream.step(self._tokenizer._tokenizer, tok)
+            except Exception:  # its prefix check (a window's text rewrote the context's)
+                self._stream = None
+                return out + self._append_window(token_ids[i:])
+            self._ids.append(tok)
+            if chunk is not None:
+                self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+                self._text += chunk
+                out += chunk
+        return out
+
+    def _append_window(self, token_ids: list[int]) -> str:
         if not token_ids:
             return ""
         self._ids.extend(token_ids)
@@ -110,6 +142,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Emit held-back text (a trailing U+FFFD that no token completed); call at the end."""
+        self._stream = None  # its state would be stale past these offsets
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self._ids)
