@@ -145,12 +145,14 @@ class Scheduler:
         """Ensures every decoding request of this step gets its next slot, retracting
         newest-first; returns them. (A request in a launched, unsampled step has
         `remaining` 0: it is not decoding.)"""
-        while True:
+        ps, max_context = self.kv.page_size, self.max_context
+        while True:  # (`remaining` and `pages_needed(r, 1)` inlined: every request, every step)
             decoding = [r for r in self.running
-                        if r.remaining == 1 and not r.ends_with_pending(self.max_context)]
+                        if len(r.prompt_ids) + len(r.output_ids) + r.pending - r.kv_len == 1
+                        and not (r.pending and r.ends_with_pending(max_context))]
             if groups > 1:
                 decoding = self._decode_group(decoding, groups)
-            pages = sum(self.kv.pages_needed(r, 1) for r in decoding)
+            pages = sum(1 for r in decoding if r.alloc_len % ps == 0)
             if pages * self.kv.page_size <= self.kv.available() or not self.running:
                 return decoding
             if len(self.running) == 1:
@@ -270,8 +272,24 @@ class Scheduler:
         ids: list[int] = []
         logit_idx: list[int] = []
         offset = 0
+        decode_tokens = 0
         for it in items:
             req, s, n = it.req, it.start, it.extend_len
+            if n == 1 and it.num_logit_rows == 1:  # a decode row (most rows of most steps)
+                p = len(req.prompt_ids)
+                known = p + len(req.output_ids)
+                if s >= known:  # the pending token: a placeholder (`Req.tokens`)
+                    ids.append(-1 - req.future_row)
+                else:
+                    ids.append(req.output_ids[s - p] if s >= p else req.prompt_ids[s])
+                it.logit_row = len(logit_idx)
+                logit_idx.append(offset)
+                offset += 1
+                if req.kv_len < known + req.pending - 1:
+                    self.stats.prefill_tokens += 1
+                else:
+                    decode_tokens += 1
+                continue
             ids += req.tokens(s, s + n)
             if it.num_logit_rows:
                 it.logit_row = len(logit_idx)
@@ -280,7 +298,8 @@ class Scheduler:
             if n > 1 or req.kv_len < req.num_tokens - 1:
                 self.stats.prefill_tokens += n
             else:
-                self.stats.decode_tokens += n
+                decode_tokens += n
+        self.stats.decode_tokens += decode_tokens
         plan = ForwardBatch.from_table(
             self.kv.table.table, [it.req.row for it in items], [it.start for it in items],
             [it.extend_len for it in items], ids, logit_idx, self.kv.table.epochs)
