@@ -86,7 +86,7 @@ class OutputProcessor:
         for it, tok in zip(step.items, step.host_tokens()):
             req = it.req
             req.pending = 0
-            if req.finished:  # aborted, or finished by the token before: a wasted row
+            if req.finish_reason is not None:  # aborted, or finished by the token before
                 continue
             self.text_pending.append((req, self.append_token(req, tok, None, None)))
             if req.finished:
@@ -120,7 +120,9 @@ class OutputProcessor:
         if (not p.ignore_eos and tok in req.eos_ids) or tok in p.stop_token_ids:
             req.finish_reason, req.matched_stop = "stop", tok
             return tok if p.include_stop_str_in_output else None
-        if len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.max_context:
+        n_out = len(req.output_ids)  # (`num_tokens` inlined: every row, every step)
+        if n_out >= p.max_new_tokens or (
+                len(req.prompt_ids) + n_out + req.pending >= self.max_context):
             req.finish_reason = "length"
         return tok
 

@@ -47,8 +47,15 @@ def overlappable(params: SamplingParams) -> bool:
 
 
 def _inputs(items: list[Scheduled]) -> list[SamplingInput]:
-    return [SamplingInput(it.req.params, it.req.prompt_ids, it.req.output_ids, it.req.eos_ids)
-            for it in items]
+    out = []
+    for it in items:
+        req = it.req
+        inp = req.sampling_input
+        if inp is None:
+            inp = req.sampling_input = SamplingInput(req.params, req.prompt_ids,
+                                                     req.output_ids, req.eos_ids)
+        out.append(inp)
+    return out
 
 
 def _others(n: int, local: list[int]) -> list[int]:

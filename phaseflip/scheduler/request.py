@@ -47,6 +47,9 @@ class Req:
     retractions: int = 0
     # output state
     detok: Any = None
+    # the sampler's view of this request (`sampling_step._inputs`), made once: its fields are
+    # this request's own lists, which grow in place
+    sampling_input: Any = None
     text_sent: int = 0
     text_limit: int | None = None  # output text is cut here (stop string)
     tokens_sent: int = 0
