@@ -47,7 +47,7 @@ def _batch(params: list[SamplingParams], outputs: int = 3, gap: int = 0, **req):
     for i, p in enumerate(params):
         row += gap * (i % 2)
         r = SimpleNamespace(params=p, prompt_ids=[1, 2], output_ids=list(range(outputs)),
-                            eos_ids=(0,), wants_prompt_logprobs=False)
+                            eos_ids=(0,), wants_prompt_logprobs=False, sampling_input=None)
         for k, v in req.items():
             setattr(r, k, v)
         items.append(_Item(req=r, samples=True, logit_row=row, num_logit_rows=1))
