@@ -120,9 +120,7 @@ class OutputProcessor:
         if (not p.ignore_eos and tok in req.eos_ids) or tok in p.stop_token_ids:
             req.finish_reason, req.matched_stop = "stop", tok
             return tok if p.include_stop_str_in_output else None
-        n_out = len(req.output_ids)  # (`num_tokens` inlined: every row, every step)
-        if n_out >= p.max_new_tokens or (
-                len(req.prompt_ids) + n_out + req.pending >= self.max_context):
+        if len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.max_context:
             req.finish_reason = "length"
         return tok
 

@@ -95,6 +95,7 @@ class IncrementalDetokenizer:
         # need its prefill, which the window path does as cheaply once per request
         self._stream = decode_stream(skip_special_tokens) if (
             self._direct is not None and not context) else None
+        self._backend = getattr(tokenizer, "_tokenizer", None)  # what the stream decodes with
 
     def _decode(self, ids: list[int]) -> str:
         if not ids:
@@ -110,7 +111,7 @@ class IncrementalDetokenizer:
         out = ""
         for i, tok in enumerate(token_ids):
             try:
-                chunk = self._stream.step(self._tokenizer._tokenizer, tok)
+                chunk = self._stream.step(self._backend, tok)
             except Exception:  # its prefix check (a window's text rewrote the context's)
                 self._stream = None
                 return out + self._append_window(token_ids[i:])

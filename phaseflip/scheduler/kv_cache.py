@@ -151,6 +151,12 @@ class KVCacheManager:
             r.alloc_len += 1
         return True
 
+    def decode_pages(self, reqs: list[Req]) -> int:
+        """Pages the next token of every request in `reqs` opens (`allocate_decode`'s fresh
+        pages; `pages_needed(r, 1)` summed without a call a request)."""
+        ps = self.page_size
+        return sum(1 for r in reqs if r.alloc_len % ps == 0)
+
     def pages_needed(self, req: Req, num_tokens: int) -> int:
         short = num_tokens - (-req.alloc_len) % self.page_size
         return -(-short // self.page_size) if short > 0 else 0

@@ -94,6 +94,14 @@ class Req:
             return self.prompt_ids[start:end]
         return self.prompt_ids[start:] + self.output_ids[: end - p]
 
+    def token(self, pos: int) -> int:
+        """`tokens(pos, pos + 1)[0]` in one call: the decode row of a plan, every request every
+        step (the pending token is its placeholder)."""
+        p = len(self.prompt_ids)
+        if pos >= p + len(self.output_ids):
+            return -1 - self.future_row
+        return self.output_ids[pos - p] if pos >= p else self.prompt_ids[pos]
+
     @property
     def num_tokens(self) -> int:
         """Tokens of the sequence, a pending (sampled, not yet seen) one included."""

@@ -145,14 +145,13 @@ class Scheduler:
         """Ensures every decoding request of this step gets its next slot, retracting
         newest-first; returns them. (A request in a launched, unsampled step has
         `remaining` 0: it is not decoding.)"""
-        ps, max_context = self.kv.page_size, self.max_context
-        while True:  # (`remaining` and `pages_needed(r, 1)` inlined: every request, every step)
-            decoding = [r for r in self.running
-                        if len(r.prompt_ids) + len(r.output_ids) + r.pending - r.kv_len == 1
+        max_context = self.max_context
+        while True:
+            decoding = [r for r in self.running if r.remaining == 1
                         and not (r.pending and r.ends_with_pending(max_context))]
             if groups > 1:
                 decoding = self._decode_group(decoding, groups)
-            pages = sum(1 for r in decoding if r.alloc_len % ps == 0)
+            pages = self.kv.decode_pages(decoding)
             if pages * self.kv.page_size <= self.kv.available() or not self.running:
                 return decoding
             if len(self.running) == 1:
@@ -250,7 +249,7 @@ class Scheduler:
 
     def decode_reserve(self) -> int:
         """Slots the running requests' next decode tokens may need (whole new pages)."""
-        return sum(self.kv.pages_needed(r, 1) for r in self.running) * self.kv.page_size
+        return self.kv.decode_pages(self.running) * self.kv.page_size
 
     def _waits_for_leader(self, req: Req) -> bool:
         """Samples of an n > 1 group wait until the leader's prompt is in the prefix tree."""
@@ -276,16 +275,11 @@ class Scheduler:
         for it in items:
             req, s, n = it.req, it.start, it.extend_len
             if n == 1 and it.num_logit_rows == 1:  # a decode row (most rows of most steps)
-                p = len(req.prompt_ids)
-                known = p + len(req.output_ids)
-                if s >= known:  # the pending token: a placeholder (`Req.tokens`)
-                    ids.append(-1 - req.future_row)
-                else:
-                    ids.append(req.output_ids[s - p] if s >= p else req.prompt_ids[s])
+                ids.append(req.token(s))
                 it.logit_row = len(logit_idx)
                 logit_idx.append(offset)
                 offset += 1
-                if req.kv_len < known + req.pending - 1:
+                if req.kv_len < req.num_tokens - 1:
                     self.stats.prefill_tokens += 1
                 else:
                     decode_tokens += 1
