@@ -137,8 +137,8 @@ def test_max_new_tokens_zero_scores_prompt(llama_dir, make_engine):
         ([1, 2], SamplingParams(temperature=-1.0), InvalidRequestError, "temperature"),
         ([1, 2], SamplingParams(top_p=math.nan), InvalidRequestError, "top_p"),
         ([1, 2], SamplingParams(max_new_tokens=-3), InvalidRequestError, "max_new_tokens"),
-        ([1, 2], SamplingParams(max_new_tokens=10**6), ContextLengthError, "max_tokens"),
-        ([1] * 600, SamplingParams(max_new_tokens=1), ContextLengthError, "max_tokens"),
+        ([1, 2], SamplingParams(max_new_tokens=10**6), ContextLengthError, "max_new_tokens"),
+        ([1] * 600, SamplingParams(max_new_tokens=1), ContextLengthError, "max_new_tokens"),
     ],
 )
 def test_bad_input_is_refused_before_running(prompt, params, error, param, llama_dir,

@@ -77,7 +77,8 @@ def test_list_prompts_with_echo_and_logprobs(client):
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset)
         assert "".join(lp.tokens).startswith(c.text)
         assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
-        assert all(len(t) <= 2 for t in lp.top_logprobs[1:])
+        assert all(len(t) <= 3 for t in lp.top_logprobs[1:])  # top-2 and the chosen token
+        assert all(tok in t for tok, t in zip(lp.tokens[1:], lp.top_logprobs[1:]) if tok)
     assert got.usage.prompt_tokens == sum(
         len(httpx.post(f"{client.base_url}".replace("/v1/", "") + "/tokenize",
                        json={"prompt": p}).json()["tokens"]) for p in prompts)
@@ -117,6 +118,48 @@ def test_streaming_n_choices_and_usage(client):
             content[c.index] += c.delta.content or ""
     assert roles == {0, 1} and all(content.values())
     assert usage.completion_tokens == 8
+
+
+def test_best_of_ranks_by_logprob_per_token():
+    from phaseflip.server.openai_api import Choice, best_of
+
+    short, long = Choice(0, logprobs=[-5.0, -5.2]), Choice(1, logprobs=[-3.0] * 4)
+    assert best_of([short, long], 1) == [long]  # -3 a token beats -5.1, not -12 vs -10.2
+
+
+def test_streamed_echo_logprobs_give_every_choice_its_prompt(client):
+    """The engine sends a prompt's logprobs once, with choice 0; a streamed answer with echo
+    gives every choice the prompt's tokens, logprobs and offsets, as the whole answer does."""
+    for max_tokens in (3, 0):
+        kwargs = {"model": MODEL, "prompt": "Return the value", "max_tokens": max_tokens,
+                  "n": 2, "seed": 5, "echo": True, "logprobs": 1}
+        whole = {c.index: c for c in client.completions.create(**kwargs).choices}
+        text = {0: "", 1: ""}
+        tokens, offsets, lps = ({0: [], 1: []} for _ in range(3))
+        for chunk in client.completions.create(**kwargs, stream=True):
+            for c in chunk.choices:
+                text[c.index] += c.text
+                tokens[c.index] += c.logprobs.tokens
+                offsets[c.index] += c.logprobs.text_offset
+                lps[c.index] += c.logprobs.token_logprobs
+        for i in (0, 1):
+            assert text[i] == whole[i].text and tokens[i] == whole[i].logprobs.tokens
+            assert offsets[i] == whole[i].logprobs.text_offset
+            assert lps[i] == pytest.approx(whole[i].logprobs.token_logprobs)
+
+
+def test_errors_name_the_field_the_client_sent(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       max_completion_tokens=100000)
+    assert err.value.body["param"] == "max_completion_tokens"
+    assert "max_completion_tokens" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4,
+                                  extra_body={"min_tokens": 2, "response_format": {
+                                      "type": "json_object"}})
+    assert err.value.body["param"] == "min_tokens" and "min_tokens cannot" in err.value.body[
+        "message"]
 
 
 def test_best_of_keeps_the_most_likely(client):
@@ -192,14 +235,24 @@ def test_native_endpoints(server):
                                 "quantization": None}
 
 
+def generation_tokens(url: str) -> float:
+    line = next(x for x in httpx.get(url + "/metrics").text.splitlines()
+                if x.startswith("phaseflip_generation_tokens_total{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
 def test_disconnect_aborts_and_frees_kv(server):
     body = {"model": MODEL, "prompt": "Return the", "max_tokens": 900, "ignore_eos": True,
             "stream": True}
+    before, received = generation_tokens(server), 0
     with httpx.stream("POST", server + "/v1/completions", json=body, timeout=30) as r:
-        for i, _ in enumerate(r.iter_lines()):
-            if i > 3:
+        for line in r.iter_lines():
+            received += line.startswith("data: ")
+            if received > 3:
                 break  # hang up mid-stream
     info = idle_accounting(server)
+    # the tokens it was sent count as generated, though it never finished
+    assert generation_tokens(server) - before >= received
     assert info["running"] == 0, info
     pool = info["pool"]
     assert pool["balanced"] and pool["private"] == 0 and pool["protected"] == 0
@@ -257,6 +310,8 @@ def test_api_key_and_queue_bound():
         assert httpx.post(url + "/admin/flip", json=flip, timeout=30).status_code == 401
         assert httpx.post(url + "/admin/flip", json=flip, timeout=30,
                           headers={"authorization": "Bearer sekret"}).status_code == 400
+        assert httpx.post(url + "/admin/flip", json=flip, timeout=30,  # any case of scheme
+                          headers={"authorization": "bearer sekret"}).status_code == 400
 
         async def burst():
             c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)

@@ -243,19 +243,34 @@ def _plan(**body) -> tools.ToolPlan:
     ('<|python_tag|>{"name": "f", "parameters": {}}', None, [("f", "{}")]),
     ("just text {not json", "just text {not json", []),
     ('<tool_call>{"broken": </tool_call>', '<tool_call>{"broken": </tool_call>', []),
+    (' Let me check. \n <tool_call>{"name": "a", "arguments": {}}</tool_call>',
+     " Let me check.", [("a", "{}")]),
+    ("  ends in spaces  \n", "  ends in spaces  \n", []),
 ])
-def test_auto_parsers(text, content, calls) -> None:
+@pytest.mark.parametrize("step", [1, 3])
+def test_auto_parsers(text, content, calls, step) -> None:
+    """Whole and streamed (in pieces of `step` characters) agree: the same calls, and the
+    streamed content is the whole answer's content (no whitespace sent before a call that a
+    whole answer drops)."""
     plan = _plan(tool_choice="auto")
     assert tools.parse_output(plan, text) == (content, calls)
     streamer, sent, deltas = tools.ToolStreamer(plan), "", []
-    for i in range(0, len(text), 3):
-        chunk = text[i:i + 3]
-        c, d = streamer.feed(chunk, i + 3 >= len(text))
+    for i in range(0, len(text), step):
+        c, d = streamer.feed(text[i:i + step], i + step >= len(text))
         sent += c or ""
         deltas += d
     assert [(d.function.name, d.function.arguments) for d in deltas] == calls
-    if not calls:
-        assert sent == text
+    assert sent == (content or "")
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
+    text = ('<tool_call>{"name": "a", "arguments": {}}</tool_call>'
+            '<tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>')
+    plan = _plan(tool_choice="auto", parallel_tool_calls=False)
+    assert tools.parse_output(plan, text) == (None, [("a", "{}")])
+    deltas = tools.ToolStreamer(plan).feed(text, True)[1]
+    assert [(d.index, d.function.name) for d in deltas] == [(0, "a")]
+    assert len(tools.parse_output(_plan(tool_choice="auto"), text)[1]) == 2
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function",
@@ -263,12 +278,14 @@ def test_auto_parsers(text, content, calls) -> None:
 def test_constrained_tool_streams_assemble_to_the_whole_answer(choice) -> None:
     plan = _plan(tool_choice=choice)
     args = '{"city": "Bergen \\"west\\" }"}'
-    text = args if plan.mode == "named" else f'{{"name": "get_weather", "arguments": {args}}}'
+    # (the model may put whitespace before the wrapper's closing brace: never streamed)
+    text = args if plan.mode == "named" else f'{{"name": "get_weather", "arguments": {args} }}'
     _, whole = tools.parse_output(plan, text)
     assert whole == [("get_weather", args)]
     streamer, got = tools.ToolStreamer(plan), []
-    for i in range(len(text)):
-        got += streamer.feed(text[i], i == len(text) - 1)[1]
+    for ch in text:  # the end comes with a token of no text (EOS)
+        got += streamer.feed(ch, False)[1]
+    got += streamer.feed("", True)[1]
     assert got[0].function.name == "get_weather" and got[0].id
     assert "".join(d.function.arguments for d in got) == args
 

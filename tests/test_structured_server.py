@@ -158,3 +158,39 @@ def test_streamed_tool_calls_assemble_to_the_whole_answer(client, choice) -> Non
             assert parts[c.index] == {"name": call.function.name,
                                       "arguments": call.function.arguments, "ids": 1}
             assert reasons[c.index] == c.finish_reason == "tool_calls"
+
+
+class GetWeather(BaseModel):
+    city: str = Field(max_length=12)
+    unit: Literal["c", "f"]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                  "function": {"name": "GetWeather"}}])
+def test_the_clients_stream_helper_assembles_tool_calls(client, choice) -> None:
+    """`chat.completions.stream` merges deltas key by key: a later piece's `"type": null`
+    would overwrite the first piece's "function" (its assembly asserted, or left the call
+    untyped and unparsed)."""
+    with client.chat.completions.stream(
+            model="tiny-llama", messages=USER, tools=[openai.pydantic_function_tool(GetWeather)],
+            tool_choice=choice, temperature=1.0, seed=3, max_completion_tokens=120) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls
+    assert call.type == "function" and call.function.name == "GetWeather"
+    assert isinstance(call.function.parsed_arguments, GetWeather)
+
+
+def test_fields_clients_send_are_accepted(client) -> None:
+    """What SDKs and agent frameworks put in a chat request: `parallel_tool_calls`, `store`,
+    `metadata`, `service_tier`, `reasoning_effort`, `modalities` ["text"]; other modalities
+    are refused by name."""
+    got = client.chat.completions.create(
+        model="tiny-llama", messages=USER, tools=[WEATHER], parallel_tool_calls=False,
+        store=False, metadata={"team": "a"}, service_tier="auto", reasoning_effort="low",
+        modalities=["text"], max_completion_tokens=4)
+    assert got.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    with pytest.raises(openai.BadRequestError, match="modalities is not supported"):
+        client.chat.completions.create(model="tiny-llama", messages=USER,
+                                       modalities=["text", "audio"], max_completion_tokens=4)

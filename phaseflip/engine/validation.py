@@ -37,10 +37,10 @@ def validate_request(
         raise ContextLengthError(
             f"This model's maximum context length is {max_context} tokens, but {total} were "
             f"requested ({len(prompt_ids)} in the prompt, {params.max_new_tokens} to generate): "
-            f"{total - max_context} too many. Shorten the prompt or lower max_tokens.",
-            param="max_tokens")
+            f"{total - max_context} too many. Shorten the prompt or lower max_new_tokens.",
+            param="max_new_tokens")
     if kv_tokens_needed(len(prompt_ids), params.max_new_tokens, page_size) > kv_capacity_tokens:
         raise ContextLengthError(
             f"the request needs {total} tokens of KV cache but the pool holds only "
             f"{kv_capacity_tokens}; raise max_total_tokens/mem_fraction or shorten it",
-            param="max_tokens")
+            param="max_new_tokens")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -152,13 +153,23 @@ class ServerContext:
     def new_id(self, prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """The engine's own checks, done here so a bad request never crosses to the engine."""
+    def validate(self, prompt_ids: list[int], params: SamplingParams,
+                 names: dict[str, str] | None = None) -> None:
+        """The engine's own checks, done here so a bad request never crosses to the engine.
+        `names` maps `SamplingParams` fields to the request's own (`max_new_tokens` ->
+        `max_tokens`): an error names the field the client sent, in `param` and message."""
         ready = self.engine.state.ready
-        validate_request(
-            prompt_ids, params, vocab_size=ready.vocab_size, max_context=ready.max_context,
-            max_logprobs=ready.max_logprobs, kv_capacity_tokens=ready.kv_capacity_tokens,
-            page_size=ready.page_size)
+        try:
+            validate_request(
+                prompt_ids, params, vocab_size=ready.vocab_size, max_context=ready.max_context,
+                max_logprobs=ready.max_logprobs, kv_capacity_tokens=ready.kv_capacity_tokens,
+                page_size=ready.page_size)
+        except InvalidRequestError as e:
+            if not names or e.param not in names:
+                raise
+            message = re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b",
+                             lambda m: names[m.group(1)], str(e))
+            raise type(e)(message, names[e.param]) from None
 
     def admit(self, params: list[SamplingParams]) -> None:
         """Counts a request's sequences (prompts x n) against --max-queued-requests."""
@@ -234,6 +245,7 @@ class ServerContext:
             async for d in self.engine.generate(rid, prompt_ids, params):
                 now = time.perf_counter()
                 if d.token_ids:
+                    self.metrics.generation_tokens.inc(len(d.token_ids))
                     if first:
                         self.metrics.ttft.observe(now - start)
                         first = False
@@ -245,8 +257,7 @@ class ServerContext:
                     finished.add(d.index)
                 if d.usage is not None:
                     self.metrics.e2e.observe(now - start)
-                    self.metrics.observe_usage(d.usage.prompt_tokens, d.usage.cached_tokens,
-                                               d.usage.completion_tokens)
+                    self.metrics.observe_usage(d.usage.prompt_tokens, d.usage.cached_tokens)
                     if (record := CURRENT_REQUEST.get()) is not None:
                         record.prompt_tokens += d.usage.prompt_tokens
                         record.completion_tokens += d.usage.completion_tokens

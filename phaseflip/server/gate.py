@@ -9,6 +9,7 @@ A plain ASGI middleware on purpose: Starlette's `BaseHTTPMiddleware` (what
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import time
@@ -106,8 +107,8 @@ class Gate:
     def _refusal(self, path: str, headers: dict):
         ctx, cfg = self.ctx, self.ctx.cfg
         public = path in OPEN_PATHS or (path == "/metrics" and cfg.metrics_without_api_key)
-        if cfg.api_key and not public and (
-                headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {cfg.api_key}"):
+        if cfg.api_key and not public and not _bearer_matches(
+                headers.get(b"authorization", b"").decode("latin-1"), cfg.api_key):
             return error_response(401, "invalid or missing API key (send 'Authorization: "
                                   "Bearer <key>')", "authentication_error",
                                   code="invalid_api_key")
@@ -168,3 +169,11 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+def _bearer_matches(authorization: str, key: str) -> bool:
+    """`Authorization: Bearer <key>`, the scheme in any case (RFC 9110 schemes are
+    case-insensitive), the key compared in constant time."""
+    scheme, _, token = authorization.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                              key.encode())

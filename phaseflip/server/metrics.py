@@ -95,10 +95,11 @@ class ServerMetrics:
             self.hicache_pages.labels(event.removesuffix("_pages").removesuffix("s")).set(
                 stats[event])
 
-    def observe_usage(self, prompt_tokens: int, cached: int, generated: int) -> None:
+    def observe_usage(self, prompt_tokens: int, cached: int) -> None:
+        """A finished request's prompt (its generated tokens are counted as they come, so an
+        aborted request's count too)."""
         self.prompt_tokens.inc(prompt_tokens)
         self.cached_tokens.inc(cached)
-        self.generation_tokens.inc(generated)
         total = self.prompt_tokens._value.get()
         self.cache_hit_rate.set(self.cached_tokens._value.get() / total if total else 0.0)
 

@@ -153,6 +153,9 @@ def usage_of(runs: list[PromptRun]) -> p.UsageInfo:
 
 
 # ------------------------------------------------------------------ completions
+_COMPLETION_NAMES = {"min_new_tokens": "min_tokens", "max_new_tokens": "max_tokens"}
+
+
 def hides_stop_token(params: SamplingParams, finish_reason: str | None,
                      matched_stop: int | str | None) -> bool:
     """Whether the last token is a stop token (EOS, stop_token_ids) left out of the text."""
@@ -182,8 +185,13 @@ def completion_logprobs(ctx: ServerContext, cursor: OffsetCursor, ids: list[int]
         token, offset = cursor.add(t, in_text)
         tokens.append(token)
         offsets.append(offset)
-    spell = ctx.token_text.spell
-    top = [None if t is None else {spell(i): v for i, v in t} for t in tops]
+    spell, top = ctx.token_text.spell, []
+    for t, tok, lp in zip(tops, ids, lps):
+        if t is not None:  # OpenAI's: the chosen token's logprob too, so up to logprobs + 1
+            t = {spell(i): v for i, v in t}
+            if lp is not None:
+                t.setdefault(spell(tok), lp)
+        top.append(t)
     return p.CompletionLogprobs(tokens=tokens, token_logprobs=lps, top_logprobs=top,
                                 text_offset=offsets)
 
@@ -203,7 +211,7 @@ async def create_completion(req: p.CompletionRequest, request: Request,
     for i, ids in enumerate(prompts):
         params = p.completion_sampling_params(req, ctx.default_max_tokens(len(ids)))
         await check_grammar(ctx, params, "response_format")
-        ctx.validate(ids, params)
+        ctx.validate(ids, params, _COMPLETION_NAMES)
         runs.append(PromptRun(f"{base}-{i}", ids, params, i * req.n))
     ctx.admit([r.params for r in runs])
     if req.stream:
@@ -221,6 +229,12 @@ async def _completion_prompts(ctx: ServerContext, prompt) -> list[list[int]]:
     return [list(x) for x in prompt]
 
 
+def best_of(choices: list[Choice], n: int) -> list[Choice]:
+    """The `n` choices of highest logprob per token, OpenAI's `best_of` rule (a sum would
+    favour whichever choice stopped soonest)."""
+    return sorted(choices, key=lambda c: -sum(c.logprobs) / max(len(c.logprobs), 1))[:n]
+
+
 async def _complete(ctx, req: p.CompletionRequest, base: str, runs: list[PromptRun],
                     width: int) -> dict:
     choices = {r.rid: [Choice(j) for j in range(width)] for r in runs}
@@ -233,8 +247,8 @@ async def _complete(ctx, req: p.CompletionRequest, base: str, runs: list[PromptR
     out = []
     for run in runs:
         cs = choices[run.rid]
-        if width > req.n:  # best_of: keep the n most likely
-            cs = sorted(cs, key=lambda c: -sum(c.logprobs))[: req.n]
+        if width > req.n:
+            cs = best_of(cs, req.n)
         prompt_text = ctx.tokenizer.decode(run.prompt_ids) if req.echo else ""
         for j, c in enumerate(cs):
             lp = None
@@ -258,31 +272,52 @@ async def _complete(ctx, req: p.CompletionRequest, base: str, runs: list[PromptR
 
 async def _stream_completion(ctx, req: p.CompletionRequest, base: str,
                              runs: list[PromptRun]) -> AsyncIterator[str]:
-    echoed: set[str] = set()
+    """The chunks of a streamed completion. With `echo` and `logprobs` every choice's first
+    chunk carries the prompt's tokens and logprobs, which the engine sends once, with choice
+    0: a later choice's chunks that come first wait for them."""
+    echoed: set[tuple[str, int]] = set()
     cursors: dict[tuple[str, int], OffsetCursor] = {}
-    async for run, d in run_prompts(ctx, runs):
+    held: dict[str, list[StreamDelta]] = {}  # per prompt: deltas awaiting its logprobs
+
+    def chunk(run: PromptRun, d: StreamDelta) -> str:
         text, lp = d.text, None
         key = (run.rid, d.index)
-        if req.echo and key not in echoed:
+        first = req.echo and key not in echoed
+        if first:
             echoed.add(key)
             text = ctx.tokenizer.decode(run.prompt_ids) + text
         if req.logprobs is not None:
             ids, lps, tops = list(d.token_ids), list(d.logprobs or []), list(d.top_logprobs or [])
             n_prompt = 0
-            if d.prompt_logprobs is not None and req.echo:
+            if first:
                 ids, n_prompt = run.prompt_ids + ids, len(run.prompt_ids)
-                lps, tops = list(d.prompt_logprobs) + lps, list(d.prompt_top_logprobs) + tops
+                lps = list(run.prompt_logprobs or [None] * n_prompt) + lps
+                tops = list(run.prompt_top or [None] * n_prompt) + tops
             cursor = cursors.setdefault(key, OffsetCursor(ctx.token_text))
             lp = completion_logprobs(ctx, cursor, ids, lps, tops, n_prompt, run.params,
                                      hides_stop_token(run.params, d.finish_reason,
                                                       d.matched_stop))
-        if d.usage is not None:
-            run.usage = d.usage
         choice = p.CompletionChoice(index=run.first_index + d.index, text=text, logprobs=lp,
                                     finish_reason=d.finish_reason,
                                     stop_reason=reported_stop(run.params, d.matched_stop)
                                     if d.finish_reason else None)
-        yield sse(p.CompletionStreamResponse(id=base, model=ctx.model_name, choices=[choice]))
+        return sse(p.CompletionStreamResponse(id=base, model=ctx.model_name, choices=[choice]))
+
+    scored = req.echo and req.logprobs is not None
+    async for run, d in run_prompts(ctx, runs):
+        if d.usage is not None:
+            run.usage = d.usage
+        if d.prompt_logprobs is not None:
+            run.prompt_logprobs, run.prompt_top = d.prompt_logprobs, d.prompt_top_logprobs
+        if scored and run.prompt_logprobs is None and d.prompt_logprobs is None:
+            held.setdefault(run.rid, []).append(d)
+            continue
+        yield chunk(run, d)
+        for waiting in held.pop(run.rid, []):
+            yield chunk(run, waiting)
+    for run in runs:  # (only if choice 0 never brought them: its request failed)
+        for waiting in held.pop(run.rid, []):
+            yield chunk(run, waiting)
     if req.include_usage:
         yield sse(p.CompletionStreamResponse(id=base, model=ctx.model_name, choices=[],
                                              usage=usage_of(runs)))
@@ -328,13 +363,15 @@ async def create_chat_completion(req: p.ChatCompletionRequest, request: Request,
     template = ctx.tokenizer.chat_template
     messages, tool_kwargs = tools.template_messages(
         req, plan, template if isinstance(template, str) else str(template or ""))
+    effort = {} if req.reasoning_effort is None else {"reasoning_effort": req.reasoning_effort}
     ids = await chat_ids(ctx, messages, req.add_generation_prompt,
-                         {**(req.chat_template_kwargs or {}), **tool_kwargs})
+                         {**effort, **(req.chat_template_kwargs or {}), **tool_kwargs})
     params = p.chat_sampling_params(req, ctx.default_max_tokens(len(ids)))
     if plan is not None and plan.grammar is not None:
         params = replace(params, grammar=plan.grammar)
     await check_grammar(ctx, params, "tools" if plan and plan.grammar else "response_format")
-    ctx.validate(ids, params)
+    ctx.validate(ids, params, {"min_new_tokens": "min_tokens", "max_new_tokens": (
+        "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens")})
     ctx.admit([params])
     base = ctx.new_id("chatcmpl")
     run = PromptRun(base, ids, params, 0)

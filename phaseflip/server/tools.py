@@ -46,6 +46,7 @@ class ToolPlan:
     mode: str  # "none", "auto", "required" or "named"
     name: str | None = None  # the named function
     grammar: GrammarSpec | None = None
+    parallel: bool = True  # `parallel_tool_calls`: false keeps an auto answer's first call
 
     def parameters(self, name: str) -> dict[str, Any]:
         fn = next(f for f in self.tools if f["name"] == name)
@@ -100,7 +101,7 @@ def plan_tools(req: p.ChatCompletionRequest) -> ToolPlan | None:
     mode, name = _mode(req.tool_choice, [f["name"] for f in tools])
     if mode == "none" and not tools:
         return None
-    plan = ToolPlan(tools, mode, name)
+    plan = ToolPlan(tools, mode, name, parallel=req.parallel_tool_calls is not False)
     if mode in ("required", "named"):
         if req.response_format is not None and req.response_format.type != "text":
             raise InvalidRequestError(
@@ -180,8 +181,9 @@ def split_required(text: str) -> tuple[str, str] | None:
     return json.loads(f'"{m.group(1)}"'), rest[:-1].rstrip()
 
 
-def _auto_calls(text: str) -> tuple[str | None, list[tuple[str, str]]]:
-    """Hermes/Qwen blocks, or a Llama-3 JSON call; unparseable text stays content."""
+def _auto_calls(text: str, parallel: bool = True) -> tuple[str | None, list[tuple[str, str]]]:
+    """Hermes/Qwen blocks, or a Llama-3 JSON call; unparseable text stays content. The content
+    before a call loses its trailing whitespace (a stream holds that back until it knows)."""
     calls: list[tuple[str, str]] = []
     head = text
     if TOOL_OPEN in text:
@@ -201,7 +203,7 @@ def _auto_calls(text: str) -> tuple[str | None, list[tuple[str, str]]]:
             head = ""
     if not calls:
         return text, []
-    return (head.strip() or None), calls
+    return (head.rstrip() if head.strip() else None), calls if parallel else calls[:1]
 
 
 def _json_object(text: str) -> dict[str, Any] | None:
@@ -220,7 +222,7 @@ def parse_output(plan: ToolPlan, text: str) -> tuple[str | None, list[tuple[str,
         call = split_required(text)
         return (None, [call]) if call else (text, [])
     if plan.mode == "auto":
-        return _auto_calls(text)
+        return _auto_calls(text, plan.parallel)
     return text, []
 
 
@@ -257,8 +259,9 @@ class ToolStreamer:
             if m is None:
                 return []
             name = json.loads(f'"{m.group(1)}"')
-            rest = self.text[m.end():]
-            args = rest.rstrip()[:-1].rstrip() if finished else rest.rstrip()[:-1]
+            # unfinished, the last character may be the wrapper's closing brace and the
+            # whitespace before it may end the arguments: both wait
+            args = self.text[m.end():].rstrip()[:-1].rstrip()
         out = []
         if not self.opened:
             self.opened = True
@@ -278,13 +281,13 @@ class ToolStreamer:
             if TOOL_OPEN in text or start.startswith(("{", PYTHON_TAG)):
                 self.buffering = True
         if not self.buffering:
-            hold = 0 if finished else _partial_marker(text)
-            end = max(self.sent, len(text) - hold)
+            end = len(text) if finished else _content_end(text)
+            end = max(self.sent, end)
             out, self.sent = text[self.sent:end], end
             return out or None, []
         if not finished:
             return None, []
-        content, calls = _auto_calls(text)
+        content, calls = _auto_calls(text, self.plan.parallel)
         if not calls:  # not a call after all: the held text is content
             out, self.sent = text[self.sent:], len(text)
             return out or None, []
@@ -296,11 +299,16 @@ class ToolStreamer:
         return rest.rstrip() or None, deltas
 
 
-def _partial_marker(text: str) -> int:
-    """Length of the longest suffix of `text` that begins a `<tool_call>` or a leading JSON."""
-    if not text.strip():
-        return len(text)  # nothing but whitespace yet: a call may still start
+def _content_end(text: str) -> int:
+    """How much of an unfinished auto answer's `text` is content for sure: all but a suffix
+    that may begin a `<tool_call>` and the whitespace before it (content before a call ends
+    without it). Nothing while the text may still begin a Llama-3 call (all whitespace, or a
+    beginning of `<|python_tag|>`)."""
+    if PYTHON_TAG.startswith(text.lstrip()):  # (a Llama-3 call may begin so)
+        return 0
+    hold = 0
     for k in range(min(len(TOOL_OPEN) - 1, len(text)), 0, -1):
         if TOOL_OPEN.startswith(text[-k:]):
-            return k
-    return 0
+            hold = k
+            break
+    return len(text[: len(text) - hold].rstrip())

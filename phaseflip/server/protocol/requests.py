@@ -315,7 +315,7 @@ class CompletionRequest(_OpenAISampling):
     """OpenAI's completions default, 16; an explicit null means the default too, as in
     OpenAI's API (chat's null, by contrast, means "whatever the context leaves")."""
     best_of: NumChoices | None = None
-    """Generate this many and return the `n` with the highest cumulative logprob."""
+    """Generate this many and return the `n` with the highest logprob per token."""
     logprobs: TopLogprobsNum | None = None
     """None: no logprobs; 0: the chosen token's; k: also the k most likely alternatives."""
     echo: Bool = False
@@ -426,7 +426,19 @@ class ChatCompletionRequest(_OpenAISampling):
     tool_choice: Annotated[str | dict[str, Any] | None, BeforeValidator(_check_choice)] = None
     functions: list[dict[str, Any]] | None = None
     function_call: Annotated[str | dict[str, Any] | None, BeforeValidator(_check_choice)] = None
+    parallel_tool_calls: Bool | None = None
+    """False: an `auto` answer's first tool call only (the constrained modes make one)."""
     response_format: ResponseFormat | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    """Handed to the chat template as `reasoning_effort` (templates of reasoning models read
+    it; others ignore it)."""
+    modalities: list[Str] | None = None
+    """Output modalities: only ["text"] is served."""
+    store: Bool | None = None
+    metadata: dict[str, Str] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    """`store`, `metadata` and `service_tier` are accepted, as clients send them, and have no
+    effect: nothing is stored, and every request is served alike."""
     add_generation_prompt: Bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra variables for the chat template (e.g. `enable_thinking`)."""

@@ -11,6 +11,8 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
 )
 
 from phaseflip.server.protocol.requests import (
@@ -137,14 +139,25 @@ class ToolCall(_Response):
     function: FunctionCall
 
 
-class DeltaFunctionCall(_Response):
+class _Sparse(_Response):
+    """A streamed piece whose unset fields are left out, not sent as null: the `openai`
+    client's stream helper merges pieces key by key, and a `"type": null` overwrites the
+    `"function"` of the first piece (its tool-call assembly then fails)."""
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_Sparse):
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(_Response):
+class DeltaToolCall(_Sparse):
     """A piece of a streamed tool call: the first names it (id, type, function name), the
-    others carry fragments of its arguments, which concatenate to the whole JSON text."""
+    others carry only `index` and fragments of its arguments, which concatenate to the whole
+    JSON text."""
 
     index: int
     id: str | None = None

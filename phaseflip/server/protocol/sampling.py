@@ -79,7 +79,7 @@ def completion_sampling_params(req: CompletionRequest, default_max_tokens: int) 
 
     `max_tokens` is always set (null means OpenAI's default, 16), so `default_max_tokens` is
     unused here; the argument keeps the three builders alike. With `best_of > n` the engine
-    samples `best_of` choices and the server keeps the `n` with the highest cumulative logprob;
+    samples `best_of` choices and the server keeps the `n` with the highest logprob per token;
     to rank them logprobs must be computed, so `logprobs` is at least 0 then and the server
     must drop them from the answer if `req.logprobs` is None.
     `echo` with `logprobs` also asks for prompt logprobs, which OpenAI returns for the echoed
@@ -150,4 +150,6 @@ def unsupported(req: CompletionRequest | ChatCompletionRequest) -> str | None:
         return "functions"
     if req.function_call not in (None, "none", "auto"):
         return "function_call"
+    if req.modalities is not None and set(req.modalities) - {"text"}:
+        return "modalities"
     return None
