@@ -171,11 +171,16 @@ class FlipConfig:
     tp × pp at runtime. Needs --enable-hicache: a flip carries no KV, so without a host tier
     every flip would re-prefill every cached prefix."""
     flip_weights: str = "auto"
-    """How a phase flip's new ranks get their weights: host-image (copy their shards from an
-    image of the checkpoint in shared host memory, built once at launch: the whole checkpoint
-    in host RAM, one copy per node), reload (read the checkpoint from disk again), or auto
-    (host-image, falling back to reload with a warning when /dev/shm cannot hold it).
-    --load-format dummy has no checkpoint: reload (made on the device again)."""
+    """How a phase flip's new ranks get their weights: resident (every layout's shards stay on
+    the device from launch: a flip moves no weights; the memory comes out of the KV cache), peer
+    (each rank keeps the slices it holds and receives the rest from the other ranks),
+    host-image (copy their shards from an image of the checkpoint in shared host memory, built
+    once at launch: the whole checkpoint in host RAM, one copy per node), reload (read the
+    checkpoint from disk again; dummy weights are made on the device again), or auto (resident
+    when the other layouts' shards take at most 25 % of a rank's memory budget, else peer when
+    the ranks run on NCCL, else host-image for a real checkpoint, else reload; reload with a
+    warning also when /dev/shm cannot hold the image). host-image with --load-format dummy is
+    refused."""
     flip_policy: str = "manual"
     """manual (flips only through POST /admin/flip or Engine.flip) or auto (the engine also
     flips between the two --flip-layouts by itself when the cost model says a flip pays, and
