@@ -295,7 +295,8 @@ class _VersionAction(argparse.Action):
 
     def __init__(self, option_strings, dest, **kwargs) -> None:
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
-                         help="print the versions of phaseflip, torch, transformers and triton")
+                         help="print the versions of phaseflip, torch, transformers, triton "
+                              "and Python")
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         print(version_text())
