@@ -29,6 +29,8 @@ from phaseflip.server.openai_api import (
 )
 from phaseflip.server.openapi import ERRORS, Aborted, FreedTokens, Health, Versions, ok, streams
 from phaseflip.server.openapi import install as install_openapi
+from phaseflip.server.protocol.responses_api import ResponsesRequest
+from phaseflip.server.responses_api import ResponseNotFoundError, ResponseStore, create_response
 from phaseflip.versions import __version__, version_info
 
 log = logging.getLogger("phaseflip.server")
@@ -53,6 +55,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(InvalidRequestError)
     async def bad(_: Request, exc: InvalidRequestError) -> JSONResponse:
         return _error(400, str(exc), "invalid_request_error", exc.param)
+
+    @app.exception_handler(ResponseNotFoundError)
+    async def no_response(_: Request, exc: ResponseNotFoundError) -> JSONResponse:
+        return _error(404, str(exc), "invalid_request_error", exc.param, "response_not_found")
 
     @app.exception_handler(UnknownModelError)
     async def unknown_model(_: Request, exc: UnknownModelError) -> JSONResponse:
@@ -134,6 +140,23 @@ def _inference_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/v1/chat/completions", responses=streams(p.ChatCompletionResponse))
     async def chat(req: p.ChatCompletionRequest, request: Request):
         return await create_chat_completion(req, request, ctx)
+
+    store = ResponseStore(ctx.cfg.responses_kept)
+
+    @app.post("/v1/responses", responses=streams({"type": "object"}))
+    async def responses(req: ResponsesRequest, request: Request):
+        return await create_response(req, request, ctx, store)
+
+    @app.get("/v1/responses/{response_id}", response_model=None,
+             responses=ok({"type": "object"}))
+    async def get_response(response_id: str) -> dict:
+        return store.get(response_id).body
+
+    @app.delete("/v1/responses/{response_id}", response_model=None,
+                responses=ok({"type": "object"}))
+    async def delete_response(response_id: str) -> dict:
+        store.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     @app.post("/generate", responses=streams({"anyOf": [
         {"type": "object"}, {"type": "array", "items": {"type": "object"}}]}))

@@ -70,6 +70,9 @@ class ServerConfig:
     flip_timeout_s: float = 600.0
     """Seconds POST /admin/flip waits for the seam's census before answering 504 (the seam
     goes on; further flips get 409 until the engine says it ended)."""
+    responses_kept: int = 1000
+    """Answers of /v1/responses kept in memory for previous_response_id and GET (the newest;
+    0 keeps none)."""
     log_requests: bool = False
     """Log one line per HTTP request: its id, method and path, status, prompt and output
     tokens, and seconds taken (logger phaseflip.requests, shown at any --log-level)."""

@@ -31,8 +31,8 @@ OPEN_PATHS = ("/health",)
 NEEDS_ENGINE = ("/v1/", "/generate", "/health_generate", "/tokenize", "/detokenize",
                 "/flush_cache", "/abort_request", "/admin/")
 """Refused with 503 until the engine is ready, and after it died or reported unhealthy."""
-NEW_WORK = ("/v1/completions", "/v1/chat/completions", "/generate", "/health_generate",
-            "/tokenize", "/detokenize", "/flush_cache", "/admin/")
+NEW_WORK = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate",
+            "/health_generate", "/tokenize", "/detokenize", "/flush_cache", "/admin/")
 """Refused with 503 once a shutdown began (/abort_request and status endpoints still answer)."""
 UNLOGGED_PATHS = ("/health", "/metrics")
 """Left out of the request log: probes and scrapes, every few seconds."""

@@ -356,6 +356,18 @@ def chat_logprobs(ctx: ServerContext, ids: list[int], lps: list[float],
 async def create_chat_completion(req: p.ChatCompletionRequest, request: Request,
                                  ctx: ServerContext):
     ctx.check_model(req.model)
+    run, plan = await prepare_chat(ctx, req, "chatcmpl", {
+        "min_new_tokens": "min_tokens", "max_new_tokens": (
+            "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens")})
+    if req.stream:
+        return stream_response(_stream_chat(ctx, req, run, plan))
+    return await respond(request, lambda: _chat(ctx, req, run, plan))
+
+
+async def prepare_chat(ctx: ServerContext, req: p.ChatCompletionRequest, id_prefix: str,
+                       names: dict[str, str]) -> tuple[PromptRun, tools.ToolPlan | None]:
+    """A chat request made an admitted engine run: its tools planned, its template rendered
+    and tokenised, its sampling checked (`names`: `ServerContext.validate`'s field names)."""
     feature = p.unsupported(req)
     if feature:
         raise InvalidRequestError(f"{feature} is not supported yet", feature)
@@ -370,14 +382,9 @@ async def create_chat_completion(req: p.ChatCompletionRequest, request: Request,
     if plan is not None and plan.grammar is not None:
         params = replace(params, grammar=plan.grammar)
     await check_grammar(ctx, params, "tools" if plan and plan.grammar else "response_format")
-    ctx.validate(ids, params, {"min_new_tokens": "min_tokens", "max_new_tokens": (
-        "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens")})
+    ctx.validate(ids, params, names)
     ctx.admit([params])
-    base = ctx.new_id("chatcmpl")
-    run = PromptRun(base, ids, params, 0)
-    if req.stream:
-        return stream_response(_stream_chat(ctx, req, run, plan))
-    return await respond(request, lambda: _chat(ctx, req, run, plan))
+    return PromptRun(ctx.new_id(id_prefix), ids, params, 0), plan
 
 
 def _chat_message(plan: tools.ToolPlan | None,

@@ -1,0 +1,345 @@
+"""`/v1/responses`: OpenAI's Responses API over the chat machinery.
+
+A request becomes a chat request (`protocol/responses_api.to_chat`: the template, tools,
+grammars and sampling are chat's), its one choice becomes the response's `output` items — a
+`message` with one `output_text` part, then a `function_call` item per tool call — and, with
+`stream`, the Responses API's typed events (`response.created` … `response.completed`, each
+with a `sequence_number`; no `[DONE]`). Answers with `store` (the default) are kept in memory
+for `previous_response_id`, `GET` and `DELETE /v1/responses/{id}`: `ResponseStore`, bounded by
+`--responses-kept`, oldest dropped first.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+
+from phaseflip.errors import InvalidRequestError, PhaseflipError
+from phaseflip.server import protocol as p
+from phaseflip.server import tools
+from phaseflip.server.context import ServerContext
+from phaseflip.server.openai_api import (
+    Choice,
+    PromptRun,
+    chat_logprobs,
+    prepare_chat,
+    respond,
+    run_prompts,
+)
+from phaseflip.server.protocol import responses_api as rp
+
+_NAMES = {"max_new_tokens": "max_output_tokens", "min_new_tokens": "min_tokens"}
+
+
+class ResponseNotFoundError(PhaseflipError):
+    """No kept response has this id (never stored, dropped as the oldest, or deleted): 404."""
+
+    def __init__(self, response_id: str, param: str | None) -> None:
+        super().__init__(f"no response with id {response_id!r} is kept here (never stored, "
+                         "deleted, or dropped as the oldest: --responses-kept)")
+        self.param = param
+
+
+@dataclass
+class Kept:
+    body: dict[str, Any]  # the response as answered
+    messages: list[dict[str, Any]]  # the conversation through it, instructions left out
+
+
+class ResponseStore:
+    """The answers kept for follow-ups: the `capacity` newest (a follow-up or a GET counts as
+    use), in this front end's memory (lost on restart)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._kept: OrderedDict[str, Kept] = OrderedDict()
+
+    def put(self, response_id: str, kept: Kept) -> None:
+        if self.capacity <= 0:
+            return
+        self._kept[response_id] = kept
+        while len(self._kept) > self.capacity:
+            self._kept.popitem(last=False)
+
+    def get(self, response_id: str, param: str | None = None) -> Kept:
+        kept = self._kept.get(response_id)
+        if kept is None:
+            raise ResponseNotFoundError(response_id, param)
+        self._kept.move_to_end(response_id)
+        return kept
+
+    def delete(self, response_id: str) -> None:
+        if self._kept.pop(response_id, None) is None:
+            raise ResponseNotFoundError(response_id, None)
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+@dataclass
+class Output:
+    """The response's output items as they form (whole, or event by event)."""
+
+    items: list[dict[str, Any]] = field(default_factory=list)
+    text: str = ""
+    message: dict[str, Any] | None = None  # the message item, once it has text
+    logprobs: list[dict[str, Any]] | None = None  # the text's, when asked for
+    calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # tool-call index -> item
+
+    def open_message(self) -> dict[str, Any]:
+        self.message = {"id": _item_id("msg"), "type": "message", "role": "assistant",
+                        "status": "in_progress", "content": []}
+        self.items.append(self.message)
+        return self.message
+
+    def part(self) -> dict[str, Any]:
+        return {"type": "output_text", "text": self.text, "annotations": [],
+                "logprobs": self.logprobs or []}
+
+    def open_call(self, index: int, call_id: str, name: str) -> dict[str, Any]:
+        item = {"id": _item_id("fc"), "type": "function_call", "call_id": call_id,
+                "name": name, "arguments": "", "status": "in_progress"}
+        self.calls[index] = item
+        self.items.append(item)
+        return item
+
+    def close(self, status: str) -> None:
+        if self.message is not None:
+            self.message["content"] = [self.part()]
+        for item in self.items:
+            item["status"] = status
+
+    def assistant_message(self) -> dict[str, Any]:
+        """The answer as a chat message, for a follow-up's history."""
+        calls = [{"id": c["call_id"], "type": "function",
+                  "function": {"name": c["name"], "arguments": c["arguments"]}}
+                 for c in self.calls.values()]
+        out: dict[str, Any] = {"role": "assistant", "content": self.text or None}
+        return out | {"tool_calls": calls} if calls else out
+
+
+@dataclass
+class Exchange:
+    """One request on its way: the chat run it became and what it answers."""
+
+    req: rp.ResponsesRequest
+    run: PromptRun
+    plan: tools.ToolPlan | None
+    messages: list[dict[str, Any]]  # history + this input (no instructions)
+    response_id: str = field(default_factory=lambda: _item_id("resp"))
+    created: float = field(default_factory=time.time)
+    output: Output = field(default_factory=Output)
+
+    def body(self, ctx: ServerContext, status: str, usage: Any = None,
+             reason: str | None = None) -> dict[str, Any]:
+        req = self.req
+        choice: Any = req.tool_choice or ("auto" if req.tools else "none")
+        fmt = req.text.format if req.text and req.text.format else None
+        return {
+            "id": self.response_id, "object": "response", "created_at": int(self.created),
+            "completed_at": int(time.time()) if status != "in_progress" else None,
+            "status": status, "error": None, "background": False,
+            "incomplete_details": {"reason": "max_output_tokens"} if reason == "length" else None,
+            "instructions": req.instructions, "metadata": req.metadata or {},
+            "model": ctx.model_name, "output": self.output.items,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id,
+            "max_output_tokens": req.max_output_tokens, "temperature": req.temperature,
+            "top_p": req.top_p, "top_logprobs": req.top_logprobs,
+            "tool_choice": choice if isinstance(choice, str) else choice.model_dump(),
+            "tools": [t.model_dump() for t in req.tools or []],
+            "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt
+                     else {"type": "text"}},
+            "reasoning": {"effort": req.reasoning.effort if req.reasoning else None,
+                          "summary": None},
+            "store": req.store, "truncation": "disabled", "service_tier": "default",
+            "user": req.user, "usage": _usage(usage),
+        }
+
+    def keep(self, store: ResponseStore, body: dict[str, Any]) -> None:
+        if self.req.store:
+            store.put(self.response_id, Kept(body, [*self.messages,
+                                                     self.output.assistant_message()]))
+
+
+def _usage(usage: Any) -> dict[str, Any] | None:
+    if usage is None:
+        return None
+    return {"input_tokens": usage.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": usage.cached_tokens,
+                                     "cache_write_tokens": 0},
+            "output_tokens": usage.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+
+
+def _status(reason: str | None) -> str:
+    return {"length": "incomplete", "abort": "cancelled"}.get(reason or "", "completed")
+
+
+async def create_response(req: rp.ResponsesRequest, request: Request, ctx: ServerContext,
+                          store: ResponseStore):
+    ctx.check_model(req.model)
+    feature = rp.unsupported(req)
+    if feature:
+        raise InvalidRequestError(f"{feature} is not supported", feature)
+    history = [] if req.previous_response_id is None else store.get(
+        req.previous_response_id, "previous_response_id").messages
+    try:
+        chat = p.ChatCompletionRequest.model_validate(rp.to_chat(req, history))
+    except ValidationError as e:  # (the request's own checks pass; a kept history may not)
+        message, _ = p.validation_error_to_openai(e.errors())
+        raise InvalidRequestError(message, "input") from None
+    run, plan = await prepare_chat(ctx, chat, "resp", _NAMES)
+    exchange = Exchange(req, run, plan, [*history, *rp.input_messages(req)],
+                        response_id=run.rid.replace("resp-", "resp_", 1))
+    if req.stream:
+        return StreamingResponse(_events(ctx, store, exchange), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return await respond(request, lambda: _answer(ctx, store, exchange))
+
+
+async def _answer(ctx: ServerContext, store: ResponseStore, ex: Exchange) -> dict[str, Any]:
+    c = Choice(0)
+    async for _, d in run_prompts(ctx, [ex.run]):
+        c.add(d)
+        if d.usage is not None:
+            ex.run.usage = d.usage
+    out = ex.output
+    content, calls = tools.parse_output(ex.plan, c.text) if ex.plan else (c.text, [])
+    if content or not calls:
+        out.text = content or ""
+        if ex.req.logprobs:
+            out.logprobs = _logprobs(ctx, c)
+        out.open_message()
+    for i, (name, args) in enumerate(calls):
+        out.open_call(i, tools.new_call_id(), name)["arguments"] = args
+    out.close(_status(c.finish_reason))
+    body = ex.body(ctx, _status(c.finish_reason), ex.run.usage, c.finish_reason)
+    ex.keep(store, body)
+    return body
+
+
+def _logprobs(ctx: ServerContext, c: Choice) -> list[dict[str, Any]]:
+    return chat_logprobs(ctx, c.token_ids, c.logprobs, c.top).model_dump()["content"]
+
+
+class _Events:
+    """Numbered server-sent events of one stream."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+
+    def __call__(self, kind: str, **data: Any) -> str:
+        body = {"type": kind, "sequence_number": self.seq, **data}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(body)}\n\n"
+
+
+async def _events(ctx: ServerContext, store: ResponseStore, ex: Exchange
+                  ) -> AsyncIterator[str]:
+    ev, out = _Events(), ex.output
+    yield ev("response.created", response=ex.body(ctx, "in_progress"))
+    yield ev("response.in_progress", response=ex.body(ctx, "in_progress"))
+    streamer = tools.ToolStreamer(ex.plan) if ex.plan is not None else None
+    out.logprobs = [] if ex.req.logprobs else None
+    reason = None
+    try:
+        async for _, d in run_prompts(ctx, [ex.run]):
+            if d.usage is not None:
+                ex.run.usage = d.usage
+            reason = d.finish_reason or reason
+            content, calls = d.text or None, []
+            if streamer is not None:
+                content, calls = streamer.feed(d.text, d.finish_reason is not None)
+            lps = _logprobs(ctx, Choice(0, token_ids=d.token_ids, logprobs=d.logprobs or [],
+                                        top=d.top_logprobs or [])) if ex.req.logprobs else []
+            if content:
+                for event in _text_events(ev, out, content, lps):
+                    yield event
+            for call in calls:
+                for event in _call_events(ev, out, call):
+                    yield event
+    except PhaseflipError as e:
+        yield ev("error", code=None, message=str(e), param=getattr(e, "param", None))
+        return
+    if out.message is None and not out.calls:  # nothing came: still one (empty) message
+        for event in _text_events(ev, out, "", []):
+            yield event
+    for event in _close_events(ev, out, _status(reason)):
+        yield event
+    body = ex.body(ctx, _status(reason), ex.run.usage, reason)
+    ex.keep(store, body)
+    kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
+    yield ev(kind, response=body)
+
+
+def _text_events(ev: _Events, out: Output, text: str, lps: list[dict[str, Any]]
+                 ) -> list[str]:
+    events = []
+    if out.message is None:
+        item = out.open_message()
+        index = out.items.index(item)
+        events += [ev("response.output_item.added", output_index=index, item=dict(item)),
+                   ev("response.content_part.added", item_id=item["id"], output_index=index,
+                      content_index=0, part={"type": "output_text", "text": "",
+                                             "annotations": [], "logprobs": []})]
+    out.text += text
+    if out.logprobs is not None:
+        out.logprobs += lps
+    if text:
+        events.append(ev("response.output_text.delta", item_id=out.message["id"],
+                         output_index=out.items.index(out.message), content_index=0,
+                         delta=text, logprobs=[_delta_logprob(lp) for lp in lps]))
+    return events
+
+
+def _delta_logprob(lp: dict[str, Any]) -> dict[str, Any]:
+    """A text delta's logprob: token, logprob and alternatives, without the bytes."""
+    return {"token": lp["token"], "logprob": lp["logprob"], "top_logprobs": [
+        {"token": t["token"], "logprob": t["logprob"]} for t in lp["top_logprobs"]]}
+
+
+def _call_events(ev: _Events, out: Output, call: p.DeltaToolCall) -> list[str]:
+    events = []
+    fn = call.function
+    if call.id is not None:  # a call's first piece names it
+        item = out.open_call(call.index, call.id, fn.name if fn else "")
+        events.append(ev("response.output_item.added", output_index=out.items.index(item),
+                         item=dict(item)))
+    item = out.calls[call.index]
+    if fn is not None and fn.arguments:
+        item["arguments"] += fn.arguments
+        events.append(ev("response.function_call_arguments.delta", item_id=item["id"],
+                         output_index=out.items.index(item), delta=fn.arguments))
+    return events
+
+
+def _close_events(ev: _Events, out: Output, status: str) -> list[str]:
+    out.close(status)
+    events = []
+    for index, item in enumerate(out.items):
+        if item is out.message:
+            part = out.part()
+            events += [
+                ev("response.output_text.done", item_id=item["id"], output_index=index,
+                   content_index=0, text=out.text,
+                   logprobs=[_delta_logprob(lp) for lp in out.logprobs or []]),
+                ev("response.content_part.done", item_id=item["id"], output_index=index,
+                   content_index=0, part=part)]
+        else:
+            events.append(ev("response.function_call_arguments.done", item_id=item["id"],
+                             output_index=index, name=item["name"],
+                             arguments=item["arguments"]))
+        events.append(ev("response.output_item.done", output_index=index, item=item))
+    return events

@@ -1,0 +1,172 @@
+"""`/v1/responses` through a real `phaseflip serve` (the embedded model, CPU) and the official
+`openai` client: the same answers as chat (greedy), streamed events that add up to the whole
+answer, follow-ups by `previous_response_id`, tools, structured output, logprobs, the store,
+and the 400/404s."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from phaseflip.server.responses_api import Kept, ResponseNotFoundError, ResponseStore
+from tests.server_process import start_server, stop_server
+
+MODEL = "tiny-llama"
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {
+               "city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = start_server()
+    yield url
+    stop_server(proc)
+    assert proc.returncode == 0, proc.stdout.read()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+
+
+def chat_text(client, messages, **kw) -> str:
+    got = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **kw)
+    return got.choices[0].message.content
+
+
+def test_an_answer_is_chats_answer(client):
+    r = client.responses.create(model=MODEL, instructions="Answer briefly.",
+                                input="What does os.path.join do?", temperature=0,
+                                max_output_tokens=12)
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
+    assert r.output_text == chat_text(client, [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "What does os.path.join do?"}], max_completion_tokens=12)
+    (msg,) = r.output
+    assert msg.type == "message" and msg.role == "assistant" and msg.id.startswith("msg_")
+    assert r.usage.output_tokens <= 12 and r.usage.input_tokens > 0
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    if r.usage.output_tokens == 12:
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    # a list of messages, typed parts included, is the same conversation
+    again = client.responses.create(model=MODEL, temperature=0, max_output_tokens=12, input=[
+        {"role": "developer", "content": "Answer briefly."},
+        {"type": "message", "role": "user",
+         "content": [{"type": "input_text", "text": "What does os.path.join do?"}]}])
+    assert again.output_text == r.output_text
+
+
+def test_a_stream_adds_up_to_the_whole_answer(client):
+    kwargs = {"model": MODEL, "input": "Return the", "temperature": 0, "max_output_tokens": 10}
+    whole = client.responses.create(**kwargs)
+    events = list(client.responses.create(**kwargs, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", f"response.{whole.status}"]
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert deltas == final.output_text == whole.output_text
+    assert final.id == events[0].response.id and final.usage.output_tokens == \
+        whole.usage.output_tokens
+    with client.responses.stream(**kwargs) as stream:  # the client's own assembly
+        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        assert stream.get_final_response().output_text == text == whole.output_text
+
+
+def test_a_follow_up_continues_the_conversation(client, server):
+    first = client.responses.create(model=MODEL, input="Name a module.", temperature=0,
+                                    max_output_tokens=6, instructions="Be brief.")
+    second = client.responses.create(model=MODEL, input="And another?", temperature=0,
+                                     max_output_tokens=6, previous_response_id=first.id)
+    assert second.previous_response_id == first.id
+    # instructions do not carry over; the earlier turns do
+    assert second.output_text == chat_text(client, [
+        {"role": "user", "content": "Name a module."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And another?"}], max_completion_tokens=6)
+    got = httpx.get(f"{server}/v1/responses/{first.id}").json()
+    assert got["id"] == first.id and got["output"][0]["content"][0]["text"] == first.output_text
+    assert httpx.delete(f"{server}/v1/responses/{first.id}").json()["deleted"] is True
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.create(model=MODEL, input="x", previous_response_id=first.id)
+    assert err.value.body["param"] == "previous_response_id"
+    unkept = client.responses.create(model=MODEL, input="x", store=False, max_output_tokens=2)
+    assert httpx.get(f"{server}/v1/responses/{unkept.id}").status_code == 404
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_required_tool_call_and_its_output(client, stream):
+    kwargs = {"model": MODEL, "input": "Weather in Oslo?", "tools": [WEATHER],
+              "tool_choice": "required", "temperature": 1.0, "extra_body": {"seed": 3},
+              "max_output_tokens": 120}
+    if stream:
+        with client.responses.stream(**kwargs) as s:
+            for _ in s:
+                pass
+            r = s.get_final_response()
+    else:
+        r = client.responses.create(**kwargs)
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert call.call_id.startswith("call_") and isinstance(json.loads(call.arguments), dict)
+    done = client.responses.create(
+        model=MODEL, previous_response_id=r.id, temperature=0, max_output_tokens=6,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "rain"}])
+    assert done.status in ("completed", "incomplete") and done.output[0].type == "message"
+
+
+class City(BaseModel):
+    name: str = Field(max_length=10)
+    size: Literal["small", "big"]
+
+
+def test_structured_output_and_logprobs(client):
+    r = client.responses.parse(model=MODEL, input="A city:", text_format=City, temperature=1.0,
+                               extra_body={"seed": 2}, max_output_tokens=60)
+    assert isinstance(r.output_parsed, City)
+    lp = client.responses.create(model=MODEL, input="Return the", temperature=0,
+                                 max_output_tokens=5, top_logprobs=2,
+                                 include=["message.output_text.logprobs"])
+    logprobs = lp.output[0].content[0].logprobs
+    assert len(logprobs) == lp.usage.output_tokens
+    assert all(len(x.top_logprobs) == 2 and x.logprob <= 0 for x in logprobs)
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"background": True}, "background", "not supported"),
+    ({"input": []}, "input", "non-empty"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input", "only text content"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "'reasoning'"),
+    ({"tools": [{"type": "web_search"}]}, "tools", "only function tools"),
+    ({"max_output_tokens": 10**6}, "max_output_tokens", "max_output_tokens"),
+    ({"nope": 1}, "nope", ""),
+])
+def test_bad_requests_name_the_field(server, body, param, words):
+    r = httpx.post(server + "/v1/responses", json={"model": MODEL, "input": "x"} | body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] is not None and param in err["param"] and words in err["message"]
+
+
+def test_the_store_keeps_the_newest():
+    store = ResponseStore(2)
+    for i in range(3):
+        store.put(f"r{i}", Kept({"id": f"r{i}"}, []))
+    with pytest.raises(ResponseNotFoundError):
+        store.get("r0")
+    store.get("r1")  # used: now the newest
+    store.put("r3", Kept({}, []))
+    assert store.get("r1") and store.get("r3")
+    with pytest.raises(ResponseNotFoundError):
+        store.get("r2")
+    ResponseStore(0).put("x", Kept({}, []))  # keeps none
