@@ -170,3 +170,21 @@ def test_the_store_keeps_the_newest():
     with pytest.raises(ResponseNotFoundError):
         store.get("r2")
     ResponseStore(0).put("x", Kept({}, []))  # keeps none
+
+
+def test_an_answer_replayed_as_input_is_accepted(client):
+    """The stateless way (`store: false`): the next input is the old input plus the answer's
+    own output items, as the client hands them back."""
+    first = client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[WEATHER],
+                                    tool_choice="required", store=False, temperature=0,
+                                    max_output_tokens=60)
+    call = first.output[0]
+    chained = [{"role": "user", "content": "Weather in Oslo?"}, *first.output,
+               {"type": "function_call_output", "call_id": call.call_id, "output": "rain"}]
+    second = client.responses.create(model=MODEL, input=chained, store=False, temperature=0,
+                                     max_output_tokens=6)
+    third = client.responses.create(model=MODEL, store=False, temperature=0,
+                                    max_output_tokens=4,
+                                    input=[*chained, *second.output,
+                                           {"role": "user", "content": "Thanks."}])
+    assert second.output_text and third.output[0].type == "message"
