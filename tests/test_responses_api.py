@@ -5,6 +5,7 @@ and the 400/404s."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Literal
 
@@ -188,3 +189,124 @@ def test_an_answer_replayed_as_input_is_accepted(client):
                                     input=[*chained, *second.output,
                                            {"role": "user", "content": "Thanks."}])
     assert second.output_text and third.output[0].type == "message"
+
+
+def test_errors_on_the_chat_path_name_the_responses_field(server):
+    def error(body):
+        r = httpx.post(server + "/v1/responses", json={"model": MODEL, "input": "x"} | body)
+        assert r.status_code == 400, r.text
+        return r.json()["error"]
+
+    err = error({"min_tokens": 10, "max_output_tokens": 5})
+    assert err["param"] == "min_tokens" and "max_output_tokens" in err["message"]
+    err = error({"tools": [WEATHER], "tool_choice": "required",
+                 "text": {"format": {"type": "json_object"}}})
+    assert err["param"] == "text.format" and "text.format" in err["message"]
+    assert error({"input": [{"role": "tool", "content": "x"}]})["param"] == "input.0.role"
+    err = error({"input": [{"type": "function_call_output", "call_id": "zz", "output": "x"}]})
+    assert err["param"] == "input" and "'zz'" in err["message"]
+
+
+def test_an_empty_answer_is_continued(client):
+    """An answer ended by its first token has no text: kept, it is still an assistant turn."""
+    kwargs = {"model": MODEL, "input": "Weather in Oslo?", "temperature": 0}
+    first = client.responses.create(**kwargs, max_output_tokens=1,
+                                    include=["message.output_text.logprobs"])
+    token = httpx.post(str(client.base_url).replace("/v1/", "/tokenize"),
+                       json={"prompt": first.output_text, "add_special_tokens": False})
+    empty = client.responses.create(**kwargs, max_output_tokens=5,
+                                    extra_body={"stop_token_ids": token.json()["tokens"][:1]})
+    assert empty.output_text == "" and empty.status == "completed"
+    after = client.responses.create(model=MODEL, input="again", previous_response_id=empty.id,
+                                    max_output_tokens=2)
+    assert after.status in ("completed", "incomplete")
+
+
+def test_replayed_dumps_and_streamed_logprobs_with_tools(client):
+    """Output items dumped with every field (`model_dump()`, nulls included) replay as input;
+    with tools offered, a stream's logprobs still cover every token."""
+    kwargs = {"model": MODEL, "input": "Weather in Oslo?", "tools": [WEATHER], "temperature": 0,
+              "max_output_tokens": 12, "include": ["message.output_text.logprobs"]}
+    whole = client.responses.create(**kwargs)
+    *_, last = client.responses.create(**kwargs, stream=True)
+    logprobs = last.response.output[0].content[0].logprobs
+    assert len(logprobs) == len(whole.output[0].content[0].logprobs) == \
+        whole.usage.output_tokens
+    replay = [{"role": "user", "content": "Weather in Oslo?"},
+              *(o.model_dump() for o in whole.output), {"role": "user", "content": "Thanks"}]
+    assert client.responses.create(model=MODEL, input=replay, max_output_tokens=2).output
+
+
+def test_abort_by_the_responses_own_id(server):
+    body = {"model": MODEL, "input": "Tell", "max_output_tokens": 500, "stream": True,
+            "ignore_eos": True}
+    events = []
+    with httpx.stream("POST", server + "/v1/responses", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(json.loads(line[6:]))
+            if len(events) == 6:  # a few deltas in
+                rid = events[0]["response"]["id"]
+                assert httpx.post(server + "/abort_request", json={"rid": rid}).status_code == 200
+    final = events[-1]
+    assert final["type"] == "response.incomplete" and final["response"]["status"] == "cancelled"
+    assert {item["status"] for item in final["response"]["output"]} == {"incomplete"}
+
+
+def test_items_stream_one_after_another(monkeypatch):
+    """An auto answer with text and then two calls (scripted: the tiny model makes none):
+    each item's done events come before the next item's added, and the stream ends with the
+    items the whole answer has."""
+    from types import SimpleNamespace
+
+    from phaseflip.engine.outputs import StreamDelta, Usage
+    from phaseflip.server import protocol as p
+    from phaseflip.server import responses_api as ra
+    from phaseflip.server import tools
+    from phaseflip.server.openai_api import PromptRun
+    from phaseflip.server.protocol import responses_api as rp
+
+    pieces = ["Let", " me", " check", ".\n", "<tool", "_call>\n",
+              '{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+              "\n</tool_call>\n<tool_call>\n",
+              '{"name": "get_weather", "arguments": {"city": "Bergen"}}\n</tool_call>']
+
+    async def scripted(ctx, runs):
+        for i, text in enumerate(pieces):
+            last = i == len(pieces) - 1
+            yield runs[0], StreamDelta("r", 0, text, [1], finish_reason="stop" if last else None,
+                                       usage=Usage(10, len(pieces), 0) if last else None)
+
+    monkeypatch.setattr(ra, "run_prompts", scripted)
+    ctx = SimpleNamespace(model_name=MODEL)
+
+    def exchange():
+        req = rp.ResponsesRequest.model_validate({"model": MODEL, "input": "w?",
+                                                  "tools": [WEATHER]})
+        plan = tools.plan_tools(p.ChatCompletionRequest.model_validate(rp.to_chat(req, [])))
+        return ra.Exchange(req, PromptRun("resp_x", [1], None, 0), plan, [])
+
+    async def run():
+        store = ra.ResponseStore(4)
+        whole = await ra._answer(ctx, store, exchange())
+        events = [json.loads(e.split("data: ", 1)[1])
+                  async for e in ra._events(ctx, store, exchange())]
+        return whole, events
+
+    whole, events = asyncio.run(run())
+    open_items: set[int] = set()
+    for e in events:
+        if e["type"] == "response.output_item.added":
+            assert not open_items, f"item {open_items} still open at {e['sequence_number']}"
+            open_items.add(e["output_index"])
+        elif e["type"] == "response.output_item.done":
+            open_items.remove(e["output_index"])
+        elif "output_index" in e:
+            assert e["output_index"] in open_items, e
+    final = events[-1]["response"]["output"]
+    shape = [(o["type"], o.get("name"), o.get("arguments")) for o in final]
+    assert shape == [(o["type"], o.get("name"), o.get("arguments")) for o in whole["output"]]
+    assert shape[0][0] == "message" and [s[2] for s in shape[1:]] == [
+        '{"city": "Oslo"}', '{"city": "Bergen"}']
+    assert final[0]["content"][0]["text"] == "Let me check."

@@ -329,3 +329,24 @@ def test_the_front_end_loads_neither_torch_nor_xgrammar_for_a_grammar_spec() -> 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "[]"
+
+
+def test_a_required_call_cut_short_is_the_same_call_streamed_and_whole() -> None:
+    """`max_tokens` may end a required call anywhere: whole and streamed agree at every cut
+    (the arguments that came, nothing held back at the end; nothing before the name is
+    complete), and the whole call loses only the wrapper's brace."""
+    plan = _plan(tool_choice="required")
+    text = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    for cut in range(len(text) + 1):
+        part = text[:cut]
+        _, calls = tools.parse_output(plan, part)
+        streamer, got = tools.ToolStreamer(plan), []
+        for ch in part:
+            got += streamer.feed(ch, False)[1]
+        got += streamer.feed("", True)[1]
+        streamed = [(d.function.name, d.function.arguments) for d in got if d.id]
+        args = "".join(d.function.arguments or "" for d in got)
+        assert [(n, args) for n, _ in streamed] == calls, part
+    assert tools.parse_output(plan, text) == (None, [("get_weather", '{"city": "Oslo"}')])
+    assert tools.parse_output(plan, text[:-1]) == (None, [("get_weather", '{"city": "Oslo"}')])
+    assert tools.parse_output(plan, text[:20]) == (None, [])

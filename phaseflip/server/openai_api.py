@@ -356,7 +356,7 @@ def chat_logprobs(ctx: ServerContext, ids: list[int], lps: list[float],
 async def create_chat_completion(req: p.ChatCompletionRequest, request: Request,
                                  ctx: ServerContext):
     ctx.check_model(req.model)
-    run, plan = await prepare_chat(ctx, req, "chatcmpl", {
+    run, plan = await prepare_chat(ctx, req, ctx.new_id("chatcmpl"), {
         "min_new_tokens": "min_tokens", "max_new_tokens": (
             "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens")})
     if req.stream:
@@ -364,10 +364,10 @@ async def create_chat_completion(req: p.ChatCompletionRequest, request: Request,
     return await respond(request, lambda: _chat(ctx, req, run, plan))
 
 
-async def prepare_chat(ctx: ServerContext, req: p.ChatCompletionRequest, id_prefix: str,
+async def prepare_chat(ctx: ServerContext, req: p.ChatCompletionRequest, rid: str,
                        names: dict[str, str]) -> tuple[PromptRun, tools.ToolPlan | None]:
-    """A chat request made an admitted engine run: its tools planned, its template rendered
-    and tokenised, its sampling checked (`names`: `ServerContext.validate`'s field names)."""
+    """A chat request made the admitted engine run `rid`: its tools planned, its template
+    rendered and tokenised, its sampling checked (`names`: `ServerContext.validate`'s)."""
     feature = p.unsupported(req)
     if feature:
         raise InvalidRequestError(f"{feature} is not supported yet", feature)
@@ -384,7 +384,7 @@ async def prepare_chat(ctx: ServerContext, req: p.ChatCompletionRequest, id_pref
     await check_grammar(ctx, params, "tools" if plan and plan.grammar else "response_format")
     ctx.validate(ids, params, names)
     ctx.admit([params])
-    return PromptRun(ctx.new_id(id_prefix), ids, params, 0), plan
+    return PromptRun(rid, ids, params, 0), plan
 
 
 def _chat_message(plan: tools.ToolPlan | None,

@@ -12,6 +12,7 @@ for `previous_response_id`, `GET` and `DELETE /v1/responses/{id}`: `ResponseStor
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -36,8 +37,6 @@ from phaseflip.server.openai_api import (
     run_prompts,
 )
 from phaseflip.server.protocol import responses_api as rp
-
-_NAMES = {"max_new_tokens": "max_output_tokens", "min_new_tokens": "min_tokens"}
 
 
 class ResponseNotFoundError(PhaseflipError):
@@ -93,8 +92,9 @@ class Output:
     items: list[dict[str, Any]] = field(default_factory=list)
     text: str = ""
     message: dict[str, Any] | None = None  # the message item, once it has text
-    logprobs: list[dict[str, Any]] | None = None  # the text's, when asked for
+    logprobs: list[dict[str, Any]] | None = None  # every generated token's, when asked for
     calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # tool-call index -> item
+    done: set[str] = field(default_factory=set)  # ids of the items whose done events went
 
     def open_message(self) -> dict[str, Any]:
         self.message = {"id": _item_id("msg"), "type": "message", "role": "assistant",
@@ -113,19 +113,21 @@ class Output:
         self.items.append(item)
         return item
 
-    def close(self, status: str) -> None:
-        if self.message is not None:
-            self.message["content"] = [self.part()]
-        for item in self.items:
-            item["status"] = status
+    def close(self, item: dict[str, Any], status: str) -> None:
+        """`item` ends with `status` ("completed" or "incomplete", what items may be)."""
+        if item is self.message:
+            item["content"] = [self.part()]
+        item["status"] = status
+        self.done.add(item["id"])
 
     def assistant_message(self) -> dict[str, Any]:
         """The answer as a chat message, for a follow-up's history."""
         calls = [{"id": c["call_id"], "type": "function",
                   "function": {"name": c["name"], "arguments": c["arguments"]}}
                  for c in self.calls.values()]
-        out: dict[str, Any] = {"role": "assistant", "content": self.text or None}
-        return out | {"tool_calls": calls} if calls else out
+        if not calls:  # (an empty answer is still a message: "" content, never None)
+            return {"role": "assistant", "content": self.text}
+        return {"role": "assistant", "content": self.text or None, "tool_calls": calls}
 
 
 @dataclass
@@ -143,7 +145,7 @@ class Exchange:
     def body(self, ctx: ServerContext, status: str, usage: Any = None,
              reason: str | None = None) -> dict[str, Any]:
         req = self.req
-        choice: Any = req.tool_choice or ("auto" if req.tools else "none")
+        choice: Any = req.tool_choice or "auto"
         fmt = req.text.format if req.text and req.text.format else None
         return {
             "id": self.response_id, "object": "response", "created_at": int(self.created),
@@ -184,7 +186,42 @@ def _usage(usage: Any) -> dict[str, Any] | None:
 
 
 def _status(reason: str | None) -> str:
+    """The response's status by its choice's finish: `max_output_tokens` reached, or ended by
+    `/abort_request` (its items are then "incomplete", an item's nearest status)."""
     return {"length": "incomplete", "abort": "cancelled"}.get(reason or "", "completed")
+
+
+def _item_status(status: str) -> str:
+    return "completed" if status == "completed" else "incomplete"
+
+
+_RENAMED = {"max_new_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+            "max_tokens": "max_output_tokens", "min_new_tokens": "min_tokens",
+            "response_format": "text.format", "messages": "input"}
+"""Chat's (and the engine's) names of what a Responses request calls otherwise: an error met
+on the chat path names the field the client sent."""
+
+
+def _renamed(e: InvalidRequestError) -> InvalidRequestError:
+    message = re.sub(r"\b(" + "|".join(map(re.escape, _RENAMED)) + r")\b",
+                     lambda m: _RENAMED[m.group(1)], str(e))
+    param = e.param
+    head = re.match(r"\w+", param or "")
+    if head is not None and head.group(0) in _RENAMED:
+        param = _RENAMED[head.group(0)] + param[head.end():]
+    return type(e)(message, param)
+
+
+def _check_calls(messages: list[dict[str, Any]]) -> None:
+    """Every function call output answers a call made before it (in this input or the kept
+    conversation), as OpenAI requires."""
+    made: set[str] = set()
+    for m in messages:
+        made.update(c["id"] for c in m.get("tool_calls") or [])
+        if m["role"] == "tool" and m.get("tool_call_id") not in made:
+            raise InvalidRequestError(
+                f"no function call with call_id {m.get('tool_call_id')!r} comes before its "
+                "function_call_output", "input")
 
 
 async def create_response(req: rp.ResponsesRequest, request: Request, ctx: ServerContext,
@@ -195,14 +232,18 @@ async def create_response(req: rp.ResponsesRequest, request: Request, ctx: Serve
         raise InvalidRequestError(f"{feature} is not supported", feature)
     history = [] if req.previous_response_id is None else store.get(
         req.previous_response_id, "previous_response_id").messages
+    messages = [*history, *rp.input_messages(req)]
+    _check_calls(messages)
+    response_id = _item_id("resp")  # also the engine's request id (/abort_request takes it)
     try:
-        chat = p.ChatCompletionRequest.model_validate(rp.to_chat(req, history))
-    except ValidationError as e:  # (the request's own checks pass; a kept history may not)
-        message, _ = p.validation_error_to_openai(e.errors())
-        raise InvalidRequestError(message, "input") from None
-    run, plan = await prepare_chat(ctx, chat, "resp", _NAMES)
-    exchange = Exchange(req, run, plan, [*history, *rp.input_messages(req)],
-                        response_id=run.rid.replace("resp-", "resp_", 1))
+        try:
+            chat = p.ChatCompletionRequest.model_validate(rp.to_chat(req, history))
+        except ValidationError as e:
+            raise InvalidRequestError(*p.validation_error_to_openai(e.errors())) from None
+        run, plan = await prepare_chat(ctx, chat, response_id, {})
+    except InvalidRequestError as e:
+        raise _renamed(e) from None
+    exchange = Exchange(req, run, plan, messages, response_id=response_id)
     if req.stream:
         return StreamingResponse(_events(ctx, store, exchange), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -215,7 +256,7 @@ async def _answer(ctx: ServerContext, store: ResponseStore, ex: Exchange) -> dic
         c.add(d)
         if d.usage is not None:
             ex.run.usage = d.usage
-    out = ex.output
+    out, status = ex.output, _status(c.finish_reason)
     content, calls = tools.parse_output(ex.plan, c.text) if ex.plan else (c.text, [])
     if content or not calls:
         out.text = content or ""
@@ -224,8 +265,9 @@ async def _answer(ctx: ServerContext, store: ResponseStore, ex: Exchange) -> dic
         out.open_message()
     for i, (name, args) in enumerate(calls):
         out.open_call(i, tools.new_call_id(), name)["arguments"] = args
-    out.close(_status(c.finish_reason))
-    body = ex.body(ctx, _status(c.finish_reason), ex.run.usage, c.finish_reason)
+    for item in out.items:
+        out.close(item, _item_status(status))
+    body = ex.body(ctx, status, ex.run.usage, c.finish_reason)
     ex.keep(store, body)
     return body
 
@@ -253,6 +295,7 @@ async def _events(ctx: ServerContext, store: ResponseStore, ex: Exchange
     yield ev("response.in_progress", response=ex.body(ctx, "in_progress"))
     streamer = tools.ToolStreamer(ex.plan) if ex.plan is not None else None
     out.logprobs = [] if ex.req.logprobs else None
+    held: list[dict[str, Any]] = []  # logprobs of tokens whose text the streamer holds back
     reason = None
     try:
         async for _, d in run_prompts(ctx, [ex.run]):
@@ -262,11 +305,14 @@ async def _events(ctx: ServerContext, store: ResponseStore, ex: Exchange
             content, calls = d.text or None, []
             if streamer is not None:
                 content, calls = streamer.feed(d.text, d.finish_reason is not None)
-            lps = _logprobs(ctx, Choice(0, token_ids=d.token_ids, logprobs=d.logprobs or [],
-                                        top=d.top_logprobs or [])) if ex.req.logprobs else []
+            if ex.req.logprobs:
+                held += _logprobs(ctx, Choice(0, token_ids=d.token_ids,
+                                              logprobs=d.logprobs or [],
+                                              top=d.top_logprobs or []))
             if content:
-                for event in _text_events(ev, out, content, lps):
+                for event in _text_events(ev, out, content, held):
                     yield event
+                held = []
             for call in calls:
                 for event in _call_events(ev, out, call):
                     yield event
@@ -274,13 +320,16 @@ async def _events(ctx: ServerContext, store: ResponseStore, ex: Exchange
         yield ev("error", code=None, message=str(e), param=getattr(e, "param", None))
         return
     if out.message is None and not out.calls:  # nothing came: still one (empty) message
-        for event in _text_events(ev, out, "", []):
+        for event in _text_events(ev, out, "", held):
             yield event
-    for event in _close_events(ev, out, _status(reason)):
+    elif out.logprobs is not None and out.message is not None:
+        out.logprobs += held  # (a call's tokens: the message's logprobs hold every token)
+    status = _status(reason)
+    for event in _close_events(ev, out, _item_status(status)):
         yield event
-    body = ex.body(ctx, _status(reason), ex.run.usage, reason)
+    body = ex.body(ctx, status, ex.run.usage, reason)
     ex.keep(store, body)
-    kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
+    kind = "response.completed" if status == "completed" else "response.incomplete"
     yield ev(kind, response=body)
 
 
@@ -311,9 +360,11 @@ def _delta_logprob(lp: dict[str, Any]) -> dict[str, Any]:
 
 
 def _call_events(ev: _Events, out: Output, call: p.DeltaToolCall) -> list[str]:
+    """A call's pieces; its first closes the items before it (they stream one by one)."""
     events = []
     fn = call.function
     if call.id is not None:  # a call's first piece names it
+        events += _close_events(ev, out, "completed")
         item = out.open_call(call.index, call.id, fn.name if fn else "")
         events.append(ev("response.output_item.added", output_index=out.items.index(item),
                          item=dict(item)))
@@ -326,9 +377,12 @@ def _call_events(ev: _Events, out: Output, call: p.DeltaToolCall) -> list[str]:
 
 
 def _close_events(ev: _Events, out: Output, status: str) -> list[str]:
-    out.close(status)
+    """The done events of every item not closed yet, which end with `status`."""
     events = []
     for index, item in enumerate(out.items):
+        if item["id"] in out.done:
+            continue
+        out.close(item, status)
         if item is out.message:
             part = out.part()
             events += [

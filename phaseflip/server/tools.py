@@ -173,12 +173,16 @@ def new_call_id() -> str:
 
 
 def split_required(text: str) -> tuple[str, str] | None:
-    """(name, arguments text) of a `{"name": ..., "arguments": {...}}` call, else None."""
+    """(name, arguments text) of a `{"name": ..., "arguments": ...}` call: the whole call, or
+    one cut short (by `max_tokens`) after its name, whose arguments are then what came;
+    None before the name is complete."""
     m = _HEADER.match(text)
-    rest = text[m.end():].rstrip() if m else ""
-    if not m or not rest.endswith("}"):
+    if m is None:
         return None
-    return json.loads(f'"{m.group(1)}"'), rest[:-1].rstrip()
+    rest = text[m.end():].rstrip()
+    if _json_object(text) is not None:  # whole: the last brace closes the wrapper
+        rest = rest[:-1].rstrip()
+    return json.loads(f'"{m.group(1)}"'), rest
 
 
 def _auto_calls(text: str, parallel: bool = True) -> tuple[str | None, list[tuple[str, str]]]:
@@ -218,9 +222,9 @@ def parse_output(plan: ToolPlan, text: str) -> tuple[str | None, list[tuple[str,
     """(content, [(name, arguments JSON text)]) of a finished choice's text."""
     if plan.mode == "named":
         return None, [(plan.name, text)]
-    if plan.mode == "required":
+    if plan.mode == "required":  # (constrained: the text is a call, or the start of one)
         call = split_required(text)
-        return (None, [call]) if call else (text, [])
+        return None, [call] if call else []
     if plan.mode == "auto":
         return _auto_calls(text, plan.parallel)
     return text, []
@@ -254,13 +258,18 @@ class ToolStreamer:
     def _constrained(self, finished: bool) -> list[p.DeltaToolCall]:
         if self.plan.mode == "named":
             name, args = self.plan.name, self.text
+        elif finished:
+            call = split_required(self.text)
+            if call is None:
+                return []
+            name, args = call
         else:
             m = _HEADER.match(self.text)
             if m is None:
                 return []
             name = json.loads(f'"{m.group(1)}"')
-            # unfinished, the last character may be the wrapper's closing brace and the
-            # whitespace before it may end the arguments: both wait
+            # the last character may be the wrapper's closing brace and the whitespace before
+            # it may end the arguments: both wait
             args = self.text[m.end():].rstrip()[:-1].rstrip()
         out = []
         if not self.opened:

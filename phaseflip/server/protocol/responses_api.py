@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, Strict
+from pydantic import BeforeValidator, Discriminator, Field, Strict, Tag, model_validator
 
 from phaseflip.server.protocol.requests import (
     MAX_LOGPROBS,
@@ -58,6 +58,7 @@ class MessageItem(_Request):
     content: Annotated[str | list[ContentText], BeforeValidator(_check_content)]
     id: Str | None = None
     status: Str | None = None
+    phase: Literal["commentary", "final_answer"] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -74,6 +75,9 @@ class FunctionCallItem(_Request):
     arguments: Str
     id: Str | None = None
     status: Str | None = None
+    namespace: Str | None = None
+    caller: dict[str, Any] | None = None
+    async_: Bool | None = Field(None, alias="async")
 
 
 class FunctionCallOutputItem(_Request):
@@ -84,6 +88,9 @@ class FunctionCallOutputItem(_Request):
     output: Annotated[str | list[ContentText], BeforeValidator(_check_content)]
     id: Str | None = None
     status: Str | None = None
+    name: Str | None = None
+    namespace: Str | None = None
+    caller: dict[str, Any] | None = None
 
     def text(self) -> str:
         if isinstance(self.output, str):
@@ -91,8 +98,22 @@ class FunctionCallOutputItem(_Request):
         return "\n".join(part.text for part in self.output)
 
 
-InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem,
-                      Field(discriminator="type")]
+def _tag(by_type: dict[str, str]) -> Discriminator:
+    """A union chosen by `type`, its members tagged by class name, so an error's path reads
+    `input.0.role` (`protocol/errors.py` drops class-like tags), not `input.0.message.role`."""
+    def kind(value: Any) -> str | None:
+        t = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+        return by_type.get(t)
+    return Discriminator(kind, custom_error_type="invalid_union_member",
+                         custom_error_message=f"type must be one of: {', '.join(by_type)}")
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("MessageItem")]
+    | Annotated[FunctionCallItem, Tag("FunctionCallItem")]
+    | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")],
+    _tag({"message": "MessageItem", "function_call": "FunctionCallItem",
+          "function_call_output": "FunctionCallOutputItem"})]
 
 
 def _check_input(value: Any) -> Any:
@@ -133,8 +154,12 @@ class FormatJsonSchema(_Request):
 
 
 class TextConfig(_Request):
-    format: Annotated[FormatText | FormatJsonObject | FormatJsonSchema,
-                      Field(discriminator="type")] | None = None
+    format: Annotated[
+        Annotated[FormatText, Tag("FormatText")]
+        | Annotated[FormatJsonObject, Tag("FormatJsonObject")]
+        | Annotated[FormatJsonSchema, Tag("FormatJsonSchema")],
+        _tag({"text": "FormatText", "json_object": "FormatJsonObject",
+              "json_schema": "FormatJsonSchema"})] | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
     """Accepted; the model's own length decides."""
 
@@ -205,6 +230,12 @@ class ResponsesRequest(_SamplingExtras):
     @property
     def logprobs(self) -> bool:
         return LOGPROBS_INCLUDE in (self.include or [])
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> ResponsesRequest:
+        if self.stream_options is not None and not self.stream:
+            raise _fail("stream_options is only allowed when stream is true", "stream_options")
+        return self
 
 
 def unsupported(req: ResponsesRequest) -> str | None:
