@@ -310,3 +310,13 @@ def test_items_stream_one_after_another(monkeypatch):
     assert shape[0][0] == "message" and [s[2] for s in shape[1:]] == [
         '{"city": "Oslo"}', '{"city": "Bergen"}']
     assert final[0]["content"][0]["text"] == "Let me check."
+
+
+def test_fields_agents_send_are_accepted(client):
+    r = client.responses.create(
+        model=MODEL, input="Hi", max_output_tokens=2, store=False, truncation="disabled",
+        include=["reasoning.encrypted_content", "message.output_text.logprobs"],
+        prompt_cache_key="k", safety_identifier="u1", service_tier="auto",
+        metadata={"run": "1"}, parallel_tool_calls=True, reasoning={"effort": "low"},
+        text={"format": {"type": "text"}, "verbosity": "low"})
+    assert r.output[0].content[0].logprobs is not None and r.metadata == {"run": "1"}

@@ -30,7 +30,14 @@ from phaseflip.server.protocol.requests import (
 )
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-"""The one `include` value served: the output text's token logprobs."""
+"""The `include` value that adds something here: the output text's token logprobs."""
+Include = Literal[
+    "message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",
+    "web_search_call.results", "web_search_call.action.sources",
+    "message.input_image.image_url", "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs"]
+"""OpenAI's `include` values; all but the logprobs add data to item kinds never produced here
+(reasoning, searches, images), so asking for them changes nothing (agents send them)."""
 _ITEM_TYPES = ("message", "function_call", "function_call_output")
 
 
@@ -213,7 +220,7 @@ class ResponsesRequest(_SamplingExtras):
     tools: Annotated[list[FunctionTool], BeforeValidator(_check_tools)] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
     parallel_tool_calls: Bool | None = None
-    include: list[Literal["message.output_text.logprobs"]] | None = None
+    include: list[Include] | None = None
     top_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
     reasoning: Reasoning | None = None
     store: Bool = True
