@@ -320,3 +320,16 @@ def test_fields_agents_send_are_accepted(client):
         metadata={"run": "1"}, parallel_tool_calls=True, reasoning={"effort": "low"},
         text={"format": {"type": "text"}, "verbosity": "low"})
     assert r.output[0].content[0].logprobs is not None and r.metadata == {"run": "1"}
+
+
+def test_input_items_are_listed(client, server):
+    r = client.responses.create(model=MODEL, max_output_tokens=2, input=[
+        {"role": "user", "content": "one"}, {"role": "assistant", "content": "two"},
+        {"role": "user", "content": "three"}])
+    texts = [i.content[0].text for i in client.responses.input_items.list(r.id)]
+    assert texts == ["three", "two", "one"]  # newest first, as OpenAI lists them
+    first = client.responses.input_items.list(r.id, order="asc", limit=2)
+    assert [i.content[0].text for i in first.data] == ["one", "two"] and first.has_more
+    rest = client.responses.input_items.list(r.id, order="asc", after=first.data[-1].id)
+    assert [i.content[0].text for i in rest.data] == ["three"] and not rest.has_more
+    assert httpx.get(f"{server}/v1/responses/nope/input_items").status_code == 404

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import Annotated, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -30,7 +31,12 @@ from phaseflip.server.openai_api import (
 from phaseflip.server.openapi import ERRORS, Aborted, FreedTokens, Health, Versions, ok, streams
 from phaseflip.server.openapi import install as install_openapi
 from phaseflip.server.protocol.responses_api import ResponsesRequest
-from phaseflip.server.responses_api import ResponseNotFoundError, ResponseStore, create_response
+from phaseflip.server.responses_api import (
+    ResponseNotFoundError,
+    ResponseStore,
+    create_response,
+    list_input_items,
+)
 from phaseflip.versions import __version__, version_info
 
 log = logging.getLogger("phaseflip.server")
@@ -151,6 +157,13 @@ def _inference_routes(app: FastAPI, ctx: ServerContext) -> None:
              responses=ok({"type": "object"}))
     async def get_response(response_id: str) -> dict:
         return store.get(response_id).body
+
+    @app.get("/v1/responses/{response_id}/input_items", response_model=None,
+             responses=ok({"type": "object"}))
+    async def input_items(response_id: str, limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                          order: Literal["asc", "desc"] = "desc",
+                          after: str | None = None) -> dict:
+        return list_input_items(store.get(response_id), limit, order, after)
 
     @app.delete("/v1/responses/{response_id}", response_model=None,
                 responses=ok({"type": "object"}))

@@ -52,6 +52,7 @@ class ResponseNotFoundError(PhaseflipError):
 class Kept:
     body: dict[str, Any]  # the response as answered
     messages: list[dict[str, Any]]  # the conversation through it, instructions left out
+    input_items: list[dict[str, Any]] = field(default_factory=list)  # its own input, as items
 
 
 class ResponseStore:
@@ -170,8 +171,9 @@ class Exchange:
 
     def keep(self, store: ResponseStore, body: dict[str, Any]) -> None:
         if self.req.store:
-            store.put(self.response_id, Kept(body, [*self.messages,
-                                                     self.output.assistant_message()]))
+            store.put(self.response_id, Kept(
+                body, [*self.messages, self.output.assistant_message()],
+                rp.input_items(self.req, _item_id)))
 
 
 def _usage(usage: Any) -> dict[str, Any] | None:
@@ -397,3 +399,18 @@ def _close_events(ev: _Events, out: Output, status: str) -> list[str]:
                              arguments=item["arguments"]))
         events.append(ev("response.output_item.done", output_index=index, item=item))
     return events
+
+
+def list_input_items(kept: Kept, limit: int, order: str, after: str | None) -> dict[str, Any]:
+    """`GET /v1/responses/{id}/input_items`: a page of the kept input, OpenAI's list shape
+    (newest first by default, `after` an item id of the previous page)."""
+    items = kept.input_items if order == "asc" else kept.input_items[::-1]
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise InvalidRequestError(f"no input item {after!r} in this response", "after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "has_more": len(items) > limit,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None}

@@ -282,6 +282,24 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     return item_messages(req.input)
 
 
+def input_items(req: ResponsesRequest, new_id: Any) -> list[dict[str, Any]]:
+    """This request's input as the items `GET /v1/responses/{id}/input_items` lists, each with
+    an id (`new_id(prefix)` where the client gave none) and a message's text as parts; a
+    string is one user message."""
+    if isinstance(req.input, str):
+        return [{"id": new_id("msg"), "type": "message", "role": "user", "status": "completed",
+                 "content": [{"type": "input_text", "text": req.input}]}]
+    out = []
+    for item in req.input:
+        d = item.model_dump(by_alias=True, exclude_none=True)
+        if isinstance(item, MessageItem) and isinstance(item.content, str):  # as parts
+            kind = "output_text" if item.role == "assistant" else "input_text"
+            d["content"] = [{"type": kind, "text": item.content}]
+        prefix = {"message": "msg", "function_call": "fc"}.get(item.type, "fco")
+        out.append({"id": new_id(prefix), **d} if item.id is None else d)
+    return out
+
+
 def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> dict[str, Any]:
     """The chat request body that asks the same as `req` after `history` (the messages of the
     responses before it): validate it with `ChatCompletionRequest.model_validate`."""
