@@ -273,9 +273,12 @@ def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
     assert len(tools.parse_output(_plan(tool_choice="auto"), text)[1]) == 2
 
 
+@pytest.mark.parametrize("eos", [True, False])
 @pytest.mark.parametrize("choice", ["required", {"type": "function",
                                                   "function": {"name": "get_weather"}}])
-def test_constrained_tool_streams_assemble_to_the_whole_answer(choice) -> None:
+def test_constrained_tool_streams_assemble_to_the_whole_answer(choice, eos) -> None:
+    """Fed a character at a time, ending with a token of no text (EOS) or with the last
+    character itself."""
     plan = _plan(tool_choice=choice)
     args = '{"city": "Bergen \\"west\\" }"}'
     # (the model may put whitespace before the wrapper's closing brace: never streamed)
@@ -283,9 +286,10 @@ def test_constrained_tool_streams_assemble_to_the_whole_answer(choice) -> None:
     _, whole = tools.parse_output(plan, text)
     assert whole == [("get_weather", args)]
     streamer, got = tools.ToolStreamer(plan), []
-    for ch in text:  # the end comes with a token of no text (EOS)
-        got += streamer.feed(ch, False)[1]
-    got += streamer.feed("", True)[1]
+    for i, ch in enumerate(text):
+        got += streamer.feed(ch, not eos and i == len(text) - 1)[1]
+    if eos:
+        got += streamer.feed("", True)[1]
     assert got[0].function.name == "get_weather" and got[0].id
     assert "".join(d.function.arguments for d in got) == args
 

@@ -97,6 +97,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
     app.add_middleware(Gate, ctx=ctx)
     _probe_routes(app, ctx)
     _inference_routes(app, ctx)
+    _responses_routes(app, ctx)
     _admin_routes(app, ctx)
     _info_routes(app, ctx)
     return app
@@ -147,30 +148,6 @@ def _inference_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def chat(req: p.ChatCompletionRequest, request: Request):
         return await create_chat_completion(req, request, ctx)
 
-    store = ResponseStore(ctx.cfg.responses_kept)
-
-    @app.post("/v1/responses", responses=streams({"type": "object"}))
-    async def responses(req: ResponsesRequest, request: Request):
-        return await create_response(req, request, ctx, store)
-
-    @app.get("/v1/responses/{response_id}", response_model=None,
-             responses=ok({"type": "object"}))
-    async def get_response(response_id: str) -> dict:
-        return store.get(response_id).body
-
-    @app.get("/v1/responses/{response_id}/input_items", response_model=None,
-             responses=ok({"type": "object"}))
-    async def input_items(response_id: str, limit: Annotated[int, Query(ge=1, le=100)] = 20,
-                          order: Literal["asc", "desc"] = "desc",
-                          after: str | None = None) -> dict:
-        return list_input_items(store.get(response_id), limit, order, after)
-
-    @app.delete("/v1/responses/{response_id}", response_model=None,
-                responses=ok({"type": "object"}))
-    async def delete_response(response_id: str) -> dict:
-        store.delete(response_id)
-        return {"id": response_id, "object": "response.deleted", "deleted": True}
-
     @app.post("/generate", responses=streams({"anyOf": [
         {"type": "object"}, {"type": "array", "items": {"type": "object"}}]}))
     async def generate(req: p.GenerateRequest, request: Request):
@@ -195,6 +172,33 @@ def _inference_routes(app: FastAPI, ctx: ServerContext) -> None:
             raise InvalidRequestError(f"token ids must be below {vocab}", "tokens")
         return p.DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens)).model_dump()
 
+
+
+def _responses_routes(app: FastAPI, ctx: ServerContext) -> None:
+    """/v1/responses and its kept answers (the store lives as long as the app)."""
+    store = ResponseStore(ctx.cfg.responses_kept)
+
+    @app.post("/v1/responses", responses=streams({"type": "object"}))
+    async def responses(req: ResponsesRequest, request: Request):
+        return await create_response(req, request, ctx, store)
+
+    @app.get("/v1/responses/{response_id}", response_model=None,
+             responses=ok({"type": "object"}))
+    async def get_response(response_id: str) -> dict:
+        return store.get(response_id).body
+
+    @app.get("/v1/responses/{response_id}/input_items", response_model=None,
+             responses=ok({"type": "object"}))
+    async def input_items(response_id: str, limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                          order: Literal["asc", "desc"] = "desc",
+                          after: str | None = None) -> dict:
+        return list_input_items(store.get(response_id), limit, order, after)
+
+    @app.delete("/v1/responses/{response_id}", response_model=None,
+                responses=ok({"type": "object"}))
+    async def delete_response(response_id: str) -> dict:
+        store.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
 def _admin_routes(app: FastAPI, ctx: ServerContext) -> None:

@@ -168,11 +168,9 @@ class ServerContext:
                 max_logprobs=ready.max_logprobs, kv_capacity_tokens=ready.kv_capacity_tokens,
                 page_size=ready.page_size)
         except InvalidRequestError as e:
-            if not names or e.param not in names:
+            if not names:
                 raise
-            message = re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b",
-                             lambda m: names[m.group(1)], str(e))
-            raise type(e)(message, names[e.param]) from None
+            raise renamed(e, names) from None
 
     def admit(self, params: list[SamplingParams]) -> None:
         """Counts a request's sequences (prompts x n) against --max-queued-requests."""
@@ -277,6 +275,20 @@ class ServerContext:
             if len(finished) < params.n:  # the consumer left early: the client went away
                 self.metrics.requests.labels("abort").inc(params.n - len(finished))
                 self.metrics.aborted.labels("client_disconnect").inc()
+
+
+def renamed(e: InvalidRequestError, names: dict[str, str]) -> InvalidRequestError:
+    """`e` with the fields in `names` called by their new names, in its message and in its
+    `param` (whose first part is renamed); `e` itself when nothing is renamed."""
+    message = re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b",
+                     lambda m: names[m.group(1)], str(e))
+    param = e.param
+    head = re.match(r"\w+", param or "")
+    if head is not None and head.group(0) in names:
+        param = names[head.group(0)] + param[head.end():]
+    if message == str(e) and param == e.param:
+        return e
+    return type(e)(message, param)
 
 
 def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:

@@ -154,6 +154,8 @@ def usage_of(runs: list[PromptRun]) -> p.UsageInfo:
 
 # ------------------------------------------------------------------ completions
 _COMPLETION_NAMES = {"min_new_tokens": "min_tokens", "max_new_tokens": "max_tokens"}
+"""`SamplingParams` fields by the names a completions request gives them (the logprobs
+count is `logprobs` in both)."""
 
 
 def hides_stop_token(params: SamplingParams, finish_reason: str | None,
@@ -315,7 +317,7 @@ async def _stream_completion(ctx, req: p.CompletionRequest, base: str,
         yield chunk(run, d)
         for waiting in held.pop(run.rid, []):
             yield chunk(run, waiting)
-    for run in runs:  # (only if choice 0 never brought them: its request failed)
+    for run in runs:  # (not expected: choice 0's last delta brings them; nothing is dropped)
         for waiting in held.pop(run.rid, []):
             yield chunk(run, waiting)
     if req.include_usage:
@@ -357,7 +359,7 @@ async def create_chat_completion(req: p.ChatCompletionRequest, request: Request,
                                  ctx: ServerContext):
     ctx.check_model(req.model)
     run, plan = await prepare_chat(ctx, req, ctx.new_id("chatcmpl"), {
-        "min_new_tokens": "min_tokens", "max_new_tokens": (
+        "min_new_tokens": "min_tokens", "logprobs": "top_logprobs", "max_new_tokens": (
             "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens")})
     if req.stream:
         return stream_response(_stream_chat(ctx, req, run, plan))

@@ -12,7 +12,6 @@ for `previous_response_id`, `GET` and `DELETE /v1/responses/{id}`: `ResponseStor
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
 from collections import OrderedDict
@@ -21,13 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from phaseflip.errors import InvalidRequestError, PhaseflipError
 from phaseflip.server import protocol as p
 from phaseflip.server import tools
-from phaseflip.server.context import ServerContext
+from phaseflip.server.context import ServerContext, renamed
 from phaseflip.server.openai_api import (
     Choice,
     PromptRun,
@@ -139,19 +138,20 @@ class Exchange:
     run: PromptRun
     plan: tools.ToolPlan | None
     messages: list[dict[str, Any]]  # history + this input (no instructions)
-    response_id: str = field(default_factory=lambda: _item_id("resp"))
+    response_id: str  # the engine request's id too
     created: float = field(default_factory=time.time)
     output: Output = field(default_factory=Output)
 
-    def body(self, ctx: ServerContext, status: str, usage: Any = None,
-             reason: str | None = None) -> dict[str, Any]:
-        req = self.req
+    def body(self, ctx: ServerContext, status: str, reason: str | None = None,
+             error: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The response object as it stands (`status` "in_progress" before any output)."""
+        req, usage = self.req, self.run.usage if status != "in_progress" else None
         choice: Any = req.tool_choice or "auto"
         fmt = req.text.format if req.text and req.text.format else None
         return {
             "id": self.response_id, "object": "response", "created_at": int(self.created),
             "completed_at": int(time.time()) if status != "in_progress" else None,
-            "status": status, "error": None, "background": False,
+            "status": status, "error": error, "background": False,
             "incomplete_details": {"reason": "max_output_tokens"} if reason == "length" else None,
             "instructions": req.instructions, "metadata": req.metadata or {},
             "model": ctx.model_name, "output": self.output.items,
@@ -188,8 +188,10 @@ def _usage(usage: Any) -> dict[str, Any] | None:
 
 
 def _status(reason: str | None) -> str:
-    """The response's status by its choice's finish: `max_output_tokens` reached, or ended by
-    `/abort_request` (its items are then "incomplete", an item's nearest status)."""
+    """The response's status by its choice's finish: "incomplete" at `max_output_tokens`,
+    "cancelled" when the engine ended it (`/abort_request`, or a flip whose new pool could not
+    take it back). Either ends a stream with `response.incomplete` (OpenAI has no event for a
+    cancelled one), and its last item is "incomplete", an item's nearest status."""
     return {"length": "incomplete", "abort": "cancelled"}.get(reason or "", "completed")
 
 
@@ -199,19 +201,18 @@ def _item_status(status: str) -> str:
 
 _RENAMED = {"max_new_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
             "max_tokens": "max_output_tokens", "min_new_tokens": "min_tokens",
-            "response_format": "text.format", "messages": "input"}
+            "logprobs": "top_logprobs", "response_format": "text.format"}
 """Chat's (and the engine's) names of what a Responses request calls otherwise: an error met
 on the chat path names the field the client sent."""
 
 
-def _renamed(e: InvalidRequestError) -> InvalidRequestError:
-    message = re.sub(r"\b(" + "|".join(map(re.escape, _RENAMED)) + r")\b",
-                     lambda m: _RENAMED[m.group(1)], str(e))
-    param = e.param
-    head = re.match(r"\w+", param or "")
-    if head is not None and head.group(0) in _RENAMED:
-        param = _RENAMED[head.group(0)] + param[head.end():]
-    return type(e)(message, param)
+def _responses_error(e: InvalidRequestError) -> InvalidRequestError:
+    """An error of the chat path as a Responses client reads it: its fields renamed, and one
+    about chat's `messages` (instructions, history and input together) about `input`."""
+    e = renamed(e, _RENAMED)
+    if (e.param or "").startswith("messages"):
+        return type(e)(str(e), "input")
+    return e
 
 
 def _check_calls(messages: list[dict[str, Any]]) -> None:
@@ -227,7 +228,7 @@ def _check_calls(messages: list[dict[str, Any]]) -> None:
 
 
 async def create_response(req: rp.ResponsesRequest, request: Request, ctx: ServerContext,
-                          store: ResponseStore):
+                          store: ResponseStore) -> Response:
     ctx.check_model(req.model)
     feature = rp.unsupported(req)
     if feature:
@@ -244,7 +245,7 @@ async def create_response(req: rp.ResponsesRequest, request: Request, ctx: Serve
             raise InvalidRequestError(*p.validation_error_to_openai(e.errors())) from None
         run, plan = await prepare_chat(ctx, chat, response_id, {})
     except InvalidRequestError as e:
-        raise _renamed(e) from None
+        raise _responses_error(e) from None
     exchange = Exchange(req, run, plan, messages, response_id=response_id)
     if req.stream:
         return StreamingResponse(_events(ctx, store, exchange), media_type="text/event-stream",
@@ -267,9 +268,9 @@ async def _answer(ctx: ServerContext, store: ResponseStore, ex: Exchange) -> dic
         out.open_message()
     for i, (name, args) in enumerate(calls):
         out.open_call(i, tools.new_call_id(), name)["arguments"] = args
-    for item in out.items:
-        out.close(item, _item_status(status))
-    body = ex.body(ctx, status, ex.run.usage, c.finish_reason)
+    for i, item in enumerate(out.items):  # (as a stream closes them: each before the next)
+        out.close(item, _item_status(status) if i == len(out.items) - 1 else "completed")
+    body = ex.body(ctx, status, c.finish_reason)
     ex.keep(store, body)
     return body
 
@@ -318,8 +319,13 @@ async def _events(ctx: ServerContext, store: ResponseStore, ex: Exchange
             for call in calls:
                 for event in _call_events(ev, out, call):
                     yield event
-    except PhaseflipError as e:
-        yield ev("error", code=None, message=str(e), param=getattr(e, "param", None))
+    except PhaseflipError as e:  # (the engine died or the server shuts down): failed
+        param = getattr(e, "param", None)
+        yield ev("error", code=None, message=str(e), param=param)
+        for event in _close_events(ev, out, "incomplete"):
+            yield event
+        yield ev("response.failed", response=ex.body(
+            ctx, "failed", error={"code": "server_error", "message": str(e)}))
         return
     if out.message is None and not out.calls:  # nothing came: still one (empty) message
         for event in _text_events(ev, out, "", held):
@@ -329,7 +335,7 @@ async def _events(ctx: ServerContext, store: ResponseStore, ex: Exchange
     status = _status(reason)
     for event in _close_events(ev, out, _item_status(status)):
         yield event
-    body = ex.body(ctx, status, ex.run.usage, reason)
+    body = ex.body(ctx, status, reason)
     ex.keep(store, body)
     kind = "response.completed" if status == "completed" else "response.incomplete"
     yield ev(kind, response=body)

@@ -145,7 +145,8 @@ class _Sparse(_Response):
     `"function"` of the first piece (its tool-call assembly then fails)."""
 
     @model_serializer(mode="wrap")
-    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> Any:
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler):  # (unannotated: the
+        # serialization schema stays the model's own, not "any object")
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
