@@ -142,6 +142,12 @@ VALID_OTHERS: list[tuple[type[BaseModel], dict[str, Any]]] = [
     (DetokenizeRequest, {"tokens": [1, 2, 3]}),
     (DetokenizeRequest, {"model": "m", "tokens": []}),
     (AbortRequest, {"rid": "abc"}),
+    (AbortRequest, {"abort_all": True}),
+    (GenerateRequest, gen(text=["a", "b"], rid=["x", "y"], sampling_params=[{}, {"n": 2}],
+                          image_data=None, lora_path=None, return_hidden_states=False,
+                          log_metrics=True, return_text_in_logprobs=False)),
+    (GenerateRequest, gen(sampling_params={"no_stop_trim": True, "stop_regex": None,
+                                           "spaces_between_special_tokens": True})),
 ]
 
 
@@ -275,7 +281,12 @@ INVALID: list[tuple[type[BaseModel], dict[str, Any], str, str]] = [
      "sampling_params.max_new_tokens", "valid integer"),
     (GenerateRequest, gen(sampling_params={"logit_bias": {"x": 1.0}}),
      "sampling_params.logit_bias", "decimal strings"),
-    (GenerateRequest, gen(sampling_params=[1]), "sampling_params", "valid dictionary"),
+    (GenerateRequest, gen(sampling_params=[1]), "sampling_params.0", "valid dictionary"),
+    (GenerateRequest, gen(sampling_params=[{}, {}]), "sampling_params", "2 entries for 1"),
+    (GenerateRequest, gen(rid=["a", "b"]), "rid", "2 entries for 1 prompts"),
+    (GenerateRequest, gen(image_data="x.png"), "image_data", "not supported"),
+    (GenerateRequest, gen(sampling_params={"stop_regex": "a+"}), "sampling_params.stop_regex",
+     "not supported"),
     (GenerateRequest, gen(top_logprobs_num=2), "top_logprobs_num", "requires return_logprob"),
     (GenerateRequest, gen(logprob_start_len=0), "logprob_start_len", "requires return_logprob"),
     (GenerateRequest, gen(return_logprob=True, top_logprobs_num=21), "top_logprobs_num",
@@ -291,8 +302,8 @@ INVALID: list[tuple[type[BaseModel], dict[str, Any], str, str]] = [
     (DetokenizeRequest, {}, "tokens", "Field required"),
     (DetokenizeRequest, {"tokens": [1, -1]}, "tokens.1", "greater than or equal to 0"),
     (DetokenizeRequest, {"tokens": ["1"]}, "tokens.0", "valid integer"),
-    (AbortRequest, {}, "rid", "Field required"),
-    (AbortRequest, {"rid": ""}, "rid", "at least 1 character"),
+    (AbortRequest, {}, "rid", "rid is required"),
+    (AbortRequest, {"rid": ""}, "rid", "rid is required"),
     (AbortRequest, {"rid": "a", "x": 1}, "x", "Unrecognized request argument"),
 ]
 

@@ -241,6 +241,70 @@ def generation_tokens(url: str) -> float:
     return float(line.rsplit(" ", 1)[1])
 
 
+def test_generate_speaks_sglang(server):
+    """The native /generate in SGLang's shape: finish reasons as objects, logprob entries
+    `[logprob, id, text|None]`, prompt tops, per-prompt sampling params, the default of 128
+    new tokens, SGLang's frontend's own payload, and a batch stream told apart by `index`."""
+    def post(body):
+        r = httpx.post(server + "/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    out = post({"text": "Return the", "sampling_params": {"max_new_tokens": 3,
+                "ignore_eos": True}, "return_logprob": True, "top_logprobs_num": 2,
+                "logprob_start_len": 0, "return_text_in_logprobs": True})
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 3}
+    lp, tid, text = meta["output_token_logprobs"][0]
+    assert lp <= 0 and tid == out["output_ids"][0] and isinstance(text, str)
+    assert meta["input_token_logprobs"][0][0] is None  # the first prompt token has none
+    assert meta["input_top_logprobs"][0] is None and len(meta["input_top_logprobs"][1]) == 2
+    assert all(len(top) == 2 and top[0][0] >= top[1][0] for top in meta["output_top_logprobs"])
+    plain = post({"text": "Return the", "sampling_params": {"max_new_tokens": 2},
+                  "return_logprob": True})["meta_info"]
+    assert plain["input_token_logprobs"] == [] and plain["output_token_logprobs"][0][2] is None
+    stop = post({"text": "Return the", "sampling_params": {"temperature": 0, "stop": ["e"],
+                 "max_new_tokens": 40}})["meta_info"]["finish_reason"]
+    assert stop in ({"type": "stop", "matched": "e"}, {"type": "length", "length": 40})
+    assert post({"text": "Hi", "sampling_params": {"ignore_eos": True}})["meta_info"][
+        "completion_tokens"] == 128
+    two = post({"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 1, "ignore_eos":
+                True}, {"max_new_tokens": 2, "ignore_eos": True}], "rid": ["r-a", "r-b"]})
+    assert [(o["meta_info"]["id"], o["meta_info"]["completion_tokens"]) for o in two] == [
+        ("r-a", 1), ("r-b", 2)]
+    frontend = {"text": "Q: hi\nA:", "sampling_params": {
+        "skip_special_tokens": True, "spaces_between_special_tokens": True,
+        "max_new_tokens": 4, "min_new_tokens": 0, "n": 1, "stop": [], "stop_token_ids": None,
+        "stop_regex": None, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+        "frequency_penalty": 0.0, "presence_penalty": 0.0, "ignore_eos": False, "regex": None,
+        "json_schema": None}, "image_data": None, "lora_path": None}
+    assert post(frontend)["meta_info"]["completion_tokens"] <= 4
+    chunks = []
+    with httpx.stream("POST", server + "/generate", timeout=60, json={
+            "text": ["a", "b"], "stream": True,
+            "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+    last = {c["index"]: c for c in chunks}
+    assert sorted(last) == [0, 1] and all(len(c["output_ids"]) == 3 for c in last.values())
+
+
+def test_abort_all(server):
+    body = {"text": "Tell", "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server, timeout=60) as c:
+            call = asyncio.create_task(c.post("/generate", json=body))
+            while not (await c.get("/server_info")).json()["running"]:
+                await asyncio.sleep(0.05)
+            r = await c.post("/abort_request", json={"abort_all": True})
+            assert r.status_code == 200 and len(r.json()["aborted"]) == 1
+            return (await call).json()
+
+    assert asyncio.run(main())["meta_info"]["finish_reason"]["type"] == "abort"
+
+
 def test_disconnect_aborts_and_frees_kv(server):
     body = {"model": MODEL, "prompt": "Return the", "max_tokens": 900, "ignore_eos": True,
             "stream": True}

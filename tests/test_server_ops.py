@@ -339,10 +339,12 @@ def test_abort_request_unknown_is_404_known_aborts_and_is_counted(tmp_path):
             gen = asyncio.create_task(c.post("/generate", json={
                 "text": ["a", "b"], "rid": "mine", "sampling_params": {"max_new_tokens": 1000}}))
             await until(lambda: len(ctx.engine.state.in_flight) == 2)
+            for prefix in ("mi", "min"):  # ids match exactly, never as prefixes
+                assert (await c.post("/abort_request", json={"rid": prefix})).status_code == 404
             r = await c.post("/abort_request", json={"rid": "mine"})
             assert r.status_code == 200 and sorted(r.json()["aborted"]) == ["mine-0", "mine-1"]
             outs = (await gen).json()
-            assert [o["meta_info"]["finish_reason"] for o in outs] == ["abort", "abort"]
+            assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort", "abort"]
             metrics = ctx.metrics.render().decode()
             assert sample(metrics, ABORTED, reason="abort_request") == 2.0
             assert sample(metrics, ABORTED, reason="client_disconnect") == 0.0

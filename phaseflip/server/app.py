@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 from typing import Annotated, Literal
 
 from fastapi import FastAPI, Query, Request
@@ -13,20 +12,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from phaseflip.errors import ContextLengthError, InvalidRequestError
+from phaseflip.server import native_api
 from phaseflip.server import protocol as p
 from phaseflip.server.context import OverloadedError, ServerContext, UnknownModelError
 from phaseflip.server.engine_client import EngineDeadError
 from phaseflip.server.gate import Gate
 from phaseflip.server.openai_api import (
-    Choice,
-    PromptRun,
     chat_ids,
     create_chat_completion,
     create_completion,
-    respond,
-    run_prompts,
-    sse,
-    stream_response,
 )
 from phaseflip.server.openapi import ERRORS, Aborted, FreedTokens, Health, Versions, ok, streams
 from phaseflip.server.openapi import install as install_openapi
@@ -151,7 +145,7 @@ def _inference_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/generate", responses=streams({"anyOf": [
         {"type": "object"}, {"type": "array", "items": {"type": "object"}}]}))
     async def generate(req: p.GenerateRequest, request: Request):
-        return await _native_generate(ctx, req, request)
+        return await native_api.generate(ctx, req, request)
 
     @app.post("/tokenize", response_model=None, responses=ok(p.TokenizeResponse))
     async def tokenize(req: p.TokenizeRequest) -> dict:
@@ -242,8 +236,9 @@ def _admin_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.post("/abort_request", response_model=None, responses=ok(Aborted))
     async def abort_request(req: p.AbortRequest) -> dict:
-        rids = ctx.engine.matching(req.rid)
-        if not rids:
+        rids = list(ctx.engine.state.in_flight) if req.abort_all else ctx.engine.matching(
+            req.rid)
+        if not rids and not req.abort_all:
             return _error(404, f"no request {req.rid!r} is in flight (it finished, was "
                                "aborted already, or never existed)", "not_found_error", "rid",
                           "request_not_found")
@@ -292,63 +287,3 @@ def _versions() -> dict[str, str | None]:
     """`version_info()` with phaseflip's own under its name (as /server_info always said)."""
     info = version_info()
     return {"phaseflip": info.pop("version"), **info}
-
-
-async def _native_generate(ctx: ServerContext, req: p.GenerateRequest, request: Request):
-    if req.text is not None:
-        texts = [req.text] if isinstance(req.text, str) else req.text
-        prompts = await ctx.encode_all(texts, "text")
-    else:
-        ids = req.input_ids
-        prompts = [list(ids)] if ids and isinstance(ids[0], int) else [list(x) for x in ids]
-    single = isinstance(req.text, str) or (req.input_ids and isinstance(req.input_ids[0], int))
-    base = req.rid or ctx.new_id("gen")
-    runs = []
-    for i, ids in enumerate(prompts):
-        params = p.generate_sampling_params(req, ctx.default_max_tokens(len(ids)))
-        ctx.validate(ids, params)
-        runs.append(PromptRun(base if single else f"{base}-{i}", ids, params, 0))
-    ctx.admit([r.params for r in runs])
-
-    def meta(run: PromptRun, c: Choice, finished: bool) -> dict:
-        out = {"id": run.rid, "finish_reason": c.finish_reason if finished else None,
-               "matched_stop": c.stop_reason, "prompt_tokens": len(run.prompt_ids),
-               "completion_tokens": len(c.token_ids),
-               "cached_tokens": run.usage.cached_tokens if run.usage else 0}
-        if req.return_logprob:
-            out["output_token_logprobs"] = list(zip(c.logprobs, c.token_ids))
-            out["output_top_logprobs"] = c.top
-            if run.prompt_logprobs is not None:
-                start = max(req.logprob_start_len, 0)
-                out["input_token_logprobs"] = list(zip(run.prompt_logprobs[start:],
-                                                       run.prompt_ids[start:]))
-        return out
-
-    if req.stream:
-        async def events() -> AsyncIterator[str]:
-            acc: dict[tuple[str, int], Choice] = {}
-            async for run, d in run_prompts(ctx, runs):
-                c = acc.setdefault((run.rid, d.index), Choice(d.index))
-                c.add(d)
-                if d.prompt_logprobs is not None:
-                    run.prompt_logprobs = d.prompt_logprobs
-                if d.usage is not None:
-                    run.usage = d.usage
-                yield sse({"text": c.text, "index": d.index,
-                           "meta_info": meta(run, c, d.finish_reason is not None)})
-        return stream_response(events())
-
-    async def body():
-        acc: dict[tuple[str, int], Choice] = {}
-        async for run, d in run_prompts(ctx, runs):
-            acc.setdefault((run.rid, d.index), Choice(d.index)).add(d)
-            if d.prompt_logprobs is not None:
-                run.prompt_logprobs = d.prompt_logprobs
-            if d.usage is not None:
-                run.usage = d.usage
-        outs = [{"text": c.text, "output_ids": c.token_ids, "index": c.index,
-                 "meta_info": meta(run, c, True)}
-                for run in runs for (rid, _), c in sorted(acc.items()) if rid == run.rid]
-        return outs[0] if single and len(outs) == 1 else outs
-
-    return await respond(request, body)

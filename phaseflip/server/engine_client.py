@@ -39,6 +39,8 @@ class EngineState:
     flipping_to: str | None = None  # the target of the seam the engine is in (FlipState)
     in_flight: dict[str, asyncio.Queue] = field(default_factory=dict)
     widths: dict[str, int] = field(default_factory=dict)  # sequences (n) of each in flight
+    # an HTTP request of several prompts: its id -> its prompts' engine ids, while it runs
+    groups: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def problem(self) -> str | None:
@@ -127,7 +129,7 @@ class EngineClient:
         if self.state.problem:
             raise EngineDeadError(self.state.problem)
         if rid in self.state.in_flight:
-            raise InvalidRequestError(f"request id {rid!r} is already in flight", "request_id")
+            raise InvalidRequestError(f"request id {rid!r} is already in flight", "rid")
         q: asyncio.Queue = asyncio.Queue()
         self.state.in_flight[rid] = q
         self.state.widths[rid] = params.n
@@ -156,9 +158,11 @@ class EngineClient:
             await self.out.send(m.encode(m.AbortRequest(rid)))
 
     def matching(self, rid: str) -> list[str]:
-        """The engine requests in flight for `rid`: itself, or the prompts of a request that
-        had several (their ids are `<rid>-<i>`)."""
-        return [r for r in self.state.in_flight if r == rid or r.startswith(rid + "-")]
+        """The engine requests in flight for `rid`: itself, or the prompts of the request of
+        several prompts that it names (exact ids only: "gen" names no "gen-…" request)."""
+        if rid in self.state.in_flight:
+            return [rid]
+        return [r for r in self.state.groups.get(rid, ()) if r in self.state.in_flight]
 
     async def end_all(self, message: str) -> list[str]:
         """Ends every request in flight with `message` (a `ShutdownError` for its consumer)

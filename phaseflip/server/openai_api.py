@@ -63,10 +63,14 @@ def sse(obj: p.BaseModel | dict) -> str:
     return f"data: {body}\n\n"
 
 
-async def run_prompts(ctx: ServerContext, runs: list[PromptRun]) -> AsyncIterator[
-        tuple[PromptRun, StreamDelta]]:
-    """Runs every prompt concurrently and yields (run, delta) as deltas arrive."""
+async def run_prompts(ctx: ServerContext, runs: list[PromptRun], group: str | None = None
+                      ) -> AsyncIterator[tuple[PromptRun, StreamDelta]]:
+    """Runs every prompt concurrently and yields (run, delta) as deltas arrive; `group` names
+    them all for `/abort_request` while they run (a request of several prompts)."""
     queue: asyncio.Queue = asyncio.Queue()
+    groups = ctx.engine.state.groups
+    if group is not None:
+        groups[group] = [r.rid for r in runs]
 
     async def pump(run: PromptRun) -> None:
         try:
@@ -92,6 +96,8 @@ async def run_prompts(ctx: ServerContext, runs: list[PromptRun]) -> AsyncIterato
         for t in tasks:  # client gone or error: cancelling aborts the engine requests
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if group is not None:
+            groups.pop(group, None)
 
 
 async def until_disconnected(request: Request, work: asyncio.Task) -> bool:
@@ -240,7 +246,7 @@ def best_of(choices: list[Choice], n: int) -> list[Choice]:
 async def _complete(ctx, req: p.CompletionRequest, base: str, runs: list[PromptRun],
                     width: int) -> dict:
     choices = {r.rid: [Choice(j) for j in range(width)] for r in runs}
-    async for run, d in run_prompts(ctx, runs):
+    async for run, d in run_prompts(ctx, runs, base):
         choices[run.rid][d.index].add(d)
         if d.prompt_logprobs is not None:
             run.prompt_logprobs, run.prompt_top = d.prompt_logprobs, d.prompt_top_logprobs
@@ -306,7 +312,7 @@ async def _stream_completion(ctx, req: p.CompletionRequest, base: str,
         return sse(p.CompletionStreamResponse(id=base, model=ctx.model_name, choices=[choice]))
 
     scored = req.echo and req.logprobs is not None
-    async for run, d in run_prompts(ctx, runs):
+    async for run, d in run_prompts(ctx, runs, base):
         if d.usage is not None:
             run.usage = d.usage
         if d.prompt_logprobs is not None:

@@ -512,6 +512,15 @@ class NativeSamplingParams(_Request):
     """The output matches this EBNF grammar (GBNF-style, root rule `root`)."""
     json_schema: Str | None = None
     """The output is JSON valid against this schema (given as JSON text, as in SGLang)."""
+    # SGLang's names, accepted as its clients send them (see SGLANG_SAMPLING_EXTRAS)
+    no_stop_trim: Bool | None = None
+    """SGLang's `include_stop_str_in_output`."""
+    spaces_between_special_tokens: Bool | None = None
+    """Accepted; the fast tokenizers' decoding has no such switch."""
+    stop_regex: Str | list[Str] | None = None
+    structural_tag: Str | None = None
+    custom_params: dict[str, Any] | None = None
+    """`stop_regex`, `structural_tag` and `custom_params` are accepted only unset (null)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -519,11 +528,24 @@ class NativeSamplingParams(_Request):
         return _reject_logprob_keys(data)
 
     @model_validator(mode="after")
+    def _unsupported(self) -> NativeSamplingParams:
+        for name in ("stop_regex", "structural_tag", "custom_params"):
+            if getattr(self, name) is not None:
+                raise _fail(f"{name} is not supported", name)
+        return self
+
+    @model_validator(mode="after")
     def _one_grammar(self) -> NativeSamplingParams:
         given = [k for k in ("regex", "ebnf", "json_schema") if getattr(self, k) is not None]
         if len(given) > 1:
             raise _fail(f"at most one of regex, ebnf and json_schema, got {given}", given[1])
         return self
+
+
+RequestId = Annotated[str, Strict(), Field(min_length=1)]
+SGLANG_SAMPLING_EXTRAS = frozenset({"no_stop_trim", "spaces_between_special_tokens",
+                                    "stop_regex", "structural_tag", "custom_params"})
+"""`NativeSamplingParams` fields that are SGLang's names or switches, not `SamplingParams`'."""
 
 
 class GenerateRequest(_Request):
@@ -546,18 +568,57 @@ class GenerateRequest(_Request):
         _Ids | Annotated[list[_Ids], Field(min_length=1)] | None,
         _prompt_validator(strings=False, token_ids=True, what="input_ids"),
     ] = None
-    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
+    sampling_params: NativeSamplingParams | list[NativeSamplingParams] = Field(
+        default_factory=NativeSamplingParams)
+    """One for every prompt, or a list of one per prompt (as SGLang takes them)."""
     stream: Bool = False
     return_logprob: Bool = False
     top_logprobs_num: TopLogprobsNum = 0
     logprob_start_len: Annotated[int, Strict(), Field(ge=-1)] = -1
-    rid: Annotated[str, Strict(), Field(min_length=1)] | None = None
-    """Request id to use (so the client can `/abort` it); the server makes one when None."""
+    return_text_in_logprobs: Bool = False
+    """Each logprob entry's third element is its token's text (else null), as SGLang's."""
+    rid: RequestId | list[RequestId] | None = None
+    """Request id to use (so the client can `/abort` it), or one per prompt; the server makes
+    one when None."""
+    # SGLang's fields for what is not served: accepted only unset, as its clients send them
+    image_data: Any = None
+    audio_data: Any = None
+    video_data: Any = None
+    lora_path: Any = None
+    custom_logit_processor: Any = None
+    session_params: Any = None
+    token_ids_logprob: Any = None
+    return_hidden_states: Bool = False
+    log_metrics: Bool = True
+    """Accepted; the metrics always count every request."""
+    stream_options: dict[str, Any] | None = None
+    """Accepted; a stream's chunks always carry the token counts."""
+
+    @property
+    def num_prompts(self) -> int:
+        prompt = self.text if self.text is not None else self.input_ids
+        single = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
+        return 1 if single else len(prompt)
+
+    def params_of(self, i: int) -> NativeSamplingParams:
+        sp = self.sampling_params
+        return sp[i] if isinstance(sp, list) else sp
 
     @model_validator(mode="after")
     def _check_input(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
             raise _fail("exactly one of text and input_ids is required", "text")
+        for name in ("image_data", "audio_data", "video_data", "lora_path",
+                     "custom_logit_processor", "session_params", "token_ids_logprob"):
+            if getattr(self, name) is not None:
+                raise _fail(f"{name} is not supported", name)
+        if self.return_hidden_states:
+            raise _fail("return_hidden_states is not supported", "return_hidden_states")
+        for name in ("sampling_params", "rid"):
+            value = getattr(self, name)
+            if isinstance(value, list) and len(value) != self.num_prompts:
+                raise _fail(f"{name} has {len(value)} entries for {self.num_prompts} prompts",
+                            name)
         if not self.return_logprob:
             if self.top_logprobs_num:
                 raise _fail("top_logprobs_num requires return_logprob", "top_logprobs_num")
@@ -592,7 +653,15 @@ class DetokenizeRequest(_Request):
 
 
 class AbortRequest(_Request):
-    rid: Annotated[str, Strict(), Field(min_length=1)]
+    rid: Str = ""
+    abort_all: Bool = False
+    """Abort every request in flight (`rid` is then ignored), as SGLang's."""
+
+    @model_validator(mode="after")
+    def _named(self) -> AbortRequest:
+        if not self.rid and not self.abort_all:
+            raise _fail("rid is required (or abort_all: true)", "rid")
+        return self
 
 
 class FlipRequest(_Request):

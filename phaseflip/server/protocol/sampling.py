@@ -111,11 +111,15 @@ def chat_sampling_params(req: ChatCompletionRequest, default_max_tokens: int) ->
     )
 
 
-def generate_sampling_params(req: GenerateRequest, default_max_tokens: int) -> SamplingParams:
-    """Sampling parameters for a native request; `default_max_tokens` applies when
-    `sampling_params.max_new_tokens` is absent (the server chooses it, e.g. context left)."""
-    given = req.sampling_params.model_dump(exclude_none=True)
+def generate_sampling_params(req: GenerateRequest, default_max_tokens: int,
+                             prompt: int = 0) -> SamplingParams:
+    """Sampling parameters for prompt `prompt` of a native request; `default_max_tokens`
+    applies when `sampling_params.max_new_tokens` is absent (the server chooses it)."""
+    given = req.params_of(prompt).model_dump(exclude_none=True)
     given.setdefault("max_new_tokens", default_max_tokens)
+    given.pop("spaces_between_special_tokens", None)
+    if "no_stop_trim" in given:
+        given.setdefault("include_stop_str_in_output", given.pop("no_stop_trim"))
     if "logit_bias" in given:
         given["logit_bias"] = _logit_bias(given["logit_bias"])
     if given.get("top_k") == 0:

@@ -1,0 +1,131 @@
+"""The native `POST /generate`, in SGLang's shape, so SGLang's clients (its frontend language,
+RL rollout code, benchmarks) talk to phaseflip unchanged.
+
+An answer is `{"text", "output_ids", "meta_info"}` (a list of them for several prompts or
+`n` > 1, prompt by prompt), `meta_info` holding `id`, `finish_reason` as SGLang's object
+(`{"type": "stop", "matched": ...}`, `{"type": "length", "length": n}`, `{"type": "abort",
+"message": ...}`), the token counts and, with `return_logprob`, `input_token_logprobs` /
+`output_token_logprobs` (and with `top_logprobs_num` the `*_top_logprobs`) as
+`[logprob, token_id, text or null]` entries. A stream sends each choice's whole text and ids
+so far in every chunk, `index` its place in the flat batch, and ends with `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from phaseflip.server import protocol as p
+from phaseflip.server.context import ServerContext
+from phaseflip.server.openai_api import (
+    Choice,
+    PromptRun,
+    respond,
+    run_prompts,
+    sse,
+    stream_response,
+)
+
+DEFAULT_MAX_NEW_TOKENS = 128
+"""SGLang's default when `sampling_params.max_new_tokens` is left out (less where the context
+has less room)."""
+
+
+async def generate(ctx: ServerContext, req: p.GenerateRequest, request: Request) -> Response:
+    if req.text is not None:
+        texts = [req.text] if isinstance(req.text, str) else req.text
+        prompts = await ctx.encode_all(texts, "text")
+    else:
+        ids = req.input_ids
+        prompts = [list(ids)] if ids and isinstance(ids[0], int) else [list(x) for x in ids]
+    single = req.num_prompts == 1 and not isinstance(req.rid, list) and (
+        isinstance(req.text, str) or (bool(req.input_ids) and isinstance(req.input_ids[0], int)))
+    base = req.rid if isinstance(req.rid, str) else ctx.new_id("gen")
+    runs = []
+    for i, ids in enumerate(prompts):
+        params = p.generate_sampling_params(
+            req, min(DEFAULT_MAX_NEW_TOKENS, ctx.default_max_tokens(len(ids))), i)
+        ctx.validate(ids, params)
+        rid = req.rid[i] if isinstance(req.rid, list) else base if single else f"{base}-{i}"
+        runs.append(PromptRun(rid, ids, params, sum(r.params.n for r in runs)))
+    ctx.admit([r.params for r in runs])
+    group = None if single or isinstance(req.rid, list) else base
+    if req.stream:
+        return stream_response(_chunks(ctx, req, runs, group))
+    return await respond(request, lambda: _whole(ctx, req, runs, group, single))
+
+
+def _take(run: PromptRun, d: Any) -> None:
+    if d.prompt_logprobs is not None:
+        run.prompt_logprobs, run.prompt_top = d.prompt_logprobs, d.prompt_top_logprobs
+    if d.usage is not None:
+        run.usage = d.usage
+
+
+async def _chunks(ctx: ServerContext, req: p.GenerateRequest, runs: list[PromptRun],
+                  group: str | None) -> AsyncIterator[str]:
+    acc: dict[tuple[str, int], Choice] = {}
+    async for run, d in run_prompts(ctx, runs, group):
+        _take(run, d)
+        c = acc.setdefault((run.rid, d.index), Choice(d.index))
+        c.add(d)
+        yield sse({"text": c.text, "output_ids": c.token_ids, "index": run.first_index + c.index,
+                   "meta_info": _meta(ctx, req, run, c, d.finish_reason is not None)})
+
+
+async def _whole(ctx: ServerContext, req: p.GenerateRequest, runs: list[PromptRun],
+                 group: str | None, single: bool) -> dict | list[dict]:
+    acc: dict[tuple[str, int], Choice] = {}
+    async for run, d in run_prompts(ctx, runs, group):
+        _take(run, d)
+        acc.setdefault((run.rid, d.index), Choice(d.index)).add(d)
+    outs = [{"text": c.text, "output_ids": c.token_ids, "index": run.first_index + c.index,
+             "meta_info": _meta(ctx, req, run, c, True)}
+            for run in runs for (rid, _), c in sorted(acc.items()) if rid == run.rid]
+    return outs[0] if single and len(outs) == 1 else outs
+
+
+def _finish(c: Choice) -> dict[str, Any] | None:
+    """SGLang's finish reason object (None while the choice runs)."""
+    if c.finish_reason == "stop":
+        return {"type": "stop", "matched": c.stop_reason}
+    if c.finish_reason == "length":
+        return {"type": "length", "length": len(c.token_ids)}
+    if c.finish_reason is not None:
+        return {"type": c.finish_reason, "message": f"the request was {c.finish_reason}ed"}
+    return None
+
+
+def _meta(ctx: ServerContext, req: p.GenerateRequest, run: PromptRun, c: Choice,
+          finished: bool) -> dict[str, Any]:
+    out = {"id": run.rid, "finish_reason": _finish(c) if finished else None,
+           "matched_stop": c.stop_reason if finished else None,
+           "prompt_tokens": len(run.prompt_ids), "completion_tokens": len(c.token_ids),
+           "cached_tokens": run.usage.cached_tokens if run.usage else 0}
+    if not req.return_logprob:
+        return out
+    entry = _entries(ctx, req.return_text_in_logprobs)
+    start = max(req.logprob_start_len, 0)
+    prompt_lps = run.prompt_logprobs[start:] if run.prompt_logprobs is not None else []
+    out["input_token_logprobs"] = entry(prompt_lps, run.prompt_ids[start:])
+    out["output_token_logprobs"] = entry(c.logprobs, c.token_ids)
+    if req.top_logprobs_num:
+        tops = run.prompt_top[start:] if run.prompt_top is not None else []
+        out["input_top_logprobs"] = [None if t is None else entry(*_split(t)) for t in tops]
+        out["output_top_logprobs"] = [entry(*_split(t)) for t in c.top]
+    return out
+
+
+def _split(top: list[tuple[int, float]]) -> tuple[list[float], list[int]]:
+    return [lp for _, lp in top], [tid for tid, _ in top]
+
+
+def _entries(ctx: ServerContext, with_text: bool):
+    """`[logprob, token_id, text or None]` for each pair (SGLang's layout)."""
+    def entry(lps: list[float | None], ids: list[int]) -> list[list[Any]]:
+        return [[lp, tid, ctx.tokenizer.decode([tid]) if with_text else None]
+                for lp, tid in zip(lps, ids)]
+    return entry
