@@ -335,9 +335,7 @@ class Soak:
         if r.status_code != 200:
             return self.books.error(f"generate {r.status_code}: {r.text[:200]}")
         self.books.admitted_seqs += 1
-        self.books.finishes[r.json()["meta_info"]["finish_reason"]["type"]
-                            if isinstance(r.json()["meta_info"]["finish_reason"], dict)
-                            else r.json()["meta_info"]["finish_reason"]] += 1
+        self.books.finishes[r.json()["meta_info"]["finish_reason"]["type"]] += 1
 
     # ------------------------------------------------------------------ the controller
     async def controller(self, t0: float) -> None:
