@@ -223,6 +223,9 @@ def test_native_endpoints(server):
     assert len(gen["output_ids"]) == 4 and len(gen["meta_info"]["output_token_logprobs"]) == 4
     assert httpx.get(server + "/health_generate").status_code == 200
     assert httpx.post(server + "/flush_cache").status_code == 200
+    assert httpx.get(server + "/flush_cache").status_code == 200  # (SGLang's names and verbs)
+    assert httpx.get(server + "/get_model_info").json()["is_generation"] is True
+    assert httpx.get(server + "/get_server_info").json()["model"] == MODEL
     metrics = httpx.get(server + "/metrics").text
     for name in ("phaseflip_num_requests_running", "phaseflip_time_to_first_token_seconds",
                  "phaseflip_generation_tokens_total", "phaseflip_cache_hit_rate"):

@@ -129,6 +129,13 @@ def _probe_routes(app: FastAPI, ctx: ServerContext) -> None:
         ctx.check_model(model_id)
         return _card(ctx).model_dump()
 
+    @app.get("/get_model_info", response_model=None, include_in_schema=False)
+    async def model_info() -> dict:
+        """SGLang's: its frontend asks for it when it connects."""
+        path = ctx.engine.state.ready.model
+        return {"model_path": path, "tokenizer_path": path, "is_generation": True,
+                "served_model_name": ctx.model_name, "max_model_len": ctx.max_context}
+
 
 
 def _inference_routes(app: FastAPI, ctx: ServerContext) -> None:
@@ -198,8 +205,9 @@ def _responses_routes(app: FastAPI, ctx: ServerContext) -> None:
 def _admin_routes(app: FastAPI, ctx: ServerContext) -> None:
     """What operators change: the prefix cache, the layout, requests in flight."""
 
-    @app.post("/flush_cache", responses=ok(FreedTokens))
+    @app.api_route("/flush_cache", methods=["GET", "POST"], responses=ok(FreedTokens))
     async def flush_cache() -> Response:
+        """(GET too, as SGLang's.)"""
         reply = await ctx.engine.control("flush_cache")
         if not reply.ok:
             return _error(400, reply.message, "invalid_request_error")
@@ -253,6 +261,7 @@ def _info_routes(app: FastAPI, ctx: ServerContext) -> None:
     """What operators read: /server_info and /metrics."""
 
     @app.get("/server_info", response_model=None, responses=ok({"type": "object"}))
+    @app.get("/get_server_info", response_model=None, include_in_schema=False)
     async def server_info() -> dict:
         # mid-flip the engine answers nothing until its seam ends: say so instead of waiting
         info = await ctx.engine_info()

@@ -28,7 +28,7 @@ request_log = logging.getLogger("phaseflip.requests")
 
 OPEN_PATHS = ("/health",)
 """Answered without the API key (load balancers probe them)."""
-NEEDS_ENGINE = ("/v1/", "/generate", "/health_generate", "/tokenize", "/detokenize",
+NEEDS_ENGINE = ("/v1/", "/generate", "/health_generate", "/tokenize", "/detokenize", "/get_",
                 "/flush_cache", "/abort_request", "/admin/")
 """Refused with 503 until the engine is ready, and after it died or reported unhealthy."""
 NEW_WORK = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate",
