@@ -291,6 +291,9 @@ def test_generate_speaks_sglang(server):
                 chunks.append(json.loads(line[6:]))
     last = {c["index"]: c for c in chunks}
     assert sorted(last) == [0, 1] and all(len(c["output_ids"]) == 3 for c in last.values())
+    r = httpx.post(server + "/generate", json={"text": "ab", "return_logprob": True,
+                                               "logprob_start_len": 50})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprob_start_len"
 
 
 def test_abort_all(server):

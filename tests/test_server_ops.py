@@ -341,6 +341,9 @@ def test_abort_request_unknown_is_404_known_aborts_and_is_counted(tmp_path):
             await until(lambda: len(ctx.engine.state.in_flight) == 2)
             for prefix in ("mi", "min"):  # ids match exactly, never as prefixes
                 assert (await c.post("/abort_request", json={"rid": prefix})).status_code == 404
+            again = await c.post("/generate", json={"text": ["c", "d"], "rid": "mine"})
+            assert again.status_code == 400 and "already in flight" in again.text  # (and the
+            # group stays its first owner's: the abort below still finds both prompts)
             r = await c.post("/abort_request", json={"rid": "mine"})
             assert r.status_code == 200 and sorted(r.json()["aborted"]) == ["mine-0", "mine-1"]
             outs = (await gen).json()

@@ -205,9 +205,9 @@ def _responses_routes(app: FastAPI, ctx: ServerContext) -> None:
 def _admin_routes(app: FastAPI, ctx: ServerContext) -> None:
     """What operators change: the prefix cache, the layout, requests in flight."""
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"], responses=ok(FreedTokens))
+    @app.post("/flush_cache", responses=ok(FreedTokens))
+    @app.get("/flush_cache", include_in_schema=False)  # (as SGLang's)
     async def flush_cache() -> Response:
-        """(GET too, as SGLang's.)"""
         reply = await ctx.engine.control("flush_cache")
         if not reply.ok:
             return _error(400, reply.message, "invalid_request_error")

@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from phaseflip.errors import InvalidRequestError
 from phaseflip.server import protocol as p
 from phaseflip.server.context import ServerContext
 from phaseflip.server.openai_api import (
@@ -41,18 +42,25 @@ async def generate(ctx: ServerContext, req: p.GenerateRequest, request: Request)
     else:
         ids = req.input_ids
         prompts = [list(ids)] if ids and isinstance(ids[0], int) else [list(x) for x in ids]
-    single = req.num_prompts == 1 and not isinstance(req.rid, list) and (
-        isinstance(req.text, str) or (bool(req.input_ids) and isinstance(req.input_ids[0], int)))
+    single = req.single
     base = req.rid if isinstance(req.rid, str) else ctx.new_id("gen")
     runs = []
     for i, ids in enumerate(prompts):
+        if req.return_logprob and req.logprob_start_len >= len(ids):
+            raise InvalidRequestError(
+                f"logprob_start_len {req.logprob_start_len} is past the prompt's last token "
+                f"(it has {len(ids)})", "logprob_start_len")
         params = p.generate_sampling_params(
             req, min(DEFAULT_MAX_NEW_TOKENS, ctx.default_max_tokens(len(ids))), i)
         ctx.validate(ids, params)
         rid = req.rid[i] if isinstance(req.rid, list) else base if single else f"{base}-{i}"
         runs.append(PromptRun(rid, ids, params, sum(r.params.n for r in runs)))
-    ctx.admit([r.params for r in runs])
     group = None if single or isinstance(req.rid, list) else base
+    taken = [r for r in [group, *(run.rid for run in runs)] if r is not None and (
+        r in ctx.engine.state.in_flight or r in ctx.engine.state.groups)]
+    if taken:  # (before the answer starts: a stream would only get an error event)
+        raise InvalidRequestError(f"request id {taken[0]!r} is already in flight", "rid")
+    ctx.admit([r.params for r in runs])
     if req.stream:
         return stream_response(_chunks(ctx, req, runs, group))
     return await respond(request, lambda: _whole(ctx, req, runs, group, single))
@@ -68,12 +76,13 @@ def _take(run: PromptRun, d: Any) -> None:
 async def _chunks(ctx: ServerContext, req: p.GenerateRequest, runs: list[PromptRun],
                   group: str | None) -> AsyncIterator[str]:
     acc: dict[tuple[str, int], Choice] = {}
+    texts: dict[int, str] = {}  # token texts decoded once for the whole stream
     async for run, d in run_prompts(ctx, runs, group):
         _take(run, d)
         c = acc.setdefault((run.rid, d.index), Choice(d.index))
         c.add(d)
         yield sse({"text": c.text, "output_ids": c.token_ids, "index": run.first_index + c.index,
-                   "meta_info": _meta(ctx, req, run, c, d.finish_reason is not None)})
+                   "meta_info": _meta(ctx, req, run, c, d.finish_reason is not None, texts)})
 
 
 async def _whole(ctx: ServerContext, req: p.GenerateRequest, runs: list[PromptRun],
@@ -100,14 +109,14 @@ def _finish(c: Choice) -> dict[str, Any] | None:
 
 
 def _meta(ctx: ServerContext, req: p.GenerateRequest, run: PromptRun, c: Choice,
-          finished: bool) -> dict[str, Any]:
+          finished: bool, texts: dict[int, str] | None = None) -> dict[str, Any]:
     out = {"id": run.rid, "finish_reason": _finish(c) if finished else None,
            "matched_stop": c.stop_reason if finished else None,
            "prompt_tokens": len(run.prompt_ids), "completion_tokens": len(c.token_ids),
            "cached_tokens": run.usage.cached_tokens if run.usage else 0}
     if not req.return_logprob:
         return out
-    entry = _entries(ctx, req.return_text_in_logprobs)
+    entry = _entries(ctx, req.return_text_in_logprobs, {} if texts is None else texts)
     start = max(req.logprob_start_len, 0)
     prompt_lps = run.prompt_logprobs[start:] if run.prompt_logprobs is not None else []
     out["input_token_logprobs"] = entry(prompt_lps, run.prompt_ids[start:])
@@ -123,9 +132,14 @@ def _split(top: list[tuple[int, float]]) -> tuple[list[float], list[int]]:
     return [lp for _, lp in top], [tid for tid, _ in top]
 
 
-def _entries(ctx: ServerContext, with_text: bool):
-    """`[logprob, token_id, text or None]` for each pair (SGLang's layout)."""
+def _entries(ctx: ServerContext, with_text: bool, texts: dict[int, str]):
+    """`[logprob, token_id, text or None]` for each pair (SGLang's layout); `texts` keeps the
+    decoded tokens, so a stream decodes each once."""
+    def text(tid: int) -> str:
+        if tid not in texts:
+            texts[tid] = ctx.tokenizer.decode([tid])
+        return texts[tid]
+
     def entry(lps: list[float | None], ids: list[int]) -> list[list[Any]]:
-        return [[lp, tid, ctx.tokenizer.decode([tid]) if with_text else None]
-                for lp, tid in zip(lps, ids)]
+        return [[lp, tid, text(tid) if with_text else None] for lp, tid in zip(lps, ids)]
     return entry

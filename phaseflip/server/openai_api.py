@@ -68,9 +68,9 @@ async def run_prompts(ctx: ServerContext, runs: list[PromptRun], group: str | No
     """Runs every prompt concurrently and yields (run, delta) as deltas arrive; `group` names
     them all for `/abort_request` while they run (a request of several prompts)."""
     queue: asyncio.Queue = asyncio.Queue()
-    groups = ctx.engine.state.groups
+    groups, members = ctx.engine.state.groups, [r.rid for r in runs]
     if group is not None:
-        groups[group] = [r.rid for r in runs]
+        groups[group] = members
 
     async def pump(run: PromptRun) -> None:
         try:
@@ -96,8 +96,8 @@ async def run_prompts(ctx: ServerContext, runs: list[PromptRun], group: str | No
         for t in tasks:  # client gone or error: cancelling aborts the engine requests
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if group is not None:
-            groups.pop(group, None)
+        if group is not None and groups.get(group) is members:  # (never another's)
+            del groups[group]
 
 
 async def until_disconnected(request: Request, work: asyncio.Task) -> bool:

@@ -595,10 +595,14 @@ class GenerateRequest(_Request):
     """Accepted; a stream's chunks always carry the token counts."""
 
     @property
-    def num_prompts(self) -> int:
+    def single(self) -> bool:
+        """One prompt given bare (a string, or one list of ids): the answer is one object."""
         prompt = self.text if self.text is not None else self.input_ids
-        single = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
-        return 1 if single else len(prompt)
+        return isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
+
+    @property
+    def num_prompts(self) -> int:
+        return 1 if self.single else len(self.text if self.text is not None else self.input_ids)
 
     def params_of(self, i: int) -> NativeSamplingParams:
         sp = self.sampling_params
@@ -616,9 +620,14 @@ class GenerateRequest(_Request):
             raise _fail("return_hidden_states is not supported", "return_hidden_states")
         for name in ("sampling_params", "rid"):
             value = getattr(self, name)
+            if isinstance(value, list) and self.single:
+                raise _fail(f"{name} is a list (one per prompt) but one prompt is given bare",
+                            name)
             if isinstance(value, list) and len(value) != self.num_prompts:
                 raise _fail(f"{name} has {len(value)} entries for {self.num_prompts} prompts",
                             name)
+        if isinstance(self.rid, list) and len(set(self.rid)) != len(self.rid):
+            raise _fail("rid has duplicate entries", "rid")
         if not self.return_logprob:
             if self.top_logprobs_num:
                 raise _fail("top_logprobs_num requires return_logprob", "top_logprobs_num")
