@@ -20,7 +20,7 @@ from phaseflip.server.protocol import (
     generate_sampling_params,
     native_sampling_param_names,
 )
-from phaseflip.server.protocol.requests import SGLANG_SAMPLING_EXTRAS
+from phaseflip.server.protocol.native import SGLANG_SAMPLING_EXTRAS
 from tests.test_protocol import chat, comp, gen
 
 

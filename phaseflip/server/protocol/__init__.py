@@ -6,22 +6,25 @@ from __future__ import annotations
 from phaseflip.server.protocol.errors import (
     validation_error_to_openai,
 )
+from phaseflip.server.protocol.native import (
+    AbortRequest,
+    DetokenizeRequest,
+    FlipRequest,
+    GenerateRequest,
+    NativeSamplingParams,
+    TokenizeRequest,
+)
 from phaseflip.server.protocol.requests import (
     MAX_LOGPROBS,
     MAX_STOP_STRINGS,
     VERY_UNLIKELY_LOGPROB,
-    AbortRequest,
     Bool,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
-    DetokenizeRequest,
-    FlipRequest,
     Float,
-    GenerateRequest,
     Int,
     LogitBias,
-    NativeSamplingParams,
     NumChoices,
     Penalty,
     Prompt,
@@ -34,7 +37,6 @@ from phaseflip.server.protocol.requests import (
     Temperature,
     TextContentPart,
     TokenId,
-    TokenizeRequest,
     TopLogprobsNum,
     TopP,
 )
