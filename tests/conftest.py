@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random checkpoints built with `transformers` (no downloads)."""
+"""Shared fixtures: tiny random checkpoints built with `transformers` (no downloads), and a
+`phaseflip serve` of the embedded model with an `openai` client for a test module."""
 
 from __future__ import annotations
 
@@ -193,3 +194,21 @@ def runner(llama_dir):
                        else "cpu", dtype="float32", attention_backend="torch",
                        max_total_tokens=512, disable_cuda_graph=True)
     return ModelRunner(cfg, ModelConfig.from_dir(llama_dir))
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A real `phaseflip serve` (embedded model, CPU) for the module; it must exit cleanly."""
+    from tests.server_process import start_server, stop_server
+
+    proc, url = start_server()
+    yield url
+    stop_server(proc)
+    assert proc.returncode == 0, proc.stdout.read()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)

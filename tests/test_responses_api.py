@@ -15,25 +15,11 @@ import pytest
 from pydantic import BaseModel, Field
 
 from phaseflip.server.responses_api import Kept, ResponseNotFoundError, ResponseStore
-from tests.server_process import start_server, stop_server
 
 MODEL = "tiny-llama"
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {
                "city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}
-
-
-@pytest.fixture(scope="module")
-def server():
-    proc, url = start_server()
-    yield url
-    stop_server(proc)
-    assert proc.returncode == 0, proc.stdout.read()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
 
 
 def chat_text(client, messages, **kw) -> str:

@@ -19,19 +19,6 @@ from tests.server_process import start_server, stop_server
 MODEL = "tiny-llama"
 
 
-@pytest.fixture(scope="module")
-def server():
-    proc, url = start_server()
-    yield url
-    stop_server(proc)
-    assert proc.returncode == 0, proc.stdout.read()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
-
-
 def idle_accounting(url: str, deadline_s: float = 10) -> dict:
     """Waits until the engine is idle; returns its pool accounting."""
     end = time.monotonic() + deadline_s

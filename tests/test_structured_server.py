@@ -15,8 +15,6 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server_process import start_server, stop_server
-
 PARSE_REQUESTS = 200  # seeded, temperature 1.0: every one must parse and validate
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -38,18 +36,6 @@ class Person(BaseModel):
     name: str = Field(max_length=10)
     admin: bool
     pets: list[Pet] = Field(max_length=2)
-
-
-@pytest.fixture(scope="module")
-def server():
-    proc, url = start_server()
-    yield url
-    stop_server(proc)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
 
 
 def test_parse_with_a_pydantic_model_always_validates(server) -> None:
