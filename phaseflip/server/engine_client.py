@@ -157,6 +157,10 @@ class EngineClient:
         if not self.state.dead:
             await self.out.send(m.encode(m.AbortRequest(rid)))
 
+    def in_use(self, rid: str) -> bool:
+        """Whether `rid` names a request in flight, or the group of one of several prompts."""
+        return rid in self.state.in_flight or rid in self.state.groups
+
     def matching(self, rid: str) -> list[str]:
         """The engine requests in flight for `rid`: itself, or the prompts of the request of
         several prompts that it names (exact ids only: "gen" names no "gen-…" request)."""

@@ -36,13 +36,11 @@ has less room)."""
 
 
 async def generate(ctx: ServerContext, req: p.GenerateRequest, request: Request) -> Response:
-    if req.text is not None:
-        texts = [req.text] if isinstance(req.text, str) else req.text
-        prompts = await ctx.encode_all(texts, "text")
-    else:
-        ids = req.input_ids
-        prompts = [list(ids)] if ids and isinstance(ids[0], int) else [list(x) for x in ids]
     single = req.single
+    if req.text is not None:
+        prompts = await ctx.encode_all([req.text] if single else req.text, "text")
+    else:
+        prompts = [list(req.input_ids)] if single else [list(x) for x in req.input_ids]
     base = req.rid if isinstance(req.rid, str) else ctx.new_id("gen")
     runs = []
     for i, ids in enumerate(prompts):
@@ -56,8 +54,8 @@ async def generate(ctx: ServerContext, req: p.GenerateRequest, request: Request)
         rid = req.rid[i] if isinstance(req.rid, list) else base if single else f"{base}-{i}"
         runs.append(PromptRun(rid, ids, params, sum(r.params.n for r in runs)))
     group = None if single or isinstance(req.rid, list) else base
-    taken = [r for r in [group, *(run.rid for run in runs)] if r is not None and (
-        r in ctx.engine.state.in_flight or r in ctx.engine.state.groups)]
+    taken = [r for r in [group, *(run.rid for run in runs)] if r is not None
+             and ctx.engine.in_use(r)]
     if taken:  # (before the answer starts: a stream would only get an error event)
         raise InvalidRequestError(f"request id {taken[0]!r} is already in flight", "rid")
     ctx.admit([r.params for r in runs])
