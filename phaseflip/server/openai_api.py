@@ -93,11 +93,20 @@ async def run_prompts(ctx: ServerContext, runs: list[PromptRun], group: str | No
             else:
                 yield run, item
     finally:
-        for t in tasks:  # client gone or error: cancelling aborts the engine requests
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # before any await: a stream whose client left is cancelled again at each await
+        # (the anyio cancel scope Starlette streams in), so nothing after one may run
         if group is not None and groups.get(group) is members:  # (never another's)
             del groups[group]
+        await stop_pumps(tasks)
+
+
+async def stop_pumps(tasks: list[asyncio.Task]) -> None:
+    """Cancels the prompts' pumps (client gone or error), which aborts their engine requests,
+    and waits for them; shielded, so that a consumer cancelled again while it waits cannot
+    cancel a pump a second time, in the middle of sending its abort."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
 
 
 async def until_disconnected(request: Request, work: asyncio.Task) -> bool:
@@ -397,15 +406,15 @@ async def prepare_chat(ctx: ServerContext, req: p.ChatCompletionRequest, rid: st
 
 def _chat_message(plan: tools.ToolPlan | None,
                   c: Choice) -> tuple[p.ChatResponseMessage, str | None]:
-    """The assistant message of a finished choice and its finish reason ("tool_calls" when
-    it called tools and ended by itself)."""
+    """The assistant message of a finished choice and its finish reason
+    (`ToolPlan.finish_reason`)."""
     if plan is None:
         return p.ChatResponseMessage(content=c.text), c.finish_reason
     content, calls = tools.parse_output(plan, c.text)
     if not calls:
         return p.ChatResponseMessage(content=content), c.finish_reason
-    reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
-    return p.ChatResponseMessage(content=content, tool_calls=tools.tool_calls(calls)), reason
+    return (p.ChatResponseMessage(content=content, tool_calls=tools.tool_calls(calls)),
+            plan.finish_reason(c.finish_reason, True))
 
 
 async def _chat(ctx, req: p.ChatCompletionRequest, run: PromptRun,
@@ -449,8 +458,7 @@ async def _stream_chat(ctx, req: p.ChatCompletionRequest, run: PromptRun,
             streamer = streamers[d.index]
             content, calls = streamer.feed(d.text, d.finish_reason is not None)
             calls = calls or None
-            if streamer.calls and reason == "stop":
-                reason = "tool_calls"
+            reason = plan.finish_reason(reason, bool(streamer.calls))
         if content or calls or lp is not None or reason:
             yield chunk([p.ChatCompletionStreamChoice(
                 index=d.index, delta=p.DeltaMessage(content=content, tool_calls=calls),

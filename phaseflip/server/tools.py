@@ -52,6 +52,12 @@ class ToolPlan:
         fn = next(f for f in self.tools if f["name"] == name)
         return fn.get("parameters") or {"type": "object", "properties": {}}
 
+    def finish_reason(self, reason: str | None, called: bool) -> str | None:
+        """An answer that called tools and ended by itself finishes with "tool_calls", except
+        under a named tool_choice, where OpenAI (and vLLM after it) says "stop": clients
+        that branch on the reason see what they would from OpenAI."""
+        return "tool_calls" if called and reason == "stop" and self.mode != "named" else reason
+
 
 def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
