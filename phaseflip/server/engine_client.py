@@ -41,6 +41,9 @@ class EngineState:
     widths: dict[str, int] = field(default_factory=dict)  # sequences (n) of each in flight
     # an HTTP request of several prompts: its id -> its prompts' engine ids, while it runs
     groups: dict[str, list[str]] = field(default_factory=dict)
+    # requests whose consumer left (client gone) and whose end the engine has not sent yet:
+    # their ids stay taken, or a new request of the same id would get the old one's end
+    leaving: set[str] = field(default_factory=set)
 
     @property
     def problem(self) -> str | None:
@@ -86,10 +89,14 @@ class EngineClient:
                     q = self.state.in_flight.get(d.request_id)
                     if q is not None:
                         q.put_nowait(d)
+                    elif d.usage is not None:  # (a request's last delta carries its usage)
+                        self.state.leaving.discard(d.request_id)
             elif isinstance(msg, m.RequestFailed):
                 q = self.state.in_flight.get(msg.rid)
                 if q is not None:
                     q.put_nowait(msg)
+                else:
+                    self.state.leaving.discard(msg.rid)
             elif isinstance(msg, m.ControlReply):
                 fut = self._calls.pop(msg.call_id, None)
                 if fut is not None and not fut.done():
@@ -114,6 +121,7 @@ class EngineClient:
             await asyncio.sleep(0.01)
         self.state.dead = f"engine process exited with code {self.process.exitcode}"
         self.state.flipping_to = None  # no seam outlives the engine
+        self.state.leaving.clear()  # (nothing more will end them)
         self._ready.set()
         err = m.RequestFailed("", "server_error", self.state.dead)
         for q in self.state.in_flight.values():
@@ -128,7 +136,7 @@ class EngineClient:
         """Streams the request's deltas; leaving early (client gone) aborts it in the engine."""
         if self.state.problem:
             raise EngineDeadError(self.state.problem)
-        if rid in self.state.in_flight:
+        if rid in self.state.in_flight or rid in self.state.leaving:
             raise InvalidRequestError(f"request id {rid!r} is already in flight", "rid")
         q: asyncio.Queue = asyncio.Queue()
         self.state.in_flight[rid] = q
@@ -151,15 +159,28 @@ class EngineClient:
             self.state.in_flight.pop(rid, None)
             self.state.widths.pop(rid, None)
             if not done:
+                self._leave(rid, q)
                 await self.abort(rid)
+
+    def _leave(self, rid: str, q: asyncio.Queue) -> None:
+        """The consumer of `rid` stops before its end (it is aborted next): the id stays in
+        `leaving` until the engine's end of it arrives, unless that is in `q` already."""
+        while not q.empty():
+            item = q.get_nowait()
+            if isinstance(item, m.RequestFailed) or item.usage is not None:
+                return
+        if not self.state.dead:
+            self.state.leaving.add(rid)
 
     async def abort(self, rid: str) -> None:
         if not self.state.dead:
             await self.out.send(m.encode(m.AbortRequest(rid)))
 
     def in_use(self, rid: str) -> bool:
-        """Whether `rid` names a request in flight, or the group of one of several prompts."""
-        return rid in self.state.in_flight or rid in self.state.groups
+        """Whether `rid` names a request in flight (or one left and not yet ended by the
+        engine), or the group of one of several prompts."""
+        st = self.state
+        return rid in st.in_flight or rid in st.leaving or rid in st.groups
 
     def matching(self, rid: str) -> list[str]:
         """The engine requests in flight for `rid`: itself, or the prompts of the request of

@@ -1,0 +1,248 @@
+"""A client that disconnects aborts its request and frees its KV: `/v1/responses` and the native
+`/generate`, streamed or not, one prompt or several (and `n` > 1), alone and among a hundred
+concurrent streams, against a real `phaseflip serve` (embedded model, CPU, accounting checks
+on). Every wait has a deadline, so a request that is never aborted fails the test instead of
+hanging it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from phaseflip.distributed.spawner import child_pids
+from tests.server_process import start_server, stop_server
+
+MODEL = "tiny-llama"
+LONG = 900  # new tokens no test waits for: a request that is not aborted keeps the engine busy
+LONG_PARAMS = {"max_new_tokens": LONG, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def served():
+    """A `phaseflip serve` of this module alone (it must exit cleanly): (process, url)."""
+    proc, url = start_server()
+    yield proc, url
+    stop_server(proc)
+    assert proc.returncode == 0, proc.stdout.read()
+
+
+@pytest.fixture(scope="module")
+def server(served) -> str:
+    return served[1]
+
+
+@contextmanager
+def engine_paused(server_pid: int):
+    """The engine process stopped (SIGSTOP) inside the block: the front end goes on, and what
+    it sends the engine waits, as during a long step; resumed however the block ends."""
+    (pid,) = [p for p in child_pids(server_pid)  # (not multiprocessing's resource tracker)
+              if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def info(url: str) -> dict:
+    return httpx.get(url + "/server_info", timeout=5).json()
+
+
+def decoded(url: str) -> int:
+    """Tokens the engine decoded since it started."""
+    return info(url)["scheduler"]["decode_tokens"]
+
+
+def idle(url: str, deadline_s: float = 3.0) -> dict:
+    """/server_info once nothing runs or waits, with the pool balanced and no KV held by a
+    request; fails if that takes longer than `deadline_s` (a request was not aborted)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        got = info(url)
+        if got["running"] == 0 and got["waiting"] == 0:
+            break
+        assert time.monotonic() < end, f"still busy after {deadline_s} s: {got['running']} " \
+                                       f"running, {got['waiting']} waiting"
+        time.sleep(0.02)
+    pool = got["pool"]
+    assert pool["balanced"] and pool["private"] == 0 and pool["protected"] == 0, pool
+    return got
+
+
+def aborted_by_disconnect(url: str) -> float:
+    metrics = httpx.get(url + "/metrics", timeout=5).text
+    return float(next(line.rsplit(" ", 1)[1] for line in metrics.splitlines() if line.startswith(
+        "phaseflip_aborted_requests_total{") and 'reason="client_disconnect"' in line))
+
+
+def stream_and_leave(url: str, path: str, body: dict, events: int = 4) -> list[str]:
+    """Streams `body` and hangs up after `events` data lines; returns them."""
+    seen = []
+    with httpx.stream("POST", url + path, json=body, timeout=10) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                seen.append(line[6:])
+                if len(seen) == events:
+                    break
+    assert len(seen) == events, seen  # (it hung up mid-answer, not after the end)
+    return seen
+
+
+def post_and_leave(url: str, path: str, body: dict, after_s: float = 0.3) -> None:
+    """Posts `body` and hangs up after `after_s`, before the answer."""
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + path, json=body, timeout=httpx.Timeout(10, read=after_s))
+
+
+def assert_aborted(url: str, before: int, sequences: int, engine_requests: int,
+                   aborts_before: float) -> None:
+    """The engine went idle soon, far short of the `LONG` tokens of each sequence, and each
+    engine request (one per prompt) counts as aborted by a client that left."""
+    idle(url)
+    assert decoded(url) - before < sequences * LONG // 2
+    assert aborted_by_disconnect(url) - aborts_before == engine_requests
+
+
+# ------------------------------------------------------------------ /v1/responses
+def test_a_streamed_response_whose_client_left_is_aborted_and_not_stored(server):
+    """Aborted in the engine; and not kept: the answer never ended, so there is nothing
+    `previous_response_id` or GET could continue from (vLLM's store, too, only keeps an
+    answer once it is whole; a client gone before the end cancels it)."""
+    before, aborts = decoded(server), aborted_by_disconnect(server)
+    body = {"model": MODEL, "input": "Tell", "stream": True, "max_output_tokens": LONG,
+            "ignore_eos": True, "store": True}
+    events = [json.loads(e) for e in stream_and_leave(server, "/v1/responses", body, 6)]
+    assert events[-1]["type"] == "response.output_text.delta"
+    assert_aborted(server, before, 1, 1, aborts)
+    response_id = events[0]["response"]["id"]
+    assert httpx.get(f"{server}/v1/responses/{response_id}").status_code == 404
+
+
+def test_a_response_whose_client_left_before_the_answer_is_aborted(server):
+    before, aborts = decoded(server), aborted_by_disconnect(server)
+    post_and_leave(server, "/v1/responses", {"model": MODEL, "input": "Tell",
+                                             "max_output_tokens": LONG, "ignore_eos": True})
+    assert_aborted(server, before, 1, 1, aborts)
+
+
+# ------------------------------------------------------------------ /generate
+def test_a_streamed_batch_whose_client_left_is_aborted_and_frees_its_rid(server):
+    """Every prompt and sample is aborted, and the batch's rid is free again: it was kept
+    for ever (a 400 "already in flight" to each later request of that rid) when the stream's
+    cancellation, repeated at each await, skipped the code that let it go."""
+    rid = f"batch-{uuid.uuid4().hex[:8]}"
+    body = {"text": ["Tell", "Say"], "rid": rid, "stream": True,
+            "sampling_params": {**LONG_PARAMS, "n": 2, "temperature": 1.0}}
+    before, aborts = decoded(server), aborted_by_disconnect(server)
+    stream_and_leave(server, "/generate", body)
+    assert_aborted(server, before, 4, 2, aborts)
+    again = httpx.post(server + "/generate", timeout=10, json={
+        "text": ["Tell", "Say"], "rid": rid, "sampling_params": {"max_new_tokens": 2}})
+    assert again.status_code == 200, again.text
+    assert [o["meta_info"]["id"] for o in again.json()] == [f"{rid}-0", f"{rid}-1"]
+
+
+def test_a_batch_whose_client_left_before_the_answer_is_aborted(server):
+    before, aborts = decoded(server), aborted_by_disconnect(server)
+    post_and_leave(server, "/generate", {"text": ["Tell", "Say", "Go"],
+                                         "sampling_params": LONG_PARAMS})
+    assert_aborted(server, before, 3, 3, aborts)
+
+
+def test_a_rid_reused_right_after_its_client_left_gets_its_own_answer(served):
+    """A client hangs up and at once retries with the same rid, while the engine is still in
+    a step (paused here, to make the race certain): the retry gets a 400 until the engine has
+    ended the old request, then its own answer; never the old request's end ("abort", which
+    ended the retry at once while the engine ran it on for nobody)."""
+    proc, url = served
+    rid = f"retry-{uuid.uuid4().hex[:8]}"
+    retry = {"text": "Tell", "rid": rid, "sampling_params": {"max_new_tokens": 5,
+                                                             "ignore_eos": True}}
+    stream = {"text": "Tell", "rid": rid, "stream": True, "sampling_params": LONG_PARAMS}
+    with ThreadPoolExecutor(1) as pool, httpx.stream("POST", url + "/generate", json=stream,
+                                                     timeout=10) as r:
+        assert next(line for line in r.iter_lines() if line.startswith("data: "))
+        with engine_paused(proc.pid):
+            r.close()  # hang up: the front end aborts the request, the engine sees it later
+            end = time.monotonic() + 3  # until the front end has let the stream go (a 200
+            # meanwhile aborts it once more, which changes nothing)
+            while httpx.post(url + "/abort_request", json={"rid": rid}).status_code != 404:
+                assert time.monotonic() < end, "the stream's request is still in flight"
+                time.sleep(0.02)
+            first = pool.submit(httpx.post, url + "/generate", json=retry, timeout=10)
+            time.sleep(0.3)  # (it reaches the engine's inbox, if it is let through)
+        r = first.result(timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "rid", r.text
+    idle(url)
+    r = httpx.post(url + "/generate", json=retry, timeout=10)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}, out
+    assert len(out["output_ids"]) == 5
+    idle(url)
+
+
+# ------------------------------------------------------------------ under load
+async def _one(client: httpx.AsyncClient, i: int, leave: bool) -> str:
+    """One streamed request, of /v1/responses, /generate (two prompts, or n = 2) or chat;
+    one that leaves asks for `LONG` tokens and hangs up after a few events."""
+    tokens = LONG if leave else 12
+    kind = i % 4
+    if kind == 0:
+        path, body = "/v1/responses", {"model": MODEL, "input": f"Tell {i}", "stream": True,
+                                       "max_output_tokens": tokens, "ignore_eos": True}
+    elif kind == 1:
+        path, body = "/generate", {"text": [f"a {i}", f"b {i}"], "stream": True,
+                                   "sampling_params": {"max_new_tokens": tokens,
+                                                       "ignore_eos": True}}
+    elif kind == 2:
+        path, body = "/generate", {"text": f"c {i}", "stream": True, "sampling_params": {
+            "max_new_tokens": tokens, "ignore_eos": True, "n": 2, "temperature": 1.0}}
+    else:
+        path, body = "/v1/chat/completions", {
+            "model": MODEL, "stream": True, "max_tokens": tokens, "ignore_eos": True,
+            "messages": [{"role": "user", "content": f"q{i}"}]}
+    events, last = 0, ""
+    async with client.stream("POST", path, json=body) as r:
+        if r.status_code != 200:
+            return f"status {r.status_code}"
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events, last = events + 1, line[6:]
+                if leave and events == 4:  # (some of its tokens came)
+                    return "left"
+    if path == "/v1/responses":
+        return "done" if json.loads(last)["type"] == "response.incomplete" else last
+    return "done" if last == "[DONE]" else last
+
+
+def test_a_hundred_streams_a_third_leaving(server):
+    """Every request is answered to its end or aborted: none is lost, nothing runs or waits
+    afterwards, and the pool balances."""
+    leave = [r < 1 / 3 for r in (random.Random(7).random() for _ in range(100))]
+
+    async def main() -> list[str]:
+        limits = httpx.Limits(max_connections=120)
+        async with httpx.AsyncClient(base_url=server, timeout=20, limits=limits) as client:
+            return await asyncio.wait_for(asyncio.gather(
+                *(_one(client, i, leave[i]) for i in range(100))), 30)
+
+    before = decoded(server)
+    results = asyncio.run(main())
+    assert results == ["left" if x else "done" for x in leave]
+    got = idle(server)
+    assert got["scheduler"]["decode_tokens"] - before < sum(leave) * LONG // 4
+    abort_all = httpx.post(server + "/abort_request", json={"abort_all": True}, timeout=5)
+    assert abort_all.json()["aborted"] == []  # nothing left in flight in the front end
