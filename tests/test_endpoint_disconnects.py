@@ -246,3 +246,28 @@ def test_a_hundred_streams_a_third_leaving(server):
     assert got["scheduler"]["decode_tokens"] - before < sum(leave) * LONG // 4
     abort_all = httpx.post(server + "/abort_request", json={"abort_all": True}, timeout=5)
     assert abort_all.json()["aborted"] == []  # nothing left in flight in the front end
+
+
+def test_a_request_cancelled_before_the_engine_took_it_leaves_no_entry(tmp_path):
+    """A request cancelled while its `AddRequest` waits for room on the socket (no engine
+    reading: a full queue) sent nothing, so nothing is aborted and its id is free again
+    (was: the send ran before the cleanup's `try`, and the id stayed in flight for good)."""
+    from phaseflip.sampling.params import SamplingParams
+    from phaseflip.server.engine_client import EngineClient
+
+    async def go() -> None:
+        client = EngineClient(f"ipc://{tmp_path}/req", f"ipc://{tmp_path}/out", None)
+        try:
+            gen = client.generate("r1", [1, 2, 3], SamplingParams(max_new_tokens=4))
+            task = asyncio.create_task(gen.__anext__())
+            await asyncio.sleep(0.1)  # blocked in the send: no peer takes the message
+            assert "r1" in client.state.in_flight and not task.done()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await gen.aclose()
+            assert not client.in_use("r1") and client.state.widths == {}
+        finally:
+            await client.close()
+
+    asyncio.run(asyncio.wait_for(go(), 10))

@@ -141,9 +141,10 @@ class EngineClient:
         q: asyncio.Queue = asyncio.Queue()
         self.state.in_flight[rid] = q
         self.state.widths[rid] = params.n
-        await self.out.send(m.encode(m.AddRequest(rid, prompt_ids, params)))
-        done = False
-        try:
+        done = sent = False
+        try:  # (a send cancelled while the socket is full sends nothing: nothing to abort)
+            await self.out.send(m.encode(m.AddRequest(rid, prompt_ids, params)))
+            sent = True
             while not done:
                 item = await q.get()
                 if isinstance(item, m.RequestFailed):
@@ -158,7 +159,7 @@ class EngineClient:
         finally:
             self.state.in_flight.pop(rid, None)
             self.state.widths.pop(rid, None)
-            if not done:
+            if sent and not done:
                 self._leave(rid, q)
                 await self.abort(rid)
 
