@@ -339,58 +339,60 @@ def _poll_during_flip(httpx, url: str, flip_call) -> dict:
 
 def test_admin_flip_over_http_under_load():
     """`POST /admin/flip` while a completion streams: the completion ends with the text of an
-    unflipped server; bad bodies and targets get 4xx with a message."""
+    unflipped server (the same server's, before its first flip); bad bodies and targets get
+    4xx with a message."""
     import concurrent.futures
 
     import httpx
 
     from tests.server_process import start_server, stop_server
 
-    body = {"model": "tiny-llama", "prompt": "def main():", "max_tokens": 300, "temperature": 0,
+    # 150 tokens: ~2.7 s of tp2 decode on a 2-core box, the flip is sent at 0.3 s
+    body = {"model": "tiny-llama", "prompt": "def main():", "max_tokens": 150, "temperature": 0,
             "ignore_eos": True}
     args = ("--tp-size", "2", "--enable-flip", "--enable-hicache", "--hicache-host-gb", "0.01")
-    texts = []
-    for flip in (False, True):
-        proc, url = start_server(*args)
-        try:
-            with concurrent.futures.ThreadPoolExecutor(1) as pool, \
-                    concurrent.futures.ThreadPoolExecutor(1) as pool_flip:
-                fut = pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=120)
-                if flip:
-                    time.sleep(0.3)  # the completion is under way
-                    flip_call = pool_flip.submit(
-                        httpx.post, url + "/admin/flip", json={"tp_size": 1, "pp_size": 2},
-                        timeout=120)
-                    seen = _poll_during_flip(httpx, url, flip_call)
-                    r = flip_call.result()
-                    assert r.status_code == 200, r.text
-                    # the status endpoints answered 200 throughout (_poll_during_flip). Whether
-                    # a poll lands inside the seam depends on its length (0.05-0.2 s on CPU since
-                    # ranks persist): the mid-seam answers (flip_in_progress, 409) are checked
-                    # deterministically, with the engine frozen, in tests/test_flip_guard.py
-                    assert set(seen) == {"info", "conflict"}
-                    census = r.json()
-                    assert census["target"] == "tp1×pp2" and census["rows_moved"] == 0
-                    assert census["retracted"] == 1, census  # it flipped under the request
-                    assert census["worst_segment"] in census["segments"]
-                texts.append(fut.result().json()["choices"][0]["text"])
-            if flip:
-                for bad in ({"tp_size": 1, "pp_size": 2}, {"tp_size": 4, "pp_size": 1}):
-                    r = httpx.post(url + "/admin/flip", json=bad, timeout=30)
-                    assert r.status_code == 400 and r.json()["error"]["message"], r.text
-                r = httpx.post(url + "/admin/flip", json={"tp_size": "2"}, timeout=30)
-                assert r.status_code in (400, 422), r.text
-                info = httpx.get(url + "/server_info", timeout=30).json()
-                assert (info["config"]["tp_size"], info["config"]["pp_size"]) == (1, 2)
-                # a manual flip's seam is busy time: idle, a flip back adds at least its seam
-                back = httpx.post(url + "/admin/flip", json={"tp_size": 2, "pp_size": 1},
-                                  timeout=120)
-                assert back.status_code == 200, back.text
-                busy = httpx.get(url + "/server_info", timeout=30).json()["busy_s"]
-                assert busy - info["busy_s"] >= back.json()["total_s"] > 0
-        finally:
-            stop_server(proc)
-    assert texts[0] == texts[1] and texts[0]
+    proc, url = start_server(*args)
+    try:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        unflipped = r.json()["choices"][0]["text"]
+        # the next completion starts with an empty prefix cache, as on a fresh server
+        assert httpx.post(url + "/flush_cache", timeout=30).status_code == 200
+        with concurrent.futures.ThreadPoolExecutor(1) as pool, \
+                concurrent.futures.ThreadPoolExecutor(1) as pool_flip:
+            fut = pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=120)
+            time.sleep(0.3)  # the completion is under way
+            flip_call = pool_flip.submit(
+                httpx.post, url + "/admin/flip", json={"tp_size": 1, "pp_size": 2},
+                timeout=120)
+            _poll_during_flip(httpx, url, flip_call)
+            r = flip_call.result()
+            assert r.status_code == 200, r.text
+            # the status endpoints answered 200 throughout (_poll_during_flip). Whether a poll
+            # lands inside the seam depends on its length (0.05-0.2 s on CPU since ranks
+            # persist): the mid-seam answers (flip_in_progress, 409) are checked
+            # deterministically, with the engine frozen, in tests/test_flip_guard.py
+            census = r.json()
+            assert census["target"] == "tp1×pp2" and census["rows_moved"] == 0
+            assert census["retracted"] == 1, census  # it flipped under the request
+            assert census["worst_segment"] in census["segments"]
+            flipped = fut.result().json()["choices"][0]["text"]
+        for bad in ({"tp_size": 1, "pp_size": 2}, {"tp_size": 4, "pp_size": 1}):
+            r = httpx.post(url + "/admin/flip", json=bad, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["message"], r.text
+        r = httpx.post(url + "/admin/flip", json={"tp_size": "2"}, timeout=30)
+        assert r.status_code in (400, 422), r.text
+        info = httpx.get(url + "/server_info", timeout=30).json()
+        assert (info["config"]["tp_size"], info["config"]["pp_size"]) == (1, 2)
+        # a manual flip's seam is busy time: idle, a flip back adds at least its seam
+        back = httpx.post(url + "/admin/flip", json={"tp_size": 2, "pp_size": 1},
+                          timeout=120)
+        assert back.status_code == 200, back.text
+        busy = httpx.get(url + "/server_info", timeout=30).json()["busy_s"]
+        assert busy - info["busy_s"] >= back.json()["total_s"] > 0
+    finally:
+        stop_server(proc)
+    assert flipped == unflipped and unflipped
 
 
 @pytest.mark.parametrize("strategy", ["peer", "reload", "resident"])
@@ -471,9 +473,15 @@ def test_auto_policy_flips_a_server_by_itself():
             "0.001", "--flip-seed-to-tp-s", "0.001", "--flip-min-dwell-s", "0",
             "--flip-min-dwell-steps", "1")
     texts, infos = [], []
-    for args in (base, base + auto):
-        proc, url = start_server(*args)
-        try:
+    # both servers start (and stop) side by side, ~7 s less than one after the other; each
+    # serves its completions alone (an idle server takes ~2 % of a core)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        starts = [pool.submit(start_server, *args) for args in (base, base + auto)]
+    procs = [f.result()[0] for f in starts if f.exception() is None]
+    try:
+        for start in starts:
+            url = start.result()[1]  # (raises if that server did not start)
+
             def complete(prompt: str, url: str = url) -> str:
                 r = httpx.post(url + "/v1/completions", timeout=180, json={
                     "model": "tiny-llama", "prompt": prompt, "max_tokens": 24,
@@ -484,8 +492,9 @@ def test_auto_policy_flips_a_server_by_itself():
             with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
                 texts.append(list(pool.map(complete, prompts)))
             infos.append(httpx.get(url + "/server_info", timeout=30).json())
-        finally:
-            stop_server(proc)
+    finally:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            list(pool.map(stop_server, procs))
     assert texts[0] == texts[1] and all(texts[0])
     manual, policy = infos[0]["flip_policy"], infos[1]["flip_policy"]
     assert manual["policy"] == "manual" and manual["flips"] == 0

@@ -23,7 +23,9 @@ from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 
 from tests.server_process import start_server, stop_server  # noqa: E402
 
-EXAMPLES = int(os.environ.get("PHASEFLIP_FUZZ_EXAMPLES", "200"))
+# per operation: with seed 23, 80 get every (operation, status code) pair that 200 get (the
+# same 29, in 40 % of the time); 60 lose one (chat's 404)
+EXAMPLES = int(os.environ.get("PHASEFLIP_FUZZ_EXAMPLES", "80"))
 
 
 @pytest.fixture(scope="module")
