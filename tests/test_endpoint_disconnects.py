@@ -271,3 +271,97 @@ def test_a_request_cancelled_before_the_engine_took_it_leaves_no_entry(tmp_path)
             await client.close()
 
     asyncio.run(asyncio.wait_for(go(), 10))
+
+
+async def _client_and_fake_engine(tmp_path):
+    """An `EngineClient` and the two sockets an engine process would hold."""
+    import zmq
+    import zmq.asyncio
+
+    from phaseflip.server.engine_client import EngineClient
+
+    client = EngineClient(f"ipc://{tmp_path}/req", f"ipc://{tmp_path}/out", None)
+    ctx = zmq.asyncio.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(f"ipc://{tmp_path}/req")
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.connect(f"ipc://{tmp_path}/out")
+    client.start()
+    return client, inbox, outbox
+
+
+def test_a_request_failed_off_the_loop_keeps_its_id_until_its_abort_comes(tmp_path):
+    """A grammar that fails to compile off the loop: the engine sends the 400 at once and the
+    request's abort deltas at the end of its step. In between, a retry of the id is refused
+    (was: accepted, and handed the old request's abort)."""
+    from phaseflip.engine.outputs import StreamDelta, Usage
+    from phaseflip.errors import InvalidRequestError
+    from phaseflip.sampling.params import SamplingParams
+    from phaseflip.server import messages as m
+
+    async def go() -> None:
+        client, inbox, outbox = await _client_and_fake_engine(tmp_path)
+        try:
+            gen = client.generate("g", [1, 2, 3], SamplingParams(max_new_tokens=4))
+            first = asyncio.create_task(gen.__anext__())
+            assert isinstance(m.decode(await inbox.recv()), m.AddRequest)
+            await outbox.send(m.encode(m.RequestFailed(
+                "g", "invalid_request_error", "bad grammar", "response_format", True)))
+            with pytest.raises(InvalidRequestError):
+                await first
+            assert client.in_use("g")  # its abort deltas are still to come
+            await outbox.send(m.encode(m.Deltas([StreamDelta(
+                "g", 0, "", [], finish_reason="abort", usage=Usage(3, 0, 0))])))
+            for _ in range(100):
+                if not client.in_use("g"):
+                    break
+                await asyncio.sleep(0.01)
+            assert not client.in_use("g")
+        finally:
+            inbox.close(linger=0)
+            outbox.close(linger=0)
+            await client.close()
+
+    asyncio.run(asyncio.wait_for(go(), 10))
+
+
+def test_a_request_sent_as_its_consumer_is_cancelled_is_aborted(tmp_path):
+    """The socket completes a waiting `AddRequest` in the same loop turn as the consumer is
+    cancelled: the request went out, so it is aborted and its id held until the engine ends
+    it (was: taken for unsent; the engine ran it to its end for nobody)."""
+    import zmq
+    import zmq.asyncio
+
+    from phaseflip.sampling.params import SamplingParams
+    from phaseflip.server import messages as m
+    from phaseflip.server.engine_client import EngineClient
+
+    async def go() -> None:
+        client = EngineClient(f"ipc://{tmp_path}/req", f"ipc://{tmp_path}/out", None)
+        client.start()
+        send, consumer = client.out.send, {}
+
+        def cancel_on_send(data, *a, **k):
+            fut = send(data, *a, **k)
+            if isinstance(m.decode(data), m.AddRequest):
+                fut.add_done_callback(lambda _: consumer["task"].cancel())
+            return fut
+
+        client.out.send = cancel_on_send
+        inbox = zmq.asyncio.Context().socket(zmq.PULL)
+        try:
+            gen = client.generate("s", [1, 2, 3], SamplingParams(max_new_tokens=4))
+            consumer["task"] = task = asyncio.create_task(gen.__anext__())
+            await asyncio.sleep(0.1)  # the send waits: no engine yet
+            inbox.connect(f"ipc://{tmp_path}/req")  # the engine comes; the send completes
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await gen.aclose()
+            got = [type(m.decode(await asyncio.wait_for(inbox.recv(), 2))) for _ in range(2)]
+            assert got == [m.AddRequest, m.AbortRequest]
+            assert client.in_use("s")  # until the engine's end of it arrives
+        finally:
+            inbox.close(linger=0)
+            await client.close()
+
+    asyncio.run(asyncio.wait_for(go(), 10))

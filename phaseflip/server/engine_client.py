@@ -89,12 +89,14 @@ class EngineClient:
                     q = self.state.in_flight.get(d.request_id)
                     if q is not None:
                         q.put_nowait(d)
-                    elif d.usage is not None:  # (a request's last delta carries its usage)
+                    if d.usage is not None:  # (a request's last delta carries its usage)
                         self.state.leaving.discard(d.request_id)
             elif isinstance(msg, m.RequestFailed):
                 q = self.state.in_flight.get(msg.rid)
                 if q is not None:
                     q.put_nowait(msg)
+                if msg.ends_later and not self.state.dead:  # taken until its end comes
+                    self.state.leaving.add(msg.rid)
                 else:
                     self.state.leaving.discard(msg.rid)
             elif isinstance(msg, m.ControlReply):
@@ -142,9 +144,14 @@ class EngineClient:
         self.state.in_flight[rid] = q
         self.state.widths[rid] = params.n
         done = sent = False
-        try:  # (a send cancelled while the socket is full sends nothing: nothing to abort)
-            await self.out.send(m.encode(m.AddRequest(rid, prompt_ids, params)))
-            sent = True
+        try:
+            # a send cancelled while the socket is full sends nothing (nothing to abort); one
+            # the socket completed just as the consumer was cancelled did go out
+            fut = self.out.send(m.encode(m.AddRequest(rid, prompt_ids, params)))
+            try:
+                await fut
+            finally:
+                sent = fut.done() and not fut.cancelled() and fut.exception() is None
             while not done:
                 item = await q.get()
                 if isinstance(item, m.RequestFailed):

@@ -65,7 +65,8 @@ class EngineServer:
         self.core = EngineCore(cfg, model_cfg, load_tokenizer(cfg.model))
         # (the loop's thread: manual and automatic flips both run in it)
         self.core.seam_listener = lambda target: self.send(m.FlipState(target))
-        self.core.request_failed = self._request_failed  # (a grammar that failed to compile)
+        # a grammar that failed to compile: the request's abort deltas follow
+        self.core.request_failed = lambda rid, e: self._request_failed(rid, e, ends_later=True)
         self.watchdog = StepWatchdog(cfg.watchdog_timeout_s, self._on_stall)
         self.trace_after_s = float(os.environ.get(TRACE_ENV) or 0) or None
         # wall seconds inside steps and flips since launch: a workload's
@@ -170,10 +171,10 @@ class EngineServer:
                     return False
                 self.send(self._control(msg))
 
-    def _request_failed(self, rid: str, e: PhaseflipError) -> None:
+    def _request_failed(self, rid: str, e: PhaseflipError, ends_later: bool = False) -> None:
         """The client's 4xx: sent before any delta of the request."""
         self.send(m.RequestFailed(rid, "invalid_request_error", str(e),
-                                  getattr(e, "param", None)))
+                                  getattr(e, "param", None), ends_later))
 
     def _control(self, msg: m.Control) -> m.ControlReply:
         sched, kv = self.core.scheduler, self.core.kv

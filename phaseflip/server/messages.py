@@ -68,6 +68,9 @@ class RequestFailed:
     kind: str  # "invalid_request_error" or "server_error"
     message: str
     param: str | None = None
+    # admitted before it failed (a grammar that failed off the loop): its abort deltas, the
+    # last with usage, still follow, and its id stays taken until they have come
+    ends_later: bool = False
 
 
 @dataclass
