@@ -96,9 +96,10 @@ def test_device_scripts_use_flags_the_benchmarks_have(script: Path) -> None:
         args = re.sub(r"--serve-args '[^']*'", "--serve-args S", args)
         known = _flags(_parser_of(module))
         problems += [f"{module} {f}" for f in FLAG.findall(args) if f not in known]
-        problems += [f"{module} --engine-arg {k}" for k in
-                     re.findall(r"--engine-arg ([a-z_0-9]+)=", args)
-                     if k not in _engine_options()]
+        for pair in re.findall(r"--engine-arg[ =](\S+)", args):
+            key, sep, _ = pair.partition("=")
+            if not sep or key not in _engine_options():
+                problems.append(f"{module} --engine-arg {pair}")
         problems += [f"serve {f}" for s in serve for f in FLAG.findall(s)
                      if f not in _serve_flags()]
     assert not problems, f"{script.name}: unknown flags {sorted(set(problems))}"
