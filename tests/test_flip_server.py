@@ -34,6 +34,15 @@ def _poll_during_flip(httpx, url: str, flip_call) -> dict:
     return seen
 
 
+def _wait_running(httpx, url: str, deadline_s: float = 30.0) -> None:
+    """Returns once the engine runs a request (not a fixed sleep: a slow box may not have
+    admitted it yet, a fast one may have finished it)."""
+    end = time.monotonic() + deadline_s
+    while httpx.get(url + "/server_info", timeout=5).json()["running"] < 1:
+        assert time.monotonic() < end, "the completion never started running"
+        time.sleep(0.01)
+
+
 def test_admin_flip_over_http_under_load():
     """`POST /admin/flip` while a completion streams: the completion ends with the text of an
     unflipped server (the same server's, before its first flip); bad bodies and targets get
@@ -41,7 +50,7 @@ def test_admin_flip_over_http_under_load():
 
 
 
-    # 150 tokens: ~2.7 s of tp2 decode on a 2-core box, the flip is sent at 0.3 s
+    # 150 tokens: ~2.7 s of tp2 decode on a 2-core box, the flip is sent once it runs
     body = {"model": "tiny-llama", "prompt": "def main():", "max_tokens": 150, "temperature": 0,
             "ignore_eos": True}
     args = ("--tp-size", "2", "--enable-flip", "--enable-hicache", "--hicache-host-gb", "0.01")
@@ -55,7 +64,7 @@ def test_admin_flip_over_http_under_load():
         with concurrent.futures.ThreadPoolExecutor(1) as pool, \
                 concurrent.futures.ThreadPoolExecutor(1) as pool_flip:
             fut = pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=120)
-            time.sleep(0.3)  # the completion is under way
+            _wait_running(httpx, url)  # the completion is under way
             flip_call = pool_flip.submit(
                 httpx.post, url + "/admin/flip", json={"tp_size": 1, "pp_size": 2},
                 timeout=120)
