@@ -149,6 +149,22 @@ def test_streamed_tool_calls_assemble_to_the_whole_answer(client, choice) -> Non
             assert reasons[c.index] == c.finish_reason == want
 
 
+def test_a_required_call_cut_by_a_stop_string_does_not_say_tool_calls(client) -> None:
+    """A user stop "}" cuts the required call inside its arguments: the reason stays "stop"
+    (whole and streamed), so a client does not run a call whose arguments are not whole."""
+    kwargs = {"model": "tiny-llama", "messages": USER, "tools": [WEATHER, TIME],
+              "tool_choice": "required", "temperature": 1.0, "seed": 5, "stop": ["}"],
+              "max_completion_tokens": 120}
+    c = client.chat.completions.create(**kwargs).choices[0]
+    (call,) = c.message.tool_calls
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(call.function.arguments)
+    assert c.finish_reason == "stop"
+    reasons = [ch.finish_reason for chunk in client.chat.completions.create(**kwargs, stream=True)
+               for ch in chunk.choices if ch.finish_reason]
+    assert reasons == ["stop"]
+
+
 class GetWeather(BaseModel):
     city: str = Field(max_length=12)
     unit: Literal["c", "f"]

@@ -414,7 +414,7 @@ def _chat_message(plan: tools.ToolPlan | None,
     if not calls:
         return p.ChatResponseMessage(content=content), c.finish_reason
     return (p.ChatResponseMessage(content=content, tool_calls=tools.tool_calls(calls)),
-            plan.finish_reason(c.finish_reason, True))
+            plan.finish_reason(c.finish_reason, True, c.text))
 
 
 async def _chat(ctx, req: p.ChatCompletionRequest, run: PromptRun,
@@ -458,7 +458,7 @@ async def _stream_chat(ctx, req: p.ChatCompletionRequest, run: PromptRun,
             streamer = streamers[d.index]
             content, calls = streamer.feed(d.text, d.finish_reason is not None)
             calls = calls or None
-            reason = plan.finish_reason(reason, bool(streamer.calls))
+            reason = plan.finish_reason(reason, bool(streamer.calls), streamer.text)
         if content or calls or lp is not None or reason:
             yield chunk([p.ChatCompletionStreamChoice(
                 index=d.index, delta=p.DeltaMessage(content=content, tool_calls=calls),

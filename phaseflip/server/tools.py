@@ -52,11 +52,16 @@ class ToolPlan:
         fn = next(f for f in self.tools if f["name"] == name)
         return fn.get("parameters") or {"type": "object", "properties": {}}
 
-    def finish_reason(self, reason: str | None, called: bool) -> str | None:
+    def finish_reason(self, reason: str | None, called: bool, text: str) -> str | None:
         """An answer that called tools and ended by itself finishes with "tool_calls", except
         under a named tool_choice, where OpenAI (and vLLM after it) says "stop": clients
-        that branch on the reason see what they would from OpenAI."""
-        return "tool_calls" if called and reason == "stop" and self.mode != "named" else reason
+        that branch on the reason see what they would from OpenAI. A required call cut short
+        by a user stop string (its `text` not a whole call) says "stop": a client told
+        "tool_calls" would run arguments that are not whole."""
+        if self.mode == "named" or reason != "stop" or not called:
+            return reason
+        whole = self.mode != "required" or _json_object(text) is not None
+        return "tool_calls" if whole else reason
 
 
 def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
