@@ -283,6 +283,20 @@ def test_generate_speaks_sglang(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprob_start_len"
 
 
+def test_generate_stream_says_cached_tokens_from_its_first_chunk(server):
+    """SGLang's stream carries the prefix cache's share in every chunk's meta_info, not 0
+    until the last (a client watching cache hits reads the first chunk)."""
+    body = {"text": "The cached prefix of this prompt " * 6,
+            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+    assert httpx.post(server + "/generate", json=body, timeout=60).status_code == 200
+    with httpx.stream("POST", server + "/generate", timeout=60,
+                      json=body | {"stream": True}) as r:
+        metas = [json.loads(line[6:])["meta_info"] for line in r.iter_lines()
+                 if line.startswith("data: {")]
+    cached = [m["cached_tokens"] for m in metas]
+    assert cached[-1] > 0 and cached == [cached[-1]] * len(cached), cached
+
+
 def test_abort_all(server):
     body = {"text": "Tell", "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
 

@@ -185,6 +185,8 @@ class OutputProcessor:
             lps, tops = req.output_logprobs[sent:], req.output_top_logprobs[sent:]
         delta = StreamDelta(group.rid, req.index, new_text, req.output_ids[sent:], lps, tops,
                             req.finish_reason, req.matched_stop)
+        if sent == 0:  # known since admission: a stream can say it before the usage comes
+            delta.cached_tokens = group.reqs[0].cached_tokens
         if req.index == 0 and req.prompt_logprobs is not None and not req.prompt_lp_sent and (
             not req.wants_prompt_logprobs or finished
         ):

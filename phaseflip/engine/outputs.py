@@ -62,3 +62,4 @@ class StreamDelta:
     prompt_logprobs: list[float | None] | None = None  # once, when computed, if asked
     prompt_top_logprobs: list[TopLogprobs | None] | None = None
     usage: Usage | None = None  # on the request's last delta
+    cached_tokens: int | None = None  # on each sample's first delta: the prefix cache's share

@@ -111,7 +111,7 @@ def _meta(ctx: ServerContext, req: p.GenerateRequest, run: PromptRun, c: Choice,
     out = {"id": run.rid, "finish_reason": _finish(c) if finished else None,
            "matched_stop": c.stop_reason if finished else None,
            "prompt_tokens": len(run.prompt_ids), "completion_tokens": len(c.token_ids),
-           "cached_tokens": run.usage.cached_tokens if run.usage else 0}
+           "cached_tokens": run.usage.cached_tokens if run.usage else c.cached_tokens}
     if not req.return_logprob:
         return out
     entry = _entries(ctx, req.return_text_in_logprobs, {} if texts is None else texts)

@@ -35,8 +35,11 @@ class Choice:
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    cached_tokens: int = 0  # from the first delta, until the usage comes
 
     def add(self, d: StreamDelta) -> None:
+        if d.cached_tokens is not None:
+            self.cached_tokens = d.cached_tokens
         self.text += d.text
         self.token_ids += d.token_ids
         self.logprobs += d.logprobs or []
