@@ -173,7 +173,10 @@ def test_a_rid_reused_right_after_its_client_left_gets_its_own_answer(served):
     stream = {"text": "Tell", "rid": rid, "stream": True, "sampling_params": LONG_PARAMS}
     with ThreadPoolExecutor(1) as pool, httpx.stream("POST", url + "/generate", json=stream,
                                                      timeout=10) as r:
-        assert next(line for line in r.iter_lines() if line.startswith("data: "))
+        # `lines` held: a dropped line iterator closes the connection when it is collected
+        # (httpcore closes on GeneratorExit), a hang-up before the engine is paused
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
         with engine_paused(proc.pid):
             r.close()  # hang up: the front end aborts the request, the engine sees it later
             end = time.monotonic() + 3  # until the front end has let the stream go (a 200
