@@ -368,3 +368,33 @@ def test_a_request_sent_as_its_consumer_is_cancelled_is_aborted(tmp_path):
             await client.close()
 
     asyncio.run(asyncio.wait_for(go(), 10))
+
+
+def test_a_consumer_leaving_after_the_end_came_sends_no_abort(tmp_path):
+    """The engine's end is already in the request's queue when its consumer leaves (a client
+    hanging up as the answer finished): nothing is aborted (the engine forgot the id; an
+    abort would be a stray message) and the id is free at once."""
+    from phaseflip.engine.outputs import StreamDelta, Usage
+    from phaseflip.sampling.params import SamplingParams
+    from phaseflip.server import messages as m
+
+    async def go() -> None:
+        client, inbox, outbox = await _client_and_fake_engine(tmp_path)
+        try:
+            gen = client.generate("e", [1, 2, 3], SamplingParams(max_new_tokens=2))
+            first = asyncio.create_task(gen.__anext__())
+            assert isinstance(m.decode(await inbox.recv()), m.AddRequest)
+            await outbox.send(m.encode(m.Deltas([
+                StreamDelta("e", 0, "a", [7]),
+                StreamDelta("e", 0, "b", [8], finish_reason="length", usage=Usage(3, 2, 0))])))
+            assert (await first).token_ids == [7]  # the end waits in the queue
+            await gen.aclose()  # the consumer leaves
+            assert not client.in_use("e")
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(inbox.recv(), 0.3)  # no abort was sent
+        finally:
+            inbox.close(linger=0)
+            outbox.close(linger=0)
+            await client.close()
+
+    asyncio.run(asyncio.wait_for(go(), 10))

@@ -166,19 +166,21 @@ class EngineClient:
         finally:
             self.state.in_flight.pop(rid, None)
             self.state.widths.pop(rid, None)
-            if sent and not done:
-                self._leave(rid, q)
+            if sent and not done and self._leave(rid, q):
                 await self.abort(rid)
 
-    def _leave(self, rid: str, q: asyncio.Queue) -> None:
-        """The consumer of `rid` stops before its end (it is aborted next): the id stays in
-        `leaving` until the engine's end of it arrives, unless that is in `q` already."""
+    def _leave(self, rid: str, q: asyncio.Queue) -> bool:
+        """The consumer of `rid` stops before its end: whether the engine still runs it (to
+        be aborted next). The id stays in `leaving` until the engine's end of it arrives;
+        an end already in `q` means nothing is left to abort."""
         while not q.empty():
             item = q.get_nowait()
             if isinstance(item, m.RequestFailed) or item.usage is not None:
-                return
-        if not self.state.dead:
-            self.state.leaving.add(rid)
+                return False
+        if self.state.dead:
+            return False
+        self.state.leaving.add(rid)
+        return True
 
     async def abort(self, rid: str) -> None:
         if not self.state.dead:
