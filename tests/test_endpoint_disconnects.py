@@ -14,7 +14,7 @@ import signal
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import httpx
@@ -276,8 +276,9 @@ def test_a_request_cancelled_before_the_engine_took_it_leaves_no_entry(tmp_path)
     asyncio.run(asyncio.wait_for(go(), 10))
 
 
+@asynccontextmanager
 async def _client_and_fake_engine(tmp_path):
-    """An `EngineClient` and the two sockets an engine process would hold."""
+    """An `EngineClient` and the two sockets an engine process would hold, closed after."""
     import zmq
     import zmq.asyncio
 
@@ -290,7 +291,12 @@ async def _client_and_fake_engine(tmp_path):
     outbox = ctx.socket(zmq.PUSH)
     outbox.connect(f"ipc://{tmp_path}/out")
     client.start()
-    return client, inbox, outbox
+    try:
+        yield client, inbox, outbox
+    finally:
+        inbox.close(linger=0)
+        outbox.close(linger=0)
+        await client.close()
 
 
 def test_a_request_failed_off_the_loop_keeps_its_id_until_its_abort_comes(tmp_path):
@@ -303,8 +309,7 @@ def test_a_request_failed_off_the_loop_keeps_its_id_until_its_abort_comes(tmp_pa
     from phaseflip.server import messages as m
 
     async def go() -> None:
-        client, inbox, outbox = await _client_and_fake_engine(tmp_path)
-        try:
+        async with _client_and_fake_engine(tmp_path) as (client, inbox, outbox):
             gen = client.generate("g", [1, 2, 3], SamplingParams(max_new_tokens=4))
             first = asyncio.create_task(gen.__anext__())
             assert isinstance(m.decode(await inbox.recv()), m.AddRequest)
@@ -320,10 +325,6 @@ def test_a_request_failed_off_the_loop_keeps_its_id_until_its_abort_comes(tmp_pa
                     break
                 await asyncio.sleep(0.01)
             assert not client.in_use("g")
-        finally:
-            inbox.close(linger=0)
-            outbox.close(linger=0)
-            await client.close()
 
     asyncio.run(asyncio.wait_for(go(), 10))
 
@@ -379,8 +380,7 @@ def test_a_consumer_leaving_after_the_end_came_sends_no_abort(tmp_path):
     from phaseflip.server import messages as m
 
     async def go() -> None:
-        client, inbox, outbox = await _client_and_fake_engine(tmp_path)
-        try:
+        async with _client_and_fake_engine(tmp_path) as (client, inbox, outbox):
             gen = client.generate("e", [1, 2, 3], SamplingParams(max_new_tokens=2))
             first = asyncio.create_task(gen.__anext__())
             assert isinstance(m.decode(await inbox.recv()), m.AddRequest)
@@ -392,9 +392,5 @@ def test_a_consumer_leaving_after_the_end_came_sends_no_abort(tmp_path):
             assert not client.in_use("e")
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(inbox.recv(), 0.3)  # no abort was sent
-        finally:
-            inbox.close(linger=0)
-            outbox.close(linger=0)
-            await client.close()
 
     asyncio.run(asyncio.wait_for(go(), 10))

@@ -47,9 +47,6 @@ def test_admin_flip_over_http_under_load():
     """`POST /admin/flip` while a completion streams: the completion ends with the text of an
     unflipped server (the same server's, before its first flip); bad bodies and targets get
     4xx with a message."""
-
-
-
     # 150 tokens: ~2.7 s of tp2 decode on a 2-core box, the flip is sent once it runs
     body = {"model": "tiny-llama", "prompt": "def main():", "max_tokens": 150, "temperature": 0,
             "ignore_eos": True}
@@ -103,9 +100,6 @@ def test_auto_policy_flips_a_server_by_itself():
     and prompts prefilled 64 tokens a step (a backlog the policy can see): the server flips to
     pp2 by itself and back; every completion equals the manual-policy server's, and
     /server_info says what the policy did (its Ready re-send keeps the front end serving)."""
-
-
-
     prompts = [f"def f{i}(x):\n    return x + {i}\n" * 12 for i in range(4)]
     base = ("--tp-size", "2", "--enable-flip", "--enable-hicache", "--hicache-host-gb", "0.01",
             "--chunked-prefill-size", "64")
