@@ -14,6 +14,7 @@ per µs (TB/s against 4.2) and the relative error of both against the reference.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 
@@ -142,14 +143,86 @@ def split_sweep(cuda: CudaFp8Decode, args: tuple, order, cfg, ks, vs) -> dict:
     return times
 
 
+# the decode tail's shapes for `--tail-sweep` (sequences, mean context, group), and the
+# Triton launch shapes (keys a step, warps, stages) and split counts it times them at: the
+# planner's ~4 programs an SM and the FP8 shape (128 keys, 4 warps, 3 stages: 96 KB of shared
+# memory, two programs an SM) were chosen on large batches, never on the tail's
+TAIL_CASES = [(64, 1200, 4), (50, 1500, 4), (37, 1500, 4), (22, 1500, 4), (12, 1800, 4),
+              (4, 2500, 4)]
+TAIL_SHAPES = ((128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (64, 2, 3), (32, 2, 3))
+TAIL_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+def tail_sweep(b: int, mean: int, group: int, cuda: CudaFp8Decode, gather: CudaFp8Decode,
+               sms: int) -> dict:
+    """One tail case: µs of Triton at every (shape, splits), of CUDA and of its gather-only
+    build at every split count; the planner's pick and the fastest of each."""
+    from triton.testing import do_bench
+
+    q, k, v, indptr, idx, ks, vs = make_case(b, mean, group)
+    dev, kvh, d = q.device, k.shape[1], k.shape[2]
+    scale = d ** -0.5
+    ref = reference(q, k, v, indptr, idx, ks, vs, scale)
+    base = decode_config(q.dtype, d, group, dev, kv_dtype=k.dtype)
+    planned = plan_decode(b, kvh, math.ceil(group / base.block_m), int(
+        (indptr[1:] - indptr[:-1]).max()), sms).num_splits
+    order = decode_order(indptr) if orders_decode(b, kvh, 1, sms) else None
+    out = torch.empty(b, q.shape[1] * d, device=dev, dtype=q.dtype)
+    args = (q, k, v, indptr, idx, ks, vs, scale, out)
+    nbytes = int(indptr[-1]) * kvh * d * 2
+    triton_us: dict[str, float] = {}
+    cuda_us: dict[int, float] = {}
+    gather_us: dict[int, float] = {}
+    worst = 0.0
+    for n in TAIL_SPLITS:
+        plan = DecodePlan(num_splits=n, min_chunk=MIN_CHUNK)
+        ws = decode_workspace(b, q.shape[1], d, plan, dev) if n > 1 else None
+        for bn, w, st in TAIL_SHAPES:
+            cfg = dataclasses.replace(base, block_n=bn, num_warps=w, num_stages=st)
+            f = functools.partial(decode_attention, q, k, v, indptr, idx, scale, plan,
+                                  out=out, workspace=ws, config=cfg, k_scale=ks, v_scale=vs,
+                                  order=order)
+            worst = max(worst, rel(f().view_as(q), ref))
+            triton_us[f"{bn}x{w}x{st}/{n}"] = round(do_bench(f, warmup=10, rep=60) * 1e3, 1)
+        cu = functools.partial(cuda, *args, order, plan, ws)
+        worst = max(worst, rel(cu().view_as(q), ref))
+        cuda_us[n] = round(do_bench(cu, warmup=10, rep=60) * 1e3, 1)
+        gat = functools.partial(gather, *args, order, plan, ws)
+        gather_us[n] = round(do_bench(gat, warmup=10, rep=60) * 1e3, 1)
+    best_t = min(triton_us, key=triton_us.get)
+    best_c = min(cuda_us, key=cuda_us.get)
+    shipped = triton_us[f"{base.block_n}x{base.num_warps}x{base.num_stages}/{planned}"]
+    return {"batch": b, "mean_ctx": mean, "group": group, "pool_mb": nbytes / 1e6,
+            "planned_splits": planned, "shipped_us": shipped, "best_triton": best_t,
+            "best_triton_us": triton_us[best_t], "best_cuda_splits": best_c,
+            "best_cuda_us": cuda_us[best_c], "best_gather_us": min(gather_us.values()),
+            "shipped_tbs": nbytes / shipped / 1e6, "max_rel_err": worst,
+            "triton_us": triton_us, "cuda_us": cuda_us, "gather_only_us": gather_us}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--split-only", action="store_true", help="only the split cases")
+    ap.add_argument("--tail-sweep", action="store_true",
+                    help="the decode tail's shapes at every Triton shape and split count")
     args = ap.parse_args()
     dev = torch.device("cuda")
     cuda = CudaFp8Decode(dev)
     gather = CudaFp8Decode(dev, options=("-DGATHER_ONLY",))
+    if args.tail_sweep:
+        rows = []
+        for b, mean, group in TAIL_CASES:
+            r = tail_sweep(b, mean, group, cuda, gather, num_sms(dev))
+            rows.append(r)
+            print(f"B={b:3d} ctx~{mean:5d} ({r['pool_mb']:.0f} MB): shipped "
+                  f"{r['shipped_us']:.1f} µs (splits {r['planned_splits']}, "
+                  f"{r['shipped_tbs']:.2f} TB/s); best Triton {r['best_triton_us']:.1f} "
+                  f"({r['best_triton']}); best CUDA {r['best_cuda_us']:.1f} (splits "
+                  f"{r['best_cuda_splits']}); gather-only {r['best_gather_us']:.1f}; "
+                  f"max rel err {r['max_rel_err']:.1e}", flush=True)
+        write_json(args.out, {"benchmark": "fp8_decode_probe_tail", "cases": rows})
+        return
     cases = [] if args.split_only else [(*c, False) for c in CASES]
     rows = []
     for b, mean, group, split in cases + [(*c, True) for c in SPLIT_CASES]:
