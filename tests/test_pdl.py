@@ -71,3 +71,126 @@ def test_a_norm_gemm_chain_in_a_graph_equals_the_reference(rows):
         want = _chain(x, weights, norm_w, kernels=False)
         err = ((out.float() - want.float()).norm() / want.float().norm()).item()
         assert err < 0.1, err  # a read before the wait: ~1.4 (another round's x)
+
+
+def test_the_chain_kernels_launch_with_pdl_unless_switched_to_gemms_only(monkeypatch):
+    """The kernels between GEMMs take `chain_launch_options`: PDL where the GEMMs have it,
+    nothing under `PHASEFLIP_PDL_GEMMS_ONLY=1` (the A/B of that scope) or on the CPU."""
+    assert pdl.chain_launch_options(torch.device("cpu")) == {}
+    if DEVICE.type == "cuda":
+        assert pdl.chain_launch_options(DEVICE) == pdl.launch_options(DEVICE)
+        monkeypatch.setenv(pdl.GEMMS_ONLY_ENV, "1")
+        assert pdl.chain_launch_options(DEVICE) == {}
+
+
+class _Layer:
+    """One decoder layer's weights and KV pool at real 8B shapes (hidden 4096, 32 query and
+    8 KV heads of 128, intermediate 14 336), the pool holding `ctx` keys of each sequence
+    before the step's own; FP8: W8A8 projections and an e4m3 pool with per-head scales."""
+
+    def __init__(self, gen: torch.Generator, seqs: int, ctx: int, fp8: bool) -> None:
+        from phaseflip.model.quant.fp8 import quantize_rows
+
+        def weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+            w = torch.randn(n, k, device=DEVICE, generator=gen, dtype=torch.bfloat16) * k**-0.5
+            return quantize_rows(w) if fp8 else (w, None)
+
+        self.fp8 = fp8
+        self.qkv, self.o = weight(6144, 4096), weight(4096, 4096)
+        self.gate_up, self.down = weight(2 * 14336, 4096), weight(4096, 14336)
+        self.norm_w = torch.rand(4096, device=DEVICE, generator=gen, dtype=torch.bfloat16) + 0.5
+        slots = seqs * (ctx + 1)
+        pool_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+        self.k = torch.randn(slots, 8, 128, device=DEVICE, generator=gen).to(pool_dtype)
+        self.v = torch.randn(slots, 8, 128, device=DEVICE, generator=gen).to(pool_dtype)
+        self.scales = ((torch.rand(8, device=DEVICE, generator=gen) * 0.02 + 0.01,
+                        torch.rand(8, device=DEVICE, generator=gen) * 0.02 + 0.01)
+                       if fp8 else (None, None))
+        self.indptr = torch.arange(0, slots + 1, ctx + 1, device=DEVICE)
+        self.indices = torch.randperm(slots, device=DEVICE, generator=gen)
+        self.new_slots = self.indices[self.indptr[1:] - 1]
+        self.positions = torch.full((seqs,), ctx, device=DEVICE, dtype=torch.int64)
+        inv = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, device=DEVICE).float() / 128))
+        angles = torch.arange(ctx + 1, device=DEVICE).float()[:, None] * inv[None, :]
+        self.cos, self.sin = angles.cos().contiguous(), angles.sin().contiguous()
+
+
+def _linear(x: torch.Tensor, w: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+    from phaseflip.kernels.fp8_quant import per_token_quant
+
+    if w[1] is None:
+        return skinny_linear(x, w[0])
+    x_q, x_scale = per_token_quant(x)
+    return skinny_linear(x_q, w[0], weight_scale=w[1], x_scale=x_scale)
+
+
+def _decode_layer(x: torch.Tensor, layer: _Layer, sync: bool) -> torch.Tensor:
+    """norm → qkv → rotary + KV store → decode attention (split) → [quant →] o → norm →
+    gate_up → SiLU·mul [+ quant] → down: every kernel the decode chain launches with PDL.
+    `sync`: a device sync after each, so no kernel overlaps the one before (the reference)."""
+    from phaseflip.kernels.activation import silu_and_mul, silu_and_mul_fp8
+    from phaseflip.kernels.attention import (
+        decode_attention,
+        decode_workspace,
+        num_sms,
+        plan_decode,
+    )
+    from phaseflip.kernels.rope import rotary_store_kv
+
+    def done(t: torch.Tensor) -> torch.Tensor:
+        if sync:
+            torch.cuda.synchronize()
+        return t
+
+    seqs = x.shape[0]
+    h = done(rms_norm(x, layer.norm_w, 1e-6))
+    qkv = done(_linear(h, layer.qkv))
+    q = qkv[:, :4096].view(seqs, 32, 128)
+    k = qkv[:, 4096:5120].view(seqs, 8, 128)
+    v = qkv[:, 5120:].view(seqs, 8, 128)
+    k_scale, v_scale = layer.scales
+    done(rotary_store_kv(q, k, v, layer.positions, layer.cos, layer.sin, layer.new_slots,
+                         layer.k, layer.v, k_scale, v_scale))
+    plan = plan_decode(seqs, 8, 1, int(layer.indptr[1]), num_sms(DEVICE))
+    assert plan.num_splits > 1  # the split path: partials and the last arrival's merge
+    ws = decode_workspace(seqs, 32, 128, plan, DEVICE)
+    attn = done(decode_attention(q, layer.k, layer.v, layer.indptr, layer.indices, 128**-0.5,
+                                 plan, workspace=ws, k_scale=k_scale, v_scale=v_scale))
+    h = done(rms_norm(done(_linear(attn, layer.o)), layer.norm_w, 1e-6))
+    gate_up = done(_linear(h, layer.gate_up))
+    if not layer.fp8:
+        return done(skinny_linear(done(silu_and_mul(gate_up)), layer.down[0]))
+    _, a_q, a_scale = silu_and_mul_fp8(gate_up)
+    done(a_q)
+    return done(skinny_linear(a_q, layer.down[0], weight_scale=layer.down[1], x_scale=a_scale))
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="PDL needs a GPU (the CPU runs plain launches)")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_decode_layer_chain_in_a_graph_equals_the_serialised_kernels(fp8):
+    """Three 8B-shaped decode layers of 16 sequences captured in one CUDA graph and replayed
+    on new inputs: every replay equals the same kernels run one at a time (a sync after
+    each). A kernel of the chain that read its input before its `griddepcontrol.wait` would
+    read what the previous replay left there (each kernel before it signals its dependents
+    early), and the output would be another step's."""
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    layers = [_Layer(gen, 16, 300, fp8) for _ in range(3)]
+    x = torch.randn(16, 4096, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+
+    def forward(sync: bool) -> torch.Tensor:
+        h = x
+        for layer in layers:
+            h = _decode_layer(h, layer, sync)
+        return h
+
+    forward(sync=False)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward(sync=False)
+    for _ in range(4):
+        x.copy_(torch.randn(16, 4096, device=DEVICE, generator=gen, dtype=torch.bfloat16))
+        graph.replay()
+        got = out.float().clone()
+        want = forward(sync=True).float()
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < 1e-2, err

@@ -35,7 +35,12 @@ from phaseflip.kernels.fp8_quant import (
     fp8_quantize,
     fp8_row_scale,
 )
-from phaseflip.kernels.pdl import launch_dependents, pdl_enabled
+from phaseflip.kernels.pdl import (
+    chain_launch_options,
+    launch_dependents,
+    pdl_enabled,
+    wait_previous,
+)
 
 BLOCK = 1024
 ROW_BLOCK = 2048  # columns a step of the two-pass FP8 kernel (rows past WHOLE_ROW_MAX)
@@ -69,6 +74,7 @@ def _silu_and_mul_kernel(
 ):
     """Columns [pid1 * BLOCK, +BLOCK) of row pid0. PDL: see `kernels/pdl.py`."""
     launch_dependents(PDL)
+    wait_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -87,6 +93,7 @@ def _silu_and_mul_fp8_kernel(
     the 16-bit products to OUT with their maximum, pass 2 reads them back for the FP8 row.
     PDL: see `kernels/pdl.py`."""
     launch_dependents(PDL)
+    wait_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     if WHOLE:
@@ -144,6 +151,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     _silu_and_mul_kernel[grid](
         rows_x, rows_out, n, rows_x.stride(0), rows_out.stride(0),
         BLOCK=BLOCK, LIBDEVICE=USE_LIBDEVICE, PDL=pdl_enabled(x.device), num_warps=4,
+        **chain_launch_options(x.device),
     )
     return out
 
@@ -171,5 +179,6 @@ def silu_and_mul_fp8(x: torch.Tensor, keep_out: bool = False
         BLOCK=block, LIBDEVICE=USE_LIBDEVICE, STORE_OUT=keep_out, FP8_MAX_C=FP8_MAX,
         MIN_SCALE_C=MIN_SCALE, WHOLE=whole, PDL=pdl_enabled(x.device),
         num_warps=4 if whole else 8,  # whole rows: up to WHOLE_ROW_MAX, 32 columns a thread
+        **chain_launch_options(x.device),
     )
     return (out if keep_out else None), q, scale

@@ -57,6 +57,12 @@ from phaseflip.kernels.attention_plan import (
     orders_decode,
     plan_decode,
 )
+from phaseflip.kernels.pdl import (
+    chain_launch_options,
+    launch_dependents,
+    pdl_enabled,
+    wait_previous,
+)
 
 # the planning names callers reach through this module (`kernels.decode_config`, ...)
 __all__ = [
@@ -112,7 +118,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
     KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr, HAS_ORDER: tl.constexpr,
-    HAS_QO: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_QO: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     """One (KV head, head block, sequence, split): attend the group's queries over one chunk.
 
@@ -120,7 +126,9 @@ def _decode_split_kernel(
     read the same pages' rows together; with ORDER the sequences launch longest first (the
     backend sorts them), so the long ones do not start last and set the grid's tail. With QO
     (a mixed batch's one-token sequences, ORDER listing them) sequence b's query and output
-    are token row QO[b] rather than row b."""
+    are token row QO[b] rather than row b. PDL: every program waits for the kernel before
+    (rotary + KV store) first and lets the next one launch when done (`kernels/pdl.py`)."""
+    wait_previous(PDL)
     kvh = tl.program_id(0) // HEAD_BLOCKS
     hblk = tl.program_id(0) % HEAD_BLOCKS
     b, t = _decode_row(tl.program_id(1), ORDER, QO, HAS_ORDER, HAS_QO)
@@ -142,6 +150,7 @@ def _decode_split_kernel(
                       stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
                       BLOCK_H, BLOCK_N, HEAD_DIM, BLOCK_D, DIRECT, DOT_PREC, KV_FP8, FP8_DOT,
                       BLOCK_S)
+    launch_dependents(PDL)
 
 
 @triton.jit
@@ -404,6 +413,7 @@ def _decode(q, k_cache, v_cache, kv_indptr, kv_indices, scale: float, plan: Deco
         DIRECT=direct, DOT_PREC=dot_precision(dtype), KV_FP8=kv_fp8, FP8_DOT=fp8_dot,
         HAS_ORDER=order is not None, HAS_QO=qo is not None,
         BLOCK_S=max(MERGE_SPLITS, triton.next_power_of_2(plan.num_splits)),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PDL=pdl_enabled(q.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **chain_launch_options(q.device),
     )
     return out

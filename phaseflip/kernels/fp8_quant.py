@@ -19,7 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-from phaseflip.kernels.pdl import launch_dependents, pdl_enabled
+from phaseflip.kernels.pdl import (
+    chain_launch_options,
+    launch_dependents,
+    pdl_enabled,
+    wait_previous,
+)
 
 FP8_MAX = 448.0
 MIN_SCALE = 1e-12
@@ -45,6 +50,7 @@ def _per_token_quant_kernel(
     MIN_SCALE_C: tl.constexpr, PDL: tl.constexpr,
 ):
     launch_dependents(PDL)  # the FP8 GEMM after it may launch early (`kernels/pdl.py`)
+    wait_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     if HAS_AMAX:
@@ -86,5 +92,6 @@ def per_token_quant(x: torch.Tensor, amax: torch.Tensor | None = None
         x, q, scale, amax_arg, x.stride(0), q.stride(0), k,
         BLOCK=block, HAS_AMAX=amax is not None, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
         PDL=pdl_enabled(x.device), num_warps=4 if block >= 512 else 2,
+        **chain_launch_options(x.device),
     )
     return q, scale

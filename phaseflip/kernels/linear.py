@@ -61,7 +61,12 @@ from phaseflip.kernels.linear_configs import (
 )
 from phaseflip.kernels.linear_fold import NO_FOLD, Fold
 from phaseflip.kernels.linear_workspace import SplitKWorkspace, split_arrive, workspace_for
-from phaseflip.kernels.pdl import launch_options, prefetch_then_wait
+from phaseflip.kernels.pdl import (
+    launch_dependents,
+    launch_options,
+    pdl_enabled,
+    prefetch_then_wait,
+)
 from phaseflip.kernels.rope import rotary_pair_rows, store_rotary_fold
 
 # ----------------------------------------------------------------------------------------------
@@ -305,7 +310,7 @@ def _skinny_kernel(
     VEC: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SCALE: tl.constexpr,
     HAS_XSCALE: tl.constexpr, PDL: tl.constexpr, PF_LINE: tl.constexpr,
     NORM: tl.constexpr, SILU: tl.constexpr, HAS_RES: tl.constexpr, LIBDEVICE: tl.constexpr,
-    ROPE: tl.constexpr, FP8_KV: tl.constexpr,
+    ROPE: tl.constexpr, FP8_KV: tl.constexpr, TRIGGER: tl.constexpr,
 ):
     """Program (n tile, split): rows [pid_n*BLOCK_N, +BLOCK_N) of y over one K chunk.
     PDL: launched before the previous kernel ends; its first W tile (lines of PF_LINE
@@ -313,7 +318,8 @@ def _skinny_kernel(
     (`kernels/linear_fold.py`, ew loop only): NORM computes RMSNorm(x) * G on the fly (one
     program sees all of K: no split), SILU writes silu(gate) * up of y = [gate | up], HAS_RES
     adds R to y, ROPE rotates q and writes k and v to the KV pool (`rope.store_rotary_fold`;
-    RP: its 8 pointers, RI: its 8 scalars, `Fold.rotary`)."""
+    RP: its 8 pointers, RI: its 8 scalars, `Fold.rotary`). TRIGGER: the next kernel may launch
+    once every program has left its K loop (`kernels/pdl.py`)."""
     tl.static_assert(not (NORM or SILU or ROPE) or LOOP == "ew", "the folds run in the ew loop")
     tl.static_assert(not NORM or not SPLIT, "the RMSNorm prologue needs all of K")
     pid_n = tl.program_id(0)
@@ -336,6 +342,7 @@ def _skinny_kernel(
     else:
         acc = _rows_ew(X, W, G, M, rows_w, k_lo, k_hi, K, eps, stride_xm, stride_wn,
                        BLOCK_M, BLOCK_N, BLOCK_K, VEC, EVEN_K, NORM)
+    launch_dependents(TRIGGER)
 
     if SPLIT:
         # Tile pid_n owns PARTIALS[pid_n, 0:num_splits, BLOCK_M, BLOCK_N] and COUNTERS[pid_n],
@@ -409,7 +416,8 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         NORM=fold.norm_weight is not None, SILU=fold.silu_mul, HAS_RES=fold.residual is not None,
         LIBDEVICE=USE_LIBDEVICE, ROPE=fold.rotary is not None,
         FP8_KV=fold.rotary is not None and fold.rotary.k_scale is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        TRIGGER=pdl_enabled(x2.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl,
     )
 
 

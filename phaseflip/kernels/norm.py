@@ -36,7 +36,12 @@ from phaseflip.kernels.fp8_quant import (
     fp8_quantize,
     fp8_row_scale,
 )
-from phaseflip.kernels.pdl import launch_dependents, pdl_enabled
+from phaseflip.kernels.pdl import (
+    chain_launch_options,
+    launch_dependents,
+    pdl_enabled,
+    wait_previous,
+)
 
 
 # num_rows (the batch's token count) is not specialized: a count turning 1 or a multiple of 16
@@ -53,8 +58,9 @@ def _rms_norm_kernel(
 ):
     """Rows [pid * BLOCK_R, +BLOCK_R): row r is (r // inner, r % inner) of an [A, B, N] view.
     QUANT: also row r of Q [num_rows, N] (FP8) and SCALE [num_rows] from the rounded output.
-    PDL: the GEMM after it may launch early (`kernels/pdl.py`)."""
+    PDL: the GEMM after it may launch early, and it may itself have been (`kernels/pdl.py`)."""
     launch_dependents(PDL)
+    wait_previous(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows < num_rows)[:, None] & (cols < n_cols)[None, :]
@@ -132,7 +138,7 @@ def _launch(
         HAS_RESIDUAL=residual is not None, STORE_OUT=out is not None, QUANT=quant is not None,
         BLOCK_R=block_r, BLOCK_N=block_n, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
         Q_VEC=16 // x.element_size(), PDL=pdl_enabled(x.device),
-        num_warps=num_warps, enable_fp_fusion=False,
+        num_warps=num_warps, enable_fp_fusion=False, **chain_launch_options(x.device),
     )
 
 

@@ -10,6 +10,16 @@ kernels that feed GEMMs (norms, SiLU·mul, the attention merge, per-token quanti
 their dependents at their start (`griddepcontrol.launch_dependents`): a scheduling hint that
 lets the GEMM's programs take the SMs those kernels leave idle; it orders no memory.
 
+The kernels between the GEMMs (norms, SiLU·mul, per-token quantization, rotary + KV store,
+Triton decode attention) launch with PDL too (`chain_launch_options`): each waits at its very
+start, before any load or store, so it may only take the launch and the SM hand-over off the
+chain, never reorder memory. The GEMMs and the decode attention signal their dependents once
+their main loop is done (every program of the grid is then resident, so no waiting dependent
+takes an SM a later wave of theirs needs); the small kernels signal at their start.
+`PHASEFLIP_PDL_GEMMS_ONLY=1` launches those kernels plainly again (the A/B of that scope).
+A kernel launched with PDL must wait in every program, even one with nothing to do: the next
+kernel waits only for this one, so this one finishing must imply the one before it finished.
+
 `PHASEFLIP_NO_PDL=1` turns it off (A/B runs, a driver that mishandles it); off on GPUs before
 sm_90, on ROCm and in the Triton interpreter, whose kernels compile without the instructions.
 """
@@ -23,6 +33,7 @@ import triton
 import triton.language as tl
 
 NO_PDL_ENV = "PHASEFLIP_NO_PDL"
+GEMMS_ONLY_ENV = "PHASEFLIP_PDL_GEMMS_ONLY"
 _CAPABLE: dict[int, bool] = {}
 
 
@@ -43,6 +54,21 @@ def pdl_enabled(device: torch.device) -> bool:
 def launch_options(device: torch.device) -> dict[str, bool]:
     """The launch keyword a dependent kernel (one that waits with `prefetch_then_wait`) gets."""
     return {"launch_pdl": True} if pdl_enabled(device) else {}
+
+
+def chain_launch_options(device: torch.device) -> dict[str, bool]:
+    """The launch keyword of a kernel between GEMMs (one that starts with `wait_previous`)."""
+    if os.environ.get(GEMMS_ONLY_ENV, "") not in ("", "0"):
+        return {}
+    return launch_options(device)
+
+
+@triton.jit
+def wait_previous(PDL: tl.constexpr):
+    """Wait for the previous kernel to finish and its writes to be visible (a no-op unless
+    this kernel was launched with PDL). Call it before any load or store."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit

@@ -35,6 +35,13 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from phaseflip.kernels.pdl import (
+    chain_launch_options,
+    launch_dependents,
+    pdl_enabled,
+    wait_previous,
+)
+
 _TILE = 2048  # elements of one (heads x half) tile
 
 
@@ -201,10 +208,13 @@ def _rotary_store_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
     fp8_max,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_D: tl.constexpr, PARTIAL: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_D: tl.constexpr, PARTIAL: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     """q blocks rotate in place as `_rotary_kernel`'s do; a K/V block of token t rotates k
-    and writes it, its pass-through channels and v straight into pool slot LOC[t]."""
+    and writes it, its pass-through channels and v straight into pool slot LOC[t]. PDL: the
+    attention after it may launch early, and it may itself have been (`kernels/pdl.py`)."""
+    launch_dependents(PDL)
+    wait_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     c, s = _cos_sin_row(POS, COS, SIN, t, half, cache_len, stride_cache, BLOCK_HALF)
@@ -343,6 +353,7 @@ def rotary_store_kv(
         v.stride(1), k_cache.stride(0), k_cache.stride(1),
         float(torch.finfo(k_cache.dtype).max) if fp8 else 0.0,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, BLOCK_D=block_d,
-        PARTIAL=2 * half < head_dim, FP8=fp8, num_warps=4, enable_fp_fusion=False,
+        PARTIAL=2 * half < head_dim, FP8=fp8, PDL=pdl_enabled(q.device), num_warps=4,
+        enable_fp_fusion=False, **chain_launch_options(q.device),
     )
     return q

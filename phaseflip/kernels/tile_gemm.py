@@ -30,6 +30,7 @@ import triton.language as tl
 
 from phaseflip.kernels.linear_configs import card_name, plan_splits
 from phaseflip.kernels.linear_workspace import split_arrive, workspace_for
+from phaseflip.kernels.pdl import launch_dependents, pdl_enabled
 
 # Rows the table covers; fewer go to the skinny kernel, more to cuBLAS. From 33 rows a row
 # bucket without a config falls back to the skinny kernel where it takes the rows (up to
@@ -120,7 +121,10 @@ def _epilogue(acc, XS, WS, B, Y, offs_m, offs_n, rows, N, SCALED: tl.constexpr,
 def _tile_gemm_kernel(X, W, XS, WS, B, Y, PARTIALS, COUNTERS, M, N, K, k_per_split, num_splits,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, STAGES: tl.constexpr, SCALED: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr, SPLIT: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr, SPLIT: tl.constexpr,
+                      TRIGGER: tl.constexpr):
+    """TRIGGER: the next kernel may launch once every program has left its K loop
+    (`kernels/pdl.py`)."""
     tile_id = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m, pid_n = _tile_ids(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -142,6 +146,7 @@ def _tile_gemm_kernel(X, W, XS, WS, B, Y, PARTIALS, COUNTERS, M, N, K, k_per_spl
             acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    launch_dependents(TRIGGER)
     if SPLIT:
         # Tile tile_id owns PARTIALS[tile_id, 0:num_splits, BLOCK_M, BLOCK_N] and
         # COUNTERS[tile_id], 0 between launches (its last arrival re-arms it); the last
@@ -207,7 +212,7 @@ def tile_gemm(x: torch.Tensor, w: torch.Tensor, config: TileGemmConfig,
         k_per_split, splits, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, STAGES=config.num_stages,
         SCALED=scaled, HAS_BIAS=bias is not None, WIDEN=not scaled and not x.is_cuda,
-        SPLIT=splits > 1, num_warps=config.num_warps)
+        SPLIT=splits > 1, TRIGGER=pdl_enabled(x.device), num_warps=config.num_warps)
     return y
 
 
