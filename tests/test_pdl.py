@@ -97,7 +97,7 @@ class _Layer:
             w = torch.randn(n, k, device=DEVICE, generator=gen, dtype=torch.bfloat16) * k**-0.5
             return quantize_rows(w) if fp8 else (w, None)
 
-        self.fp8, self.hidden, self.dim = fp8, hidden, hidden // 32
+        self.fp8, self.hidden, self.dim, self.ctx = fp8, hidden, hidden // 32, ctx
         self.qkv, self.o = weight(hidden * 3 // 2, hidden), weight(hidden, hidden)
         self.gate_up, self.down = weight(2 * inter, hidden), weight(hidden, inter)
         self.norm_w = torch.rand(hidden, device=DEVICE, generator=gen,
@@ -157,7 +157,7 @@ def _decode_layer(x: torch.Tensor, layer: _Layer, sync: bool) -> torch.Tensor:
     done(rotary_store_kv(q, k, v, layer.positions, layer.cos, layer.sin, layer.new_slots,
                          layer.k, layer.v, k_scale, v_scale))
     # the split path (partials, the last arrival's merge), as the engine plans it on a GPU
-    plan = plan_decode(seqs, 8, 1, int(layer.indptr[1]), num_sms(DEVICE), min_chunk=16,
+    plan = plan_decode(seqs, 8, 1, layer.ctx + 1, num_sms(DEVICE), min_chunk=16,
                        num_splits=None if DEVICE.type == "cuda" else 3)
     assert plan.num_splits > 1
     ws = decode_workspace(seqs, 32, dim, plan, DEVICE)
