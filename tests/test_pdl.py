@@ -119,19 +119,32 @@ class _Layer:
         self.cos, self.sin = angles.cos().contiguous(), angles.sin().contiguous()
 
 
+def _gemm(x: torch.Tensor, w: tuple[torch.Tensor, torch.Tensor | None],
+          x_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The decode GEMM for x's rows: the skinny kernel up to 128, the tile GEMM past it (one
+    fixed launch shape; the engine's comes from the card's table)."""
+    from phaseflip.kernels.tile_gemm import TileGemmConfig, tile_gemm
+
+    if x.shape[0] > 128:
+        return tile_gemm(x, w[0], TileGemmConfig(64, 128), x_scale, w[1])
+    if w[1] is None:
+        return skinny_linear(x, w[0])
+    return skinny_linear(x, w[0], weight_scale=w[1], x_scale=x_scale, out_dtype=torch.bfloat16)
+
+
 def _linear(x: torch.Tensor, w: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
     from phaseflip.kernels.fp8_quant import per_token_quant
 
     if w[1] is None:
-        return skinny_linear(x, w[0])
+        return _gemm(x, w)
     x_q, x_scale = per_token_quant(x)
-    return skinny_linear(x_q, w[0], weight_scale=w[1], x_scale=x_scale,
-                         out_dtype=torch.bfloat16)
+    return _gemm(x_q, w, x_scale)
 
 
 def _decode_layer(x: torch.Tensor, layer: _Layer, sync: bool) -> torch.Tensor:
-    """norm → qkv → rotary + KV store → decode attention (split) → [quant →] o → norm →
-    gate_up → SiLU·mul [+ quant] → down: every kernel the decode chain launches with PDL.
+    """norm → qkv → rotary + KV store → decode attention → [quant →] o → norm → gate_up →
+    SiLU·mul [+ quant] → down: every kernel the decode chain launches with PDL (the skinny
+    GEMMs up to 128 sequences, the tile GEMMs past it).
     `sync`: a device sync after each, so no kernel overlaps the one before (the reference)."""
     from phaseflip.kernels.activation import silu_and_mul, silu_and_mul_fp8
     from phaseflip.kernels.attention import (
@@ -159,18 +172,17 @@ def _decode_layer(x: torch.Tensor, layer: _Layer, sync: bool) -> torch.Tensor:
     # the split path (partials, the last arrival's merge), as the engine plans it on a GPU
     plan = plan_decode(seqs, 8, 1, layer.ctx + 1, num_sms(DEVICE), min_chunk=16,
                        num_splits=None if DEVICE.type == "cuda" else 3)
-    assert plan.num_splits > 1
+    assert plan.num_splits > 1 or seqs > 64  # (many sequences: unsplit, written directly)
     ws = decode_workspace(seqs, 32, dim, plan, DEVICE)
     attn = done(decode_attention(q, layer.k, layer.v, layer.indptr, layer.indices, dim**-0.5,
                                  plan, workspace=ws, k_scale=k_scale, v_scale=v_scale))
     h = done(rms_norm(done(_linear(attn, layer.o)), layer.norm_w, 1e-6))
     gate_up = done(_linear(h, layer.gate_up))
     if not layer.fp8:
-        return done(skinny_linear(done(silu_and_mul(gate_up)), layer.down[0]))
+        return done(_gemm(done(silu_and_mul(gate_up)), layer.down))
     _, a_q, a_scale = silu_and_mul_fp8(gate_up)
     done(a_q)
-    return done(skinny_linear(a_q, layer.down[0], weight_scale=layer.down[1], x_scale=a_scale,
-                              out_dtype=torch.bfloat16))
+    return done(_gemm(a_q, layer.down, a_scale))
 
 
 def _layers(fp8: bool, seqs: int) -> tuple[list[_Layer], torch.Tensor]:
@@ -228,14 +240,15 @@ def test_the_decode_layer_chain_matches_the_torch_reference(fp8):
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="PDL needs a GPU (the CPU runs plain launches)")
+@pytest.mark.parametrize("seqs", [16, 256])  # skinny GEMMs and split attention; tile GEMMs
 @pytest.mark.parametrize("fp8", [False, True])
-def test_a_decode_layer_chain_in_a_graph_equals_the_serialised_kernels(fp8):
-    """Three 8B-shaped decode layers of 16 sequences captured in one CUDA graph and replayed
-    on new inputs: every replay equals the same kernels run one at a time (a sync after
-    each). A kernel of the chain that read its input before its `griddepcontrol.wait` would
-    read what the previous replay left there (each kernel before it signals its dependents
-    early), and the output would be another step's."""
-    layers, x = _layers(fp8, 16)
+def test_a_decode_layer_chain_in_a_graph_equals_the_serialised_kernels(fp8, seqs):
+    """Three 8B-shaped decode layers captured in one CUDA graph and replayed on new inputs:
+    every replay equals the same kernels run one at a time (a sync after each). A kernel of
+    the chain that read its input before its `griddepcontrol.wait` would read what the
+    previous replay left there (each kernel before it signals its dependents early), and the
+    output would be another step's."""
+    layers, x = _layers(fp8, seqs)
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     _forward(x, layers, sync=False)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()

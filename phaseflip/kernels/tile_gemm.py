@@ -30,7 +30,12 @@ import triton.language as tl
 
 from phaseflip.kernels.linear_configs import card_name, plan_splits
 from phaseflip.kernels.linear_workspace import split_arrive, workspace_for
-from phaseflip.kernels.pdl import launch_dependents, pdl_enabled
+from phaseflip.kernels.pdl import (
+    chain_launch_options,
+    launch_dependents,
+    pdl_enabled,
+    prefetch_then_wait,
+)
 
 # Rows the table covers; fewer go to the skinny kernel, more to cuBLAS. From 33 rows a row
 # bucket without a config falls back to the skinny kernel where it takes the rows (up to
@@ -122,9 +127,10 @@ def _tile_gemm_kernel(X, W, XS, WS, B, Y, PARTIALS, COUNTERS, M, N, K, k_per_spl
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, STAGES: tl.constexpr, SCALED: tl.constexpr,
                       HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr, SPLIT: tl.constexpr,
-                      TRIGGER: tl.constexpr):
-    """TRIGGER: the next kernel may launch once every program has left its K loop
-    (`kernels/pdl.py`)."""
+                      TRIGGER: tl.constexpr, PDL: tl.constexpr, PF_LINE: tl.constexpr):
+    """TRIGGER: the next kernel may launch once every program has left its K loop. PDL:
+    launched before the kernel before it ends: the program's first weight tile (lines of
+    PF_LINE elements) is prefetched into L2, then it waits (`kernels/pdl.py`)."""
     tile_id = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m, pid_n = _tile_ids(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -134,6 +140,9 @@ def _tile_gemm_kernel(X, W, XS, WS, B, Y, PARTIALS, COUNTERS, M, N, K, k_per_spl
     rows = offs_m < M
     x_ptrs = X + offs_m[:, None].to(tl.int64) * K + offs_k[None, :]
     w_ptrs = W + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+    if PDL:
+        lines = pid_k * k_per_split + tl.arange(0, BLOCK_K // PF_LINE) * PF_LINE
+        prefetch_then_wait(W + offs_n[:, None].to(tl.int64) * K + lines[None, :], PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_len = min(k_per_split, K - pid_k * k_per_split)
     for _ in tl.range(0, k_len, BLOCK_K, num_stages=STAGES):
@@ -207,12 +216,15 @@ def tile_gemm(x: torch.Tensor, w: torch.Tensor, config: TileGemmConfig,
             _partial_elems(tiles, splits, config), tiles)
     else:
         partials, counters = y, y  # unused
+    pdl = chain_launch_options(x.device)  # weights are prefetched before the wait
     _tile_gemm_kernel[(tiles, splits)](
         x, w, xs, ws, bias if bias is not None else w, y, partials, counters, m, n, k,
         k_per_split, splits, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, STAGES=config.num_stages,
         SCALED=scaled, HAS_BIAS=bias is not None, WIDEN=not scaled and not x.is_cuda,
-        SPLIT=splits > 1, TRIGGER=pdl_enabled(x.device), num_warps=config.num_warps)
+        SPLIT=splits > 1, TRIGGER=pdl_enabled(x.device), PDL=bool(pdl),
+        PF_LINE=min(128 // w.element_size(), config.block_k), num_warps=config.num_warps,
+        **pdl)
     return y
 
 
