@@ -242,12 +242,17 @@ def test_the_decode_layer_chain_matches_the_torch_reference(fp8):
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="PDL needs a GPU (the CPU runs plain launches)")
 @pytest.mark.parametrize("seqs", [16, 256])  # skinny GEMMs and split attention; tile GEMMs
 @pytest.mark.parametrize("fp8", [False, True])
-def test_a_decode_layer_chain_in_a_graph_equals_the_serialised_kernels(fp8, seqs):
+def test_a_decode_layer_chain_in_a_graph_equals_the_serialised_kernels(fp8, seqs,
+                                                                       monkeypatch):
     """Three 8B-shaped decode layers captured in one CUDA graph and replayed on new inputs:
     every replay equals the same kernels run one at a time (a sync after each). A kernel of
     the chain that read its input before its `griddepcontrol.wait` would read what the
     previous replay left there (each kernel before it signals its dependents early), and the
-    output would be another step's."""
+    output would be another step's. The tile GEMMs (256 sequences) launch with PDL here
+    whether or not that is the default (`tile_gemm.PDL_LAUNCH`)."""
+    from phaseflip.kernels import tile_gemm
+
+    monkeypatch.setattr(tile_gemm, "PDL_LAUNCH", True)
     layers, x = _layers(fp8, seqs)
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     _forward(x, layers, sync=False)  # compile outside the capture

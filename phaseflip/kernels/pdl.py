@@ -13,8 +13,9 @@ lets the GEMM's programs take the SMs those kernels leave idle; it orders no mem
 The kernels between the GEMMs (norms, SiLU·mul, per-token quantization, rotary + KV store,
 Triton decode attention) launch with PDL too (`chain_launch_options`): each waits at its very
 start, before any load or store, so it may only take the launch and the SM hand-over off the
-chain, never reorder memory. So does the tile GEMM (129-1 024 rows), which prefetches its
-first weight tile before its wait as the skinny kernel does. The GEMMs and the decode
+chain, never reorder memory. The tile GEMM (129-1 024 rows) can too, prefetching its first
+weight tile before its wait as the skinny kernel does (`tile_gemm.PDL_LAUNCH`, off until
+measured). The GEMMs and the decode
 attention signal their dependents once their main loop is done (every program of the grid
 is then resident, so no waiting dependent takes an SM a later wave of theirs needs); the
 small kernels signal at their start. A kernel launched with PDL must wait in every program,

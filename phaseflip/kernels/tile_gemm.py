@@ -46,6 +46,10 @@ GEMM_MIN_M = 33
 GEMM_MAX_M = 1024
 # Turns the kernel off (every row count back to cuBLAS), for A/B runs.
 NO_TILE_GEMM_ENV = "PHASEFLIP_NO_TILE_GEMM"
+# Launch with PDL (its first weight tile prefetched before its wait, as the skinny kernel):
+# correct on an H100 (tests/test_pdl.py, 256 sequences in a graph), its speed unmeasured, so
+# off until an A/B says it pays (tools/device/pdl_tile_call.sh flips it for one arm).
+PDL_LAUNCH = False
 TABLES = Path(__file__).resolve().parent.parent / "assets" / "kernel_configs"
 
 Key = tuple[int, int, int, str]  # (m_bucket, n, k, the weight's dtype name)
@@ -216,7 +220,7 @@ def tile_gemm(x: torch.Tensor, w: torch.Tensor, config: TileGemmConfig,
             _partial_elems(tiles, splits, config), tiles)
     else:
         partials, counters = y, y  # unused
-    pdl = chain_launch_options(x.device)  # weights are prefetched before the wait
+    pdl = chain_launch_options(x.device) if PDL_LAUNCH else {}
     _tile_gemm_kernel[(tiles, splits)](
         x, w, xs, ws, bias if bias is not None else w, y, partials, counters, m, n, k,
         k_per_split, splits, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
