@@ -57,12 +57,7 @@ from phaseflip.kernels.attention_plan import (
     orders_decode,
     plan_decode,
 )
-from phaseflip.kernels.pdl import (
-    chain_launch_options,
-    launch_dependents,
-    pdl_enabled,
-    wait_previous,
-)
+from phaseflip.kernels.pdl import chain_launch_options, launch_dependents, wait_previous
 
 # the planning names callers reach through this module (`kernels.decode_config`, ...)
 __all__ = [
@@ -402,6 +397,7 @@ def _decode(q, k_cache, v_cache, kv_indptr, kv_indices, scale: float, plan: Deco
     order_arg = kv_indptr if order is None else order
     qo_arg = kv_indptr if qo is None else qo
     grid = (num_kv_heads * head_blocks, programs, plan.num_splits)
+    pdl = chain_launch_options(q.device)
     _decode_split_kernel[grid](
         q, k_cache, v_cache, kv_indptr, kv_indices, order_arg, qo_arg,
         out, mid_o, mid_m, mid_l, locks, k_scale, v_scale,
@@ -413,7 +409,6 @@ def _decode(q, k_cache, v_cache, kv_indptr, kv_indices, scale: float, plan: Deco
         DIRECT=direct, DOT_PREC=dot_precision(dtype), KV_FP8=kv_fp8, FP8_DOT=fp8_dot,
         HAS_ORDER=order is not None, HAS_QO=qo is not None,
         BLOCK_S=max(MERGE_SPLITS, triton.next_power_of_2(plan.num_splits)),
-        PDL=pdl_enabled(q.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **chain_launch_options(q.device),
+        PDL=bool(pdl), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
     return out

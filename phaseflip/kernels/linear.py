@@ -62,9 +62,9 @@ from phaseflip.kernels.linear_configs import (
 from phaseflip.kernels.linear_fold import NO_FOLD, Fold
 from phaseflip.kernels.linear_workspace import SplitKWorkspace, split_arrive, workspace_for
 from phaseflip.kernels.pdl import (
+    chain_launch_options,
     launch_dependents,
     launch_options,
-    pdl_enabled,
     prefetch_then_wait,
 )
 from phaseflip.kernels.rope import rotary_pair_rows, store_rotary_fold
@@ -416,7 +416,8 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         NORM=fold.norm_weight is not None, SILU=fold.silu_mul, HAS_RES=fold.residual is not None,
         LIBDEVICE=USE_LIBDEVICE, ROPE=fold.rotary is not None,
         FP8_KV=fold.rotary is not None and fold.rotary.k_scale is not None,
-        TRIGGER=pdl_enabled(x2.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TRIGGER=bool(chain_launch_options(x2.device)), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
         **pdl,
     )
 

@@ -15,13 +15,14 @@ Triton decode attention) launch with PDL too (`chain_launch_options`): each wait
 start, before any load or store, so it may only take the launch and the SM hand-over off the
 chain, never reorder memory. The tile GEMM (129-1 024 rows) can too, prefetching its first
 weight tile before its wait as the skinny kernel does (`tile_gemm.PDL_LAUNCH`, off until
-measured). The GEMMs and the decode
-attention signal their dependents once their main loop is done (every program of the grid
-is then resident, so no waiting dependent takes an SM a later wave of theirs needs); the
-small kernels signal at their start. A kernel launched with PDL must wait in every program,
+measured). The GEMMs signal their dependents once their main loop is done (every program
+of the grid is then resident, so no waiting dependent takes an SM a later wave of theirs
+needs), the decode attention at its end (its split merge runs inside it), the small kernels
+at their start. A kernel launched with PDL must wait in every program,
 even one with nothing to do: the next kernel waits only for this one, so this one finishing
 must imply the one before it finished. `PHASEFLIP_PDL_GEMMS_ONLY=1` launches all of these
-plainly again, the skinny GEMMs alone with PDL (the scope before 2026-12-06, for A/B runs).
+plainly again and drops the GEMMs' and the attention's signals: the skinny GEMMs alone with
+PDL, the scope before 2026-12-06 (for A/B runs).
 
 `PHASEFLIP_NO_PDL=1` turns it off (A/B runs, a driver that mishandles it); off on GPUs before
 sm_90, on ROCm and in the Triton interpreter, whose kernels compile without the instructions.

@@ -30,12 +30,7 @@ import triton.language as tl
 
 from phaseflip.kernels.linear_configs import card_name, plan_splits
 from phaseflip.kernels.linear_workspace import split_arrive, workspace_for
-from phaseflip.kernels.pdl import (
-    chain_launch_options,
-    launch_dependents,
-    pdl_enabled,
-    prefetch_then_wait,
-)
+from phaseflip.kernels.pdl import chain_launch_options, launch_dependents, prefetch_then_wait
 
 # Rows the table covers; fewer go to the skinny kernel, more to cuBLAS. From 33 rows a row
 # bucket without a config falls back to the skinny kernel where it takes the rows (up to
@@ -47,8 +42,9 @@ GEMM_MAX_M = 1024
 # Turns the kernel off (every row count back to cuBLAS), for A/B runs.
 NO_TILE_GEMM_ENV = "PHASEFLIP_NO_TILE_GEMM"
 # Launch with PDL (its first weight tile prefetched before its wait, as the skinny kernel):
-# correct on an H100 (tests/test_pdl.py, 256 sequences in a graph), its speed unmeasured, so
-# off until an A/B says it pays (tools/device/pdl_tile_call.sh flips it for one arm).
+# passed tests/test_pdl.py's graph test at 256 sequences on an H100 (unsplit tiles; the
+# test now splits K too, not yet run on a GPU); its speed unmeasured, so off until an A/B
+# says it pays (tools/device/pdl_tile_call.sh flips it for one arm).
 PDL_LAUNCH = False
 TABLES = Path(__file__).resolve().parent.parent / "assets" / "kernel_configs"
 
@@ -132,9 +128,11 @@ def _tile_gemm_kernel(X, W, XS, WS, B, Y, PARTIALS, COUNTERS, M, N, K, k_per_spl
                       GROUP_M: tl.constexpr, STAGES: tl.constexpr, SCALED: tl.constexpr,
                       HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr, SPLIT: tl.constexpr,
                       TRIGGER: tl.constexpr, PDL: tl.constexpr, PF_LINE: tl.constexpr):
-    """TRIGGER: the next kernel may launch once every program has left its K loop. PDL:
-    launched before the kernel before it ends: the program's first weight tile (lines of
-    PF_LINE elements) is prefetched into L2, then it waits (`kernels/pdl.py`)."""
+    """Program (output tile, K chunk): y tile = x rows @ W rows^T over the chunk, fp32; with
+    SPLIT the tile's last arrival sums the chunks and applies the epilogue. TRIGGER: the next
+    kernel may launch once every program has left its K loop. PDL: launched before the
+    kernel before it ends: the program's first weight tile (lines of PF_LINE elements) is
+    prefetched into L2, then it waits (`kernels/pdl.py`)."""
     tile_id = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m, pid_n = _tile_ids(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -226,7 +224,7 @@ def tile_gemm(x: torch.Tensor, w: torch.Tensor, config: TileGemmConfig,
         k_per_split, splits, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, STAGES=config.num_stages,
         SCALED=scaled, HAS_BIAS=bias is not None, WIDEN=not scaled and not x.is_cuda,
-        SPLIT=splits > 1, TRIGGER=pdl_enabled(x.device), PDL=bool(pdl),
+        SPLIT=splits > 1, TRIGGER=bool(chain_launch_options(x.device)), PDL=bool(pdl),
         PF_LINE=min(128 // w.element_size(), config.block_k), num_warps=config.num_warps,
         **pdl)
     return y
