@@ -33,6 +33,11 @@ differ between the two (the contract is 0: bitwise).
 
     python -m benchmarks.fused_kernels --out fused_kernels.json
     python -m benchmarks.fused_kernels --fp8 --out fused_fp8_quant.json
+    python -m benchmarks.fused_kernels --silu-variants --out silu_variants.json
+
+`--silu-variants` times the FP8 SiLU·mul with the approximate exp and division and with
+per-program scratch rows (`activation.FAST_SILU_FP8`, `SCRATCH_SLOTS_FP8`; both off) against
+the shipped kernel at [T, 28672], with the FP8 bytes that differ from the shipped output.
 """
 
 from __future__ import annotations
@@ -253,6 +258,39 @@ def fp8_quant_rows(t: int, k: int, quick: bool, dev: torch.device) -> list[dict]
     return rows
 
 
+def silu_variant_rows(t: int, quick: bool, dev: torch.device) -> list[dict]:
+    """The FP8 SiLU·mul's variants (`activation.FAST_SILU_FP8`, `SCRATCH_SLOTS_FP8`) at
+    [T, 2 x INTER]: µs, GB/s of the bytes it must move, and the FP8 bytes that differ from the
+    shipped kernel's."""
+    from phaseflip.kernels.activation import silu_and_mul_fp8
+    from phaseflip.kernels.attention import num_sms
+
+    gate_up = torch.randn(t, 2 * INTER, device=dev, dtype=DTYPE) * 3
+    _, q0, _ = silu_and_mul_fp8(gate_up, fast=False, scratch_slots=0)
+    sms = num_sms(dev)
+    rows = []
+    for fast in (False, True):
+        for slots in (0, 2 * sms, 4 * sms, 8 * sms):
+            def run(fast=fast, slots=slots):
+                return silu_and_mul_fp8(gate_up, fast=fast, scratch_slots=slots)
+            us = bench(run, quick)
+            rows.append({"tokens": t, "fast": fast, "slots": slots, "us": us,
+                         "GBps": t * INTER * (2 * DTYPE.itemsize + 1) / (us * 1e-6) / 1e9,
+                         "q_bytes_differ": int((run()[1].view(torch.uint8)
+                                                != q0.view(torch.uint8)).sum())})
+    return rows
+
+
+def main_silu_variants(args, dev: torch.device) -> None:
+    rows = [r for t in (args.tokens or [800, 8192]) for r in silu_variant_rows(t, args.quick, dev)]
+    print_table(["T", "fast", "scratch slots", "us", "GB/s", "q bytes differ"],
+                [[r["tokens"], r["fast"], r["slots"], r["us"], r["GBps"], r["q_bytes_differ"]]
+                 for r in rows],
+                title=f"FP8 SiLU·mul variants, [T, {2 * INTER}] {DTYPE} -> FP8 "
+                      f"(fast False, slots 0: shipped)")
+    write_json(args.out, {"benchmark": "fused_kernels_silu_variants", "rows": rows})
+
+
 def main_fp8(args, dev: torch.device) -> None:
     import triton
 
@@ -284,6 +322,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+",
                     help=f"token counts T (default: {TOKENS}; with --fp8 {FP8_TOKENS})")
     ap.add_argument("--quick", action="store_true", help="shorter do_bench windows")
+    ap.add_argument("--silu-variants", action="store_true",
+                    help="time the FP8 SiLU·mul's variants instead (default T: 800, 8192)")
     ap.add_argument("--fp8", action="store_true",
                     help="time the FP8 quantization fused into add+norm and SiLU*mul instead")
     args = ap.parse_args()
@@ -291,6 +331,8 @@ def main() -> None:
         sys.exit("needs a CUDA device")
     dev = torch.device("cuda")
     torch.manual_seed(0)
+    if args.silu_variants:
+        return main_silu_variants(args, dev)
     if args.fp8:
         return main_fp8(args, dev)
     args.tokens = args.tokens or list(TOKENS)

@@ -128,6 +128,29 @@ def test_silu_and_mul_fp8_is_silu_then_per_token_quant(dtype, n, whole_max, monk
     _same_fp8((q2, s2), (q, s))
 
 
+@pytest.mark.parametrize("slots", [1, 3, 7, 40])  # fewer programs than rows; more (capped)
+def test_silu_fp8_with_scratch_slots_is_the_same_bytes(slots, monkeypatch):
+    """`scratch_slots`: programs loop over rows, each staging its products in one reused
+    scratch row; bitwise the row-per-program kernel (and so the unfused pair)."""
+    monkeypatch.setattr(activation, "WHOLE_ROW_MAX", 64)  # the two-pass path
+    g = _rows(23, 2 * 300, torch.bfloat16, 300, 1e3)
+    _same_fp8(silu_and_mul_fp8(g, scratch_slots=slots)[1:], per_token_quant(silu_and_mul(g)))
+
+
+@pytest.mark.parametrize("whole_max", [activation.WHOLE_ROW_MAX, 64])
+def test_fast_silu_fp8_is_within_a_step_of_the_exact_one(whole_max, monkeypatch):
+    """`fast`: the approximate exp and division change a product's last bit now and then;
+    dequantized, no value moves by more than one e4m3 step of its row (1/8 of the value's
+    binade) and the scales by more than 1 %."""
+    monkeypatch.setattr(activation, "WHOLE_ROW_MAX", whole_max)
+    g = _rows(23, 2 * 300, torch.bfloat16, 300, 1e3) * 3
+    _, q, s = silu_and_mul_fp8(g)
+    _, qf, sf = silu_and_mul_fp8(g, fast=True, scratch_slots=5)
+    assert torch.allclose(sf, s, rtol=1e-2, atol=0)
+    exact, fast = q.float() * s, qf.float() * sf
+    assert ((fast - exact).abs() <= exact.abs() / 8 + 2 * s * 2.0**-9).all()
+
+
 def test_strided_gate_up_rows_and_empty_batches():
     g = _rows(18, 2 * 320, torch.bfloat16, 0, 50.0)
     wide = torch.zeros(18, 1000, dtype=torch.bfloat16, device=DEVICE)

@@ -45,6 +45,17 @@ from phaseflip.kernels.pdl import (
 BLOCK = 1024
 ROW_BLOCK = 2048  # columns a step of the two-pass FP8 kernel (rows past WHOLE_ROW_MAX)
 WHOLE_ROW_MAX = 4096  # columns the one-pass FP8 kernel holds in registers (4 warps: 32 each)
+# Two variants of the two-pass FP8 kernel, both off until an A/B on a GPU says they pay
+# (`benchmarks/fused_kernels.py --fp8 --silu-variants`):
+# FAST_SILU_FP8: the SiLU with the hardware's approximate exp and division (~2 ulp of float32)
+# instead of libdevice's expf and an IEEE division, which make the kernel issue-bound; the
+# products then differ from `silu_and_mul`'s in the last bf16 bit now and then (the FP8 row
+# rarely), so the output is no longer bitwise the unfused pair's.
+FAST_SILU_FP8 = False
+# SCRATCH_SLOTS_FP8 > 0: that many programs loop over the rows, each staging its products in
+# its own scratch row, reused row after row, so the scratch stays in L2 instead of being
+# written back (235 MB a layer at the 8B's 8 192 x 14 336, of ~820 MB of traffic).
+SCRATCH_SLOTS_FP8 = 0
 
 
 @triton.jit
@@ -60,10 +71,21 @@ def silu_mul_values(g, u, DTYPE: tl.constexpr, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul(X_ROW, OUT, cols, mask, n_cols, LIBDEVICE: tl.constexpr):
-    """silu(gate) * up at `cols` of one row, rounded to OUT's dtype as the torch path rounds."""
-    g = tl.load(X_ROW + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(X_ROW + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+def _silu_mul(X_ROW, OUT, cols, mask, n_cols, LIBDEVICE: tl.constexpr,
+              FAST: tl.constexpr = False, STREAM: tl.constexpr = False):
+    """silu(gate) * up at `cols` of one row, rounded to OUT's dtype as the torch path rounds
+    (FAST: with the approximate exp and division, `FAST_SILU_FP8`; STREAM: gate and up are
+    read to be evicted first, so they do not push the scratch rows out of L2)."""
+    if STREAM:
+        g = tl.load(X_ROW + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        u = tl.load(X_ROW + n_cols + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        g = tl.load(X_ROW + cols, mask=mask, other=0.0)
+        u = tl.load(X_ROW + n_cols + cols, mask=mask, other=0.0)
+    g, u = g.to(tl.float32), u.to(tl.float32)
+    if FAST:
+        s = (g / (1.0 + tl.exp(-g))).to(OUT.dtype.element_ty).to(tl.float32)
+        return (s * u).to(OUT.dtype.element_ty)
     return silu_mul_values(g, u, OUT.dtype.element_ty, LIBDEVICE)
 
 
@@ -82,46 +104,67 @@ def _silu_and_mul_kernel(
     tl.store(OUT + row * stride_out + cols, out, mask=mask)
 
 
-@triton.jit
+# n_rows is not specialized (a count of 1 or a multiple of 16 would compile another kernel
+# mid-serving)
+@triton.jit(do_not_specialize=["n_rows"])
 def _silu_and_mul_fp8_kernel(
-    X, OUT, Q, SCALE, n_cols, stride_x, stride_out,
+    X, OUT, Q, SCALE, n_rows, n_cols, stride_x, stride_out,
     BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, STORE_OUT: tl.constexpr,
     FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, WHOLE: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, FAST: tl.constexpr, SLOTS: tl.constexpr,
 ):
-    """Row pid0 whole. WHOLE (BLOCK >= n_cols): one block, one pass. Otherwise pass 1 writes
-    the 16-bit products to OUT with their maximum, pass 2 reads them back for the FP8 row.
-    PDL: see `kernels/pdl.py`."""
+    """Rows pid0, pid0 + SLOTS, ... (SLOTS 0: row pid0 alone), each whole. WHOLE (BLOCK >=
+    n_cols): one block, one pass. Otherwise pass 1 writes the 16-bit products with their
+    maximum to OUT's row (SLOTS: the program's own scratch row pid0, reused), pass 2 reads
+    them back for the FP8 row. PDL: see `kernels/pdl.py`."""
     launch_dependents(PDL)
     wait_previous(PDL)
-    row = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(0).to(tl.int64)
+    if SLOTS:
+        for r in range(first, n_rows, tl.num_programs(0)):
+            row = tl.cast(r, tl.int64)
+            _silu_fp8_row(X + row * stride_x, OUT + first * stride_out, Q + row * n_cols,
+                          SCALE + row, n_cols, BLOCK, LIBDEVICE, STORE_OUT, FP8_MAX_C,
+                          MIN_SCALE_C, WHOLE, FAST, True)
+            tl.debug_barrier()  # the next row's pass 1 overwrites this scratch row
+    else:
+        _silu_fp8_row(X + first * stride_x, OUT + first * stride_out, Q + first * n_cols,
+                      SCALE + first, n_cols, BLOCK, LIBDEVICE, STORE_OUT, FP8_MAX_C,
+                      MIN_SCALE_C, WHOLE, FAST, False)
+
+
+@triton.jit
+def _silu_fp8_row(X_ROW, OUT_ROW, Q_ROW, SCALE_AT, n_cols, BLOCK: tl.constexpr,
+                  LIBDEVICE: tl.constexpr, STORE_OUT: tl.constexpr, FP8_MAX_C: tl.constexpr,
+                  MIN_SCALE_C: tl.constexpr, WHOLE: tl.constexpr, FAST: tl.constexpr,
+                  STREAM: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     if WHOLE:
         mask = offs < n_cols
-        out = _silu_mul(X + row * stride_x, OUT, offs, mask, n_cols, LIBDEVICE)
+        out = _silu_mul(X_ROW, OUT_ROW, offs, mask, n_cols, LIBDEVICE, FAST, STREAM)
         if STORE_OUT:
-            tl.store(OUT + row * stride_out + offs, out, mask=mask)
+            tl.store(OUT_ROW + offs, out, mask=mask)
         wide = out.to(tl.float32)
         scale = fp8_row_scale(tl.max(tl.abs(wide), 0), FP8_MAX_C, MIN_SCALE_C)
-        tl.store(SCALE + row, scale)
-        tl.store(Q + row * n_cols + offs, fp8_quantize(wide, scale, Q, FP8_MAX_C), mask=mask)
+        tl.store(SCALE_AT, scale)
+        tl.store(Q_ROW + offs, fp8_quantize(wide, scale, Q_ROW, FP8_MAX_C), mask=mask)
     else:
         amax = tl.zeros([BLOCK], tl.float32)
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + offs
             mask = cols < n_cols
-            out = _silu_mul(X + row * stride_x, OUT, cols, mask, n_cols, LIBDEVICE)
-            tl.store(OUT + row * stride_out + cols, out, mask=mask)
+            out = _silu_mul(X_ROW, OUT_ROW, cols, mask, n_cols, LIBDEVICE, FAST, STREAM)
+            tl.store(OUT_ROW + cols, out, mask=mask)
             amax = tl.maximum(amax, tl.abs(out.to(tl.float32)))  # masked columns are 0
         scale = fp8_row_scale(tl.max(amax, 0), FP8_MAX_C, MIN_SCALE_C)
-        tl.store(SCALE + row, scale)
+        tl.store(SCALE_AT, scale)
         tl.debug_barrier()  # pass 2 reads what the program's threads wrote in pass 1
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + offs
             mask = cols < n_cols
-            out = tl.load(OUT + row * stride_out + cols, mask=mask, other=0.0)
-            q = fp8_quantize(out.to(tl.float32), scale, Q, FP8_MAX_C)
-            tl.store(Q + row * n_cols + cols, q, mask=mask)
+            out = tl.load(OUT_ROW + cols, mask=mask, other=0.0)
+            q = fp8_quantize(out.to(tl.float32), scale, Q_ROW, FP8_MAX_C)
+            tl.store(Q_ROW + cols, q, mask=mask)
 
 
 # triton.jit chose compiled or interpreted when the kernel was defined; libdevice is GPU only.
@@ -156,29 +199,38 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     return out
 
 
-def silu_and_mul_fp8(x: torch.Tensor, keep_out: bool = False
+def silu_and_mul_fp8(x: torch.Tensor, keep_out: bool = False, *, fast: bool | None = None,
+                     scratch_slots: int | None = None
                      ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """`silu_and_mul(x)` for x [T, 2I] and its per-token FP8 quantization in one kernel:
     (out [T, I] or None unless `keep_out`, x_q [T, I] float8_e4m3fn, scale [T, 1] float32),
-    bitwise `(out, *per_token_quant(out))`."""
+    bitwise `(out, *per_token_quant(out))`. `fast` and `scratch_slots` (default: the module's
+    `FAST_SILU_FP8` and `SCRATCH_SLOTS_FP8`) pick the variants; slots apply to rows too long
+    for one pass when the output is not kept."""
     if x.dim() != 2 or x.shape[-1] % 2 or x.stride(-1) != 1:
         raise ValueError(f"need [T, 2I] gate|up rows with a unit last stride, got shape "
                          f"{tuple(x.shape)} strides {x.stride()}")
+    fast = FAST_SILU_FP8 if fast is None else fast
+    slots = SCRATCH_SLOTS_FP8 if scratch_slots is None else scratch_slots
     t, n = x.shape[0], x.shape[1] // 2
     width = triton.next_power_of_2(n)
     whole = width <= WHOLE_ROW_MAX
-    # two passes stage the products in `out` (a scratch buffer unless kept)
-    out = torch.empty((t, n), dtype=x.dtype, device=x.device) if keep_out or not whole else None
+    slots = min(slots, t) if not (whole or keep_out) else 0
+    # two passes stage the products in `out` (a scratch buffer unless kept: a row a program
+    # with slots)
+    out = None
+    if keep_out or not whole:
+        out = torch.empty((slots or t, n), dtype=x.dtype, device=x.device)
     q, scale = empty_fp8_rows(t, n, x.device)
     if t == 0 or n == 0:
         return (out if keep_out else None), q, scale
     out_arg = out if out is not None else x  # only its dtype is read when not written
     block = width if whole else ROW_BLOCK
-    _silu_and_mul_fp8_kernel[(t,)](
-        x, out_arg, q, scale, n, x.stride(0), out_arg.stride(0),
+    _silu_and_mul_fp8_kernel[(slots or t,)](
+        x, out_arg, q, scale, t, n, x.stride(0), out_arg.stride(0),
         BLOCK=block, LIBDEVICE=USE_LIBDEVICE, STORE_OUT=keep_out, FP8_MAX_C=FP8_MAX,
-        MIN_SCALE_C=MIN_SCALE, WHOLE=whole, PDL=pdl_enabled(x.device),
-        num_warps=4 if whole else 8,  # whole rows: up to WHOLE_ROW_MAX, 32 columns a thread
+        MIN_SCALE_C=MIN_SCALE, WHOLE=whole, PDL=pdl_enabled(x.device), FAST=fast,
+        SLOTS=slots, num_warps=4 if whole else 8,  # whole rows: 32 columns a thread
         **chain_launch_options(x.device),
     )
     return (out if keep_out else None), q, scale
