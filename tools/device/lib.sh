@@ -27,3 +27,12 @@ pl() { python3 -c "import matplotlib" 2>/dev/null && echo "--plot $X/$1.png"; }
 WL_SERVE="--model llama-3.1-8b --load-format dummy --device cuda --dtype bfloat16 --enable-hicache --hicache-host-gb 16 --mem-fraction 0.85 --page-size 16 --max-running-requests 128 --chunked-prefill-size 8192 --max-prefill-tokens 8192 --dist-timeout-s 120 --shutdown-timeout 5"
 WL_ARGS="--duration-s 30 --alternate --burst-every-s 6 --burst-requests 32 --burst-prefix-tokens 4096 --burst-suffix-tokens 4096 --burst-output-tokens 32 --background-rps 2 --background-prompt-tokens 256 --background-output-tokens 128 --calib-bursts 8 --calib-background 12 --calib-max-new-tokens 16 --calib-timeout-s 150 --launch-estimate-s 60 --reserve-s 25"
 wl() { step wl_$1 $2 420 16 "$5 python3 -m benchmarks.bench_flip_workload --runs $3 --flip-layouts $4 --serve-args '$WL_SERVE' $WL_ARGS --time-budget-s \$((STEP_S - 10)) --out $X/wl_$1.json $(pl wl_$1)"; }
+# the PDL chain's GPU tests (steps `tests`, then `red`: the graph test with SiLU·mul's
+# `wait_previous` removed, which must fail), for the pdl_*_call.sh scripts
+pdl_checks() {
+  local T="python3 -m pytest -q -p no:cacheprovider" A=phaseflip/kernels/activation.py
+  step tests 40 150 4 "PHASEFLIP_TEST_DEVICE=cuda $T tests/test_pdl.py"
+  cp $A /tmp/act.py; sed -i 's/^    wait_previous(PDL)$/    pass  # wait removed/' $A
+  step red 30 100 6 "PHASEFLIP_TEST_DEVICE=cuda $T tests/test_pdl.py -k chain_in_a_graph"
+  cp /tmp/act.py $A
+}

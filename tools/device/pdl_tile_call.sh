@@ -10,12 +10,7 @@
 # Results: $OUT/pdl_tile.tgz.
 . tools/device/lib.sh
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $X/gpu.txt
-T="python3 -m pytest -q -p no:cacheprovider"
-step tests 40 150 4 "PHASEFLIP_TEST_DEVICE=cuda $T tests/test_pdl.py"
-cp phaseflip/kernels/activation.py /tmp/act.py
-sed -i 's/^    wait_previous(PDL)$/    pass  # wait removed/' phaseflip/kernels/activation.py
-step red 30 100 6 "PHASEFLIP_TEST_DEVICE=cuda $T tests/test_pdl.py -k chain_in_a_graph"
-cp /tmp/act.py phaseflip/kernels/activation.py
+pdl_checks
 F8="--engine-arg quantization=fp8 --engine-arg kv_cache_dtype=fp8_e4m3"
 LAT="--model llama-3.1-8b --load-format dummy --batch-sizes 160,256,512 --input-len 256 --output-len 32 --num-iters 1 --num-warmup 1 --mem-fraction 0.6"
 OFF="--model llama-3.1-8b --load-format dummy --num-prompts 1000 --dataset sharegpt-like --seed 0 --mem-fraction 0.85 --max-running-requests 1024"
