@@ -133,9 +133,9 @@ class _Layer:
 
 
 Sync = Callable[[torch.Tensor], torch.Tensor]
-# one layer against torch, relative error. CPU, small shapes: 0.008 (bf16) and 0.073 (FP8:
+# one layer against torch, relative error. CPU, small shapes: 0.007 (bf16) and 0.056 (FP8:
 # two FP8 pipelines whose inputs differ in the last bits round some elements a step apart);
-# with the step's k stored unrotated, 0.27 and 0.82
+# with the step's k stored unrotated, 0.23 and 0.71
 TOLERANCE = {False: 0.03, True: 0.1}
 
 
@@ -198,7 +198,7 @@ def _decode_layer(x: torch.Tensor, layer: _Layer, sync: bool) -> torch.Tensor:
 
 def _layers(fp8: bool, seqs: int, count: int = 3) -> tuple[list[_Layer], torch.Tensor]:
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    hidden, inter, ctx = (4096, 14336, 300) if DEVICE.type == "cuda" else (256, 512, 40)
+    hidden, inter, ctx = (4096, 14336, 300) if DEVICE.type == "cuda" else (256, 256, 24)
     layers = [_Layer(gen, seqs, ctx, fp8, hidden, inter) for _ in range(count)]
     return layers, torch.randn(seqs, hidden, device=DEVICE, generator=gen, dtype=torch.bfloat16)
 
