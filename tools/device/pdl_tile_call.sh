@@ -1,4 +1,4 @@
-# any one sm_90 GPU (~4 min, guarded to end by END, default 570 s): the tile GEMM (129-1 024
+# any one sm_90 GPU (~6 min with PAIRS=1, guarded to end by END, default 570 s): the tile GEMM (129-1 024
 # rows) launched with PDL, its first weight tile prefetched before its wait.
 #   tests   tests/test_pdl.py (the decode-layer chain in a graph at 16 and 256 sequences)
 #   red     the graph tests with SiLU·mul's wait removed: must fail
