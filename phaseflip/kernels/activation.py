@@ -48,9 +48,9 @@ WHOLE_ROW_MAX = 4096  # columns the one-pass FP8 kernel holds in registers (4 wa
 # Two variants of the two-pass FP8 kernel, both off until an A/B on a GPU says they pay
 # (`benchmarks/fused_kernels.py --fp8 --silu-variants`):
 # FAST_SILU_FP8: the SiLU with the hardware's approximate exp and division (~2 ulp of float32)
-# instead of libdevice's expf and an IEEE division, which make the kernel issue-bound; the
-# products then differ from `silu_and_mul`'s in the last bf16 bit now and then (the FP8 row
-# rarely), so the output is no longer bitwise the unfused pair's.
+# instead of libdevice's expf and an IEEE division (which made the kernel's earlier form
+# issue-bound, see above); the products then differ from `silu_and_mul`'s in the last bf16
+# bit now and then (the FP8 row rarely), so the output is no longer bitwise the unfused pair's.
 FAST_SILU_FP8 = False
 # SCRATCH_SLOTS_FP8 > 0: that many programs loop over the rows, each staging its products in
 # its own scratch row, reused row after row, so the scratch stays in L2 instead of being
