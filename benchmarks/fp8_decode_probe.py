@@ -129,7 +129,6 @@ SWEEP_SPLITS = (1, 2, 3, 4, 6, 9)
 
 def split_sweep(cuda: CudaFp8Decode, args: tuple, order, cfg, ks, vs) -> dict:
     """{splits: (Triton µs, CUDA µs)} for one case at each of `SWEEP_SPLITS`."""
-    from triton.testing import do_bench
 
     q, k, v, indptr, idx, _, _, scale, out = args
     times = {}
@@ -139,8 +138,15 @@ def split_sweep(cuda: CudaFp8Decode, args: tuple, order, cfg, ks, vs) -> dict:
         tri = functools.partial(decode_attention, q, k, v, indptr, idx, scale, plan, out=out,
                                 workspace=ws, config=cfg, k_scale=ks, v_scale=vs, order=order)
         cu = functools.partial(cuda, *args, order, plan, ws)
-        times[n] = tuple(round(do_bench(f, warmup=10, rep=100) * 1e3, 1) for f in (tri, cu))
+        times[n] = tuple(_us(f, 100) for f in (tri, cu))
     return times
+
+
+def _us(fn, rep: int) -> float:
+    """`fn`'s do_bench median in µs, to 0.1."""
+    from triton.testing import do_bench
+
+    return round(do_bench(fn, warmup=10, rep=rep) * 1e3, 1)
 
 
 # the decode tail's shapes for `--tail-sweep` (sequences, mean context, group), and the
@@ -157,7 +163,6 @@ def tail_sweep(b: int, mean: int, group: int, cuda: CudaFp8Decode, gather: CudaF
                sms: int) -> dict:
     """One tail case: µs of Triton at every (shape, splits), of CUDA and of its gather-only
     build at every split count; the planner's pick and the fastest of each."""
-    from triton.testing import do_bench
 
     q, k, v, indptr, idx, ks, vs = make_case(b, mean, group)
     dev, kvh, d = q.device, k.shape[1], k.shape[2]
@@ -183,12 +188,12 @@ def tail_sweep(b: int, mean: int, group: int, cuda: CudaFp8Decode, gather: CudaF
                                   out=out, workspace=ws, config=cfg, k_scale=ks, v_scale=vs,
                                   order=order)
             worst = max(worst, rel(f().view_as(q), ref))
-            triton_us[f"{bn}x{w}x{st}/{n}"] = round(do_bench(f, warmup=10, rep=60) * 1e3, 1)
+            triton_us[f"{bn}x{w}x{st}/{n}"] = _us(f, 60)
         cu = functools.partial(cuda, *args, order, plan, ws)
         worst = max(worst, rel(cu().view_as(q), ref))
-        cuda_us[n] = round(do_bench(cu, warmup=10, rep=60) * 1e3, 1)
+        cuda_us[n] = _us(cu, 60)
         gat = functools.partial(gather, *args, order, plan, ws)
-        gather_us[n] = round(do_bench(gat, warmup=10, rep=60) * 1e3, 1)
+        gather_us[n] = _us(gat, 60)
     best_t = min(triton_us, key=triton_us.get)
     best_c = min(cuda_us, key=cuda_us.get)
     shipped = triton_us[f"{base.block_n}x{base.num_warps}x{base.num_stages}/{planned}"]
