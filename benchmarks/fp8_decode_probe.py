@@ -5,6 +5,8 @@ few long sequences) split as the backend plans them and at the split counts of
 pattern's ceiling).
 
     python -m benchmarks.fp8_decode_probe --out probe.json
+    python -m benchmarks.fp8_decode_probe --layout-sweep   # token- vs head-major pools
+    python -m benchmarks.fp8_decode_probe --stage-sweep    # the CUDA kernel's build options
 
 Each case: B sequences with random context lengths around a mean, 8 KV heads × head_dim 128,
 pages of 16 slots shuffled, per-KV-head scales. Prints each kernel's µs, the pool bytes read
@@ -205,14 +207,130 @@ def tail_sweep(b: int, mean: int, group: int, cuda: CudaFp8Decode, gather: CudaF
             "triton_us": triton_us, "cuda_us": cuda_us, "gather_only_us": gather_us}
 
 
+# `--layout-sweep`: the unsplit large batches and the tail's shapes, each read from the pool
+# as stored now (token-major: a slot's KV heads side by side, 128 B a head in FP8) and
+# head-major ([KV heads, slots, D] viewed as [slots, KV heads, D]: a 16-slot page of one
+# head is 2 KB contiguous), FP8 and bf16, Triton at the shipped plan
+LAYOUT_CASES = CASES[:6] + TAIL_CASES
+
+
+def head_major(x: torch.Tensor) -> torch.Tensor:
+    """The same rows stored [KV heads, slots, D], viewed as [slots, KV heads, D]."""
+    return x.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+def layout_sweep(b: int, mean: int, group: int, sms: int, cuda: CudaFp8Decode,
+                 gather: CudaFp8Decode) -> dict:
+    """One case: Triton's µs and TB/s on a token-major and a head-major pool, FP8 and bf16,
+    and FP8 the CUDA kernel's and its gather-only build's; the two layouts' outputs must be
+    equal bit for bit (the same math on the same rows)."""
+
+    q, k8, v8, indptr, idx, ks, vs = make_case(b, mean, group)
+    dev, kvh, d = q.device, k8.shape[1], k8.shape[2]
+    scale = d ** -0.5
+    max_len = int((indptr[1:] - indptr[:-1]).max())
+    row: dict = {"batch": b, "mean_ctx": mean, "group": group}
+    for name, k, v in (("fp8", k8, v8), ("bf16", (k8.float() * 0.01).to(torch.bfloat16),
+                                          (v8.float() * 0.01).to(torch.bfloat16))):
+        cfg = decode_config(q.dtype, d, group, dev, kv_dtype=k.dtype)
+        hb = math.ceil(group / cfg.block_m)
+        plan = plan_decode(b, kvh, hb, max_len, sms)
+        ws = decode_workspace(b, q.shape[1], d, plan, dev) if plan.num_splits > 1 else None
+        order = decode_order(indptr) if orders_decode(b, kvh, hb, sms) else None
+        scales = (ks, vs) if name == "fp8" else (None, None)
+        outs, us = [], []
+        for kk, vv in ((k, v), (head_major(k), head_major(v))):
+            out = torch.empty(b, q.shape[1] * d, device=dev, dtype=q.dtype)
+            f = functools.partial(decode_attention, q, kk, vv, indptr, idx, scale, plan,
+                                  out=out, workspace=ws, config=cfg, k_scale=scales[0],
+                                  v_scale=scales[1], order=order)
+            outs.append(f().clone())
+            us.append(_us(f, 100))
+            if name == "fp8":  # the CUDA kernel and its gather-only build, same plan
+                args = (q, kk, vv, indptr, idx, ks, vs, scale, out, order, plan, ws)
+                outs.append(cuda(*args).clone())
+                us += [_us(functools.partial(cuda, *args), 100),
+                       _us(functools.partial(gather, *args), 100)]
+        nbytes = int(indptr[-1]) * kvh * d * 2 * k.element_size()
+        n = len(us) // 2
+        row[name] = {"splits": plan.num_splits, "token_major_us": us[0],
+                     "head_major_us": us[n], "token_major_tbs": nbytes / us[0] / 1e6,
+                     "head_major_tbs": nbytes / us[n] / 1e6,
+                     "equal": all(torch.equal(outs[i], outs[i + len(outs) // 2])
+                                  for i in range(len(outs) // 2))}
+        if n > 1:
+            row[name].update(cuda_us=(us[1], us[n + 1]), gather_only_us=(us[2], us[n + 2]))
+    return row
+
+
+# `--stage-sweep`: the CUDA kernel's build options on the unsplit cases, (tiles a warp
+# stages, CTAs an SM the registers must allow); (4, 1) is the shipped build: 64 KB of shared
+# memory and ~126-130 registers, three CTAs an SM
+STAGE_BUILDS = ((4, 1), (3, 1), (3, 4), (2, 4), (2, 5), (6, 1))
+
+
+def stage_sweep(dev: torch.device) -> list[dict]:
+    """µs, TB/s and error of each build (and its gather-only build) on `CASES`."""
+    builds = {sb: (CudaFp8Decode(dev, stages=sb[0], min_blocks=sb[1]),
+                   CudaFp8Decode(dev, ("-DGATHER_ONLY",), stages=sb[0], min_blocks=sb[1]))
+              for sb in STAGE_BUILDS}
+    for (st, mb), (k, _) in builds.items():
+        print(f"build stages {st} min blocks {mb}: {k.registers} registers, "
+              f"{k.shared // 1024} KB shared", flush=True)
+    rows = []
+    for b, mean, group in CASES:
+        q, k, v, indptr, idx, ks, vs = make_case(b, mean, group)
+        scale = q.shape[2] ** -0.5
+        ref = reference(q, k, v, indptr, idx, ks, vs, scale)
+        order = decode_order(indptr) if orders_decode(b, k.shape[1], 1, num_sms(dev)) else None
+        out = torch.empty(b, q.shape[1] * q.shape[2], device=dev, dtype=q.dtype)
+        args = (q, k, v, indptr, idx, ks, vs, scale, out, order)
+        nbytes = int(indptr[-1]) * k.shape[1] * k.shape[2] * 2
+        row = {"batch": b, "mean_ctx": mean, "group": group, "builds": {}}
+        for (st, mb), (kern, gat) in builds.items():
+            err = rel(kern(*args).view_as(q), ref)
+            us, g_us = _us(functools.partial(kern, *args), 200), _us(
+                functools.partial(gat, *args), 200)
+            row["builds"][f"{st}x{mb}"] = {"us": us, "tbs": nbytes / us / 1e6,
+                                           "gather_only_us": g_us, "err": err,
+                                           "registers": kern.registers}
+        rows.append(row)
+        print(f"B={b:5d} ctx~{mean:5d} g={group}: " + "  ".join(
+            f"{n} {r['us']:.1f} ({r['tbs']:.2f} TB/s, gather {r['gather_only_us']:.1f})"
+            for n, r in row["builds"].items()), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--split-only", action="store_true", help="only the split cases")
     ap.add_argument("--tail-sweep", action="store_true",
                     help="the decode tail's shapes at every Triton shape and split count")
+    ap.add_argument("--layout-sweep", action="store_true",
+                    help="Triton on token-major against head-major pools, FP8 and bf16")
+    ap.add_argument("--stage-sweep", action="store_true",
+                    help="the CUDA kernel's stage and CTAs-an-SM build options, unsplit cases")
     args = ap.parse_args()
     dev = torch.device("cuda")
+    if args.stage_sweep:
+        write_json(args.out, {"benchmark": "fp8_decode_probe_stages", "cases": stage_sweep(dev)})
+        return
+    if args.layout_sweep:
+        cuda = CudaFp8Decode(dev)
+        gather = CudaFp8Decode(dev, options=("-DGATHER_ONLY",))
+        rows = []
+        for b, mean, group in LAYOUT_CASES:
+            r = layout_sweep(b, mean, group, num_sms(dev), cuda, gather)
+            rows.append(r)
+            print(f"B={r['batch']:5d} ctx~{r['mean_ctx']:5d} " + "  ".join(
+                f"{n}: {r[n]['token_major_us']:.1f} -> {r[n]['head_major_us']:.1f} µs "
+                f"({r[n]['token_major_tbs']:.2f} -> {r[n]['head_major_tbs']:.2f} TB/s, "
+                f"splits {r[n]['splits']}, equal {r[n]['equal']})" for n in ("fp8", "bf16"))
+                + "  CUDA {:.1f} -> {:.1f}, gather-only {:.1f} -> {:.1f}".format(
+                    *r["fp8"]["cuda_us"], *r["fp8"]["gather_only_us"]), flush=True)
+        write_json(args.out, {"benchmark": "fp8_decode_probe_layout", "cases": rows})
+        return
     cuda = CudaFp8Decode(dev)
     gather = CudaFp8Decode(dev, options=("-DGATHER_ONLY",))
     if args.tail_sweep:

@@ -36,8 +36,8 @@ SOURCE = Path(__file__).parent / "csrc" / "fp8_decode.cu"
 HEAD_DIM = 128
 MAX_GROUP = 8  # the MMA's N: query heads of one KV head (what the kernel computes)
 ROUTED_MAX_GROUP = 4  # what it is given: at group 8 it was 4 % slower than Triton (H200)
-WARPS, STAGES, TILE_BYTES = 4, 4, 4096  # as in the source
-SHARED = WARPS * STAGES * TILE_BYTES
+WARPS, STAGES, TILE_BYTES = 4, 4, 4096  # as in the source (STAGES its default)
+MERGE_BYTES = WARPS * 8 * (128 + 2) * 4  # the CTA's merge buffer reuses the rings
 LOG2E = 1.4426950408889634
 # Whether the backend gives the kernel split plans (the decode tail's few long sequences).
 # Off: correct on an H100, but slower than Triton there at 2 and 9 splits (faster at 3).
@@ -47,11 +47,22 @@ SPLIT_PLANS = False
 class CudaFp8Decode:
     """The compiled kernel of one device; `accepts` says which launches it takes."""
 
-    def __init__(self, device: torch.device, options: tuple[str, ...] = ()) -> None:
+    def __init__(self, device: torch.device, options: tuple[str, ...] = (),
+                 stages: int = STAGES, min_blocks: int = 1) -> None:
+        """`stages` (tiles a warp stages, ≥ 2: the rings hold the merge buffer) and
+        `min_blocks` (CTAs an SM the registers must allow) are build options."""
+        if stages < 2:
+            raise ValueError(f"stages {stages}: the merge needs {MERGE_BYTES} bytes of ring")
+        build = (f"-DSTAGES={stages}", f"-DMIN_BLOCKS={min_blocks}")
         cubin = compile_cubin(SOURCE.read_text(), "fp8_decode",
-                              options=("--use_fast_math", *options))
+                              options=("--use_fast_math", *build, *options))
         self._kernel = CudaKernel(cubin, "fp8_decode_async_kernel", device)
-        self._kernel.allow_shared(SHARED)
+        self.shared = WARPS * stages * TILE_BYTES
+        self._kernel.allow_shared(self.shared)
+
+    @property
+    def registers(self) -> int:
+        return self._kernel.registers
 
     @classmethod
     def create(cls, device: torch.device) -> CudaFp8Decode | None:
@@ -74,7 +85,8 @@ class CudaFp8Decode:
                 order: torch.Tensor | None, sliding_window: int | None) -> bool:
         """Whether a decode launch has the layout the kernel reads and a group it is faster
         at: bf16 q [B, H, 128] with rows of heads, an e4m3 pool [slots, KVH, 128],
-        H / KVH <= 4 (it computes up to 8), int64 indices, float32 scales, no window."""
+        H / KVH <= 4 (it computes up to 8), int64 indices, float32 scales, no window. The pool may
+        be slot-major or head-major (`stride(1)` of a head): rows start on 16 bytes."""
         if sliding_window is not None or k_scale is None or v_scale is None:
             return False
         if q.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
@@ -88,8 +100,9 @@ class CudaFp8Decode:
             return False
         if q.stride(2) != 1 or q.stride(1) != HEAD_DIM or out.stride(-1) != 1:
             return False
-        for cache in (k_cache, v_cache):
-            if cache.stride(2) != 1 or cache.stride(1) != HEAD_DIM:
+        for cache in (k_cache, v_cache):  # rows of 16-byte chunks (cp.async), any order
+            if (cache.stride(2) != 1 or cache.stride(0) % 16 or cache.stride(1) % 16
+                    or cache.data_ptr() % 16):
                 return False
         ints = (kv_indptr, kv_indices) + (() if order is None else (order,))
         if any(t.dtype != torch.int64 for t in ints):
@@ -121,8 +134,9 @@ class CudaFp8Decode:
                 ctypes.c_float(scale * LOG2E), ctypes.c_int(q.shape[1] // kv_heads),
                 ctypes.c_int(splits), ctypes.c_int(1 if plan is None else plan.min_chunk),
                 ctypes.c_longlong(q.stride(0)), ctypes.c_longlong(k_cache.stride(0)),
-                ctypes.c_longlong(v_cache.stride(0)), ctypes.c_longlong(out.stride(0)), order]
-        self._kernel((kv_heads, seqs, splits), (32 * WARPS, 1, 1), args, shared=SHARED)
+                ctypes.c_longlong(v_cache.stride(0)), ctypes.c_longlong(out.stride(0)), order,
+                ctypes.c_longlong(k_cache.stride(1)), ctypes.c_longlong(v_cache.stride(1))]
+        self._kernel((kv_heads, seqs, splits), (32 * WARPS, 1, 1), args, shared=self.shared)
         return out
 
 

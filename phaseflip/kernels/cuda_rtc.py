@@ -22,6 +22,7 @@ import torch
 NVRTC_ENV = "PHASEFLIP_NVRTC"  # a libnvrtc path, when the search below misses it
 CACHE_ENV = "PHASEFLIP_CUDA_CACHE"  # cubin cache folder (default ~/.cache/phaseflip/cubin)
 _SHARED_ATTR = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_NUM_REGS_ATTR = 4  # CU_FUNC_ATTRIBUTE_NUM_REGS
 
 
 def find_nvrtc() -> str:
@@ -101,6 +102,14 @@ class CudaKernel:
         """Lets launches ask for more than 48 KB of dynamic shared memory."""
         self._check(self._cuda.cuFuncSetAttribute(self._fn, _SHARED_ATTR, nbytes),
                     "cuFuncSetAttribute")
+
+    @property
+    def registers(self) -> int:
+        """Registers a thread of the kernel holds (what bounds its CTAs an SM)."""
+        val = ctypes.c_int()
+        self._check(self._cuda.cuFuncGetAttribute(ctypes.byref(val), _NUM_REGS_ATTR, self._fn),
+                    "cuFuncGetAttribute")
+        return val.value
 
     def _check(self, rc: int, what: str) -> None:
         if rc:

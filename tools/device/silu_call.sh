@@ -4,16 +4,20 @@
 #            SiLU within a step)
 #   micro    benchmarks.fused_kernels --silu-variants (T 800 and 8192 x 28672)
 #   off_*    FP8 offline, shipped / the fastest variant at T 8192 (if it beats the shipped
-#            kernel by more than 3 %), PAIRS interleaved pairs (default 2)
+#            kernel by more than 3 %; VARIANT="FAST SLOTS" names one instead), PAIRS
+#            interleaved pairs (default 2)
+# (2026-12-06, H100: micro: 528 slots 277 against 326 µs at T 8192, fast + 528 267; offline
+# fast + 528 16 161 / 16 304 against 16 376 / 16 129. Then VARIANT="0 528" PAIRS=3
+# ONLY="off_new1 off_shipped1 off_new2 off_shipped2 off_new3 off_shipped3": see benchmarks.md.)
 # Results: $OUT/silu.tgz.
 . tools/device/lib.sh
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $X/gpu.txt
 step tests 40 150 4 "PHASEFLIP_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_fp8_quant_fusion.py"
 step micro 30 120 20 "python3 -m benchmarks.fused_kernels --silu-variants --out $X/silu_variants.json"
-pick=$(python3 -c "
+pick=${VARIANT:-$(python3 -c "
 import json; r = [x for x in json.load(open('$X/silu_variants.json'))['rows'] if x['tokens'] == 8192]
 base = next(x for x in r if not x['fast'] and not x['slots']); best = min(r, key=lambda x: x['us'])
-print(f\"{int(best['fast'])} {best['slots']}\" if best['us'] < 0.97 * base['us'] else '')" 2>/dev/null)
+print(f\"{int(best['fast'])} {best['slots']}\" if best['us'] < 0.97 * base['us'] else '')" 2>/dev/null)}
 echo "variant to A/B (fast slots): ${pick:-none}"
 A=phaseflip/kernels/activation.py; cp $A /tmp/activation.py
 arm() { cp /tmp/activation.py $A; [ $1 = new ] || return 0; set -- $pick

@@ -169,7 +169,12 @@ __device__ __forceinline__ void reduce_l(WarpState& st) {
 // prefetch keeps one tile (4 KB a warp) in flight and waits on DRAM (2.43 TB/s against
 // 2.99 at 1 000 sequences, H200).
 
+#ifndef STAGES  // a build option (-DSTAGES=n): shared memory 16 KB a stage a CTA
 #define STAGES 4
+#endif
+#ifndef MIN_BLOCKS  // a build option: CTAs an SM the register allocation must allow
+#define MIN_BLOCKS 1
+#endif
 #define TILE_BYTES 4096  // 16 keys × (128 K bytes + 128 V bytes)
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
@@ -276,7 +281,7 @@ __device__ __forceinline__ void merge_splits(u16* out_row, const float* mid_o,
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS)
 fp8_decode_async_kernel(const u16* __restrict__ Q, const unsigned char* __restrict__ K,
                         const unsigned char* __restrict__ V, const i64* __restrict__ kv_indptr,
                         const i64* __restrict__ kv_indices, const float* __restrict__ k_scale,
@@ -285,7 +290,7 @@ fp8_decode_async_kernel(const u16* __restrict__ Q, const unsigned char* __restri
                         float* __restrict__ mid_l, int* __restrict__ locks,
                         float qk_scale_log2, int group, int num_splits, int min_chunk,
                         i64 stride_qt, i64 stride_kn, i64 stride_vn, i64 stride_ot,
-                        const i64* __restrict__ order) {
+                        const i64* __restrict__ order, i64 stride_kh, i64 stride_vh) {
     extern __shared__ __align__(128) unsigned char smem[];
     const int kvh = blockIdx.x;
     const int b = order ? (int)order[blockIdx.y] : blockIdx.y;  // longest sequences first
@@ -306,8 +311,8 @@ fp8_decode_async_kernel(const u16* __restrict__ Q, const unsigned char* __restri
     const int lo = split * chunk;
     const int hi = min(lo + chunk, seq_len);
     const i64* idx = kv_indices + beg;
-    const unsigned char* Kh = K + (i64)kvh * 128;
-    const unsigned char* Vh = V + (i64)kvh * 128;
+    const unsigned char* Kh = K + (i64)kvh * stride_kh;
+    const unsigned char* Vh = V + (i64)kvh * stride_vh;
     const u32 ring = smem_addr(smem) + warp * STAGES * TILE_BYTES;
 
     u32 qf[16];
@@ -338,7 +343,7 @@ fp8_decode_async_kernel(const u16* __restrict__ Q, const unsigned char* __restri
             load_slots(slots, idx, n_issue + step, hi, lane);
         }
         asm volatile("cp.async.commit_group;");
-        asm volatile("cp.async.wait_group 3;");  // STAGES - 1 groups may stay in flight
+        asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 1));  // may stay in flight
         __syncwarp();
         Tile cur;
         read_tile(cur, ring + (j % STAGES) * TILE_BYTES, g, t);
