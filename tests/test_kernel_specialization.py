@@ -46,3 +46,24 @@ def test_batch_dependent_ints_are_not_specialized(where, names):
         n for n in ast.walk(ast.parse(path.read_text()))
         if isinstance(n, ast.FunctionDef) and n.name == where[1]).args.args}
     assert names <= params  # (a renamed argument would silently specialize again)
+
+
+def test_the_fp8_silu_build_does_not_follow_the_row_count(monkeypatch):
+    """The scratch-slot FP8 SiLU·mul caps its programs at the row count; the cap is the grid,
+    never a compile-time argument (the count as a constexpr compiled a build per batch size
+    below the slot count). Every constexpr and launch option is the same from 3 to 600 rows."""
+    import torch
+
+    from phaseflip.kernels import activation
+
+    launches: list[dict] = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs)
+
+    monkeypatch.setattr(activation, "_silu_and_mul_fp8_kernel", Recorder())
+    for rows in (3, 17, 600):
+        activation.silu_and_mul_fp8(torch.zeros(rows, 2 * 8192, dtype=torch.bfloat16),
+                                    scratch_slots=528)
+    assert len(launches) == 3 and all(k == launches[0] for k in launches)

@@ -45,8 +45,7 @@ from phaseflip.kernels.pdl import (
 BLOCK = 1024
 ROW_BLOCK = 2048  # columns a step of the two-pass FP8 kernel (rows past WHOLE_ROW_MAX)
 WHOLE_ROW_MAX = 4096  # columns the one-pass FP8 kernel holds in registers (4 warps: 32 each)
-# Two variants of the two-pass FP8 kernel, both off until an A/B on a GPU says they pay
-# (`benchmarks/fused_kernels.py --fp8 --silu-variants`):
+# Two variants of the two-pass FP8 kernel (`benchmarks/fused_kernels.py --silu-variants`):
 # FAST_SILU_FP8: the SiLU with the hardware's approximate exp and division (~2 ulp of float32)
 # instead of libdevice's expf and an IEEE division (which made the kernel's earlier form
 # issue-bound, see above); the products then differ from `silu_and_mul`'s in the last bf16
@@ -54,8 +53,11 @@ WHOLE_ROW_MAX = 4096  # columns the one-pass FP8 kernel holds in registers (4 wa
 FAST_SILU_FP8 = False
 # SCRATCH_SLOTS_FP8 > 0: that many programs loop over the rows, each staging its products in
 # its own scratch row, reused row after row, so the scratch stays in L2 instead of being
-# written back (235 MB a layer at the 8B's 8 192 x 14 336, of ~820 MB of traffic).
-SCRATCH_SLOTS_FP8 = 0
+# written back (235 MB a layer at the 8B's 8 192 x 14 336, of ~820 MB of traffic). Bitwise
+# the same rows. On an H100 (2026-12-06) 528 slots (four an SM) took 277 against 326 µs at
+# 8 192 x 14 336 and 39.8 against 44.2 at 800 rows (264 slots were slower, 1 056 between);
+# FP8 offline over three interleaved pairs 16 288 against 16 282 output tok/s (unchanged).
+SCRATCH_SLOTS_FP8 = 528
 
 
 @triton.jit
@@ -230,7 +232,8 @@ def silu_and_mul_fp8(x: torch.Tensor, keep_out: bool = False, *, fast: bool | No
         x, out_arg, q, scale, t, n, x.stride(0), out_arg.stride(0),
         BLOCK=block, LIBDEVICE=USE_LIBDEVICE, STORE_OUT=keep_out, FP8_MAX_C=FP8_MAX,
         MIN_SCALE_C=MIN_SCALE, WHOLE=whole, PDL=pdl_enabled(x.device), FAST=fast,
-        SLOTS=slots, num_warps=4 if whole else 8,  # whole rows: 32 columns a thread
+        # a flag, not the count: a row count below the slots must not compile another build
+        SLOTS=slots > 0, num_warps=4 if whole else 8,  # whole rows: 32 columns a thread
         **chain_launch_options(x.device),
     )
     return (out if keep_out else None), q, scale
