@@ -329,6 +329,61 @@ def test_fp8_llama_logits_are_bitwise_the_same_with_the_fusion(tmp_path, monkeyp
     assert torch.equal(fused, unfused)
 
 
+def test_padded_gemm_rows_leave_the_logits_bitwise_the_same(tmp_path, monkeypatch,
+                                                            fused_on_cpu):
+    """`fp8_quant.GEMM_ROW_PAD`: the producers' FP8 rows live in buffers of the padded row
+    count and every `_scaled_mm` runs on them (24 tokens -> 32 rows here), the rows past the
+    batch holding garbage; the logits equal the unpadded run's bit for bit."""
+    from phaseflip.attention.torch_ref import TorchRefAttention
+    from phaseflip.cache.kv_pool import KVPool
+    from phaseflip.forward_batch import ForwardBatch
+
+    model = _tiny_fp8_llama(tmp_path)
+    t = 24
+    batch = ForwardBatch(
+        input_ids=torch.randint(0, 128, (t,), generator=_gen(2)), positions=torch.arange(t),
+        out_cache_loc=torch.arange(1, t + 1), extend_lens=[t], prefix_lens=[0],
+        kv_indptr=torch.tensor([0, t]), kv_indices=torch.arange(1, t + 1),
+        logits_indices=torch.arange(t), max_position=t - 1,
+    ).to(DEVICE)
+    rows: list[int] = []
+
+    def recorded(a, b, scale_a, scale_b, out_dtype):
+        rows.append(a.shape[0])
+        return _cpu_scaled_mm(a, b, scale_a, scale_b, out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recorded, raising=False)
+
+    def logits() -> torch.Tensor:
+        pool = KVPool(t + 8, (0, 2), 2, 24, torch.bfloat16, DEVICE)
+        with torch.inference_mode():
+            return model.compute_logits(model(batch, pool, TorchRefAttention())[0])
+
+    plain = logits()
+    assert set(rows) == {t}
+    rows.clear()
+    monkeypatch.setattr(fp8_quant, "GEMM_ROW_PAD", 16)
+    monkeypatch.setattr(fp8_quant, "GEMM_ROW_PAD_MIN", 1)
+    padded = logits()
+    assert len(rows) == 8 and set(rows) == {32}  # 2 layers x qkv, o, gate_up, down
+    assert padded.shape == plain.shape and torch.equal(padded, plain)
+
+
+def test_padded_operands_view_the_buffers_or_decline(monkeypatch):
+    monkeypatch.setattr(fp8_quant, "GEMM_ROW_PAD", 128)
+    assert [fp8_quant.gemm_rows(t) for t in (1, 1024, 1025, 8704, 8705)] == [
+        1, 1024, 1152, 8704, 8832]
+    q, s = fp8_quant.empty_fp8_rows(1030, 32, torch.device("cpu"))
+    assert q.shape == (1030, 32) and s.shape == (1030, 1)
+    pq, ps = fp8_quant.padded_operands(q, s)
+    assert pq.shape == (1152, 32) and ps.shape == (1152, 1)
+    assert pq.data_ptr() == q.data_ptr() and ps.data_ptr() == s.data_ptr()
+    plain = torch.empty(1030, 32, dtype=torch.float8_e4m3fn)  # no room past its rows
+    assert fp8_quant.padded_operands(plain, torch.empty(1030, 1)) is None
+    monkeypatch.setattr(fp8_quant, "GEMM_ROW_PAD", 0)
+    assert fp8_quant.padded_operands(q, s) is None and fp8_quant.gemm_rows(1030) == 1030
+
+
 # ------------------------------------------------------------------------------ CUDA only
 
 
