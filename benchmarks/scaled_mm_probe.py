@@ -80,28 +80,38 @@ SWEEP_RANGES = ((1024, 2048, 64), (8192, 9216, 16))
 PADS = (16, 32, 64, 128, 256)
 
 
-def m_sweep(dev: torch.device, rounds: int = 3) -> dict:
-    """{"layer_us": {M: µs of qkv + o + gate_up + down}, "pads": {multiple: saving}}."""
+def m_sweep(dev: torch.device, rounds: int = 3, bf16: bool = False) -> dict:
+    """{"layer_us": {M: µs of qkv + o + gate_up + down}, "pads": {multiple: saving}}: the
+    row-wise FP8 GEMMs, or with `bf16` the 16-bit `x @ w.t()` of the same shapes."""
     from triton.testing import do_bench
 
     ms = sorted({m + d for lo, hi, step in SWEEP_RANGES for m in range(lo, hi + 1, step)
                  for d in (0, 1)})
-    top = max(ms) + max(PADS)
-    ops = []
-    for _name, n, k in SHAPES:
-        xq = torch.randn(top, k, device=dev).to(torch.float8_e4m3fn)
-        ops.append((xq, torch.rand(top, 1, device=dev) + 0.5,
-                    torch.randn(n, k, device=dev).to(torch.float8_e4m3fn).t(),
-                    torch.rand(1, n, device=dev) + 0.5))
     ms += sorted({-(-m // p) * p for m in ms for p in PADS} - set(ms))
+    top = max(ms)
+    dtype = torch.bfloat16 if bf16 else torch.float8_e4m3fn
+    ops = [(torch.randn(top, k, device=dev).to(dtype), torch.rand(top, 1, device=dev) + 0.5,
+            torch.randn(n, k, device=dev).to(dtype).t(), torch.rand(1, n, device=dev) + 0.5)
+           for _name, n, k in SHAPES]
+
+    def gemm(x, s, wt, sw):
+        if bf16:
+            return lambda: x @ wt
+        return lambda: torch._scaled_mm(x, wt, scale_a=s, scale_b=sw, out_dtype=torch.bfloat16)
+
     samples: dict[int, list[float]] = {m: [] for m in ms}
     for _ in range(rounds):
         for m in ms:
-            samples[m].append(sum(do_bench(
-                lambda x=xq[:m], s=sx[:m], w=wt, sw=sw: torch._scaled_mm(
-                    x, w, scale_a=s, scale_b=sw, out_dtype=torch.bfloat16),
-                warmup=5, rep=25) * 1e3 for xq, sx, wt, sw in ops))
+            samples[m].append(sum(do_bench(gemm(x[:m], s[:m], wt, sw), warmup=5, rep=25) * 1e3
+                                  for x, s, wt, sw in ops))
     layer = {m: sorted(v)[len(v) // 2] for m, v in samples.items()}
+    return {"layer_us": layer, "pads": pad_savings(layer), "rounds": rounds,
+            "dtype": "bf16" if bf16 else "fp8 row-wise"}
+
+
+def pad_savings(layer: dict[int, float]) -> dict[int, dict]:
+    """For each multiple of `PADS`: the mean µs of the row counts that are not multiples of
+    16, as they are and padded to it (both must be in `layer`), and the fraction saved."""
     odd = [m for m in layer if m % 16]
     pads = {}
     for p in PADS:
@@ -109,7 +119,7 @@ def m_sweep(dev: torch.device, rounds: int = 3) -> dict:
         pads[p] = {"unpadded_us": sum(a for a, _ in pairs) / len(pairs),
                    "padded_us": sum(b for _, b in pairs) / len(pairs)}
         pads[p]["saving"] = 1 - pads[p]["padded_us"] / pads[p]["unpadded_us"]
-    return {"layer_us": layer, "pads": pads, "rounds": rounds}
+    return pads
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -117,11 +127,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     ap.add_argument("--m-sweep", action="store_true",
                     help="a layer's row-wise GEMMs over row counts, and what padding saves")
+    ap.add_argument("--bf16", action="store_true", help="--m-sweep the bf16 GEMMs instead")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     if args.m_sweep:
-        r = m_sweep(dev)
+        r = m_sweep(dev, bf16=args.bf16)
         for p, v in r["pads"].items():
             print(f"pad to a multiple of {p:3d}: {v['unpadded_us']:.0f} -> {v['padded_us']:.0f}"
                   f" µs a layer ({100 * v['saving']:+.1f} %)", flush=True)

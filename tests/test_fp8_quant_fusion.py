@@ -416,3 +416,19 @@ def test_fused_kernels_capture_in_a_cuda_graph():
     _same_fp8(outs[0], per_token_quant(rms_norm(x0, w, EPS)))
     _same_fp8(outs[1], per_token_quant(fused_add_rms_norm(x0.clone(), r0.clone(), w, EPS)[0]))
     _same_fp8(outs[2], per_token_quant(silu_and_mul(g0)))
+
+
+def test_the_sweep_scores_each_padding_multiple():
+    """`scaled_mm_probe.pad_savings`: the odd row counts against their padded ones; here one
+    row past a multiple of 64 costs 1.5x and only multiples of 64 are fast: padding to 64 saves
+    a third, to 16 or 32 less (it lands on a fast count a quarter or half of the time), to
+    128 or 256 less too (more padded rows)."""
+    from benchmarks.scaled_mm_probe import PADS, pad_savings
+
+    layer = {m: m if m % 64 == 0 else 1.5 * m for m in range(1024, 2048 + 257, 16)}
+    layer.update({m + 1: 1.5 * (m + 1) for m in range(1024, 2049, 16)})
+    pads = pad_savings(layer)
+    assert set(pads) == set(PADS)
+    saving = {p: v["saving"] for p, v in pads.items()}
+    assert saving[64] > 0.3 and max(saving, key=saving.get) == 64
+    assert 0 < saving[16] < saving[32] < saving[64] > saving[128] > saving[256]
