@@ -364,6 +364,17 @@ def test_padded_gemm_rows_leave_the_logits_bitwise_the_same(tmp_path, monkeypatc
     rows.clear()
     monkeypatch.setattr(fp8_quant, "GEMM_ROW_PAD", 16)
     monkeypatch.setattr(fp8_quant, "GEMM_ROW_PAD_MIN", 1)
+    empty = fp8_quant.empty_fp8_rows
+
+    def poisoned(t, k, device):  # the rows past t hold NaN: a leak would reach the logits
+        q, scale = empty(t, k, device)
+        pq, ps = fp8_quant.padded_operands(q, scale) or (q, scale)
+        pq[t:].view(torch.uint8).fill_(0x7F)  # e4m3fn NaN
+        ps[t:].fill_(float("nan"))
+        return q, scale
+
+    for mod in (fp8_quant, norm, activation):
+        monkeypatch.setattr(mod, "empty_fp8_rows", poisoned)
     padded = logits()
     assert len(rows) == 8 and set(rows) == {32}  # 2 layers x qkv, o, gate_up, down
     assert padded.shape == plain.shape and torch.equal(padded, plain)
@@ -380,11 +391,58 @@ def test_padded_operands_view_the_buffers_or_decline(monkeypatch):
     assert pq.data_ptr() == q.data_ptr() and ps.data_ptr() == s.data_ptr()
     plain = torch.empty(1030, 32, dtype=torch.float8_e4m3fn)  # no room past its rows
     assert fp8_quant.padded_operands(plain, torch.empty(1030, 1)) is None
+    assert fp8_quant.padded_operands(q, torch.empty(1030, 1)) is None  # x_q has room, not scale
+    big, scales = torch.empty(1200, 32, dtype=torch.float8_e4m3fn), torch.empty(1200, 1)
+    late = fp8_quant.padded_operands(big[10:1040], scales[10:1040])  # 10 + 1152 rows fit
+    assert late[0].shape == (1152, 32) and late[0].data_ptr() == big[10].data_ptr()
+    assert late[1].data_ptr() == scales[10].data_ptr()
+    assert fp8_quant.padded_operands(big[60:1090], scales[60:1090]) is None  # 60 + 1152 do not
     monkeypatch.setattr(fp8_quant, "GEMM_ROW_PAD", 0)
     assert fp8_quant.padded_operands(q, s) is None and fp8_quant.gemm_rows(1030) == 1030
 
 
+def test_the_sweep_scores_each_padding_multiple():
+    """`scaled_mm_probe.pad_savings`: the odd row counts against their padded ones; here one
+    row past a multiple of 64 costs 1.5x and only multiples of 64 are fast: padding to 64 saves
+    a third, to 16 or 32 less (it lands on a fast count a quarter or half of the time), to
+    128 or 256 less too (more padded rows)."""
+    from benchmarks.scaled_mm_probe import PADS, pad_savings
+
+    layer = {m: m if m % 64 == 0 else 1.5 * m for m in range(1024, 2048 + 257, 16)}
+    layer.update({m + 1: 1.5 * (m + 1) for m in range(1024, 2049, 16)})
+    pads = pad_savings(layer)
+    assert set(pads) == set(PADS)
+    saving = {p: v["saving"] for p, v in pads.items()}
+    assert saving[64] > 0.3 and max(saving, key=saving.get) == 64
+    assert 0 < saving[16] < saving[32] < saving[64] > saving[128] > saving[256]
+
+
 # ------------------------------------------------------------------------------ CUDA only
+
+
+@pytest.mark.skipif(not ON_GPU, reason="cuBLAS's FP8 GEMM needs a GPU")
+def test_the_real_scaled_mm_on_padded_rows(monkeypatch):
+    """On the GPU: the padded GEMM (1 030 rows run as 1 152, the rows past 1 030 NaN) gives
+    the unpadded GEMM's rows, within one bf16 rounding (cuBLAS may pick another kernel for
+    the padded count), and no NaN."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("row-wise _scaled_mm needs sm_90+")
+    monkeypatch.setattr(fp8_quant, "GEMM_ROW_PAD", 128)
+    t, k, n = 1030, 4096, 6144
+    x = torch.randn(t, k, device=DEVICE, dtype=torch.bfloat16)
+    q, scale = fp8_quant.empty_fp8_rows(t, k, DEVICE)
+    for dst, src in zip((q, scale), per_token_quant(x)):
+        dst.copy_(src)
+    pq, ps = fp8_quant.padded_operands(q, scale)
+    pq[t:].view(torch.uint8).fill_(0x7F)
+    ps[t:].fill_(float("nan"))
+    w = (torch.randn(n, k, device=DEVICE) * 0.05).to(torch.float8_e4m3fn)
+    ws = torch.rand(n, device=DEVICE) * 0.01 + 0.001
+    padded = fp8._scaled_mm(q, scale, w, ws, None, torch.bfloat16)
+    plain = torch._scaled_mm(q.clone(), w.t(), scale_a=scale.clone(), scale_b=ws.view(1, -1),
+                             out_dtype=torch.bfloat16)
+    assert padded.shape == (t, n) and not padded.isnan().any()
+    assert torch.allclose(padded.float(), plain.float(), rtol=8e-3, atol=1e-3)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
@@ -417,18 +475,3 @@ def test_fused_kernels_capture_in_a_cuda_graph():
     _same_fp8(outs[1], per_token_quant(fused_add_rms_norm(x0.clone(), r0.clone(), w, EPS)[0]))
     _same_fp8(outs[2], per_token_quant(silu_and_mul(g0)))
 
-
-def test_the_sweep_scores_each_padding_multiple():
-    """`scaled_mm_probe.pad_savings`: the odd row counts against their padded ones; here one
-    row past a multiple of 64 costs 1.5x and only multiples of 64 are fast: padding to 64 saves
-    a third, to 16 or 32 less (it lands on a fast count a quarter or half of the time), to
-    128 or 256 less too (more padded rows)."""
-    from benchmarks.scaled_mm_probe import PADS, pad_savings
-
-    layer = {m: m if m % 64 == 0 else 1.5 * m for m in range(1024, 2048 + 257, 16)}
-    layer.update({m + 1: 1.5 * (m + 1) for m in range(1024, 2049, 16)})
-    pads = pad_savings(layer)
-    assert set(pads) == set(PADS)
-    saving = {p: v["saving"] for p, v in pads.items()}
-    assert saving[64] > 0.3 and max(saving, key=saving.get) == 64
-    assert 0 < saving[16] < saving[32] < saving[64] > saving[128] > saving[256]
