@@ -24,7 +24,7 @@ from triton_interpreter import interpret_without_cuda
 interpret_without_cuda()  # before triton is imported
 pytest.importorskip("triton")
 
-from phaseflip.kernels import activation, fp8_quant, norm  # noqa: E402
+from phaseflip.kernels import activation, fp8_quant, gemm_rows, norm  # noqa: E402
 from phaseflip.kernels.activation import silu_and_mul, silu_and_mul_fp8  # noqa: E402
 from phaseflip.kernels.fp8_quant import per_token_quant  # noqa: E402
 from phaseflip.kernels.norm import (  # noqa: E402
@@ -331,7 +331,7 @@ def test_fp8_llama_logits_are_bitwise_the_same_with_the_fusion(tmp_path, monkeyp
 
 def test_padded_gemm_rows_leave_the_logits_bitwise_the_same(tmp_path, monkeypatch,
                                                             fused_on_cpu):
-    """`fp8_quant.GEMM_ROW_PAD`: the producers' FP8 rows live in buffers of the padded row
+    """`gemm_rows.FP8_ROW_PAD`: the producers' FP8 rows live in buffers of the padded row
     count and every `_scaled_mm` runs on them (24 tokens -> 32 rows here), the rows past the
     batch holding garbage; the logits equal the unpadded run's bit for bit."""
     from phaseflip.attention.torch_ref import TorchRefAttention
@@ -362,8 +362,8 @@ def test_padded_gemm_rows_leave_the_logits_bitwise_the_same(tmp_path, monkeypatc
     plain = logits()
     assert set(rows) == {t}
     rows.clear()
-    monkeypatch.setattr(fp8_quant, "GEMM_ROW_PAD", 16)
-    monkeypatch.setattr(fp8_quant, "GEMM_ROW_PAD_MIN", 1)
+    monkeypatch.setattr(gemm_rows, "FP8_ROW_PAD", 16)
+    monkeypatch.setattr(gemm_rows, "ROW_PAD_MIN", 1)
     empty = fp8_quant.empty_fp8_rows
 
     def poisoned(t, k, device):  # the rows past t hold NaN: a leak would reach the logits
@@ -381,9 +381,10 @@ def test_padded_gemm_rows_leave_the_logits_bitwise_the_same(tmp_path, monkeypatc
 
 
 def test_padded_operands_view_the_buffers_or_decline(monkeypatch):
-    monkeypatch.setattr(fp8_quant, "GEMM_ROW_PAD", 128)
-    assert [fp8_quant.gemm_rows(t) for t in (1, 1024, 1025, 8704, 8705)] == [
+    monkeypatch.setattr(gemm_rows, "FP8_ROW_PAD", 128)
+    assert [gemm_rows.gemm_rows(t, fp8=True) for t in (1, 1024, 1025, 8704, 8705)] == [
         1, 1024, 1152, 8704, 8832]
+    assert gemm_rows.gemm_rows(1025, fp8=False) == 1025  # the bf16 switch is its own
     q, s = fp8_quant.empty_fp8_rows(1030, 32, torch.device("cpu"))
     assert q.shape == (1030, 32) and s.shape == (1030, 1)
     pq, ps = fp8_quant.padded_operands(q, s)
@@ -397,8 +398,8 @@ def test_padded_operands_view_the_buffers_or_decline(monkeypatch):
     assert late[0].shape == (1152, 32) and late[0].data_ptr() == big[10].data_ptr()
     assert late[1].data_ptr() == scales[10].data_ptr()
     assert fp8_quant.padded_operands(big[60:1090], scales[60:1090]) is None  # 60 + 1152 do not
-    monkeypatch.setattr(fp8_quant, "GEMM_ROW_PAD", 0)
-    assert fp8_quant.padded_operands(q, s) is None and fp8_quant.gemm_rows(1030) == 1030
+    monkeypatch.setattr(gemm_rows, "FP8_ROW_PAD", 0)
+    assert fp8_quant.padded_operands(q, s) is None and gemm_rows.gemm_rows(1030, True) == 1030
 
 
 def test_the_sweep_scores_each_padding_multiple():
@@ -427,7 +428,7 @@ def test_the_real_scaled_mm_on_padded_rows(monkeypatch):
     the padded count), and no NaN."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("row-wise _scaled_mm needs sm_90+")
-    monkeypatch.setattr(fp8_quant, "GEMM_ROW_PAD", 128)
+    monkeypatch.setattr(gemm_rows, "FP8_ROW_PAD", 128)
     t, k, n = 1030, 4096, 6144
     x = torch.randn(t, k, device=DEVICE, dtype=torch.bfloat16)
     q, scale = fp8_quant.empty_fp8_rows(t, k, DEVICE)

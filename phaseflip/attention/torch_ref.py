@@ -10,6 +10,7 @@ import torch
 
 from phaseflip.cache.kv_pool import KVPool
 from phaseflip.forward_batch import ForwardBatch
+from phaseflip.kernels.gemm_rows import empty_rows
 
 
 class TorchRefAttention:
@@ -38,7 +39,8 @@ class TorchRefAttention:
             pool.store(layer_id, batch.out_cache_loc, k, v)
         num_heads, head_dim = q.shape[1], q.shape[2]
         group = num_heads // k.shape[1]
-        out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype, device=q.device)
+        # rows padded for the o projection's GEMM, as the Triton backend's (`gemm_rows`)
+        out = empty_rows(q.shape[0], num_heads * head_dim, q.dtype, q.device, fp8=False)
         indptr = batch.kv_indptr.tolist()
         start = 0
         for i, (ext, pre) in enumerate(zip(batch.extend_lens, batch.prefix_lens)):

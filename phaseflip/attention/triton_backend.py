@@ -32,6 +32,7 @@ from phaseflip.cache.kv_pool import KVPool
 from phaseflip.forward_batch import ForwardBatch
 from phaseflip.kernels import attention as kernels
 from phaseflip.kernels.attention_cuda import SPLIT_PLANS, CudaFp8Decode
+from phaseflip.kernels.gemm_rows import empty_rows
 
 
 def _to_device(data: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
@@ -177,8 +178,8 @@ class TritonAttention:
         scales = pool.scales(layer_id)  # FP8 pool: per-KV-head K and V scales
         k_scale, v_scale = scales if scales is not None else (None, None)
         dtype = kernels.compute_dtype(q.dtype, k_cache.dtype)
-        if out is None:
-            out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype, device=q.device)
+        if out is None:  # rows padded for the o projection's GEMM (`kernels.gemm_rows`)
+            out = empty_rows(q.shape[0], num_heads * head_dim, q.dtype, q.device, fp8=False)
         if q.shape[0] == 0:
             return out
         meta = self._batch_meta(batch, q.device)

@@ -35,6 +35,7 @@ from phaseflip.kernels.fp8_quant import (
     fp8_quantize,
     fp8_row_scale,
 )
+from phaseflip.kernels.gemm_rows import empty_rows
 from phaseflip.kernels.pdl import (
     chain_launch_options,
     launch_dependents,
@@ -182,8 +183,9 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         raise ValueError(f"last dim {x.shape[-1]} is not gate|up (even)")
     n = x.shape[-1] // 2
     shape = (*x.shape[:-1], n)
-    if out is None:
-        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    if out is None:  # [T, I] rows padded for the down projection's GEMM (`gemm_rows`)
+        out = (empty_rows(*shape, x.dtype, x.device, fp8=False) if len(shape) == 2
+               else torch.empty(shape, dtype=x.dtype, device=x.device))
     elif out.shape != shape or out.dtype != x.dtype:
         raise ValueError(f"out must be {shape} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
     rows_x = x if x.dim() == 2 else x.reshape(-1, 2 * n)

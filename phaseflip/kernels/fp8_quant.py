@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from phaseflip.kernels.gemm_rows import empty_rows, gemm_rows, padded_view
 from phaseflip.kernels.pdl import (
     chain_launch_options,
     launch_dependents,
@@ -70,48 +71,23 @@ def _per_token_quant_kernel(
         tl.store(Q + row * stride_q + k0 + offs, fp8_quantize(x, scale, Q, FP8_MAX_C), mask=mask)
 
 
-# Rows of a large FP8 GEMM rounded up to a multiple of GEMM_ROW_PAD (0: off) from
-# GEMM_ROW_PAD_MIN rows: cuBLAS's row-wise FP8 GEMM took 1 862 µs for the 8B's gate_up at
-# 8 705 rows against 1 651 at 8 704 on an H100 (2 049 rows: 577 against 405 at 2 048), and a
-# mixed step's rows are 8 192 prompt tokens plus whatever decodes ride along. Off until a
-# sweep of M and an offline A/B say which multiple pays (`benchmarks/scaled_mm_probe.py
-# --m-sweep`, `tools/device/gemm_pad_call.sh`).
-GEMM_ROW_PAD = 0
-GEMM_ROW_PAD_MIN = 1025  # below: the skinny kernel and the tile GEMM, which pad themselves
-
-
-def gemm_rows(t: int) -> int:
-    """Rows the FP8 GEMM of `t` activation rows runs on: `t`, or `t` padded (above)."""
-    if GEMM_ROW_PAD <= 0 or t < GEMM_ROW_PAD_MIN:
-        return t
-    return -(-t // GEMM_ROW_PAD) * GEMM_ROW_PAD
-
-
 def empty_fp8_rows(t: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Uninitialised (x_q [t, k] float8_e4m3fn, scale [t, 1] float32) for a kernel to fill:
-    views of the first `t` rows of buffers of `gemm_rows(t)` rows, so the GEMM can run on the
-    padded rows without a copy (`padded_operands`; the rows past `t` hold garbage, and so do
-    their products, which it drops)."""
-    rows = gemm_rows(t)
-    return (torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=device)[:t],
-            torch.empty((rows, 1), dtype=torch.float32, device=device)[:t])
+    the first `t` rows of buffers of the FP8 GEMM's padded row count (`gemm_rows`), so
+    `padded_operands` can hand the GEMM the padded rows without a copy."""
+    return (empty_rows(t, k, torch.float8_e4m3fn, device, fp8=True),
+            empty_rows(t, 1, torch.float32, device, fp8=True))
 
 
 def padded_operands(x_q: torch.Tensor, scale: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(x_q, scale) viewed with `gemm_rows(M)` rows, where both are contiguous and their
-    buffers hold them (`empty_fp8_rows` made them); None where no padding applies or fits."""
-    t, k = x_q.shape
-    rows = gemm_rows(t)
-    if rows == t or not (x_q.is_contiguous() and scale.is_contiguous()):
+    """(x_q, scale) viewed with the FP8 GEMM's padded row count where both buffers hold it
+    (`empty_fp8_rows` made them); None where no padding applies or fits."""
+    rows = gemm_rows(x_q.shape[0], fp8=True)
+    if scale.shape != (x_q.shape[0], 1):
         return None
-    if scale.shape != (t, 1):
-        return None
-    for a, width in ((x_q, k), (scale, 1)):
-        if a.untyped_storage().nbytes() < (a.storage_offset() + rows * width) * a.element_size():
-            return None
-    return (x_q.as_strided((rows, k), (k, 1), x_q.storage_offset()),
-            scale.as_strided((rows, 1), (1, 1), scale.storage_offset()))
+    views = padded_view(x_q, rows), padded_view(scale, rows)
+    return None if views[0] is None or views[1] is None else views
 
 
 def per_token_quant(x: torch.Tensor, amax: torch.Tensor | None = None

@@ -36,6 +36,7 @@ from phaseflip.kernels.fp8_quant import (
     fp8_quantize,
     fp8_row_scale,
 )
+from phaseflip.kernels.gemm_rows import empty_rows
 from phaseflip.kernels.pdl import (
     chain_launch_options,
     launch_dependents,
@@ -150,9 +151,10 @@ def rms_norm(
     Returns `out` (default: a new contiguous tensor of x's shape in the dtype torch would
     promote weight * x to).
     """
-    if out is None:
-        out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype),
-                          device=x.device)
+    if out is None:  # [T, N] rows padded for the GEMM they feed (`gemm_rows`)
+        dtype = torch.promote_types(weight.dtype, x.dtype)
+        out = (empty_rows(*x.shape, dtype, x.device, fp8=False) if x.dim() == 2
+               else torch.empty(x.shape, dtype=dtype, device=x.device))
     elif out.shape != x.shape:
         raise ValueError(f"out shape {tuple(out.shape)} != x shape {tuple(x.shape)}")
     _launch(x, None, weight, eps, out, None)

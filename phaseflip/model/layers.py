@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from phaseflip.kernels.gemm_rows import gemm_rows, padded_view
 from phaseflip.layout import Layout
 from phaseflip.model.quant import FP8_DTYPE, Fp8Config, scaled_linear
 from phaseflip.model.quant.fp8 import Fp8Activation, quantizes_rows, token_amax, weight_only
@@ -87,6 +88,10 @@ def linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor,
         if (cfg is not None and x.dtype == weight.dtype and x.is_contiguous()
                 and weight.is_contiguous() and (bias is None or bias.is_contiguous())):
             return tile_gemm.tile_gemm(x, weight, cfg, bias=bias)
+    if x.dim() == 2:  # on the rows padded for cuBLAS, where the producer made room
+        padded = padded_view(x, gemm_rows(x.shape[0], fp8=False))
+        if padded is not None:
+            return F.linear(padded, weight, bias)[: x.shape[0]]
     return F.linear(x, weight, bias)
 
 
