@@ -102,10 +102,14 @@ def test_padded_bf16_rows_leave_the_logits_the_same(tmp_path, monkeypatch):
             full[t:].fill_(float("nan"))
         return x
 
-    for mod in (gemm_rows, norm, activation):
+    for mod in (norm, activation):  # the producers (each imports the name)
         monkeypatch.setattr(mod, "empty_rows", poisoned)
     import phaseflip.attention.torch_ref as torch_ref
     monkeypatch.setattr(torch_ref, "empty_rows", poisoned)
     padded = logits()
     assert seen[:8] == [32] * 8  # 2 layers x qkv, o, gate_up, down, all on 32 rows
-    assert not padded.isnan().any() and torch.equal(padded, plain)
+    assert not padded.isnan().any()
+    if DEVICE.type == "cpu":
+        assert torch.equal(padded, plain)
+    else:  # cuBLAS may pick another kernel for 32 rows than for 24
+        assert torch.allclose(padded, plain, rtol=2e-2, atol=2e-2)

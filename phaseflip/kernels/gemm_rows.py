@@ -12,6 +12,9 @@ along. So the kernels that produce a GEMM's input rows allocate them with the pa
 Off (0) until a sweep of row counts and an offline A/B say which multiple pays
 (`benchmarks/scaled_mm_probe.py --m-sweep [--bf16]`, `tools/device/gemm_pad_call.sh`).
 Below `ROW_PAD_MIN` rows the skinny kernel and the tile GEMM run, which pad themselves.
+The 16-bit producers (RMSNorm, SiLU·mul, attention outputs) pad whenever `BF16_ROW_PAD` is
+set, also in FP8 models where a quantizer reads their rows (memory only: the quantizer
+reads `t` rows).
 """
 
 from __future__ import annotations

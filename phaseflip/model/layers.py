@@ -65,14 +65,17 @@ def fp8_input_fusable(x: torch.Tensor, weight: torch.Tensor,
 
 
 def linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor,
-           bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None
-           ) -> torch.Tensor:
+           bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
+           *, pad: bool = True) -> torch.Tensor:
     """`F.linear`, or on CUDA for the few rows of a small decode batch the skinny-GEMM kernel,
     which streams the weight at close to HBM bandwidth where cuBLAS' GEMM tiles do not
     (`kernels/linear.py`; the row cut-over is measured per shape), and for 129-1024 rows the
     tile GEMM where this GPU's table has the shape (`kernels/tile_gemm.py`). An FP8 weight (with its
     per-row `weight_scale`) runs the scaled FP8 GEMM (`model.quant.fp8`), which also takes
-    rows quantized already (`Fp8Activation`)."""
+    rows quantized already (`Fp8Activation`). With `pad` and `gemm_rows.BF16_ROW_PAD` on,
+    cuBLAS runs on the padded row count wherever x's buffer has room past its rows (the
+    producers make it; any other room is used too: wasted rows, never read back); the LM
+    head, which buckets its own rows, passes `pad=False`."""
     if weight_scale is not None:
         return scaled_linear(x, weight, weight_scale, bias)
     if isinstance(x, Fp8Activation):
@@ -88,9 +91,8 @@ def linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor,
         if (cfg is not None and x.dtype == weight.dtype and x.is_contiguous()
                 and weight.is_contiguous() and (bias is None or bias.is_contiguous())):
             return tile_gemm.tile_gemm(x, weight, cfg, bias=bias)
-    if x.dim() == 2:  # on the rows padded for cuBLAS, where the producer made room
-        padded = padded_view(x, gemm_rows(x.shape[0], fp8=False))
-        if padded is not None:
+        padded = padded_view(x, gemm_rows(x.shape[0], fp8=False)) if pad else None
+        if padded is not None:  # on the rows padded for cuBLAS
             return F.linear(padded, weight, bias)[: x.shape[0]]
     return F.linear(x, weight, bias)
 
@@ -410,7 +412,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         x = torch.zeros(buckets[-1], self.weight.shape[1], dtype=self.weight.dtype,
                         device=self.weight.device)
         for b in buckets:
-            linear(x[:b], self.weight)
+            linear(x[:b], self.weight, pad=False)
         if self.weight.is_cuda:
             torch.cuda.synchronize(self.weight.device)
         return len(buckets)
@@ -425,7 +427,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         padded = lm_head_rows(rows) if out is None and self._buckets(hidden) else rows
         if padded != rows:
             hidden = F.pad(hidden, (0, 0, 0, padded - rows))
-        local = linear(hidden, self.weight)[:rows]
+        local = linear(hidden, self.weight, pad=False)[:rows]
         shards = self.layout.tp_comm.gather(local)  # [tp, rows, vocab / tp]
         if shards is None:
             return None
