@@ -24,6 +24,8 @@ from triton_interpreter import interpret_without_cuda
 interpret_without_cuda()  # before triton is imported
 pytest.importorskip("triton")
 
+from tiny_llama import logits, prefill, tiny_llama  # noqa: E402
+
 from phaseflip.kernels import activation, fp8_quant, gemm_rows, norm  # noqa: E402
 from phaseflip.kernels.activation import silu_and_mul, silu_and_mul_fp8  # noqa: E402
 from phaseflip.kernels.fp8_quant import per_token_quant  # noqa: E402
@@ -273,25 +275,9 @@ def test_the_decision_follows_the_gemm_path_on_cuda(monkeypatch):
 
 
 def _tiny_fp8_llama(tmp_path):
-    from phaseflip.model.config import ModelConfig
-    from phaseflip.model.dummy import init_dummy_weights
-    from phaseflip.model.llama import LlamaForCausalLM
     from phaseflip.model.quant import Fp8Config
 
-    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 96,
-           "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "vocab_size": 128, "rms_norm_eps": 1e-6,
-           "rope_theta": 10000.0, "max_position_embeddings": 64, "tie_word_embeddings": False}
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with torch.device(DEVICE):
-        model = LlamaForCausalLM(ModelConfig.from_dir(tmp_path), Layout(), torch.bfloat16,
-                                 Fp8Config("float"))
-    init_dummy_weights(model, 0)
-    gen = _gen(5)
-    for name, p in model.named_parameters():
-        if "layernorm" in name:  # gains of one would make w * y exact: no rounding to see
-            p.data.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
-    return model.eval()
+    return tiny_llama(tmp_path, DEVICE, Fp8Config("float"))
 
 
 def test_fp8_llama_logits_are_bitwise_the_same_with_the_fusion(tmp_path, monkeypatch,
@@ -299,32 +285,14 @@ def test_fp8_llama_logits_are_bitwise_the_same_with_the_fusion(tmp_path, monkeyp
     """Two prefills (24 tokens) through a 2-layer Qwen2-style FP8 model (QKV bias): with the
     fusion, each layer's qkv, gate_up and down take FP8 rows from the norms and the SiLU
     (only o_proj still calls `per_token_quant`), and the logits equal the unfused run's."""
-    from phaseflip.attention.torch_ref import TorchRefAttention
-    from phaseflip.cache.kv_pool import KVPool
-    from phaseflip.forward_batch import ForwardBatch
-
     model = _tiny_fp8_llama(tmp_path)
-    seqs = [11, 13]
-    t = sum(seqs)
-    batch = ForwardBatch(
-        input_ids=torch.randint(0, 128, (t,), generator=_gen(1)),
-        positions=torch.cat([torch.arange(n) for n in seqs]),
-        out_cache_loc=torch.arange(1, t + 1), extend_lens=seqs, prefix_lens=[0, 0],
-        kv_indptr=torch.tensor([0, seqs[0], t]), kv_indices=torch.arange(1, t + 1),
-        logits_indices=torch.arange(t), max_position=max(seqs) - 1,
-    ).to(DEVICE)
-
-    def logits() -> torch.Tensor:
-        pool = KVPool(t + 8, (0, 2), 2, 24, torch.bfloat16, DEVICE)
-        with torch.inference_mode():
-            return model.compute_logits(model(batch, pool, TorchRefAttention())[0])
-
-    fused = logits()
+    batch = prefill([11, 13], 1, DEVICE)
+    fused = logits(model, batch, DEVICE)
     assert fused_on_cpu == {"rms_norm_fp8": 1, "fused_add_rms_norm_fp8": 3,
                             "silu_and_mul_fp8": 2, "per_token_quant": 2}
     fused_on_cpu.clear()
     monkeypatch.setattr(layers, "fp8_input_fusable", lambda *a: False)  # today's path
-    unfused = logits()
+    unfused = logits(model, batch, DEVICE)
     assert fused_on_cpu == {"per_token_quant": 8}
     assert torch.equal(fused, unfused)
 
@@ -334,18 +302,9 @@ def test_padded_gemm_rows_leave_the_logits_bitwise_the_same(tmp_path, monkeypatc
     """`gemm_rows.FP8_ROW_PAD`: the producers' FP8 rows live in buffers of the padded row
     count and every `_scaled_mm` runs on them (24 tokens -> 32 rows here), the rows past the
     batch holding garbage; the logits equal the unpadded run's bit for bit."""
-    from phaseflip.attention.torch_ref import TorchRefAttention
-    from phaseflip.cache.kv_pool import KVPool
-    from phaseflip.forward_batch import ForwardBatch
-
     model = _tiny_fp8_llama(tmp_path)
     t = 24
-    batch = ForwardBatch(
-        input_ids=torch.randint(0, 128, (t,), generator=_gen(2)), positions=torch.arange(t),
-        out_cache_loc=torch.arange(1, t + 1), extend_lens=[t], prefix_lens=[0],
-        kv_indptr=torch.tensor([0, t]), kv_indices=torch.arange(1, t + 1),
-        logits_indices=torch.arange(t), max_position=t - 1,
-    ).to(DEVICE)
+    batch = prefill([t], 2, DEVICE)
     rows: list[int] = []
 
     def recorded(a, b, scale_a, scale_b, out_dtype):
@@ -353,13 +312,7 @@ def test_padded_gemm_rows_leave_the_logits_bitwise_the_same(tmp_path, monkeypatc
         return _cpu_scaled_mm(a, b, scale_a, scale_b, out_dtype)
 
     monkeypatch.setattr(torch, "_scaled_mm", recorded, raising=False)
-
-    def logits() -> torch.Tensor:
-        pool = KVPool(t + 8, (0, 2), 2, 24, torch.bfloat16, DEVICE)
-        with torch.inference_mode():
-            return model.compute_logits(model(batch, pool, TorchRefAttention())[0])
-
-    plain = logits()
+    plain = logits(model, batch, DEVICE)
     assert set(rows) == {t}
     rows.clear()
     monkeypatch.setattr(gemm_rows, "FP8_ROW_PAD", 16)
@@ -375,7 +328,7 @@ def test_padded_gemm_rows_leave_the_logits_bitwise_the_same(tmp_path, monkeypatc
 
     for mod in (fp8_quant, norm, activation):
         monkeypatch.setattr(mod, "empty_fp8_rows", poisoned)
-    padded = logits()
+    padded = logits(model, batch, DEVICE)
     assert len(rows) == 8 and set(rows) == {32}  # 2 layers x qkv, o, gate_up, down
     assert padded.shape == plain.shape and torch.equal(padded, plain)
 

@@ -9,8 +9,6 @@ logits must equal the unpadded run's while every projection saw the padded count
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from triton_interpreter import interpret_without_cuda
@@ -18,8 +16,9 @@ from triton_interpreter import interpret_without_cuda
 interpret_without_cuda()  # before triton is imported
 pytest.importorskip("triton")
 
+from tiny_llama import logits, prefill, tiny_llama  # noqa: E402
+
 from phaseflip.kernels import activation, gemm_rows, norm  # noqa: E402
-from phaseflip.layout import Layout  # noqa: E402
 from phaseflip.model import layers  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -40,40 +39,15 @@ def test_rows_views_and_refusals(monkeypatch):
     assert gemm_rows.padded_view(torch.empty(1030, 8), 1088) is None  # no room
 
 
-def _tiny_bf16_llama(tmp_path):
-    from phaseflip.model.config import ModelConfig
-    from phaseflip.model.dummy import init_dummy_weights
-    from phaseflip.model.llama import LlamaForCausalLM
-
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 96,
-           "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "vocab_size": 128, "rms_norm_eps": 1e-6,
-           "rope_theta": 10000.0, "max_position_embeddings": 64, "tie_word_embeddings": False}
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with torch.device(DEVICE):
-        model = LlamaForCausalLM(ModelConfig.from_dir(tmp_path), Layout(), torch.bfloat16)
-    init_dummy_weights(model, 0)
-    return model.eval()
-
-
 def test_padded_bf16_rows_leave_the_logits_the_same(tmp_path, monkeypatch):
-    from phaseflip.attention.torch_ref import TorchRefAttention
-    from phaseflip.cache.kv_pool import KVPool
-    from phaseflip.forward_batch import ForwardBatch
     from phaseflip.kernels import linear_configs, tile_gemm
 
     monkeypatch.setattr(layers, "use_fused_kernels", lambda x: True)  # our kernels, on CPU
     monkeypatch.setattr(linear_configs, "should_use_skinny", lambda m, n, k: False)
     monkeypatch.setattr(tile_gemm, "pick", lambda *a, **k: None)  # cuBLAS's rows: F.linear
-    model = _tiny_bf16_llama(tmp_path)
+    model = tiny_llama(tmp_path, DEVICE)
     t = 24
-    gen = torch.Generator().manual_seed(3)
-    batch = ForwardBatch(
-        input_ids=torch.randint(0, 128, (t,), generator=gen), positions=torch.arange(t),
-        out_cache_loc=torch.arange(1, t + 1), extend_lens=[t], prefix_lens=[0],
-        kv_indptr=torch.tensor([0, t]), kv_indices=torch.arange(1, t + 1),
-        logits_indices=torch.arange(t), max_position=t - 1,
-    ).to(DEVICE)
+    batch = prefill([t], 3, DEVICE)
     seen: list[int] = []  # the rows of each projection's F.linear, in call order
     linear = torch.nn.functional.linear
 
@@ -83,13 +57,11 @@ def test_padded_bf16_rows_leave_the_logits_the_same(tmp_path, monkeypatch):
 
     monkeypatch.setattr(layers.F, "linear", recorded)
 
-    def logits() -> torch.Tensor:
+    def run() -> torch.Tensor:
         seen.clear()
-        pool = KVPool(t + 8, (0, 2), 2, 24, torch.bfloat16, DEVICE)
-        with torch.inference_mode():
-            return model.compute_logits(model(batch, pool, TorchRefAttention())[0])
+        return logits(model, batch, DEVICE)
 
-    plain = logits()
+    plain = run()
     assert seen[:8] == [t] * 8
     monkeypatch.setattr(gemm_rows, "BF16_ROW_PAD", 16)
     monkeypatch.setattr(gemm_rows, "ROW_PAD_MIN", 1)
@@ -106,7 +78,7 @@ def test_padded_bf16_rows_leave_the_logits_the_same(tmp_path, monkeypatch):
         monkeypatch.setattr(mod, "empty_rows", poisoned)
     import phaseflip.attention.torch_ref as torch_ref
     monkeypatch.setattr(torch_ref, "empty_rows", poisoned)
-    padded = logits()
+    padded = run()
     assert seen[:8] == [32] * 8  # 2 layers x qkv, o, gate_up, down, all on 32 rows
     assert not padded.isnan().any()
     if DEVICE.type == "cpu":
