@@ -321,7 +321,7 @@ def test_padded_gemm_rows_leave_the_logits_bitwise_the_same(tmp_path, monkeypatc
 
     def poisoned(t, k, device):  # the rows past t hold NaN: a leak would reach the logits
         q, scale = empty(t, k, device)
-        pq, ps = fp8_quant.padded_operands(q, scale) or (q, scale)
+        pq, ps = gemm_rows.padded_operands(q, scale) or (q, scale)
         pq[t:].view(torch.uint8).fill_(0x7F)  # e4m3fn NaN
         ps[t:].fill_(float("nan"))
         return q, scale
@@ -340,19 +340,19 @@ def test_padded_operands_view_the_buffers_or_decline(monkeypatch):
     assert gemm_rows.gemm_rows(1025, fp8=False) == 1025  # the bf16 switch is its own
     q, s = fp8_quant.empty_fp8_rows(1030, 32, torch.device("cpu"))
     assert q.shape == (1030, 32) and s.shape == (1030, 1)
-    pq, ps = fp8_quant.padded_operands(q, s)
+    pq, ps = gemm_rows.padded_operands(q, s)
     assert pq.shape == (1152, 32) and ps.shape == (1152, 1)
     assert pq.data_ptr() == q.data_ptr() and ps.data_ptr() == s.data_ptr()
     plain = torch.empty(1030, 32, dtype=torch.float8_e4m3fn)  # no room past its rows
-    assert fp8_quant.padded_operands(plain, torch.empty(1030, 1)) is None
-    assert fp8_quant.padded_operands(q, torch.empty(1030, 1)) is None  # x_q has room, not scale
+    assert gemm_rows.padded_operands(plain, torch.empty(1030, 1)) is None
+    assert gemm_rows.padded_operands(q, torch.empty(1030, 1)) is None  # x_q has room, not scale
     big, scales = torch.empty(1200, 32, dtype=torch.float8_e4m3fn), torch.empty(1200, 1)
-    late = fp8_quant.padded_operands(big[10:1040], scales[10:1040])  # 10 + 1152 rows fit
+    late = gemm_rows.padded_operands(big[10:1040], scales[10:1040])  # 10 + 1152 rows fit
     assert late[0].shape == (1152, 32) and late[0].data_ptr() == big[10].data_ptr()
     assert late[1].data_ptr() == scales[10].data_ptr()
-    assert fp8_quant.padded_operands(big[60:1090], scales[60:1090]) is None  # 60 + 1152 do not
+    assert gemm_rows.padded_operands(big[60:1090], scales[60:1090]) is None  # 60 + 1152 do not
     monkeypatch.setattr(gemm_rows, "FP8_ROW_PAD", 0)
-    assert fp8_quant.padded_operands(q, s) is None and gemm_rows.gemm_rows(1030, True) == 1030
+    assert gemm_rows.padded_operands(q, s) is None and gemm_rows.gemm_rows(1030, True) == 1030
 
 
 def test_the_sweep_scores_each_padding_multiple():
@@ -387,7 +387,7 @@ def test_the_real_scaled_mm_on_padded_rows(monkeypatch):
     q, scale = fp8_quant.empty_fp8_rows(t, k, DEVICE)
     for dst, src in zip((q, scale), per_token_quant(x)):
         dst.copy_(src)
-    pq, ps = fp8_quant.padded_operands(q, scale)
+    pq, ps = gemm_rows.padded_operands(q, scale)
     pq[t:].view(torch.uint8).fill_(0x7F)
     ps[t:].fill_(float("nan"))
     w = (torch.randn(n, k, device=DEVICE) * 0.05).to(torch.float8_e4m3fn)

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from phaseflip.kernels.gemm_rows import empty_rows, gemm_rows, padded_view
+from phaseflip.kernels.gemm_rows import empty_rows
 from phaseflip.kernels.pdl import (
     chain_launch_options,
     launch_dependents,
@@ -74,20 +74,9 @@ def _per_token_quant_kernel(
 def empty_fp8_rows(t: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Uninitialised (x_q [t, k] float8_e4m3fn, scale [t, 1] float32) for a kernel to fill:
     the first `t` rows of buffers of the FP8 GEMM's padded row count (`gemm_rows`), so
-    `padded_operands` can hand the GEMM the padded rows without a copy."""
+    `gemm_rows.padded_operands` can hand the GEMM the padded rows without a copy."""
     return (empty_rows(t, k, torch.float8_e4m3fn, device, fp8=True),
             empty_rows(t, 1, torch.float32, device, fp8=True))
-
-
-def padded_operands(x_q: torch.Tensor, scale: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(x_q, scale) viewed with the FP8 GEMM's padded row count where both buffers hold it
-    (`empty_fp8_rows` made them); None where no padding applies or fits."""
-    rows = gemm_rows(x_q.shape[0], fp8=True)
-    if scale.shape != (x_q.shape[0], 1):
-        return None
-    views = padded_view(x_q, rows), padded_view(scale, rows)
-    return None if views[0] is None or views[1] is None else views
 
 
 def per_token_quant(x: torch.Tensor, amax: torch.Tensor | None = None

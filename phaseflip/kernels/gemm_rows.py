@@ -48,3 +48,14 @@ def padded_view(a: torch.Tensor, rows: int) -> torch.Tensor | None:
     if a.untyped_storage().nbytes() < (a.storage_offset() + rows * width) * a.element_size():
         return None
     return a.as_strided((rows, width), (width, 1), a.storage_offset())
+
+
+def padded_operands(x_q: torch.Tensor, scale: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(x_q, scale) viewed with the FP8 GEMM's padded row count where both buffers hold it
+    (`fp8_quant.empty_fp8_rows` made them); None where no padding applies or fits."""
+    rows = gemm_rows(x_q.shape[0], fp8=True)
+    if scale.shape != (x_q.shape[0], 1):
+        return None
+    views = padded_view(x_q, rows), padded_view(scale, rows)
+    return None if views[0] is None or views[1] is None else views

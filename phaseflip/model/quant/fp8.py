@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from phaseflip.kernels.gemm_rows import padded_operands
+
 if TYPE_CHECKING:
     from phaseflip.kernels.tile_gemm import TileGemmConfig
 
@@ -288,19 +290,13 @@ def _scaled_mm(x_q: torch.Tensor, sx: torch.Tensor, w_q: torch.Tensor, w_scale: 
     """[T, N] in `dtype` from per-token quantized rows: one row-wise `torch._scaled_mm`, on
     the rows padded to `fp8_quant.gemm_rows` where the buffers hold them (off by default)."""
     rows = x_q.shape[0]
-    padded = _padded_operands(x_q, sx) if _HAS_TRITON else None
+    padded = padded_operands(x_q, sx)
     if padded is not None:
         x_q, sx = padded
     y = torch._scaled_mm(x_q, w_q.t(), scale_a=sx, scale_b=w_scale.view(1, -1),
                          out_dtype=torch.bfloat16)
     return _finish(y[:rows], bias, dtype)
 
-
-def _padded_operands(x_q: torch.Tensor, sx: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    from phaseflip.kernels.fp8_quant import padded_operands  # triton: defined on first use
-
-    return padded_operands(x_q, sx)
 
 
 def _finish(y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
