@@ -9,8 +9,10 @@ along. So the kernels that produce a GEMM's input rows allocate them with the pa
 (`padded_view`) and drops the padded rows' products: garbage in, garbage out, never read
 (a GEMM's output row depends on its own input row only).
 
-Off (0) until a sweep of row counts and an offline A/B say which multiple pays
-(`benchmarks/scaled_mm_probe.py --m-sweep [--bf16]`, `tools/device/gemm_pad_call.sh`).
+FP8 pads to 128 rows: the sweep (`benchmarks/scaled_mm_probe.py --m-sweep`) shows a
+128-row sawtooth (a layer's four GEMMs 3 100 µs at 8 193 rows, 2 937 at 8 320), padding saves
+3.9 % of a layer, and offline went 16 548/16 531 → 16 658/16 666 (H100, docs/benchmarks.md,
+seventh H100). bf16 stays off: every multiple was slower (16: −0.7 %, 128: −3.0 %).
 Below `ROW_PAD_MIN` rows the skinny kernel and the tile GEMM run, which pad themselves.
 The 16-bit producers (RMSNorm, SiLU·mul, attention outputs) pad whenever `BF16_ROW_PAD` is
 set, also in FP8 models where a quantizer reads their rows (memory only: the quantizer
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-FP8_ROW_PAD = 0  # FP8 GEMMs (`torch._scaled_mm`, row-wise scales)
+FP8_ROW_PAD = 128  # FP8 GEMMs (`torch._scaled_mm`, row-wise scales)
 BF16_ROW_PAD = 0  # 16-bit GEMMs (`F.linear`)
 ROW_PAD_MIN = 1025
 
