@@ -1,13 +1,15 @@
 # any one sm_90 GPU (~8 min with PAIRS=2, guarded to end by END, default 570 s): a large
-# GEMM's rows padded for cuBLAS (kernels/gemm_rows.py FP8_ROW_PAD / BF16_ROW_PAD, both off).
+# GEMM's rows padded for cuBLAS (kernels/gemm_rows.py FP8_ROW_PAD = 128 since 2026-12-06,
+# BF16_ROW_PAD off).
 # On an H100 (2026-12-06) cuBLAS's row-wise FP8 GEMM of the 8B's gate_up took 1 862 µs at
 # 8 705 rows against 1 651 at 8 704 (bf16: 3 192 against 2 798). DTYPE=fp8 (default) or bf16:
 #   sweep   benchmarks.scaled_mm_probe --m-sweep [--bf16]: a layer's four GEMMs over row
 #           counts and what each padding multiple saves on the odd ones; picks PAD (or PAD=n)
 #   tests   the padding's tests (tests/test_gemm_rows.py, the FP8 ones in
 #           tests/test_fp8_quant_fusion.py: the real _scaled_mm on NaN-padded rows), compiled
-#   off_*   offline in that dtype, pad / shipped, PAIRS interleaved pairs (if the sweep saves
-#           more than 1 %)
+#   off_*   offline in that dtype, pad / nopad (the switch at 0), PAIRS interleaved pairs (if
+#           the sweep saves more than 1 %, or PAD=n given). ONLY="off_pad1 off_nopad1 ..."
+#           with PAD=128 runs the A/B alone.
 # Results: $OUT/gemm_pad_$DTYPE.tgz.
 . tools/device/lib.sh
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $X/gpu.txt
@@ -21,10 +23,11 @@ print(b if r['pads'][str(b)]['saving'] > 0.01 else '')" 2>/dev/null)}
 echo "$DTYPE pad to A/B: ${pad:-none}"
 step tests 40 150 4 "PHASEFLIP_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_gemm_rows.py tests/test_fp8_quant_fusion.py"
 G=phaseflip/kernels/gemm_rows.py; cp $G /tmp/gemm_rows.py
-arm() { cp /tmp/gemm_rows.py $G; [ $1 = pad ] && sed -i "s/^$SWITCH = 0 /$SWITCH = $pad /" $G; true; }
+arm() { cp /tmp/gemm_rows.py $G; local v=0; [ $1 = pad ] && v=$pad
+  sed -i "s/^$SWITCH = [0-9]* /$SWITCH = $v /" $G; grep "^$SWITCH" $G; }
 OFF="--model llama-3.1-8b --load-format dummy --num-prompts 1000 --dataset sharegpt-like --seed 0 --mem-fraction 0.85 --max-running-requests 1024"
-if [ -n "$pad" ]; then for i in $(seq 1 ${PAIRS:-2}); do for a in pad shipped; do arm $a
+if [ -n "$pad" ]; then for i in $(seq 1 ${PAIRS:-2}); do for a in pad nopad; do arm $a
   step off_$a$i 70 120 0 "python3 -m benchmarks.bench_offline $OFF $D --out $X/off_$a$i.json"; done; done; fi
-arm shipped
+cp /tmp/gemm_rows.py $G
 python3 tools/device/summary.py $X offline | tee $X/summary.txt
 cd $OUT && tar czf gemm_pad_$DTYPE.tgz x && rm -rf x
