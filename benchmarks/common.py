@@ -325,18 +325,21 @@ def engine_from_args(args, **opts: Any):
     return Engine(args.model, **opts)
 
 
-def engine_with_workload(args, **opts: Any):
+def engine_with_workload(args, arrival_order: bool = False, **opts: Any):
     """(Engine, Workload) for a benchmark that steps the core itself: `engine_from_args`, and
-    the seeded workload submitted to its core, every request running to its drawn length."""
+    the seeded workload submitted to its core, every request running to its drawn length,
+    longest first as `Engine.generate` submits a batch (or in the workload's order)."""
     from phaseflip import SamplingParams
+    from phaseflip.scheduler.scheduler import longest_output_first
 
     engine = engine_from_args(args, **opts)
     core = engine.core
     work = make_workload(args.dataset, args.num_prompts, args.input_len, args.output_len,
                          engine.model_config.vocab_size, args.seed, core.max_context)
-    for i, (p, n) in enumerate(zip(work.prompts, work.output_lens)):
-        core.add_request(f"r{i}", p, SamplingParams(max_new_tokens=n, ignore_eos=True,
-                                                    temperature=args.temperature))
+    n = work.output_lens
+    for i in range(len(n)) if arrival_order else longest_output_first(n):
+        core.add_request(f"r{i}", work.prompts[i], SamplingParams(
+            max_new_tokens=n[i], ignore_eos=True, temperature=args.temperature))
     return engine, work
 
 

@@ -74,6 +74,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "kind and batch size (CUDA, one-GPU layouts)")
     ap.add_argument("--null-forward", action="store_true",
                     help="precomputed logits instead of the model (host overhead only)")
+    ap.add_argument("--arrival-order", action="store_true",
+                    help="submit the workload in its own order, not longest output first "
+                         "as Engine.generate does")
     ap.add_argument("--cprofile", default=None, help="cProfile the whole run into this file")
     ap.add_argument("--plot", default=None, help="write the step timeline PNG here")
     ap.add_argument("--out", default=None)
@@ -217,7 +220,7 @@ def plot_timeline(records: list[dict], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    engine, work = engine_with_workload(args)
+    engine, work = engine_with_workload(args, arrival_order=args.arrival_order)
     core = engine.core
     if args.gpu_clock and core.runner.device.type != "cuda":
         release_engine(engine)
@@ -241,6 +244,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         release_engine(engine)
     classes = summarize(records)
     result = {"benchmark": "profile_offline", "model": args.model, "dataset": args.dataset,
+              "submit_order": "arrival" if args.arrival_order else "longest_output_first",
               "num_prompts": args.num_prompts, "max_running_requests": args.max_running_requests,
               "seconds": seconds, "output_tokens": work.output_tokens,
               "output_tokens_per_s": work.output_tokens / seconds, "by_step_kind": classes,

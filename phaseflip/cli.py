@@ -30,7 +30,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "attention_backend": ("auto", "torch", "triton"),
     "quantization": ("fp8",),
     "kv_cache_dtype": ("auto", "fp8_e4m3"),
-    "schedule_policy": ("fcfs", "lpm"),
+    "schedule_policy": ("fcfs", "lpm", "lof"),
     "hicache_write_policy": ("write_through", "write_back"),
     "dist_backend": ("auto", "gloo", "nccl"),
     "flip_weights": ("auto", "resident", "peer", "host-image", "reload"),

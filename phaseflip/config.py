@@ -30,7 +30,7 @@ _CHOICES: dict[str, tuple] = {
     "dtype": ("float32", "float16", "bfloat16", "auto"),
     "quantization": ("fp8", None),
     "kv_cache_dtype": ("auto", "fp8_e4m3"),
-    "schedule_policy": ("fcfs", "lpm"),
+    "schedule_policy": ("fcfs", "lpm", "lof"),
     "dist_backend": ("gloo", "nccl", "auto"),
     "all_reduce": ("nccl", "symm-mem", "auto"),
     "hicache_write_policy": ("write_through", "write_back"),
@@ -78,7 +78,9 @@ class SchedulerConfig:
     max_prefill_tokens: int = 16384
     """Most prefill tokens in one step across requests (a request alone may exceed it)."""
     schedule_policy: str = "fcfs"
-    """fcfs, or lpm (longest cached prefix first)."""
+    """fcfs; lpm (longest cached prefix first); or lof (longest remaining output first: a
+    batch's longest requests start first, so its last step comes sooner; under steady load a
+    short request may wait behind longer ones)."""
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from phaseflip import SamplingParams
+from tests.core_steps import run_in_order
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
 
@@ -139,10 +140,10 @@ def test_resumed_request_reuses_its_generated_kv(llama_dir, make_engine):
     without prompt logprobs, so everything it generated is recomputed."""
     engine = make_engine(llama_dir, max_total_tokens=29)
     a, b = list(range(3, 13)), list(range(100, 110))
-    engine.generate([a, b], [
+    run_in_order(engine.core, [a, b], [  # a admitted first, so b is the one retracted
         SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True),
         SamplingParams(temperature=0.0, max_new_tokens=15, ignore_eos=True),
-    ], use_tqdm=False)
+    ])
     stats = engine.core.scheduler.stats
     assert stats.retractions == 1
     assert stats.prefill_tokens == len(a) + len(b)  # b resumes from its own cached KV

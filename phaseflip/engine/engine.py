@@ -22,6 +22,7 @@ from phaseflip.model.config import ModelConfig
 from phaseflip.model.loader import load_tokenizer
 from phaseflip.model.resolve import resolve_model
 from phaseflip.sampling.params import SamplingParams
+from phaseflip.scheduler.scheduler import longest_output_first
 
 Prompt = str | list[int]
 
@@ -117,12 +118,11 @@ class Engine:
             self.core.validate(ids, p)
         with self._lock:
             results: dict[str, RequestOutput] = {}
-            order = []
-            for ids, p in zip(encoded, params):
-                rid = f"gen-{next(self._ids)}"
-                self.core.add_request(rid, ids, p)
-                results[rid] = self._new_output(rid, ids, p.n)
-                order.append(rid)
+            order = [f"gen-{next(self._ids)}" for _ in encoded]
+            # the call returns with its last request: the longest outputs go in first
+            for i in longest_output_first([p.max_new_tokens for p in params]):
+                self.core.add_request(order[i], encoded[i], params[i])
+                results[order[i]] = self._new_output(order[i], encoded[i], params[i].n)
             bar = tqdm(total=len(order), desc="Generating", disable=not use_tqdm, unit="req")
             pending = set(order)
             while pending:

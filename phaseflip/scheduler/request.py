@@ -114,6 +114,11 @@ class Req:
         # a step
         return len(self.prompt_ids) + len(self.output_ids) + self.pending - self.kv_len
 
+    @property
+    def remaining_output(self) -> int:
+        """Output tokens it may still produce (`max_new_tokens` less those sampled)."""
+        return self.params.max_new_tokens - len(self.output_ids) - self.pending
+
     def ends_with_pending(self, max_context: int) -> bool:
         """Its pending token will finish it by length: no step should extend it further."""
         return bool(self.pending) and (

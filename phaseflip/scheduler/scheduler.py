@@ -21,6 +21,13 @@ if TYPE_CHECKING:
     from phaseflip.scheduler.hicache import HiCache
 
 
+def longest_output_first(max_new_tokens: list[int]) -> list[int]:
+    """Indices of a batch submitted at once, longest `max_new_tokens` first (stable): the batch
+    ends with its last request, and one with a long output admitted late sets that step
+    (LPT order). FCFS admission follows the order of submission."""
+    return sorted(range(len(max_new_tokens)), key=lambda i: -max_new_tokens[i])
+
+
 @dataclass(eq=False)
 class Scheduled:
     """One request's part of a step: it extends `extend_len` tokens from `start`."""
@@ -191,10 +198,13 @@ class Scheduler:
         return n
 
     def _admission_order(self) -> list[Req]:
-        if self.cfg.schedule_policy == "lpm" and self.kv.tree.enabled and len(self.waiting) > 1:
+        policy = self.cfg.schedule_policy
+        if policy == "lpm" and self.kv.tree.enabled and len(self.waiting) > 1:
             def cached(r: Req) -> int:
                 return -int(self.kv.tree.match_prefix(r.all_ids[:-1]).slots.numel())
             return sorted(self.waiting, key=lambda r: (cached(r), r.arrival))
+        if policy == "lof" and len(self.waiting) > 1:  # see longest_output_first
+            return sorted(self.waiting, key=lambda r: (-r.remaining_output, r.arrival))
         return list(self.waiting)
 
     def _admit(self, items: list[Scheduled], budget: int, prefill: bool) -> None:
