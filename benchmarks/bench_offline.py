@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result.update({
         "phaseflip": rates,
         "engine_steps": progress.steps,
+        "submit_order": "longest_output_first",  # Engine.generate's (before 2026-12-06: given)
         "gpu_busy": busy,  # per GPU over the whole run, NVML (see benchmarks.gpu_busy)
         "host_bubble_ms_per_step": busy["host_bubble_ms_per_step"],  # estimate, worst GPU
         "gc": run.pauses.summary(),  # this process's collector passes during the run
