@@ -7,14 +7,10 @@ from __future__ import annotations
 from phaseflip.sampling.params import SamplingParams
 
 
-def run_in_order(core, prompts: list[list[int]], params: list[SamplingParams]) -> int:
-    """Adds the requests as r0, r1, ... in order and steps until all finished; returns the
-    number of `core.step` calls."""
+def run_in_order(core, prompts: list[list[int]], params: list[SamplingParams]) -> None:
+    """Adds the requests as r0, r1, ... in order and steps until all finished."""
     for i, (ids, p) in enumerate(zip(prompts, params)):
         core.add_request(f"r{i}", ids, p)
     done: set[str] = set()
-    steps = 0
     while len(done) < len(prompts):
-        steps += 1
         done.update(d.request_id for d in core.step() if d.usage is not None)
-    return steps
