@@ -288,7 +288,7 @@ def _tile_gemm_config(x_q: torch.Tensor, w_q: torch.Tensor) -> TileGemmConfig | 
 def _scaled_mm(x_q: torch.Tensor, sx: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """[T, N] in `dtype` from per-token quantized rows: one row-wise `torch._scaled_mm`, on
-    the rows padded to `fp8_quant.gemm_rows` where the buffers hold them (off by default)."""
+    the rows padded to `gemm_rows.gemm_rows` (a multiple of 128) where the buffers hold them."""
     rows = x_q.shape[0]
     padded = padded_operands(x_q, sx)
     if padded is not None:
@@ -296,7 +296,6 @@ def _scaled_mm(x_q: torch.Tensor, sx: torch.Tensor, w_q: torch.Tensor, w_scale: 
     y = torch._scaled_mm(x_q, w_q.t(), scale_a=sx, scale_b=w_scale.view(1, -1),
                          out_dtype=torch.bfloat16)
     return _finish(y[:rows], bias, dtype)
-
 
 
 def _finish(y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
