@@ -37,12 +37,14 @@ def _compile(n: int, rows: int, variant: tuple[int, int, int], dtype: str) -> st
     block_r = max(1, min(triton.next_power_of_2(rows), 2048 // block_n))
     num_warps = min(max(block_r * block_n // 512, 1), 16)
     consts = {"HAS_RESIDUAL": bool(has_res), "STORE_OUT": bool(store_out), "QUANT": bool(quant),
+              "SCALED": False,
               "BLOCK_R": block_r, "BLOCK_N": block_n, "FP8_MAX_C": norm.FP8_MAX,
               "MIN_SCALE_C": norm.MIN_SCALE, "Q_VEC": 16 // elem, "inner": 1,
               "PDL": True}  # as an H200 launches it (kernels/pdl.py)
     types = dict.fromkeys(("X", "R", "W", "OUT", "R_OUT"), f"*{dtype}")
     types |= {"Q": "*fp8e4nv" if quant else f"*{dtype}",
-              "SCALE": "*fp32" if quant else f"*{dtype}",
+              "SCALE": "*fp32" if quant else f"*{dtype}", "XS_ROW": f"*{dtype}",
+              "XS_COL": f"*{dtype}",
               "num_rows": "i32", "n_cols": "i32", "eps": "fp32", "inv_n": "fp32"}
     types |= dict.fromkeys(_STRIDES, "i32")
     names = kernel.arg_names

@@ -21,6 +21,11 @@ rounded output row still in registers they also write its per-token FP8 quantiza
 bitwise `per_token_quant` of the 16-bit output (`kernels/fp8_quant.py`'s helpers: amax of the
 rounded row, `div_rn`, clamp, RNE cast), and writing the 16-bit output itself is optional. That
 saves the quantization's launch and its two reads of the row.
+
+The fused add also takes x as an FP8 linear's product before its scales (`scales`: per-row
+[T, 1] and per-column [N] float32, `model.quant.fp8.ScaledRows`): x is first scaled and
+rounded to its dtype, `(x_f32 * row) * col`, exactly as `ScaledRows.materialize` rounds, so
+the result is bitwise the unscaled call on the materialized rows.
 """
 
 from __future__ import annotations
@@ -49,16 +54,18 @@ from phaseflip.kernels.pdl import (
 # would otherwise compile another kernel mid-serving, per variant (plain and FP8)
 @triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
-    X, R, W, OUT, R_OUT, Q, SCALE,
+    X, R, W, OUT, R_OUT, Q, SCALE, XS_ROW, XS_COL,
     num_rows, inner, n_cols, eps, inv_n,
     sx_a, sx_b, sr_a, sr_b, so_a, so_b, sro_a, sro_b,
     HAS_RESIDUAL: tl.constexpr, STORE_OUT: tl.constexpr, QUANT: tl.constexpr,
+    SCALED: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, Q_VEC: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Rows [pid * BLOCK_R, +BLOCK_R): row r is (r // inner, r % inner) of an [A, B, N] view.
     QUANT: also row r of Q [num_rows, N] (FP8) and SCALE [num_rows] from the rounded output.
+    SCALED: x is scaled by XS_ROW [num_rows] and XS_COL [N] first (2-D rows only).
     PDL: the GEMM after it may launch early, and it may itself have been (`kernels/pdl.py`)."""
     launch_dependents(PDL)
     wait_previous(PDL)
@@ -68,6 +75,10 @@ def _rms_norm_kernel(
     a = (rows // inner).to(tl.int64)
     b = (rows % inner).to(tl.int64)
     x = tl.load(X + (a * sx_a + b * sx_b)[:, None] + cols[None, :], mask=mask, other=0.0)
+    if SCALED:
+        rs = tl.load(XS_ROW + rows, mask=rows < num_rows, other=0.0)
+        cs = tl.load(XS_COL + cols, mask=cols < n_cols, other=0.0)
+        x = ((x.to(tl.float32) * rs[:, None]) * cs[None, :]).to(X.dtype.element_ty)
     if HAS_RESIDUAL:
         r = tl.load(R + (a * sr_a + b * sr_b)[:, None] + cols[None, :], mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
@@ -107,12 +118,16 @@ def _launch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
     out: torch.Tensor | None, residual_out: torch.Tensor | None,
     quant: tuple[torch.Tensor, torch.Tensor] | None = None, out_dtype: torch.dtype | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """`out` None: not written (then `quant`, the (x_q, scale) to fill, is, and `out_dtype` is
-    the dtype the output is rounded to before quantizing)."""
+    the dtype the output is rounded to before quantizing). `scales`: x's row and column
+    scales, applied before the add."""
     n = x.shape[-1]
     if weight.shape != (n,):
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match rows of {n}")
+    if scales is not None:
+        _check_scales(x, *scales)
     a, inner, sx_a, sx_b = _rows(x, "x")
     so_a = so_b = 0
     if out is not None:
@@ -131,12 +146,14 @@ def _launch(
     # a stand-in of the output's dtype where the output is not written (only its type is read)
     out_arg = out if out is not None else x if x.dtype == out_dtype else weight
     q, scale = quant if quant is not None else (out_arg, out_arg)
+    xs_row, xs_col = scales if scales is not None else (weight, weight)
     _rms_norm_kernel[grid](
         x, residual if residual is not None else x, weight, out_arg,
-        residual_out if residual_out is not None else out_arg, q, scale,
+        residual_out if residual_out is not None else out_arg, q, scale, xs_row, xs_col,
         num_rows, inner, n, eps, 1.0 / n,
         sx_a, sx_b, sr_a, sr_b, so_a, so_b, sro_a, sro_b,
         HAS_RESIDUAL=residual is not None, STORE_OUT=out is not None, QUANT=quant is not None,
+        SCALED=scales is not None,
         BLOCK_R=block_r, BLOCK_N=block_n, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
         Q_VEC=16 // x.element_size(), PDL=pdl_enabled(x.device),
         num_warps=num_warps, enable_fp_fusion=False, **chain_launch_options(x.device),
@@ -162,21 +179,23 @@ def rms_norm(
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual), x + residual), computed IN PLACE: `residual` receives x + residual
     and `x` receives the normed rows; returns `(x, residual)`.
 
     In place is what lets a decoder carry one residual buffer through all its layers; the
     caller must not need the old contents of either tensor. x, residual and weight share one
-    dtype (that of the result), and their rows must not overlap in memory.
+    dtype (that of the result), and their rows must not overlap in memory. `scales` (row
+    [T, 1], column [N] float32): x is an FP8 product before its scales, applied first.
     """
     if residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     if not (x.dtype == residual.dtype == weight.dtype):
         raise ValueError(f"in-place fused add+norm needs one dtype, got x {x.dtype}, residual "
                          f"{residual.dtype}, weight {weight.dtype}")
-    _launch(x, residual, weight, eps, x, residual)
+    _launch(x, residual, weight, eps, x, residual, scales=scales)
     return x, residual
 
 
@@ -196,11 +215,12 @@ def rms_norm_fp8(
 
 def fused_add_rms_norm_fp8(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    keep_out: bool = False,
+    keep_out: bool = False, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`fused_add_rms_norm` (in place, same rules) for x [T, N] that also quantizes the normed
-    rows per token: (x or None unless `keep_out`, residual, x_q, scale), bitwise
-    `per_token_quant` of the normed rows. Without `keep_out` x's contents are left stale."""
+    """`fused_add_rms_norm` (in place, same rules, `scales` too) for x [T, N] that also
+    quantizes the normed rows per token: (x or None unless `keep_out`, residual, x_q,
+    scale), bitwise `per_token_quant` of the normed rows. Without `keep_out` x's contents
+    are left stale."""
     _need_rows(x)
     if residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
@@ -208,10 +228,22 @@ def fused_add_rms_norm_fp8(
         raise ValueError(f"in-place fused add+norm needs one dtype, got x {x.dtype}, residual "
                          f"{residual.dtype}, weight {weight.dtype}")
     quant = empty_fp8_rows(x.shape[0], x.shape[1], x.device)
-    _launch(x, residual, weight, eps, x if keep_out else None, residual, quant, x.dtype)
+    _launch(x, residual, weight, eps, x if keep_out else None, residual, quant, x.dtype,
+            scales)
     return (x if keep_out else None, residual, *quant)
 
 
 def _need_rows(x: torch.Tensor) -> None:
     if x.dim() != 2:
         raise ValueError(f"FP8 output needs [T, N] rows, got shape {tuple(x.shape)}")
+
+
+def _check_scales(x: torch.Tensor, row: torch.Tensor, col: torch.Tensor) -> None:
+    """Scales of an FP8 product: float32, contiguous, [T, 1] (or [T]) and [N] for x [T, N]."""
+    t, n = (x.shape[0], x.shape[1]) if x.dim() == 2 else (-1, -1)
+    ok = (x.dim() == 2 and row.numel() == t and col.shape == (n,)
+          and row.dtype == col.dtype == torch.float32 and row.is_contiguous()
+          and col.is_contiguous())
+    if not ok:
+        raise ValueError(f"scales for x {tuple(x.shape)} must be float32 [T, 1] and [N], got "
+                         f"{tuple(row.shape)} {row.dtype} and {tuple(col.shape)} {col.dtype}")

@@ -9,6 +9,8 @@ are identities, so the single-process path is the general path.
 triton is installed, and the torch code (`forward_native`, the oracle) everywhere else.
 Asked to (`quantize=True`, when the FP8 linear they feed says `takes_fp8_input`), those kernels
 also quantize their output per token and hand the linear an `Fp8Activation` in its place.
+`RMSNorm`'s residual add also takes an FP8 linear's product before its scales (`ScaledRows`,
+from `RowParallelLinear(fold=True)`) and applies them in the same pass.
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ from torch import nn
 from phaseflip.kernels.gemm_rows import gemm_rows, padded_view
 from phaseflip.layout import Layout
 from phaseflip.model.quant import FP8_DTYPE, Fp8Config, scaled_linear
-from phaseflip.model.quant.fp8 import Fp8Activation, quantizes_rows, token_amax, weight_only
+from phaseflip.model.quant.fp8 import (
+    Fp8Activation,
+    ScaledRows,
+    quantizes_rows,
+    token_amax,
+    weight_only,
+)
 
 if TYPE_CHECKING:  # (imported on first use: it needs triton)
     from phaseflip.kernels.linear_fold import RotaryFold
@@ -66,7 +74,7 @@ def fp8_input_fusable(x: torch.Tensor, weight: torch.Tensor,
 
 def linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor,
            bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
-           *, pad: bool = True) -> torch.Tensor:
+           *, pad: bool = True, fold: bool = False) -> torch.Tensor | ScaledRows:
     """`F.linear`, or on CUDA for the few rows of a small decode batch the skinny-GEMM kernel,
     which streams the weight at close to HBM bandwidth where cuBLAS' GEMM tiles do not
     (`kernels/linear.py`; the row cut-over is measured per shape), and for 129-1024 rows the
@@ -75,9 +83,10 @@ def linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor,
     rows quantized already (`Fp8Activation`). With `pad` and `gemm_rows.BF16_ROW_PAD` on,
     cuBLAS runs on the padded row count wherever x's buffer has room past its rows (the
     producers make it; any other room is used too: wasted rows, never read back); the LM
-    head, which buckets its own rows, passes `pad=False`."""
+    head, which buckets its own rows, passes `pad=False`. `fold`: FP8 may return `ScaledRows`
+    (`scaled_linear`), for a caller whose consumer applies the scales."""
     if weight_scale is not None:
-        return scaled_linear(x, weight, weight_scale, bias)
+        return scaled_linear(x, weight, weight_scale, bias, fold=fold)
     if isinstance(x, Fp8Activation):
         raise TypeError("an Fp8Activation feeds FP8 weights only")
     if use_fused_kernels(x) and x.dim() == 2:
@@ -126,7 +135,9 @@ class RMSNorm(nn.Module):
     returned): callers must not reuse the old x or residual. The decoder layers do not.
     `quantize=True` (only where `takes_fp8_input` of the linear fed said so): the normed rows
     come back as an `Fp8Activation` where the kernel runs (x's contents then left stale), as a
-    tensor otherwise.
+    tensor otherwise. x may be `ScaledRows` where a residual comes with it: the kernel scales
+    x's product as it adds (the product's buffer then holds the normed rows); anywhere else it
+    is materialized first.
     """
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
@@ -140,8 +151,13 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, quantize: bool = False
+        self, x: torch.Tensor | ScaledRows, residual: torch.Tensor | None = None,
+        quantize: bool = False
     ) -> LinearInput | tuple[LinearInput, torch.Tensor]:
+        if isinstance(x, ScaledRows):
+            if use_fused_kernels(x.prod) and self._fusable_add(x.prod, residual):
+                return self._forward_scaled(x, residual, quantize)
+            x = x.materialize()
         if use_fused_kernels(x):
             from phaseflip.kernels import norm
 
@@ -152,6 +168,18 @@ class RMSNorm(nn.Module):
             if self._fusable_add(x, residual):
                 return norm.fused_add_rms_norm(x, residual, self.weight, self.eps)
         return self.forward_native(x, residual)
+
+    def _forward_scaled(self, x: ScaledRows, residual: torch.Tensor, quantize: bool
+                        ) -> tuple[LinearInput, torch.Tensor]:
+        """The fused add for an FP8 product whose scales the kernel applies as it adds."""
+        from phaseflip.kernels import norm
+
+        scales = (x.row_scale, x.col_scale)
+        if quantize:
+            _, residual, x_q, scale = norm.fused_add_rms_norm_fp8(
+                x.prod, residual, self.weight, self.eps, scales=scales)
+            return Fp8Activation(x_q, scale, x.dtype), residual
+        return norm.fused_add_rms_norm(x.prod, residual, self.weight, self.eps, scales=scales)
 
     def _fusable_add(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
         return (residual is not None and _dense_rows(x, residual) and residual.shape == x.shape
@@ -310,7 +338,11 @@ class RowParallelLinear(nn.Module):
         of each row and its scale the whole row's (a max-reduce the producer cannot do)."""
         return self.layout.tp_size == 1 and fp8_input_fusable(x, self.weight, self.weight_scale)
 
-    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation, fold: bool = False
+                ) -> torch.Tensor | ScaledRows:
+        """`fold`: the caller's consumer applies FP8 scales (`RMSNorm`'s residual add), so the
+        product may come back as `ScaledRows` (one process, no bias: nothing to reduce or add
+        after the GEMM)."""
         if isinstance(x, Fp8Activation) and self.layout.tp_size > 1:
             raise ValueError("a TP shard of a row cannot arrive quantized: its scale is the "
                              "whole row's (takes_fp8_input is False under TP)")
@@ -323,7 +355,10 @@ class RowParallelLinear(nn.Module):
             amax = self.layout.tp_comm.all_reduce_max(token_amax(x))
             part = scaled_linear(x, self.weight, self.weight_scale, None, amax)
         else:
-            part = linear(x, self.weight, None, self.weight_scale)
+            fold = fold and self.layout.tp_size == 1 and self.bias is None
+            part = linear(x, self.weight, None, self.weight_scale, fold=fold)
+            if isinstance(part, ScaledRows):
+                return part
         y = self.layout.tp_comm.all_reduce(part)
         return y + self.bias if self.bias is not None else y
 

@@ -31,7 +31,7 @@ from phaseflip.model.layers import (
     folds_rows,
 )
 from phaseflip.model.quant import Fp8Config, convert_checkpoint
-from phaseflip.model.quant.fp8 import Fp8Activation
+from phaseflip.model.quant.fp8 import Fp8Activation, ScaledRows, output_rows
 from phaseflip.model.rope import RotaryBatch, RotaryEmbedding
 
 if TYPE_CHECKING:  # (imported on first use: it needs triton)
@@ -76,9 +76,11 @@ class Attention(nn.Module):
         rotary: RotaryBatch,
         pool: KVPool,
         backend: AttentionBackend,
-    ) -> torch.Tensor:
+        fold: bool = False,
+    ) -> torch.Tensor | ScaledRows:
+        """`fold`: o_proj's FP8 scales may be left to the residual add (`ScaledRows`)."""
         q, k, v = self.qkv_proj(x)
-        return self.o_proj(self.attend(q, k, v, batch, rotary, pool, backend))
+        return self.o_proj(self.attend(q, k, v, batch, rotary, pool, backend), fold=fold)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                rotary: RotaryBatch, pool: KVPool, backend: AttentionBackend, *,
@@ -125,11 +127,13 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, layout, dtype, quant)
         self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation, fold: bool = False
+                ) -> torch.Tensor | ScaledRows:
+        """`fold`: down's FP8 scales may be left to the next residual add (`ScaledRows`)."""
         gate_up = self.gate_up_proj(x)
         # the SiLU kernel quantizes for `down` where that is bitwise what `down` would do
         quantize = self.down_proj.takes_fp8_input(gate_up[..., : gate_up.shape[-1] // 2])
-        return self.down_proj(self.act(gate_up, quantize=quantize))
+        return self.down_proj(self.act(gate_up, quantize=quantize), fold=fold)
 
 
 class DecoderLayer(nn.Module):
@@ -146,15 +150,17 @@ class DecoderLayer(nn.Module):
             return self._forward_folded(x, batch, rotary, pool, backend), None
         # each norm quantizes its output for the FP8 projection it feeds where that projection
         # would quantize it the same way itself (`takes_fp8_input`: shapes only, graph-safe)
-        quantize = self.self_attn.qkv_proj.takes_fp8_input(x)
+        quantize = self.self_attn.qkv_proj.takes_fp8_input(output_rows(x))
         if residual is None:
             residual, x = x, self.input_layernorm(x, quantize=quantize)
         else:
             x, residual = self.input_layernorm(x, residual, quantize=quantize)
-        x = self.self_attn(x, batch, rotary, pool, backend)
-        quantize = self.mlp.gate_up_proj.takes_fp8_input(x)
+        # o and down may hand the residual adds their products unscaled (`ScaledRows`): the
+        # add + norm kernel applies the scales, and cuBLAS runs tensor-wise (faster)
+        x = self.self_attn(x, batch, rotary, pool, backend, fold=True)
+        quantize = self.mlp.gate_up_proj.takes_fp8_input(output_rows(x))
         x, residual = self.post_attention_layernorm(x, residual, quantize=quantize)
-        return self.mlp(x), residual
+        return self.mlp(x, fold=True), residual
 
     @property
     def _linears(self) -> tuple[nn.Module, ...]:
@@ -233,6 +239,8 @@ class LlamaForCausalLM(nn.Module):
         rotary = self.rope.for_batch(batch.positions, hidden.dtype, max_position=batch.max_position)
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, batch, rotary, pool, backend)
+        if isinstance(hidden, ScaledRows):  # the last layer's down: what leaves is a tensor
+            hidden = hidden.materialize()
         return hidden, residual
 
     def final_states(self, hidden: torch.Tensor, residual: torch.Tensor,

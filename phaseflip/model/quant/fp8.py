@@ -51,6 +51,36 @@ class Fp8Activation:
     dtype: torch.dtype  # the 16-bit activations' dtype: the linear's output dtype
 
 
+@dataclass(frozen=True)
+class ScaledRows:
+    """An FP8 linear's product before its scales, for a consumer that applies them itself
+    (the residual add + RMSNorm kernel: `kernels/norm.py`): the linear's output is
+    `prod * row_scale * col_scale` rounded to `dtype` (`materialize`). cuBLAS's FP8 GEMM with
+    one unit scale per operand (tensor-wise) is faster than with ours (per token × per output
+    channel, row-wise) at the mixed steps' row counts: on an H100 the 8B's `down` took 734
+    against 900 µs at 8 320 rows (docs/benchmarks.md). `prod` is x_q W_q^T rounded once to
+    bf16 (|x_q|, |W_q| <= 448: far inside its range); the consumer then rounds once more."""
+
+    prod: torch.Tensor  # [T, N] bfloat16
+    row_scale: torch.Tensor  # [T, 1] float32, per token
+    col_scale: torch.Tensor  # [N] float32, per output channel
+    dtype: torch.dtype  # the output's dtype (bfloat16: only bf16 models fold)
+
+    def materialize(self) -> torch.Tensor:
+        """The output as a tensor, rounded as the consumer kernels round it."""
+        return (self.prod.float() * self.row_scale * self.col_scale).to(self.dtype)
+
+
+# Whether FP8 linears whose consumer applies the scales (`scaled_linear(fold=True)`) run
+# cuBLAS tensor-wise and hand back `ScaledRows` (A/B: set False for row-wise everywhere).
+FOLD_SCALES = True
+
+
+def output_rows(x: torch.Tensor | ScaledRows) -> torch.Tensor:
+    """The [T, N] rows of a linear's output, scaled or not: for shape checks only."""
+    return x.prod if isinstance(x, ScaledRows) else x
+
+
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (output-channel) FP8: returns (w_q [R, C] fp8, scale [R] float32)."""
     wf = w.float()
@@ -210,8 +240,8 @@ def _quantize_on_gpu(x: torch.Tensor, amax: torch.Tensor | None
 
 
 def scaled_linear(x: torch.Tensor | Fp8Activation, w_q: torch.Tensor, w_scale: torch.Tensor,
-                  bias: torch.Tensor | None = None, amax: torch.Tensor | None = None
-                  ) -> torch.Tensor:
+                  bias: torch.Tensor | None = None, amax: torch.Tensor | None = None, *,
+                  fold: bool = False) -> torch.Tensor | ScaledRows:
     """y = x W^T for an FP8 weight (per-row `w_scale`) with per-token dynamic activation
     scales: `torch._scaled_mm` on CUDA where it applies, else `scaled_linear_ref`.
 
@@ -219,11 +249,14 @@ def scaled_linear(x: torch.Tensor | Fp8Activation, w_q: torch.Tensor, w_scale: t
     dtype (its 8 bits of mantissa are not what limits an FP8 GEMM). The bias is added after
     the GEMM. Every op is capturable in a CUDA graph (no host sync, static shapes). `amax`:
     the token rows' maxima ([T, 1] float32) when `x` is a slice of the rows (`token_amax`).
-    An `Fp8Activation` goes straight to `_scaled_mm` (its rows are quantized already)."""
+    An `Fp8Activation` goes straight to `_scaled_mm` (its rows are quantized already).
+    `fold`: the caller's consumer takes `ScaledRows`; returned where cuBLAS runs the rows of a
+    bf16 model without a bias (`FOLD_SCALES`), a tensor everywhere else."""
+    fold = fold and FOLD_SCALES and bias is None
     if isinstance(x, Fp8Activation):
         if amax is not None:
             raise ValueError("an Fp8Activation holds whole rows quantized: no amax applies")
-        return _rows_linear(x.x_q, x.scale, w_q, w_scale, bias, x.dtype)
+        return _rows_linear(x.x_q, x.scale, w_q, w_scale, bias, x.dtype, fold)
     if weight_only(x, w_q):  # W8A16: no activation rounding
         from phaseflip.kernels.linear import skinny_linear
 
@@ -232,8 +265,8 @@ def scaled_linear(x: torch.Tensor | Fp8Activation, w_q: torch.Tensor, w_scale: t
         return scaled_linear_ref(x, w_q, w_scale, bias, amax)
     shape = x.shape
     x_q, sx = _quantize_on_gpu(x.reshape(-1, shape[-1]), amax)
-    y = _rows_linear(x_q, sx, w_q, w_scale, bias, x.dtype)
-    return y.reshape(*shape[:-1], w_q.shape[0])
+    y = _rows_linear(x_q, sx, w_q, w_scale, bias, x.dtype, fold and x.dim() == 2)
+    return y if isinstance(y, ScaledRows) else y.reshape(*shape[:-1], w_q.shape[0])
 
 
 def scaled_mm_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
@@ -248,11 +281,12 @@ def scaled_mm_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
 
 
 def _rows_linear(x_q: torch.Tensor, sx: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                 bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+                 bias: torch.Tensor | None, dtype: torch.dtype, fold: bool = False
+                 ) -> torch.Tensor | ScaledRows:
     """[T, N] in `dtype` from per-token quantized rows: the tile GEMM (`kernels/tile_gemm.py`)
     where this GPU's table says it beats both the skinny kernel and cuBLAS for the row count,
     else the skinny kernel's W8A8 loop for a few rows (unless the table found cuBLAS faster
-    there), else `_scaled_mm`."""
+    there), else `_scaled_mm` — or with `fold` (no bias) in a bf16 model `_tensorwise_mm`."""
     cfg = _tile_gemm_config(x_q, w_q)
     if cfg is not None:
         from phaseflip.kernels.tile_gemm import tile_gemm
@@ -262,6 +296,8 @@ def _rows_linear(x_q: torch.Tensor, sx: torch.Tensor, w_q: torch.Tensor, w_scale
         from phaseflip.kernels.linear import skinny_linear
 
         return skinny_linear(x_q, w_q, bias, weight_scale=w_scale, x_scale=sx, out_dtype=dtype)
+    if fold and bias is None and dtype == torch.bfloat16:
+        return _tensorwise_mm(x_q, sx, w_q, w_scale)
     return _scaled_mm(x_q, sx, w_q, w_scale, bias, dtype)
 
 
@@ -296,6 +332,31 @@ def _scaled_mm(x_q: torch.Tensor, sx: torch.Tensor, w_q: torch.Tensor, w_scale: 
     y = torch._scaled_mm(x_q, w_q.t(), scale_a=sx, scale_b=w_scale.view(1, -1),
                          out_dtype=torch.bfloat16)
     return _finish(y[:rows], bias, dtype)
+
+
+def _tensorwise_mm(x_q: torch.Tensor, sx: torch.Tensor, w_q: torch.Tensor,
+                   w_scale: torch.Tensor) -> ScaledRows:
+    """x_q W_q^T without the scales (`ScaledRows`): one tensor-wise `torch._scaled_mm` with
+    unit scales, on the padded rows where `x_q`'s buffer holds them, as `_scaled_mm`."""
+    rows = x_q.shape[0]
+    padded = padded_operands(x_q, sx)
+    one = _unit_scale(x_q.device)
+    y = torch._scaled_mm(padded[0] if padded is not None else x_q, w_q.t(), scale_a=one,
+                         scale_b=one, out_dtype=torch.bfloat16)
+    return ScaledRows(y[:rows], sx, w_scale, torch.bfloat16)
+
+
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    """A float32 1.0 on `device`: made once outside graph capture (a tensor from a graph's
+    pool must not outlive the graph, which a flip may release), per call inside it."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return torch.ones((), dtype=torch.float32, device=device)
+    return _cached_unit_scale(device.index or 0)
+
+
+@functools.cache
+def _cached_unit_scale(device_index: int) -> torch.Tensor:
+    return torch.ones((), dtype=torch.float32, device=f"cuda:{device_index}")
 
 
 def _finish(y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
