@@ -80,9 +80,11 @@ SWEEP_RANGES = ((1024, 2048, 64), (8192, 9216, 16))
 PADS = (16, 32, 64, 128, 256)
 
 
-def m_sweep(dev: torch.device, rounds: int = 3, bf16: bool = False) -> dict:
+def m_sweep(dev: torch.device, rounds: int = 3, bf16: bool = False,
+            tensorwise: bool = False) -> dict:
     """{"layer_us": {M: µs of qkv + o + gate_up + down}, "pads": {multiple: saving}}: the
-    row-wise FP8 GEMMs, or with `bf16` the 16-bit `x @ w.t()` of the same shapes."""
+    row-wise FP8 GEMMs, with `tensorwise` the FP8 GEMMs with unit scales (`fp8.ScaledRows`),
+    or with `bf16` the 16-bit `x @ w.t()` of the same shapes."""
     from triton.testing import do_bench
 
     ms = sorted({m + d for lo, hi, step in SWEEP_RANGES for m in range(lo, hi + 1, step)
@@ -94,9 +96,14 @@ def m_sweep(dev: torch.device, rounds: int = 3, bf16: bool = False) -> dict:
             torch.randn(n, k, device=dev).to(dtype).t(), torch.rand(1, n, device=dev) + 0.5)
            for _name, n, k in SHAPES]
 
+    one = torch.ones((), device=dev)
+
     def gemm(x, s, wt, sw):
         if bf16:
             return lambda: x @ wt
+        if tensorwise:
+            return lambda: torch._scaled_mm(x, wt, scale_a=one, scale_b=one,
+                                            out_dtype=torch.bfloat16)
         return lambda: torch._scaled_mm(x, wt, scale_a=s, scale_b=sw, out_dtype=torch.bfloat16)
 
     samples: dict[int, list[float]] = {m: [] for m in ms}
@@ -106,7 +113,7 @@ def m_sweep(dev: torch.device, rounds: int = 3, bf16: bool = False) -> dict:
                                   for x, s, wt, sw in ops))
     layer = {m: sorted(v)[len(v) // 2] for m, v in samples.items()}
     return {"layer_us": layer, "pads": pad_savings(layer), "rounds": rounds,
-            "dtype": "bf16" if bf16 else "fp8 row-wise"}
+            "dtype": "bf16" if bf16 else "fp8 tensor-wise" if tensorwise else "fp8 row-wise"}
 
 
 def pad_savings(layer: dict[int, float]) -> dict[int, dict]:
@@ -128,11 +135,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--m-sweep", action="store_true",
                     help="a layer's row-wise GEMMs over row counts, and what padding saves")
     ap.add_argument("--bf16", action="store_true", help="--m-sweep the bf16 GEMMs instead")
+    ap.add_argument("--tensorwise", action="store_true",
+                    help="--m-sweep the FP8 GEMMs with unit scales instead")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     if args.m_sweep:
-        r = m_sweep(dev, bf16=args.bf16)
+        r = m_sweep(dev, bf16=args.bf16, tensorwise=args.tensorwise)
         for p, v in r["pads"].items():
             print(f"pad to a multiple of {p:3d}: {v['unpadded_us']:.0f} -> {v['padded_us']:.0f}"
                   f" µs a layer ({100 * v['saving']:+.1f} %)", flush=True)
