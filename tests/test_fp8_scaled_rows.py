@@ -86,12 +86,13 @@ def _cpu_scaled_mm(a, b, scale_a, scale_b, out_dtype):
 
 def _take_cublas(monkeypatch) -> list[str]:
     """The fused kernels and cuBLAS's FP8 path taken on this device's tensors, `_scaled_mm`
-    emulated off the GPU; returns the list of each GEMM's scale kind ("tensor" or "row")."""
-    kinds: list[str] = []
+    emulated off the GPU; returns the list of each GEMM's (scale kind, rows): "tensor" or
+    "row", and the row count it ran on."""
+    calls: list[tuple[str, int]] = []
     real = getattr(torch, "_scaled_mm", None)
 
     def recorded(a, b, scale_a, scale_b, out_dtype):
-        kinds.append("tensor" if scale_a.numel() == 1 else "row")
+        calls.append(("tensor" if scale_a.numel() == 1 else "row", a.shape[0]))
         if ON_GPU:
             return real(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
         return _cpu_scaled_mm(a, b, scale_a, scale_b, out_dtype)
@@ -102,7 +103,7 @@ def _take_cublas(monkeypatch) -> list[str]:
     monkeypatch.setattr(fp8, "skinny_rows", lambda x, w: False)
     monkeypatch.setattr(fp8, "_tile_gemm_config", lambda x, w: None)
     monkeypatch.setattr(torch, "_scaled_mm", recorded, raising=False)
-    return kinds
+    return calls
 
 
 @pytest.fixture
@@ -116,9 +117,9 @@ def test_o_and_down_fold_their_scales_into_the_residual_adds(tmp_path, monkeypat
     the row-wise run's (`FOLD_SCALES = False`: every GEMM row-wise), not equal."""
     model = tiny_llama(tmp_path, DEVICE, Fp8Config("float"))
     batch = prefill([11, 13], 1, DEVICE)
-    kinds = _take_cublas(monkeypatch)
+    calls = _take_cublas(monkeypatch)
     folded = logits(model, batch, DEVICE)
-    assert sorted(kinds) == ["row"] * 4 + ["tensor"] * 4
+    assert sorted(k for k, _ in calls) == ["row"] * 4 + ["tensor"] * 4
 
     def materialized(self, x, residual, quantize):
         return self.forward(x.materialize(), residual, quantize)
@@ -126,10 +127,10 @@ def test_o_and_down_fold_their_scales_into_the_residual_adds(tmp_path, monkeypat
     monkeypatch.setattr(layers.RMSNorm, "_forward_scaled", materialized)
     assert torch.equal(logits(model, batch, DEVICE), folded)
     monkeypatch.undo()
-    kinds = _take_cublas(monkeypatch)
+    calls = _take_cublas(monkeypatch)
     monkeypatch.setattr(fp8, "FOLD_SCALES", False)
     rowwise = logits(model, batch, DEVICE)
-    assert kinds == ["row"] * 8
+    assert [k for k, _ in calls] == ["row"] * 8
     err = (folded.float() - rowwise.float()).abs().max().item()
     assert 0 < err < 0.05 * rowwise.float().abs().max().item(), err
 
@@ -158,3 +159,21 @@ def test_fold_only_where_nothing_follows_the_gemm(cublas_path):
     f16 = layers.RowParallelLinear(64, 32, False, Layout(), torch.float16, quant).to(DEVICE)
     f16.weight_scale.data.fill_(0.01)
     assert isinstance(f16(x.half(), fold=True), torch.Tensor)  # only bf16 models fold
+
+
+def test_the_folded_gemms_run_on_the_rows_unpadded(tmp_path, monkeypatch):
+    """With FP8 row padding on (16 rows here), the row-wise GEMMs run on the padded count and
+    the tensor-wise ones on the batch's own (no sawtooth to pad away); logits unchanged."""
+    from phaseflip.kernels import gemm_rows
+
+    model = tiny_llama(tmp_path, DEVICE, Fp8Config("float"))
+    batch = prefill([24], 2, DEVICE)
+    calls = _take_cublas(monkeypatch)
+    plain = logits(model, batch, DEVICE)
+    assert {r for _, r in calls} == {24}
+    calls.clear()
+    monkeypatch.setattr(gemm_rows, "FP8_ROW_PAD", 16)
+    monkeypatch.setattr(gemm_rows, "ROW_PAD_MIN", 1)
+    padded = logits(model, batch, DEVICE)
+    assert sorted(calls) == [("row", 32)] * 4 + [("tensor", 24)] * 4
+    assert torch.equal(padded, plain)
