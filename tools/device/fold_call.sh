@@ -4,7 +4,9 @@
 # 8 320 rows: down 900/734, o 230/219). Steps: `tests` (the fold's and the FP8 fusion's
 # tests on the GPU: the real tensor-wise `_scaled_mm`), then FP8 offline fold against
 # row-wise in PAIRS interleaved pairs (default 2), then `sweep` (the tensor-wise GEMMs over
-# row counts, for the padding multiple). Results: $OUT/fold.tgz.
+# row counts, for the padding multiple). Results: $OUT/fold.tgz. Run on H100s on 2026-12-06
+# (docs/benchmarks.md, eighth H100): padded +0.2 % (noise), unpadded +0.4 % in both pairs
+# (16 844 / 16 833 against 16 766 / 16 774); shipped unpadded.
 . tools/device/lib.sh
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $X/gpu.txt
 T="python3 -m pytest -q -p no:cacheprovider"

@@ -17,7 +17,9 @@ them only by accumulation order, so it is the oracle the accuracy tests measure.
 On both GPU paths the per-token quantization of a linear's input may already have been
 done by the kernel that produced it (an RMSNorm, SiLU·mul: `kernels/norm.py`,
 `kernels/activation.py`): the linear then receives an `Fp8Activation` instead of the tensor,
-bitwise what it would have quantized itself.
+bitwise what it would have quantized itself. Symmetrically, where cuBLAS runs o or down in one
+process, the scales may be left to the consumer (`ScaledRows`): the GEMM runs with unit
+scales, faster, and the residual add + RMSNorm kernel scales the product as it adds.
 """
 
 from __future__ import annotations
