@@ -145,7 +145,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, x, residual, batch, rotary, pool, backend):
+    def forward(self, x, residual, batch, rotary, pool, backend, fold_out: bool = True):
+        """(hidden, residual) after the layer; `fold_out`: the hidden may be `ScaledRows`
+        (down's FP8 product unscaled, for the next layer's residual add)."""
         if residual is None and folds_rows(x, self.self_attn.o_proj.layout, self._linears):
             return self._forward_folded(x, batch, rotary, pool, backend), None
         # each norm quantizes its output for the FP8 projection it feeds where that projection
@@ -160,7 +162,7 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(x, batch, rotary, pool, backend, fold=True)
         quantize = self.mlp.gate_up_proj.takes_fp8_input(output_rows(x))
         x, residual = self.post_attention_layernorm(x, residual, quantize=quantize)
-        return self.mlp(x, fold=True), residual
+        return self.mlp(x, fold=fold_out), residual
 
     @property
     def _linears(self) -> tuple[nn.Module, ...]:
@@ -237,10 +239,10 @@ class LlamaForCausalLM(nn.Module):
         if self.layout.is_first_stage:
             hidden, residual = self.embed_tokens(batch.input_ids), None
         rotary = self.rope.for_batch(batch.positions, hidden.dtype, max_position=batch.max_position)
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, batch, rotary, pool, backend)
-        if isinstance(hidden, ScaledRows):  # the last layer's down: what leaves is a tensor
-            hidden = hidden.materialize()
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):  # what leaves the stage is a tensor
+            hidden, residual = layer(hidden, residual, batch, rotary, pool, backend,
+                                     fold_out=i < last)
         return hidden, residual
 
     def final_states(self, hidden: torch.Tensor, residual: torch.Tensor,
