@@ -180,3 +180,44 @@ def test_the_folded_gemms_run_on_the_rows_unpadded(tmp_path, monkeypatch):
     padded = logits(model, batch, DEVICE)
     assert sorted(calls) == [("row", 32)] * 5 + [("tensor", 24)] * 3
     assert torch.equal(padded, plain)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs and cuBLAS's FP8 GEMM need a GPU")
+def test_a_folded_layer_replays_from_a_cuda_graph(monkeypatch):
+    """o (folded, the real tensor-wise `_scaled_mm`) into the scaled add + norm, captured and
+    replayed on new rows: bitwise the eager run's (the unit scale made inside the capture
+    lives in the graph's pool)."""
+    from phaseflip.model.quant.fp8 import quantize_rows
+
+    monkeypatch.setattr(fp8, "_tile_gemm_config", lambda x, w: None)  # cuBLAS, whatever table
+
+    t, k, n = 256, 1024, 1024
+    o = layers.RowParallelLinear(k, n, False, Layout(), torch.bfloat16,
+                                 Fp8Config("float")).to(DEVICE)
+    w_q, w_s = quantize_rows(torch.randn(n, k, device=DEVICE) * 0.05)
+    o.weight.data.copy_(w_q)
+    o.weight_scale.data.copy_(w_s)
+    norm = layers.RMSNorm(n, EPS, torch.bfloat16).to(DEVICE)
+    x = torch.empty(t, k, device=DEVICE, dtype=torch.bfloat16)
+    res = torch.empty(t, n, device=DEVICE, dtype=torch.bfloat16)
+
+    def fill(seed: int) -> None:
+        gen = torch.Generator(device=DEVICE).manual_seed(seed)
+        for buf in (x, res):
+            buf.copy_(torch.randn(buf.shape, generator=gen, device=DEVICE))
+
+    def step(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = o(x, fold=True)
+        assert isinstance(y, ScaledRows)
+        return norm(y, r)
+
+    fill(0)
+    step(res.clone())  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, summed = step(res)
+    fill(7)
+    want_out, want_sum = (a.clone() for a in step(res.clone()))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want_out) and torch.equal(summed, want_sum)

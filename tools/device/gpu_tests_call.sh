@@ -10,7 +10,7 @@
 . tools/device/lib.sh
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv > $X/gpu.txt
 export G1="tests/test_linear_kernel.py tests/test_linear_fold.py tests/test_rotary_fold.py"
-export G2="tests/test_tile_gemm.py tests/test_lm_head_buckets.py tests/test_fp8_quant_fusion.py tests/test_fp8_quant_kernel.py tests/test_fp8_kv.py tests/test_pp_last_stage_sampling.py"
+export G2="tests/test_tile_gemm.py tests/test_lm_head_buckets.py tests/test_fp8_quant_fusion.py tests/test_fp8_scaled_rows.py tests/test_fp8_quant_kernel.py tests/test_fp8_kv.py tests/test_pp_last_stage_sampling.py"
 export G3="tests/test_gpu.py tests/test_cuda_graph.py tests/test_piecewise_graph.py tests/test_pp_async.py tests/test_teardown.py"
 export G4="tests/test_attention_cuda.py tests/test_triton_attention.py tests/test_fused_kernels.py tests/test_rope.py tests/test_rope_kv_store.py tests/test_sampling_kernel.py tests/test_hicache_gpu.py tests/test_pdl.py tests/test_gpu_busy.py tests/test_gpu_gaps.py tests/test_symm_allreduce.py"
 export X PHASEFLIP_TEST_DEVICE=cuda
