@@ -23,28 +23,31 @@ from triton.compiler import ASTSource
 
 from phaseflip.kernels import norm
 
-# (HAS_RESIDUAL, STORE_OUT, QUANT): the plain kernels and every FP8 variant the wrappers launch
-VARIANTS = ((0, 1, 0), (0, 1, 1), (0, 0, 1), (1, 1, 0), (1, 1, 1), (1, 0, 1))
+# (HAS_RESIDUAL, STORE_OUT, QUANT, SCALED): the plain kernels, every FP8 variant the wrappers
+# launch, and the adds that scale an FP8 product first (`scales=`)
+VARIANTS = ((0, 1, 0, 0), (0, 1, 1, 0), (0, 0, 1, 0), (1, 1, 0, 0), (1, 1, 1, 0), (1, 0, 1, 0),
+            (1, 1, 0, 1), (1, 0, 1, 1))
 _STRIDES = ("sx_a", "sx_b", "sr_a", "sr_b", "so_a", "so_b", "sro_a", "sro_b")
 
 
-def _compile(n: int, rows: int, variant: tuple[int, int, int], dtype: str) -> str:
+def _compile(n: int, rows: int, variant: tuple[int, int, int, int], dtype: str) -> str:
     """TTGIR of the kernel as `norm._launch` launches it on contiguous [rows, n] rows of
     `dtype`, specialized as the launcher does (16-byte aligned pointers, ints % 16 marked)."""
-    has_res, store_out, quant = variant
+    has_res, store_out, quant, scaled = variant
     kernel, elem = norm._rms_norm_kernel, {"bf16": 2, "fp16": 2}[dtype]
     block_n = triton.next_power_of_2(n)
     block_r = max(1, min(triton.next_power_of_2(rows), 2048 // block_n))
     num_warps = min(max(block_r * block_n // 512, 1), 16)
     consts = {"HAS_RESIDUAL": bool(has_res), "STORE_OUT": bool(store_out), "QUANT": bool(quant),
-              "SCALED": False,
+              "SCALED": bool(scaled),
               "BLOCK_R": block_r, "BLOCK_N": block_n, "FP8_MAX_C": norm.FP8_MAX,
               "MIN_SCALE_C": norm.MIN_SCALE, "Q_VEC": 16 // elem, "inner": 1,
               "PDL": True}  # as an H200 launches it (kernels/pdl.py)
     types = dict.fromkeys(("X", "R", "W", "OUT", "R_OUT"), f"*{dtype}")
     types |= {"Q": "*fp8e4nv" if quant else f"*{dtype}",
-              "SCALE": "*fp32" if quant else f"*{dtype}", "XS_ROW": f"*{dtype}",
-              "XS_COL": f"*{dtype}",
+              "SCALE": "*fp32" if quant else f"*{dtype}",
+              "XS_ROW": "*fp32" if scaled else f"*{dtype}",
+              "XS_COL": "*fp32" if scaled else f"*{dtype}",
               "num_rows": "i32", "n_cols": "i32", "eps": "fp32", "inv_n": "fp32"}
     types |= dict.fromkeys(_STRIDES, "i32")
     names = kernel.arg_names

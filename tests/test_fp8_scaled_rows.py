@@ -4,9 +4,9 @@ scales as it adds.
 
 The kernel's contract is bitwise: scaling inside the add equals `ScaledRows.materialize`
 followed by the plain add + norm. The model's: a tiny bf16 FP8 Llama takes the fold at o and
-down (two tensor-wise GEMMs a layer, counted), its logits bitwise those of the same run with
-every `ScaledRows` materialized before the norm, and within bf16's rounding of the row-wise
-run (the fold rounds the product once more). Runs on CUDA when present, else on the CPU
+down but the stage's last down (tensor-wise GEMMs, counted), its logits bitwise those of the
+same run with every `ScaledRows` materialized before the norm, and within bf16's rounding of
+the row-wise run (the fold rounds the product once more). Runs on CUDA when present, else on the CPU
 through Triton's interpreter, with `torch._scaled_mm` emulated in float32 as
 `test_fp8_quant_fusion.py` does.
 """

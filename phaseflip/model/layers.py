@@ -136,8 +136,8 @@ class RMSNorm(nn.Module):
     `quantize=True` (only where `takes_fp8_input` of the linear fed said so): the normed rows
     come back as an `Fp8Activation` where the kernel runs (x's contents then left stale), as a
     tensor otherwise. x may be `ScaledRows` where a residual comes with it: the kernel scales
-    x's product as it adds (the product's buffer then holds the normed rows); anywhere else it
-    is materialized first.
+    x's product as it adds (the product's buffer then holds the normed rows, stale when they
+    are quantized); anywhere else it is materialized first.
     """
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:

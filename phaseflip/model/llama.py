@@ -145,7 +145,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, x, residual, batch, rotary, pool, backend, fold_out: bool = True):
+    def forward(self, x, residual, batch, rotary, pool, backend, fold_out: bool = False):
         """(hidden, residual) after the layer; `fold_out`: the hidden may be `ScaledRows`
         (down's FP8 product unscaled, for the next layer's residual add)."""
         if residual is None and folds_rows(x, self.self_attn.o_proj.layout, self._linears):

@@ -347,17 +347,23 @@ def _tensorwise_mm(x_q: torch.Tensor, sx: torch.Tensor, w_q: torch.Tensor,
     return ScaledRows(y, sx, w_scale, torch.bfloat16)
 
 
+# A float32 1.0 per CUDA device, made outside any graph capture: a memo, never changed.
+_UNIT_SCALES: dict[int, torch.Tensor] = {}
+
+
 def _unit_scale(device: torch.device) -> torch.Tensor:
-    """A float32 1.0 on `device`: made once outside graph capture (a tensor from a graph's
-    pool must not outlive the graph, which a flip may release), per call inside it."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    """A float32 1.0 on `device`: the memo's (a graph captures it as any other tensor), or
+    while capturing before any eager call made it, one per call from the graph's pool (kept
+    out of the memo: a graph's pool must not outlive the graph, which a flip may release)."""
+    if device.type != "cuda":
         return torch.ones((), dtype=torch.float32, device=device)
-    return _cached_unit_scale(device.index or 0)
-
-
-@functools.cache
-def _cached_unit_scale(device_index: int) -> torch.Tensor:
-    return torch.ones((), dtype=torch.float32, device=f"cuda:{device_index}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    one = _UNIT_SCALES.get(index)
+    if one is None:
+        one = torch.ones((), dtype=torch.float32, device=device)
+        if not torch.cuda.is_current_stream_capturing():
+            _UNIT_SCALES[index] = one
+    return one
 
 
 def _finish(y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
