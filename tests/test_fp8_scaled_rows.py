@@ -221,3 +221,31 @@ def test_a_folded_layer_replays_from_a_cuda_graph(monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want_out) and torch.equal(summed, want_sum)
+
+
+def test_a_pipeline_stage_does_not_fold(tmp_path, monkeypatch):
+    """Only a single rank folds: the layouts a flip moves between (here stage 0 of pp2) keep
+    every GEMM row-wise, so they round alike whatever the layout."""
+    import json
+
+    from tiny_llama import CONFIG
+
+    from phaseflip.attention.torch_ref import TorchRefAttention
+    from phaseflip.cache.kv_pool import KVPool
+    from phaseflip.model.config import ModelConfig
+    from phaseflip.model.dummy import init_dummy_weights
+    from phaseflip.model.llama import LlamaForCausalLM
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    with torch.device(DEVICE):
+        stage = LlamaForCausalLM(ModelConfig.from_dir(tmp_path), Layout(0, 1, 0, 2),
+                                 torch.bfloat16, Fp8Config("float"))
+    init_dummy_weights(stage, 0)
+    batch = prefill([24], 3, DEVICE)
+    pool = KVPool(32, (0, 1), CONFIG["num_key_value_heads"],
+                  CONFIG["hidden_size"] // CONFIG["num_attention_heads"], torch.bfloat16,
+                  DEVICE)
+    calls = _take_cublas(monkeypatch)
+    with torch.inference_mode():
+        hidden, residual = stage.eval()(batch, pool, TorchRefAttention())
+    assert [k for k, _ in calls] == ["row"] * 4 and isinstance(hidden, torch.Tensor)

@@ -158,11 +158,15 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual, quantize=quantize)
         # o and down may hand the residual adds their products unscaled (`ScaledRows`): the
-        # add + norm kernel applies the scales, and cuBLAS runs tensor-wise (faster)
-        x = self.self_attn(x, batch, rotary, pool, backend, fold=True)
+        # add + norm kernel applies the scales, and cuBLAS runs tensor-wise (faster). A
+        # single rank only: it rounds the product once more than row-wise, and the layouts a
+        # flip moves between (tp, pp) must keep rounding alike
+        layout = self.self_attn.o_proj.layout
+        fold = layout.tp_size == 1 and layout.pp_size == 1
+        x = self.self_attn(x, batch, rotary, pool, backend, fold=fold)
         quantize = self.mlp.gate_up_proj.takes_fp8_input(output_rows(x))
         x, residual = self.post_attention_layernorm(x, residual, quantize=quantize)
-        return self.mlp(x, fold=fold_out), residual
+        return self.mlp(x, fold=fold and fold_out), residual
 
     @property
     def _linears(self) -> tuple[nn.Module, ...]:
