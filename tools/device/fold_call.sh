@@ -11,14 +11,7 @@
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $X/gpu.txt
 T="python3 -m pytest -q -p no:cacheprovider"
 step tests 40 150 4 "PHASEFLIP_TEST_DEVICE=cuda $T tests/test_fp8_scaled_rows.py tests/test_fp8_quant_fusion.py"
-Q=phaseflip/model/quant/fp8.py; cp $Q /tmp/fp8.py
-arm() { cp /tmp/fp8.py $Q; [ $1 = rowwise ] && sed -i 's/^FOLD_SCALES = True$/FOLD_SCALES = False/' $Q
-  grep -c "^FOLD_SCALES = True" $Q; }
-F8="--engine-arg quantization=fp8 --engine-arg kv_cache_dtype=fp8_e4m3"
-OFF="--model llama-3.1-8b --load-format dummy --num-prompts 1000 --dataset sharegpt-like --seed 0 --mem-fraction 0.85 --max-running-requests 1024"
-for i in $(seq 1 ${PAIRS:-2}); do for a in fold rowwise; do arm $a
-  step off_$a$i 40 120 0 "python3 -m benchmarks.bench_offline $OFF $F8 --out $X/off_$a$i.json"; done; done
-cp /tmp/fp8.py $Q
+offline_ab phaseflip/model/quant/fp8.py fold rowwise 's/^FOLD_SCALES = True$/FOLD_SCALES = False/'
 step sweep 100 220 6 "python3 -m benchmarks.scaled_mm_probe --m-sweep --tensorwise --out $X/m_sweep_tw.json"
 python3 tools/device/summary.py $X offline | tee $X/summary.txt
 cd $OUT && tar czf fold.tgz x && rm -rf x

@@ -1,7 +1,8 @@
 # Sourced first by every device call here (`. tools/device/lib.sh` from the repo root): the
 # server's wheels from .carry/whl (the device has no FastAPI, pydantic, pyzmq ...), the NVLink
 # multicast switches off, $X for results, and `step`, which runs one measurement inside the
-# call's deadline. Each script copies itself and this file into its results.
+# call's deadline (and `offline_ab`, an FP8 offline A/B of a one-line switch). Each script
+# copies itself and this file into its results.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .carry/whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site:$PWD || exit
 export PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -35,4 +36,18 @@ pdl_checks() {
   cp $A /tmp/act.py; sed -i 's/^    wait_previous(PDL)$/    pass  # wait removed/' $A
   step red 30 100 6 "PHASEFLIP_TEST_DEVICE=cuda $T tests/test_pdl.py -k chain_in_a_graph"
   cp /tmp/act.py $A
+}
+# the offline workload of docs/benchmarks.md ("Where the engine stands") and the FP8 switches
+F8="--engine-arg quantization=fp8 --engine-arg kv_cache_dtype=fp8_e4m3"
+OFF="--model llama-3.1-8b --load-format dummy --num-prompts 1000 --dataset sharegpt-like --seed 0 --mem-fraction 0.85 --max-running-requests 1024"
+# offline_ab FILE ARM_ON ARM_OFF 'SED': FP8 offline in PAIRS interleaved pairs (default 2),
+# steps off_<arm><i>: ARM_ON runs the tree as it is, ARM_OFF with SED applied to FILE (a
+# missed pattern is printed: that arm would run the tree as is); FILE is restored after
+offline_ab() {
+  local f=$1 on=$2 off=$3 i a; cp "$f" /tmp/ab_orig
+  for i in $(seq 1 "${PAIRS:-2}"); do for a in "$on" "$off"; do cp /tmp/ab_orig "$f"
+    if [ "$a" = "$off" ]; then sed -i "$4" "$f"; cmp -s /tmp/ab_orig "$f" && echo "!! $a: '$4' changed nothing in $f"; fi
+    step "off_$a$i" 40 120 0 "python3 -m benchmarks.bench_offline $OFF $F8 --out $X/off_$a$i.json"
+  done; done
+  cp /tmp/ab_orig "$f"
 }
