@@ -82,9 +82,10 @@ PADS = (16, 32, 64, 128, 256)
 
 def m_sweep(dev: torch.device, rounds: int = 3, bf16: bool = False,
             tensorwise: bool = False) -> dict:
-    """{"layer_us": {M: µs of qkv + o + gate_up + down}, "pads": {multiple: saving}}: the
-    row-wise FP8 GEMMs, with `tensorwise` the FP8 GEMMs with unit scales (`fp8.ScaledRows`),
-    or with `bf16` the 16-bit `x @ w.t()` of the same shapes."""
+    """{"layer_us": {M: µs of qkv + o + gate_up + down}, "shape_us": {shape: {M: µs}},
+    "pads": {multiple: saving}}, each shape's median over the rounds: the row-wise FP8
+    GEMMs, with `tensorwise` the FP8 GEMMs with unit scales (`fp8.ScaledRows`), or with
+    `bf16` the 16-bit `x @ w.t()` of the same shapes."""
     from triton.testing import do_bench
 
     ms = sorted({m + d for lo, hi, step in SWEEP_RANGES for m in range(lo, hi + 1, step)
@@ -106,13 +107,18 @@ def m_sweep(dev: torch.device, rounds: int = 3, bf16: bool = False,
                                             out_dtype=torch.bfloat16)
         return lambda: torch._scaled_mm(x, wt, scale_a=s, scale_b=sw, out_dtype=torch.bfloat16)
 
-    samples: dict[int, list[float]] = {m: [] for m in ms}
+    names = [name for name, _n, _k in SHAPES]
+    samples: dict[str, dict[int, list[float]]] = {name: {m: [] for m in ms} for name in names}
     for _ in range(rounds):
         for m in ms:
-            samples[m].append(sum(do_bench(gemm(x[:m], s[:m], wt, sw), warmup=5, rep=25) * 1e3
-                                  for x, s, wt, sw in ops))
-    layer = {m: sorted(v)[len(v) // 2] for m, v in samples.items()}
-    return {"layer_us": layer, "pads": pad_savings(layer), "rounds": rounds,
+            for name, (x, s, wt, sw) in zip(names, ops):
+                us = do_bench(gemm(x[:m], s[:m], wt, sw), warmup=5, rep=25) * 1e3
+                samples[name][m].append(us)
+    shape_us = {name: {m: sorted(v)[len(v) // 2] for m, v in by_m.items()}
+                for name, by_m in samples.items()}
+    layer = {m: sum(shape_us[name][m] for name in names) for m in ms}
+    return {"layer_us": layer, "shape_us": shape_us, "pads": pad_savings(layer),
+            "rounds": rounds,
             "dtype": "bf16" if bf16 else "fp8 tensor-wise" if tensorwise else "fp8 row-wise"}
 
 
