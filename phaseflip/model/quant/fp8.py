@@ -254,7 +254,6 @@ def scaled_linear(x: torch.Tensor | Fp8Activation, w_q: torch.Tensor, w_scale: t
     An `Fp8Activation` goes straight to `_scaled_mm` (its rows are quantized already).
     `fold`: the caller's consumer takes `ScaledRows`; returned where cuBLAS runs the rows of a
     bf16 model without a bias (`FOLD_SCALES`), a tensor everywhere else."""
-    fold = fold and FOLD_SCALES and bias is None
     if isinstance(x, Fp8Activation):
         if amax is not None:
             raise ValueError("an Fp8Activation holds whole rows quantized: no amax applies")
@@ -298,7 +297,7 @@ def _rows_linear(x_q: torch.Tensor, sx: torch.Tensor, w_q: torch.Tensor, w_scale
         from phaseflip.kernels.linear import skinny_linear
 
         return skinny_linear(x_q, w_q, bias, weight_scale=w_scale, x_scale=sx, out_dtype=dtype)
-    if fold and bias is None and dtype == torch.bfloat16:
+    if fold and FOLD_SCALES and bias is None and dtype == torch.bfloat16:
         return _tensorwise_mm(x_q, sx, w_q, w_scale)
     return _scaled_mm(x_q, sx, w_q, w_scale, bias, dtype)
 
