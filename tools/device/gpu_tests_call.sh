@@ -5,8 +5,9 @@
 # On an H100 (2026-12-05) groups 1-4 took 244 / 103 / >350 / 218 s; the multi-rank sampling
 # tests moved from group 3 to group 2 since. tests/test_profile_mixed_step.py (CPU only) left
 # group 4 after its 60 s timeout fired under the four processes' CPU load (2026-12-06).
-# step (est. / skipped under MIN s left / killed at MAX s): gtests 330/200/360, off_fp8 80/70/120,
-# off_bf16 80/70/120. Results: $OUT/gpu_tests_call.tgz: x/gt_<group>.txt, off_*.json, summary.txt.
+# step (est. / skipped under MIN s left / killed at MAX s): gtests 330/200/360, acc_fold and
+# acc_rowwise ~40/30/100 each, off_fp8 80/70/120, off_bf16 80/70/120 (usually skipped).
+# Results: $OUT/gpu_tests_call.tgz: x/gt_<group>.txt, acc_*.log, off_*.json, summary.txt.
 . tools/device/lib.sh
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv > $X/gpu.txt
 export G1="tests/test_linear_kernel.py tests/test_linear_fold.py tests/test_rotary_fold.py"
@@ -17,6 +18,15 @@ export X PHASEFLIP_TEST_DEVICE=cuda
 step gtests 200 360 0 'for g in 1 2 3 4; do v=G$g; timeout $((STEP_S - 10)) python3 -m pytest -q -p no:cacheprovider ${!v} > $X/gt_$g.txt 2>&1 & done; wait'
 unset PHASEFLIP_TEST_DEVICE
 for g in 1 2 3 4; do echo "group $g: $(tail -1 $X/gt_$g.txt)"; grep -aE '^(FAILED|ERROR)' $X/gt_$g.txt | head -8; done
+# FP8 accuracy on the GPU against a bf16 engine (docs/quantization.md has only CPU figures),
+# with o/down folded (the default) and row-wise (FOLD_SCALES off): what the fold's extra bf16
+# rounding costs where cuBLAS runs the prompt rows
+Q=phaseflip/model/quant/fp8.py; cp $Q /tmp/fp8.py
+step acc_fold 30 100 0 "python3 -m benchmarks.fp8_accuracy --device cuda --dtype bfloat16"
+sed -i 's/^FOLD_SCALES = True$/FOLD_SCALES = False/' $Q; cmp -s /tmp/fp8.py $Q && echo "!! FOLD_SCALES unchanged"
+step acc_rowwise 30 100 0 "python3 -m benchmarks.fp8_accuracy --device cuda --dtype bfloat16"
+cp /tmp/fp8.py $Q
+for a in fold rowwise; do grep -a '^{' $X/acc_$a.log | cut -c1-220 | sed "s/^/$a /"; done
 F8="--engine-arg quantization=fp8 --engine-arg kv_cache_dtype=fp8_e4m3"
 OFF="--model llama-3.1-8b --load-format dummy --num-prompts 1000 --dataset sharegpt-like --seed 0 --mem-fraction 0.85 --max-running-requests 1024"
 step off_fp8 70 120 0 "python3 -m benchmarks.bench_offline $OFF $F8 --out $X/off_fp8.json"
