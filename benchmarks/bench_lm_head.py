@@ -34,7 +34,8 @@ from benchmarks.bench_comm import CommBenchError, elapsed_s, spawn_ranks
 from benchmarks.common import join_rank_group, print_table, write_json
 from phaseflip.distributed.group import free_port
 from phaseflip.layout import Layout, ProcessGroupCommunicator
-from phaseflip.model.layers import ParallelLMHead, linear
+from phaseflip.model.layers import linear
+from phaseflip.model.lm_head import ParallelLMHead
 
 
 @dataclass(frozen=True)

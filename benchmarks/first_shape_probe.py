@@ -101,7 +101,7 @@ def main() -> None:
     results = _case("lm_head bf16", lambda m: torch.nn.functional.linear(x[:m], w_head),
                     head_rows, a, per_ms, args.busy_ms)
     from phaseflip.layout import Layout
-    from phaseflip.model.layers import ParallelLMHead
+    from phaseflip.model.lm_head import ParallelLMHead
 
     head = ParallelLMHead(128256, 4096, Layout(), torch.bfloat16).to(dev)
     head.weight.data.normal_()

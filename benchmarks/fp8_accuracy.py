@@ -84,7 +84,9 @@ def compare(reference: dict[str, Any], candidate: dict[str, Any], prompts: list[
 
 
 VARIANTS = {"w8": {"quantization": "fp8"}, "kv8": {"kv_cache_dtype": "fp8_e4m3"},
-            "w8kv8": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}}
+            "w8kv8": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
+            "w8kv8lm8": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3",
+                         "fp8_lm_head": True}}
 
 
 def main(argv: list[str] | None = None) -> None:

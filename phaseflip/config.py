@@ -243,6 +243,12 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     """auto (the model dtype) or fp8_e4m3: the KV cache in FP8 with a scale per layer and KV
     head, about twice the tokens in the same memory."""
+    fp8_lm_head: bool = False
+    """With FP8 weights: the LM head in FP8 too (a scale per vocabulary row, made at load
+    beside the 16-bit weight, which embeddings and phase flips keep using): half the head's
+    bytes and GEMM time, at more change to the logits than the decoder's projections make
+    (docs/quantization.md). Other servers leave the head in 16 bits, as this does unless
+    asked."""
     attention_backend: str = "auto"
     """torch (the reference), triton, or auto (triton on CUDA when installed, else torch)."""
     disable_cuda_graph: bool = False

@@ -23,8 +23,10 @@ from phaseflip.model.loader import load_tokenizer
 pytestmark = pytest.mark.timeout(600, method="thread")
 
 BASE = {"device": "cpu", "dtype": "float32", "max_total_tokens": 8192}
-# variant: (mean |dlogprob| bound, least top-1 agreement); measured 0.0227 / 0.0181 / 0.0288
-EMBEDDED_BOUNDS = {"w8": (0.03, 0.95), "kv8": (0.02, 0.95), "w8kv8": (0.04, 0.95)}
+# variant: (mean |dlogprob| bound, least top-1 agreement); measured 0.0227 / 0.0181 / 0.0288,
+# and with the LM head in FP8 too (`--fp8-lm-head`) 0.0367, top-1 95.9 %
+EMBEDDED_BOUNDS = {"w8": (0.03, 0.95), "kv8": (0.02, 0.95), "w8kv8": (0.04, 0.95),
+                   "w8kv8lm8": (0.045, 0.95)}
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """An eager step's LM head meets only the row counts its build warmed.
 
 On the H200 some new row counts of the LM head's cuBLAS GEMM waited for the GPU's queued work
-to drain, and an eager (prefill or mixed) step's rows are new almost every time (`layers.py`,
+to drain, and an eager (prefill or mixed) step's rows are new almost every time (`lm_head.py`,
 `benchmarks/first_shape_probe.py`). These tests check the padding that prevents it on the CPU
 (`bucket_rows=True` forces what runs on CUDA only): the logits are unchanged, and the GEMM
 sees only `lm_head_buckets` shapes, the ones `warm` runs.
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from phaseflip.layout import Layout
-from phaseflip.model import layers
-from phaseflip.model.layers import ParallelLMHead, lm_head_buckets, lm_head_rows
+from phaseflip.model import lm_head
+from phaseflip.model.lm_head import ParallelLMHead, lm_head_buckets, lm_head_rows
 
 VOCAB, HIDDEN = 97, 16
 
@@ -48,13 +48,13 @@ def test_padded_logits_equal_the_unpadded(rows):
 
 def test_eager_steps_meet_only_warmed_shapes(monkeypatch):
     seen: list[int] = []
-    real = layers.linear
+    real = lm_head.linear
 
     def spy(x, weight, *args, **kwargs):
         seen.append(x.shape[0])
         return real(x, weight, *args, **kwargs)
 
-    monkeypatch.setattr(layers, "linear", spy)
+    monkeypatch.setattr(lm_head, "linear", spy)
     head = _head()
     assert head.warm(300) == len(lm_head_buckets(300))
     warmed = set(seen)

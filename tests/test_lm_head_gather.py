@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from phaseflip import Engine, SamplingParams
 from phaseflip.layout import Layout, ProcessGroupCommunicator
-from phaseflip.model.layers import ParallelLMHead
+from phaseflip.model.lm_head import ParallelLMHead
 from tests.conftest import build_model, prompts_for
 
 pytestmark = pytest.mark.timeout(240, method="thread")  # signals cannot interrupt gloo

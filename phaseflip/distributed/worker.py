@@ -243,7 +243,8 @@ class RankProcess:
         that move at a seam first sets its headroom (`arena_headroom`), logged."""
         arena = self.kv_arena
         if not arena.nbytes and cfg.flip_weights != "resident":
-            quant = resolve_quantization(cfg.quantization, model_cfg.model_dir, cfg.load_format)
+            quant = resolve_quantization(cfg.quantization, model_cfg.model_dir,
+                                         cfg.load_format, cfg.fp8_lm_head)
             arena.headroom = arena_headroom(
                 self.rank, (cfg.tp_size, cfg.pp_size), self.spec.layouts, model_cfg,
                 resolve_dtype(cfg.dtype, model_cfg, device), quant)

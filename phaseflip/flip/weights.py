@@ -58,10 +58,11 @@ class WeightsPlan:
 
 def shard_bytes(model_cfg: ModelConfig, tp_size: int, pp_size: int, dtype: torch.dtype,
                 quant: Fp8Config | None = None) -> list[int]:
-    """Parameter bytes of every rank's shard of a tp × pp layout (rank order: tp fastest),
+    """Weight bytes of every rank's shard of a tp × pp layout (rank order: tp fastest),
     counted on the meta device: exactly what the layout allocates (FP8 projections at one
-    byte), nothing read."""
-    return [param_bytes(m) for m in meta_shards(model_cfg, tp_size, pp_size, dtype, quant)]
+    byte, an FP8 LM head's copy beside its weight), nothing read."""
+    return [param_bytes(m) + (m.lm_head.derived_bytes if m.layout.is_last_stage else 0)
+            for m in meta_shards(model_cfg, tp_size, pp_size, dtype, quant)]
 
 
 def parked_bytes(model_cfg: ModelConfig, layouts: tuple[tuple[int, int], ...],
@@ -94,7 +95,8 @@ def plan_weights(cfg: EngineConfig, model_cfg: ModelConfig, layouts: tuple, dtyp
     the ranks' (NCCL: every rank has its own GPU, peers exchange slices device to device)."""
     if not cfg.enable_flip or cfg.world_size < 2 or len(layouts) < 2:
         return WeightsPlan("reload", 0, budget, "no flips")
-    quant = resolve_quantization(cfg.quantization, model_cfg.model_dir, cfg.load_format)
+    quant = resolve_quantization(cfg.quantization, model_cfg.model_dir, cfg.load_format,
+                                 cfg.fp8_lm_head)
     parked = parked_bytes(model_cfg, layouts, dtype, quant)
     gib = parked / 2**30
     if cfg.flip_weights != "auto":

@@ -231,6 +231,8 @@ class DecodeGraphs:
                    if p.dim() == 2 and "embed_tokens" not in n]
         if self.with_logits and all(w is not self.model.lm_head.weight for w in weights):
             weights.append(self.model.lm_head.weight)  # tied: named after the embedding
+        if self.with_logits and self.model.lm_head.fp8:  # what its logits GEMM reads
+            weights.append(self.model.lm_head.fp8_weight)
         shapes = {(w.shape[0], w.shape[1]) for w in weights}
         m_values = [b for b in self.sizes if b <= cfgs.KERNEL_MAX_M
                     and any(cfgs.should_use_skinny(b, n, k) for n, k in shapes)]

@@ -20,7 +20,6 @@ from phaseflip.layout import Layout
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.layers import (
     MergedColumnParallelLinear,
-    ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
@@ -30,6 +29,7 @@ from phaseflip.model.layers import (
     folded_linear,
     folds_rows,
 )
+from phaseflip.model.lm_head import ParallelLMHead
 from phaseflip.model.quant import Fp8Config, convert_checkpoint
 from phaseflip.model.quant.fp8 import Fp8Activation, ScaledRows, output_rows
 from phaseflip.model.rope import RotaryBatch, RotaryEmbedding
@@ -210,7 +210,8 @@ class LlamaForCausalLM(nn.Module):
         )
         if layout.is_last_stage:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, layout, dtype)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, layout, dtype,
+                                          fp8=quant is not None and quant.lm_head)
             if cfg.tie_word_embeddings and layout.is_first_stage:
                 self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)

@@ -188,7 +188,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg.dtype, model_cfg, self.device)
         self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self.dtype)  # FP8 KV: 2x tokens
         self.quant = resolve_quantization(cfg.quantization, model_cfg.model_dir,
-                                          cfg.load_format)  # FP8 weights, or None
+                                          cfg.load_format, cfg.fp8_lm_head)  # FP8, or None
         self.model, self.weights_load = self._load_model(resident, weights_from, weights)
         log.info("tp rank %d, stage %d: %s", self.layout.tp_rank, self.layout.pp_rank,
                  self.weights_load.line())
@@ -209,7 +209,7 @@ class ModelRunner:
         self.graphs, self.graph_capture = self._capture_graphs(lazy_graphs, graph_reuse)
         self.pieces = self._capture_pieces() if self.graph_capture == "at build" else None
         if self.layout.is_last_stage and self.graph_capture == "at build":
-            # an eager step's LM head meets no new cuBLAS kernel (`layers.ParallelLMHead`);
+            # an eager step's LM head meets no new cuBLAS kernel (`lm_head.ParallelLMHead`);
             # a flip's new layout skips it: its first uses would lengthen the seam
             self.model.lm_head.warm(cfg.max_running_requests)
         # how long building this rank took, by part (a flip's census reads rank 0's)
@@ -230,6 +230,8 @@ class ModelRunner:
         load = (weights_from(model) if weights_from is not None else
                 load_model_weights(model, self.cfg, self.model_cfg.model_dir, self.device,
                                    weights))
+        if model.layout.is_last_stage:
+            model.lm_head.quantize_()  # the FP8 LM head's copy (`--fp8-lm-head`), else nothing
         return model, load
 
     def _build_pool(self, kv_arena: KVArena | None,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -44,10 +44,13 @@ _PROJ = re.compile(r"^(?P<prefix>.*\.(?:q|k|v|o|gate|up|down)_proj)\."
 @dataclass(frozen=True)
 class Fp8Config:
     """The FP8 weights scheme of one model. `source`: what the checkpoint holds ("float",
-    "compressed-tensors", "fp8-block", "fp8-tensor"); `block`: the block-wise tile."""
+    "compressed-tensors", "fp8-block", "fp8-tensor"); `block`: the block-wise tile;
+    `lm_head`: the LM head runs FP8 too (`--fp8-lm-head`: a per-row FP8 copy of its weight
+    made at load, `lm_head.ParallelLMHead`)."""
 
     source: str = "float"
     block: tuple[int, int] | None = None
+    lm_head: bool = False
 
     @property
     def prequantized(self) -> bool:
@@ -91,10 +94,21 @@ def _prequantized(q: dict, model_dir: str | Path) -> Fp8Config:
 
 
 def resolve_quantization(quantization: str | None, model_dir: str | Path,
-                         load_format: str = "auto") -> Fp8Config | None:
+                         load_format: str = "auto", lm_head: bool = False
+                         ) -> Fp8Config | None:
     """The scheme for `--quantization` and the checkpoint: a pre-quantized FP8 checkpoint runs
     FP8 whether or not the flag says so (its weights are FP8); a float one only with
-    `--quantization fp8`. Raises ModelLoadError for quantization schemes not supported."""
+    `--quantization fp8`. `lm_head` (`--fp8-lm-head`) needs FP8 weights. Raises
+    ModelLoadError for quantization schemes not supported."""
+    scheme = _resolve(quantization, model_dir, load_format)
+    if lm_head and scheme is None:
+        raise ModelLoadError("--fp8-lm-head runs the LM head in FP8 beside FP8 weights: add "
+                             "--quantization fp8 (or load an FP8 checkpoint)")
+    return replace(scheme, lm_head=True) if lm_head else scheme
+
+
+def _resolve(quantization: str | None, model_dir: str | Path,
+             load_format: str) -> Fp8Config | None:
     q = None if load_format == "dummy" else _checkpoint_quantization(model_dir)
     if q is not None:
         return _prequantized(q, model_dir)

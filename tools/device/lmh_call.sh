@@ -1,0 +1,23 @@
+# any one GPU (~9 min; guarded to end by END, default 570 s): the LM head in FP8
+# (--fp8-lm-head, phaseflip/model/lm_head.py) against the 16-bit head, FP8 weights + FP8 KV.
+#   tests        tests/test_fp8_lm_head.py on the GPU (bf16, decode graphs, the FP8 GEMMs
+#                at the head's rows; its tp2 and flip tests stay on the CPU over gloo)
+#   off_*        FP8 offline, PAIRS interleaved pairs (default 2): lmh = --fp8-lm-head,
+#                head16 = the default (also the card's FP8 figure with padding, longest
+#                first and the o/down fold)
+#   acc          benchmarks.fp8_accuracy on the GPU against a bf16 engine (w8, kv8, w8kv8,
+#                w8kv8lm8; docs/quantization.md has only CPU figures)
+#   off_bf16     bf16 offline once (the card's figure with longest first), if time is left
+# Results: $OUT/lmh.tgz (x/<step>.log, off_*.json, summary.txt).
+. tools/device/lib.sh
+nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv | tee $X/gpu.txt
+step tests 40 130 4 "PHASEFLIP_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_fp8_lm_head.py"
+for i in $(seq 1 "${PAIRS:-2}"); do
+  step off_lmh$i 70 120 0 "python3 -m benchmarks.bench_offline $OFF $F8 --engine-arg fp8_lm_head=true --out $X/off_lmh$i.json"
+  step off_head16$i 70 120 0 "python3 -m benchmarks.bench_offline $OFF $F8 --out $X/off_head16$i.json"
+done
+step acc 40 120 0 "python3 -m benchmarks.fp8_accuracy --device cuda --dtype bfloat16"
+grep -a '^{' $X/acc.log | cut -c1-230
+step off_bf16 70 120 0 "python3 -m benchmarks.bench_offline $OFF --out $X/off_bf16.json"
+python3 tools/device/summary.py $X offline | tee $X/summary.txt
+cd $OUT && tar czf lmh.tgz x && rm -rf x
