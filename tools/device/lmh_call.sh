@@ -5,6 +5,8 @@
 #   off_*        FP8 offline, PAIRS interleaved pairs (default 2): lmh = --fp8-lm-head,
 #                head16 = the default (also the card's FP8 figure with padding, longest
 #                first and the o/down fold)
+#   lat_*        FP8 bench_latency batch 1 and 64, lmh then head16 (batch 1: the head is
+#                1.05 GB of the ~9 GB a step reads in bf16)
 #   acc          benchmarks.fp8_accuracy on the GPU against a bf16 engine (w8, kv8, w8kv8,
 #                w8kv8lm8; docs/quantization.md has only CPU figures)
 #   off_bf16     bf16 offline once (the card's figure with longest first), if time is left
@@ -16,6 +18,10 @@ for i in $(seq 1 "${PAIRS:-2}"); do
   step off_lmh$i 70 120 0 "python3 -m benchmarks.bench_offline $OFF $F8 --engine-arg fp8_lm_head=true --out $X/off_lmh$i.json"
   step off_head16$i 70 120 0 "python3 -m benchmarks.bench_offline $OFF $F8 --out $X/off_head16$i.json"
 done
+LAT="--model llama-3.1-8b --load-format dummy --batch-sizes 1,64 --input-len 1024 --output-len 32 --num-iters 1 --num-warmup 1 --mem-fraction 0.6"
+for a in lmh head16; do E=""; [ $a = lmh ] && E="--engine-arg fp8_lm_head=true"
+  step lat_$a 45 90 0 "python3 -m benchmarks.bench_latency $LAT $F8 $E --out $X/lat_$a.json"
+  grep -aE "^\| *[0-9]+ " $X/lat_$a.log | head -2 | cut -c1-70 | sed "s/^/$a /"; done
 step acc 40 120 0 "python3 -m benchmarks.fp8_accuracy --device cuda --dtype bfloat16"
 grep -a '^{' $X/acc.log | cut -c1-230
 step off_bf16 70 120 0 "python3 -m benchmarks.bench_offline $OFF --out $X/off_bf16.json"
