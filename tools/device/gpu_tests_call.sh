@@ -26,7 +26,7 @@ step acc_fold 30 100 0 "python3 -m benchmarks.fp8_accuracy --device cuda --dtype
 sed -i 's/^FOLD_SCALES = True$/FOLD_SCALES = False/' $Q; cmp -s /tmp/fp8.py $Q && echo "!! FOLD_SCALES unchanged"
 step acc_rowwise 30 100 0 "python3 -m benchmarks.fp8_accuracy --device cuda --dtype bfloat16"
 cp /tmp/fp8.py $Q
-for a in fold rowwise; do grep -a '^{' $X/acc_$a.log | cut -c1-220 | sed "s/^/$a /"; done
+for a in fold rowwise; do tr '\r' '\n' < $X/acc_$a.log | grep -ao '{"variant.*}' | cut -c1-220 | sed "s/^/$a /"; done
 F8="--engine-arg quantization=fp8 --engine-arg kv_cache_dtype=fp8_e4m3"
 OFF="--model llama-3.1-8b --load-format dummy --num-prompts 1000 --dataset sharegpt-like --seed 0 --mem-fraction 0.85 --max-running-requests 1024"
 step off_fp8 70 120 0 "python3 -m benchmarks.bench_offline $OFF $F8 --out $X/off_fp8.json"

@@ -23,7 +23,7 @@ for a in lmh head16; do E=""; [ $a = lmh ] && E="--engine-arg fp8_lm_head=true"
   step lat_$a 45 90 0 "python3 -m benchmarks.bench_latency $LAT $F8 $E --out $X/lat_$a.json"
   grep -aE "^\| *[0-9]+ " $X/lat_$a.log | head -2 | cut -c1-70 | sed "s/^/$a /"; done
 step acc 40 120 0 "python3 -m benchmarks.fp8_accuracy --device cuda --dtype bfloat16"
-grep -a '^{' $X/acc.log | cut -c1-230
+tr '\r' '\n' < $X/acc.log | grep -ao '{"variant.*}' | cut -c1-230  # (the JSON follows tqdm's \r lines)
 step off_bf16 70 120 0 "python3 -m benchmarks.bench_offline $OFF --out $X/off_bf16.json"
 python3 tools/device/summary.py $X offline | tee $X/summary.txt
 cd $OUT && tar czf lmh.tgz x && rm -rf x
