@@ -123,3 +123,34 @@ def test_peer_flips_remake_the_copy(model_dirs):
                                                                     8: (1, 2)})
         assert [c.weights for c in censuses] == [strategy] * 3
     assert runs["peer"] == runs["reload"]
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors-channel", "block"])
+def test_a_checkpoint_storing_its_head_in_fp8_is_dequantized(fmt, model_dirs, make_engine,
+                                                             tmp_path):
+    """A checkpoint whose LM head is FP8 too (one that did not `ignore` it): the head is
+    dequantized with its scale (per row, or per block), not cast bare — which scaled each
+    row's logits by 1 / its scale. Against the same checkpoint with a float head: within
+    FP8's error."""
+    from safetensors.torch import load_file, save_file
+
+    from phaseflip.model.quant.export import write_fp8_checkpoint
+    from phaseflip.model.quant.fp8 import quantize_blocks
+
+    plain = write_fp8_checkpoint(model_dirs["llama"], tmp_path / "plain", fmt)
+    headed = write_fp8_checkpoint(model_dirs["llama"], tmp_path / "head", fmt)
+    path = headed / "model.safetensors"
+    tensors = load_file(str(path))
+    w = tensors["lm_head.weight"].float()
+    if fmt == "block":
+        q, s = quantize_blocks(w, (128, 128))
+        tensors.update({"lm_head.weight": q, "lm_head.weight_scale_inv": s})
+    else:
+        q, s = quantize_rows(w)
+        tensors.update({"lm_head.weight": q,
+                        "lm_head.weight_scale": s.reshape(-1, 1).to(torch.bfloat16)})
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    lp0, _ = _logprobs(make_engine(plain, device="cpu"))
+    lp1, _ = _logprobs(make_engine(headed, device="cpu"))
+    diffs = [abs(a - b) for r0, r1 in zip(lp0, lp1) for a, b in zip(r0, r1)]
+    assert 0 < sum(diffs) / len(diffs) < 0.06, sum(diffs) / len(diffs)

@@ -19,8 +19,11 @@ in float32 [out], one scale per output channel. `convert_checkpoint` produces it
 
 Static activation scales (`input_scale`) are dropped: activations are always quantized per token
 at run time, which is at least as accurate. Embeddings, the LM head and norms stay in the model
-dtype. Every full tensor is converted BEFORE tensor-parallel slicing, so a row-parallel layer's
-per-row scale covers the whole row and a TP group holds exactly one process's numbers.
+dtype: an LM head stored in FP8 (a checkpoint that did not `ignore` it) is dequantized with
+its scale to float32 here, never cast without it (`--fp8-lm-head` makes its own per-row FP8
+copy from that weight). Every full tensor is converted BEFORE tensor-parallel slicing, so a
+row-parallel layer's per-row scale covers the whole row and a TP group holds exactly one
+process's numbers.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from phaseflip.model.quant.fp8 import FP8_DTYPE, dequantize_blocks, quantize_row
 QUANTIZATION_METHODS = ("fp8",)
 _PROJ = re.compile(r"^(?P<prefix>.*\.(?:q|k|v|o|gate|up|down)_proj)\."
                    r"(?P<kind>weight|weight_scale|weight_scale_inv|input_scale)$")
+_HEAD = re.compile(r"^(?P<prefix>lm_head)\.(?P<kind>weight|weight_scale|weight_scale_inv|"
+                   r"input_scale)$")
 
 
 @dataclass(frozen=True)
@@ -137,20 +142,35 @@ class _Pairing:
         self.cfg = cfg
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
 
-    def add(self, prefix: str, kind: str, t: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def add(self, prefix: str, kind: str, t: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """The projection's weight and scale once both arrived, else None."""
         parts = self.pending.setdefault(prefix, {})
         parts[kind] = t
-        w = parts.get("weight")
-        if w is None or not ({"weight_scale", "weight_scale_inv"} & parts.keys()):
+        if "weight" not in parts or not ({"weight_scale", "weight_scale_inv"} & parts.keys()):
             return None
         del self.pending[prefix]
+        if "weight_scale_inv" in parts and self.cfg.block is None:
+            raise ModelLoadError(f"{prefix}.weight_scale_inv without weight_block_size in "
+                                 "the checkpoint's quantization_config")
+        return parts
+
+    def rows(self, prefix: str, parts: dict[str, torch.Tensor]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(FP8 weight, per-row scales): block-wise weights re-quantized per row."""
+        w = parts["weight"]
         if "weight_scale_inv" in parts:
-            if self.cfg.block is None:
-                raise ModelLoadError(f"{prefix}.weight_scale_inv without weight_block_size in "
-                                     "the checkpoint's quantization_config")
-            return quantize_rows(dequantize_blocks(w, parts["weight_scale_inv"], self.cfg.block))
+            return quantize_rows(self.dense(prefix, parts))
         return w, _scale_rows(parts["weight_scale"], w.shape[0], prefix)
+
+    def dense(self, prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The weight dequantized to float32."""
+        w = parts["weight"]
+        if "weight_scale_inv" in parts:
+            return dequantize_blocks(w, parts["weight_scale_inv"], self.cfg.block)
+        scale = parts["weight_scale"].float()
+        if scale.numel() > 1:  # per row ([out] or [out, 1]); else one for the tensor
+            scale = _scale_rows(scale, w.shape[0], prefix)[:, None]
+        return w.float() * scale
 
 
 def convert_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], cfg: Fp8Config,
@@ -163,9 +183,11 @@ def convert_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], cfg: Fp8Conf
     pairing = _Pairing(cfg)
     for name, t in weights:
         m = _PROJ.match(name)
-        if m is None:
-            yield name, t
+        head = m is None and _HEAD.match(name)
+        if m is None and not (head and (head["kind"] != "weight" or t.dtype == FP8_DTYPE)):
+            yield name, t  # a float LM head included
             continue
+        m = m or head
         if keep is not None and not keep(f"{m['prefix']}.weight"):
             continue
         prefix, kind = m["prefix"], m["kind"]
@@ -177,7 +199,10 @@ def convert_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], cfg: Fp8Conf
             done = pairing.add(prefix, kind, t.to(device))
             if done is None:
                 continue
-            w_q, scale = done
+            if head:  # the head stays 16-bit: dequantized with its scale, never cast bare
+                yield f"{prefix}.weight", pairing.dense(prefix, done)
+                continue
+            w_q, scale = pairing.rows(prefix, done)
         yield f"{prefix}.weight", w_q
         yield f"{prefix}.weight_scale", scale
     if pairing.pending:
