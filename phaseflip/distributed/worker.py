@@ -42,7 +42,7 @@ from phaseflip.heap import freeze_heap, release_freed_heap
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.cuda_graph import DecodeGraphs, GraphReuse
 from phaseflip.model.llama import LlamaForCausalLM
-from phaseflip.model.quant import Fp8Config, resolve_quantization
+from phaseflip.model.quant import Fp8Config, engine_quantization
 from phaseflip.model.runner import ModelRunner, free_model, resolve_dtype
 from phaseflip.model.weight_image import WeightImage
 from phaseflip.threads import apply_cpu_threads
@@ -243,8 +243,7 @@ class RankProcess:
         that move at a seam first sets its headroom (`arena_headroom`), logged."""
         arena = self.kv_arena
         if not arena.nbytes and cfg.flip_weights != "resident":
-            quant = resolve_quantization(cfg.quantization, model_cfg.model_dir,
-                                         cfg.load_format, cfg.fp8_lm_head)
+            quant = engine_quantization(cfg, model_cfg.model_dir)
             arena.headroom = arena_headroom(
                 self.rank, (cfg.tp_size, cfg.pp_size), self.spec.layouts, model_cfg,
                 resolve_dtype(cfg.dtype, model_cfg, device), quant)

@@ -32,7 +32,7 @@ import torch
 from phaseflip.config import EngineConfig
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.llama import meta_shards
-from phaseflip.model.quant import Fp8Config, resolve_quantization
+from phaseflip.model.quant import Fp8Config, engine_quantization
 from phaseflip.model.weight_image import param_bytes
 
 log = logging.getLogger("phaseflip.engine.flip")
@@ -95,8 +95,7 @@ def plan_weights(cfg: EngineConfig, model_cfg: ModelConfig, layouts: tuple, dtyp
     the ranks' (NCCL: every rank has its own GPU, peers exchange slices device to device)."""
     if not cfg.enable_flip or cfg.world_size < 2 or len(layouts) < 2:
         return WeightsPlan("reload", 0, budget, "no flips")
-    quant = resolve_quantization(cfg.quantization, model_cfg.model_dir, cfg.load_format,
-                                 cfg.fp8_lm_head)
+    quant = engine_quantization(cfg, model_cfg.model_dir)
     parked = parked_bytes(model_cfg, layouts, dtype, quant)
     gib = parked / 2**30
     if cfg.flip_weights != "auto":

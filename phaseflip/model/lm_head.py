@@ -100,8 +100,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if not self.quantized:
             raise RuntimeError("the FP8 LM head was not quantized after its weight loaded "
                                "(ParallelLMHead.quantize_)")
-        return linear(hidden, self.fp8_weight, weight_scale=self.fp8_scale).to(
-            self.weight.dtype)
+        return linear(hidden, self.fp8_weight, weight_scale=self.fp8_scale)
 
     def _buckets(self, hidden: torch.Tensor) -> bool:
         return hidden.is_cuda if self.bucket_rows is None else self.bucket_rows

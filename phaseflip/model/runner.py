@@ -32,7 +32,7 @@ from phaseflip.layout import Layout, ProcessGroupCommunicator
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.layers import HAS_TRITON
 from phaseflip.model.llama import LlamaForCausalLM
-from phaseflip.model.quant import resolve_quantization
+from phaseflip.model.quant import engine_quantization
 from phaseflip.model.quant.kv_scales import load_kv_scales
 from phaseflip.model.weight_image import WeightImage, WeightsLoad, load_model_weights
 
@@ -187,8 +187,7 @@ class ModelRunner:
         self.device = device or resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, model_cfg, self.device)
         self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self.dtype)  # FP8 KV: 2x tokens
-        self.quant = resolve_quantization(cfg.quantization, model_cfg.model_dir,
-                                          cfg.load_format, cfg.fp8_lm_head)  # FP8, or None
+        self.quant = engine_quantization(cfg, model_cfg.model_dir)  # FP8 weights, or None
         self.model, self.weights_load = self._load_model(resident, weights_from, weights)
         log.info("tp rank %d, stage %d: %s", self.layout.tp_rank, self.layout.pp_rank,
                  self.weights_load.line())

@@ -5,9 +5,10 @@ from phaseflip.model.quant.checkpoint import (
     QUANTIZATION_METHODS,
     Fp8Config,
     convert_checkpoint,
+    engine_quantization,
     resolve_quantization,
 )
 from phaseflip.model.quant.fp8 import FP8_DTYPE, scaled_linear
 
 __all__ = ["FP8_DTYPE", "QUANTIZATION_METHODS", "Fp8Config", "convert_checkpoint",
-           "resolve_quantization", "scaled_linear"]
+           "engine_quantization", "resolve_quantization", "scaled_linear"]

@@ -33,11 +33,15 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from phaseflip.errors import ModelLoadError
 from phaseflip.model.quant.fp8 import FP8_DTYPE, dequantize_blocks, quantize_rows
+
+if TYPE_CHECKING:
+    from phaseflip.config import EngineConfig
 
 QUANTIZATION_METHODS = ("fp8",)
 _PROJ = re.compile(r"^(?P<prefix>.*\.(?:q|k|v|o|gate|up|down)_proj)\."
@@ -112,6 +116,12 @@ def resolve_quantization(quantization: str | None, model_dir: str | Path,
     return replace(scheme, lm_head=True) if lm_head else scheme
 
 
+def engine_quantization(cfg: EngineConfig, model_dir: str | Path) -> Fp8Config | None:
+    """`resolve_quantization` for an engine's flags (`quantization`, `load_format`,
+    `fp8_lm_head`): what every builder of the engine's models asks."""
+    return resolve_quantization(cfg.quantization, model_dir, cfg.load_format, cfg.fp8_lm_head)
+
+
 def _resolve(quantization: str | None, model_dir: str | Path,
              load_format: str) -> Fp8Config | None:
     q = None if load_format == "dummy" else _checkpoint_quantization(model_dir)
@@ -183,9 +193,11 @@ def convert_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], cfg: Fp8Conf
     pairing = _Pairing(cfg)
     for name, t in weights:
         m = _PROJ.match(name)
-        head = m is None and _HEAD.match(name)
-        if m is None and not (head and (head["kind"] != "weight" or t.dtype == FP8_DTYPE)):
-            yield name, t  # a float LM head included
+        head = _HEAD.match(name) if m is None else None
+        if head is not None and head["kind"] == "weight" and t.dtype != FP8_DTYPE:
+            head = None  # a float LM head: as is
+        if m is None and head is None:
+            yield name, t
             continue
         m = m or head
         if keep is not None and not keep(f"{m['prefix']}.weight"):
