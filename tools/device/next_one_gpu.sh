@@ -8,5 +8,5 @@ card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "card: $card"
 case "$card" in
   *H200*) exec bash tools/device/lmh_call.sh;;
-  *) exec bash tools/device/gpu_tests_call.sh;;
+  *) exec bash tools/device/head_tune_call.sh;;
 esac
