@@ -41,6 +41,7 @@ from phaseflip.model.quant.fp8 import skinny_rows
 SHAPES = {
     "llama.qkv": (6144, 4096), "llama.o": (4096, 4096), "llama.gate_up": (28672, 4096),
     "llama.down": (4096, 14336), "qwen3.gate_up": (24576, 4096), "qwen3.down": (4096, 12288),
+    "llama.lm_head": (128256, 4096),  # the FP8 LM head (--fp8-lm-head)
 }
 DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
 # (block_m, block_n, num_warps): 64-row tiles waste the least at ragged M, 128 x 256 with 8
