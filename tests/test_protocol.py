@@ -251,7 +251,7 @@ INVALID: list[tuple[type[BaseModel], dict[str, Any], str, str]] = [
     (ChatCompletionRequest, chat(stream=False, stream_options={"include_usage": True}),
      "stream_options", "only allowed when stream is true"),
     (ChatCompletionRequest, chat(max_completion_tokens=-1), "max_completion_tokens",
-     "greater than or equal to 0"),
+     "greater than or equal to 1"),
     (ChatCompletionRequest, chat(max_tokens=10, max_completion_tokens=2, min_tokens=3),
      "min_tokens", "must not exceed"),
     (ChatCompletionRequest, chat(response_format={"type": "xml"}), "response_format.type",

@@ -233,8 +233,36 @@ class ServerContext:
                 f"{what} is {n} tokens, {n - limit} over this server's limit of {limit} tokens "
                 f"per prompt (its context length)", what)
 
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The longest sequence (prompt + output) the engine admits: the context, or less when
+        the KV pool is smaller, counted in whole pages as the admission check counts it."""
+        ready = self.engine.state.ready
+        pool_tokens = ready.kv_capacity_tokens // ready.page_size * ready.page_size
+        return min(ready.max_context, pool_tokens)
+
     def default_max_tokens(self, prompt_len: int) -> int:
-        return max(0, self.max_context - prompt_len)
+        """The most tokens a prompt of `prompt_len` leaves room for (0: none), the default of a
+        request that does not say: capped by the KV pool too, so that a default never fails
+        the engine's checks on a parameter the client did not send."""
+        return max(0, self.max_sequence_tokens - prompt_len)
+
+    def required_max_tokens(self, prompt_len: int, what: str) -> int:
+        """`default_max_tokens` for a request that must answer something (chat, Responses): a
+        prompt that leaves no room for one token is a 400 naming `what` (vLLM's answer), not
+        an empty answer cut short by a `max_tokens` the client never set."""
+        room = self.default_max_tokens(prompt_len)
+        if room >= 1:
+            return room
+        limit, context = self.max_sequence_tokens, self.max_context
+        if limit == context:
+            raise ContextLengthError(
+                f"This model's maximum context length is {context} tokens and the prompt is "
+                f"{prompt_len}, which leaves no room for output. Shorten the prompt.", what)
+        raise ContextLengthError(
+            f"The KV cache pool holds {limit} tokens (the context length is {context}) and the "
+            f"prompt is {prompt_len}, which leaves no room for output. Shorten the prompt, or "
+            "raise max_total_tokens/mem_fraction.", what)
 
     async def run(self, rid: str, prompt_ids: list[int],
                   params: SamplingParams) -> AsyncIterator[StreamDelta]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
@@ -218,6 +219,7 @@ def completion_logprobs(ctx: ServerContext, cursor: OffsetCursor, ids: list[int]
 
 async def create_completion(req: p.CompletionRequest, request: Request,
                             ctx: ServerContext):
+    created = int(time.time())  # the one timestamp of the answer, every chunk's
     ctx.check_model(req.model)
     feature = p.unsupported(req)
     if feature:
@@ -235,8 +237,8 @@ async def create_completion(req: p.CompletionRequest, request: Request,
         runs.append(PromptRun(f"{base}-{i}", ids, params, i * req.n))
     ctx.admit([r.params for r in runs])
     if req.stream:
-        return stream_response(_stream_completion(ctx, req, base, runs))
-    return await respond(request, lambda: _complete(ctx, req, base, runs, width))
+        return stream_response(_stream_completion(ctx, req, base, created, runs))
+    return await respond(request, lambda: _complete(ctx, req, base, created, runs, width))
 
 
 async def _completion_prompts(ctx: ServerContext, prompt) -> list[list[int]]:
@@ -255,8 +257,8 @@ def best_of(choices: list[Choice], n: int) -> list[Choice]:
     return sorted(choices, key=lambda c: -sum(c.logprobs) / max(len(c.logprobs), 1))[:n]
 
 
-async def _complete(ctx, req: p.CompletionRequest, base: str, runs: list[PromptRun],
-                    width: int) -> dict:
+async def _complete(ctx, req: p.CompletionRequest, base: str, created: int,
+                    runs: list[PromptRun], width: int) -> dict:
     choices = {r.rid: [Choice(j) for j in range(width)] for r in runs}
     async for run, d in run_prompts(ctx, runs, base):
         choices[run.rid][d.index].add(d)
@@ -286,11 +288,11 @@ async def _complete(ctx, req: p.CompletionRequest, base: str, runs: list[PromptR
                 index=run.first_index + j, text=prompt_text + c.text, logprobs=lp,
                 finish_reason=c.finish_reason, stop_reason=reported_stop(run.params,
                                                                          c.stop_reason)))
-    return p.CompletionResponse(id=base, model=ctx.model_name, choices=out,
+    return p.CompletionResponse(id=base, created=created, model=ctx.model_name, choices=out,
                                 usage=usage_of(runs)).model_dump()
 
 
-async def _stream_completion(ctx, req: p.CompletionRequest, base: str,
+async def _stream_completion(ctx, req: p.CompletionRequest, base: str, created: int,
                              runs: list[PromptRun]) -> AsyncIterator[str]:
     """The chunks of a streamed completion. With `echo` and `logprobs` every choice's first
     chunk carries the prompt's tokens and logprobs, which the engine sends once, with choice
@@ -321,7 +323,8 @@ async def _stream_completion(ctx, req: p.CompletionRequest, base: str,
                                     finish_reason=d.finish_reason,
                                     stop_reason=reported_stop(run.params, d.matched_stop)
                                     if d.finish_reason else None)
-        return sse(p.CompletionStreamResponse(id=base, model=ctx.model_name, choices=[choice]))
+        return sse(p.CompletionStreamResponse(id=base, created=created, model=ctx.model_name,
+                                              choices=[choice]))
 
     scored = req.echo and req.logprobs is not None
     async for run, d in run_prompts(ctx, runs, base):
@@ -339,8 +342,8 @@ async def _stream_completion(ctx, req: p.CompletionRequest, base: str,
         for waiting in held.pop(run.rid, []):
             yield chunk(run, waiting)
     if req.include_usage:
-        yield sse(p.CompletionStreamResponse(id=base, model=ctx.model_name, choices=[],
-                                             usage=usage_of(runs)))
+        yield sse(p.CompletionStreamResponse(id=base, created=created, model=ctx.model_name,
+                                             choices=[], usage=usage_of(runs)))
 
 
 # ------------------------------------------------------------------ chat
@@ -375,13 +378,14 @@ def chat_logprobs(ctx: ServerContext, ids: list[int], lps: list[float],
 
 async def create_chat_completion(req: p.ChatCompletionRequest, request: Request,
                                  ctx: ServerContext):
+    created = int(time.time())  # the one timestamp of the answer, every chunk's
     ctx.check_model(req.model)
     run, plan = await prepare_chat(ctx, req, ctx.new_id("chatcmpl"), {
         "min_new_tokens": "min_tokens", "logprobs": "top_logprobs", "max_new_tokens": (
             "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens")})
     if req.stream:
-        return stream_response(_stream_chat(ctx, req, run, plan))
-    return await respond(request, lambda: _chat(ctx, req, run, plan))
+        return stream_response(_stream_chat(ctx, req, run, plan, created))
+    return await respond(request, lambda: _chat(ctx, req, run, plan, created))
 
 
 async def prepare_chat(ctx: ServerContext, req: p.ChatCompletionRequest, rid: str,
@@ -398,7 +402,10 @@ async def prepare_chat(ctx: ServerContext, req: p.ChatCompletionRequest, rid: st
     effort = {} if req.reasoning_effort is None else {"reasoning_effort": req.reasoning_effort}
     ids = await chat_ids(ctx, messages, req.add_generation_prompt,
                          {**effort, **(req.chat_template_kwargs or {}), **tool_kwargs})
-    params = p.chat_sampling_params(req, ctx.default_max_tokens(len(ids)))
+    max_tokens = req.requested_max_tokens
+    if max_tokens is None:
+        max_tokens = ctx.required_max_tokens(len(ids), "messages")
+    params = p.chat_sampling_params(req, max_tokens)
     if plan is not None and plan.grammar is not None:
         params = replace(params, grammar=plan.grammar)
     await check_grammar(ctx, params, "tools" if plan and plan.grammar else "response_format")
@@ -421,7 +428,7 @@ def _chat_message(plan: tools.ToolPlan | None,
 
 
 async def _chat(ctx, req: p.ChatCompletionRequest, run: PromptRun,
-                plan: tools.ToolPlan | None) -> dict:
+                plan: tools.ToolPlan | None, created: int) -> dict:
     choices = [Choice(j) for j in range(req.n)]
     async for _, d in run_prompts(ctx, [run]):
         choices[d.index].add(d)
@@ -435,15 +442,16 @@ async def _chat(ctx, req: p.ChatCompletionRequest, run: PromptRun,
             stop_reason=reported_stop(run.params, c.stop_reason),
             logprobs=chat_logprobs(ctx, c.token_ids, c.logprobs, c.top) if req.logprobs
             else None))
-    return p.ChatCompletionResponse(id=run.rid, model=ctx.model_name, choices=out,
-                                    usage=usage_of([run])).model_dump()
+    return p.ChatCompletionResponse(id=run.rid, created=created, model=ctx.model_name,
+                                    choices=out, usage=usage_of([run])).model_dump()
 
 
 async def _stream_chat(ctx, req: p.ChatCompletionRequest, run: PromptRun,
-                       plan: tools.ToolPlan | None) -> AsyncIterator[str]:
+                       plan: tools.ToolPlan | None, created: int) -> AsyncIterator[str]:
     def chunk(choices: list, usage=None) -> str:
-        return sse(p.ChatCompletionStreamResponse(id=run.rid, model=ctx.model_name,
-                                                  choices=choices, usage=usage))
+        return sse(p.ChatCompletionStreamResponse(id=run.rid, created=created,
+                                                  model=ctx.model_name, choices=choices,
+                                                  usage=usage))
 
     streamers = [tools.ToolStreamer(plan) for _ in range(req.n)] if plan is not None else None
 

@@ -229,6 +229,7 @@ def _check_calls(messages: list[dict[str, Any]]) -> None:
 
 async def create_response(req: rp.ResponsesRequest, request: Request, ctx: ServerContext,
                           store: ResponseStore) -> Response:
+    created = time.time()  # at arrival, as chat's `created`, not after the prompt is tokenised
     ctx.check_model(req.model)
     feature = rp.unsupported(req)
     if feature:
@@ -246,7 +247,7 @@ async def create_response(req: rp.ResponsesRequest, request: Request, ctx: Serve
         run, plan = await prepare_chat(ctx, chat, response_id, {})
     except InvalidRequestError as e:
         raise _responses_error(e) from None
-    exchange = Exchange(req, run, plan, messages, response_id=response_id)
+    exchange = Exchange(req, run, plan, messages, response_id=response_id, created=created)
     if req.stream:
         return StreamingResponse(_events(ctx, store, exchange), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})

@@ -122,14 +122,46 @@ def plan_tools(req: p.ChatCompletionRequest) -> ToolPlan | None:
     return plan
 
 
+_DEFS_KEYS = ("$defs", "definitions")
+"""Where a JSON schema keeps the subschemas its root-relative `$ref`s (`#/$defs/Name`) name."""
+
+
 def _call_schema(plan: ToolPlan) -> dict[str, Any]:
+    """What a constrained answer must match: the named tool's arguments, or (required) one
+    `{"name", "arguments"}` object per tool. Each tool's `$defs`/`definitions` move to the
+    combined schema's root, where its `#/$defs/...` refs (every nested pydantic model has
+    them) still resolve once its parameters are nested under `anyOf[i]`."""
     if plan.mode == "named":
         return plan.parameters(plan.name)
-    return {"anyOf": [{
-        "type": "object",
-        "properties": {"name": {"const": f["name"]}, "arguments": plan.parameters(f["name"])},
-        "required": ["name", "arguments"], "additionalProperties": False,
-    } for f in plan.tools]}
+    defs: dict[str, dict[str, Any]] = {}
+    owners: dict[tuple[str, str], str] = {}  # (defs key, name) -> the tool that defined it
+    branches = []
+    for f in plan.tools:
+        arguments = _hoist_defs(plan.parameters(f["name"]), f["name"], defs, owners)
+        branches.append({
+            "type": "object", "properties": {"name": {"const": f["name"]}, "arguments": arguments},
+            "required": ["name", "arguments"], "additionalProperties": False})
+    return {"anyOf": branches, **defs}
+
+
+def _hoist_defs(params: dict[str, Any], tool: str, defs: dict[str, dict[str, Any]],
+                owners: dict[tuple[str, str], str]) -> dict[str, Any]:
+    """`params` without its definitions, which are added to `defs` (by key: `$defs` or
+    `definitions`); a 400 when another tool defined one of the same name differently."""
+    for key in _DEFS_KEYS:
+        mine = params.get(key)
+        if not isinstance(mine, dict):
+            continue
+        shared = defs.setdefault(key, {})
+        for name, schema in mine.items():
+            if name in shared and shared[name] != schema:
+                raise InvalidRequestError(
+                    f"tools {owners[key, name]!r} and {tool!r} both define {key}/{name}, "
+                    "differently: with tool_choice required their parameters share one schema; "
+                    "rename one of the definitions", "tools")
+            shared[name] = schema
+            owners.setdefault((key, name), tool)
+    return {k: v for k, v in params.items() if k not in _DEFS_KEYS or not isinstance(v, dict)}
 
 
 # ------------------------------------------------------------------ prompting

@@ -11,7 +11,7 @@ Why it is shaped the way it is:
   a NaN temperature that slipped through would poison a whole batch on the device.
 * An explicit `null` for an optional knob means "use the default", as in OpenAI's spec, except
   where `null` has a meaning of its own (chat's `max_tokens: null` = "as many as the context
-  allows"; on completions it is OpenAI's default, 16).
+  and the KV pool allow"; on completions it is OpenAI's default, 16).
 * Our own validators raise errors that carry the offending field, so
   `validation_error_to_openai` can always name a `param`, even for cross-field rules.
 * Response models are checked against the `openai` client's own types in the tests, so what we
@@ -377,25 +377,56 @@ Role = Literal["system", "user", "assistant", "tool", "developer"]
 
 
 class ChatMessage(_Request):
+    """One message of a chat request.
+
+    An assistant message replayed as the `openai` client returned it
+    (`resp.choices[0].message.model_dump()`) carries `refusal`, `annotations`, `audio` and
+    `function_call`, usually null: null is ignored. Set: a `refusal` is the turn's text when
+    it has no `content` (OpenAI sends one or the other); `annotations` (citations of the
+    answer) are ignored; `audio` (a reference to an earlier spoken answer) and the legacy
+    `function_call` are a 400 naming them, as this server produces neither (`tool_calls`
+    replaces `function_call` and is served): refused rather than silently dropped from the
+    transcript the model sees.
+    """
+
     role: Role
     content: Annotated[str | list[TextContentPart] | None, BeforeValidator(_check_content)] = None
-    """Required, except on an assistant message that carries `tool_calls` (as in OpenAI)."""
+    """Required, except on an assistant message that carries `tool_calls` or a `refusal`
+    (as in OpenAI)."""
     name: Str | None = None
     tool_call_id: Str | None = None
     """Accepted on `tool` messages so a replayed transcript does not fail validation."""
     tool_calls: list[dict[str, Any]] | None = None
     """An assistant turn's earlier calls, replayed (rendered by `server/tools.py`)."""
+    refusal: Str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_assistant_extras(self) -> ChatMessage:
+        if self.refusal is not None and self.role != "assistant":
+            raise _fail("refusal is only allowed on assistant messages", "refusal")
+        if self.audio is not None:
+            raise _fail("audio is not supported: this server answers in text only", "audio")
+        if self.function_call is not None:
+            raise _fail("function_call (deprecated by OpenAI) is not supported: replay the "
+                        'call as tool_calls: [{"id": ..., "type": "function", "function": '
+                        '{"name": ..., "arguments": ...}}]', "function_call")
+        return self
 
     @model_validator(mode="after")
     def _check_content_present(self) -> ChatMessage:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+        said = self.tool_calls or self.refusal is not None
+        if self.content is None and not (self.role == "assistant" and said):
             raise _fail("content is required", "content")
         return self
 
     def text(self) -> str:
-        """The content as one string; text parts are joined with newlines (as vLLM does)."""
+        """The content as one string; text parts are joined with newlines (as vLLM does). An
+        assistant turn that refused has its refusal as its text."""
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(p.text for p in self.content)
@@ -418,9 +449,11 @@ class ChatCompletionRequest(_OpenAISampling):
     """Body of `POST /v1/chat/completions`."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Strict(), Field(ge=0)] | None = None
-    """Deprecated by OpenAI in favour of `max_completion_tokens`, which wins if both are set."""
-    max_completion_tokens: Annotated[int, Strict(), Field(ge=0)] | None = None
+    max_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
+    """Deprecated by OpenAI in favour of `max_completion_tokens`, which wins if both are set.
+    At least 1, as OpenAI and vLLM require of chat (completions take 0 with `echo`, to score a
+    prompt); None: as many as the context and the KV pool leave (`ServerContext`)."""
+    max_completion_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
     logprobs: Bool = False
     top_logprobs: TopLogprobsNum | None = None
     tools: list[dict[str, Any]] | None = None
@@ -446,7 +479,8 @@ class ChatCompletionRequest(_OpenAISampling):
 
     @property
     def requested_max_tokens(self) -> int | None:
-        """`max_completion_tokens` if set, else `max_tokens`; None: as the context allows."""
+        """`max_completion_tokens` if set, else `max_tokens`; None: as many as the context
+        and the KV pool leave."""
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
