@@ -42,6 +42,7 @@ from benchmarks.common import (
     print_table,
     random_prompts,
     release_engine,
+    sized_engine,
     summarize,
     write_json,
 )
@@ -378,7 +379,7 @@ def build_engine(args: argparse.Namespace, max_batch: int) -> Engine:
     if args.mem_fraction is not None:
         opts["mem_fraction"] = args.mem_fraction
     opts.update(parse_engine_args(args.engine_arg))
-    return Engine(args.model, **opts)
+    return sized_engine(args.model, opts, "--input-len + --output-len")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

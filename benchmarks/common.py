@@ -284,6 +284,23 @@ def parse_engine_args(pairs: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def sized_engine(model: str | None, opts: dict[str, Any], lengths: str):
+    """`Engine(model, **opts)` where the benchmark set `max_model_len` from its own length
+    flags (`lengths`, e.g. "--input-len + --output-len"): the model's refusal of a context
+    longer than it was trained for then names those flags, which the user set, rather than
+    --max-model-len, which they did not."""
+    from phaseflip import Engine
+    from phaseflip.errors import InvalidRequestError
+
+    try:
+        return Engine(model, **opts)
+    except InvalidRequestError as e:
+        if e.param != "max_model_len":
+            raise
+        raise InvalidRequestError(f"{lengths} = {opts['max_model_len']} tokens: {e}",
+                                  param=lengths) from None
+
+
 def add_model_args(ap) -> None:
     """The model flags every engine-driving benchmark takes."""
     ap.add_argument("--model", default=None,

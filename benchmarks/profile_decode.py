@@ -26,6 +26,7 @@ from benchmarks.common import (
     add_model_args,
     parse_engine_args,
     random_prompts,
+    sized_engine,
     wrap_method,
     write_json,
 )
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "mem_fraction": args.mem_fraction, "max_running_requests": args.batch_size,
             "max_model_len": args.input_len + 4 * args.steps + 64}
     opts.update(parse_engine_args(args.engine_arg))
-    engine = Engine(args.model, **opts)
+    engine = sized_engine(args.model, opts, "--input-len + 4 * --steps + 64")
     try:  # a failed run must not leave the engine's ranks and memory behind
         return _profile(engine, args)
     finally:

@@ -20,23 +20,13 @@ import sys
 import types
 import typing
 
-from phaseflip.config import LOG_LEVELS, SECTIONS, EngineConfig
+from phaseflip.config import CHOICES as CONFIG_CHOICES
+from phaseflip.config import SECTIONS, EngineConfig
 from phaseflip.versions import version_info
 
-# Values an enumerated flag accepts (EngineConfig checks them again).
+# Values an enumerated flag accepts: the config's own (None: the flag left out).
 CHOICES: dict[str, tuple[str, ...]] = {
-    "load_format": ("auto", "dummy"),
-    "dtype": ("auto", "float32", "float16", "bfloat16"),
-    "attention_backend": ("auto", "torch", "triton"),
-    "quantization": ("fp8",),
-    "kv_cache_dtype": ("auto", "fp8_e4m3"),
-    "schedule_policy": ("fcfs", "lpm", "lof"),
-    "hicache_write_policy": ("write_through", "write_back"),
-    "dist_backend": ("auto", "gloo", "nccl"),
-    "flip_weights": ("auto", "resident", "peer", "host-image", "reload"),
-    "flip_policy": ("manual", "auto"),
-    "log_level": LOG_LEVELS,
-}
+    name: tuple(c for c in values if c is not None) for name, values in CONFIG_CHOICES.items()}
 # The spellings other servers' users bring, for the same setting.
 ALIASES: dict[str, tuple[str, ...]] = {
     "model": ("--model-path",),
@@ -345,13 +335,14 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "bench":
-        return _bench(args)
-    _setup_logging(args.log_level)
+    command = {"serve": _serve, "generate": _generate, "bench": _bench}[args.command]
+    name = " ".join(filter(None, (args.command, getattr(args, "benchmark", None))))
+    if args.command != "bench":  # a benchmark sets up its own logging
+        _setup_logging(args.log_level)
     try:
-        return _serve(args) if args.command == "serve" else _generate(args)
+        return command(args)
     except PhaseflipError as e:  # a bad flag value or model: a message, not a traceback
-        parser.exit(2, f"phaseflip {args.command}: error: {e}\n")
+        parser.exit(2, f"phaseflip {name}: error: {e}\n")
 
 
 if __name__ == "__main__":

@@ -3,8 +3,12 @@ their fields' docstrings."""
 
 from __future__ import annotations
 
+import math
 import re
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
+from numbers import Integral, Real
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +27,8 @@ def parse_layout(text: str) -> tuple[int, int]:
     return int(m["tp"] or 1), int(m["pp"] or 1)
 
 
-# enumerated fields and their values, in the order the error lists them
-_CHOICES: dict[str, tuple] = {
+# enumerated fields and their values, in the order the error lists them (the CLI's choices)
+CHOICES: dict[str, tuple] = {
     "attention_backend": ("torch", "triton", "auto"),
     "load_format": ("auto", "dummy"),
     "dtype": ("float32", "float16", "bfloat16", "auto"),
@@ -35,12 +39,19 @@ _CHOICES: dict[str, tuple] = {
     "all_reduce": ("nccl", "symm-mem", "auto"),
     "hicache_write_policy": ("write_through", "write_back"),
     "flip_weights": ("auto", "resident", "peer", "host-image", "reload"),
+    "flip_policy": ("manual", "auto"),
     "log_level": LOG_LEVELS,
 }
 # counts that must be at least 1 (None: unset, where the field allows it)
 _AT_LEAST_ONE = ("page_size", "max_running_requests", "max_total_tokens", "cuda_graph_max_bs",
                  "max_prefill_tokens", "pp_min_micro_batch_tokens", "hicache_disk_queue_pages",
-                 "cpu_threads", "all_reduce_max_kib")
+                 "cpu_threads", "all_reduce_max_kib", "max_model_len")
+# counts where 0 means none (or off), and what the error adds
+_AT_LEAST_ZERO = {"piecewise_graph_max_tokens": " (0 turns them off)", "max_logprobs": "",
+                  "flip_min_dwell_steps": ""}
+# set in the environment, --max-model-len may exceed the model's positions (as vLLM's
+# VLLM_ALLOW_LONG_MAX_MODEL_LEN): positions it was never trained on, at the user's risk
+ALLOW_LONG_MAX_MODEL_LEN_ENV = "PHASEFLIP_ALLOW_LONG_MAX_MODEL_LEN"
 
 
 def _either(choices: list) -> str:
@@ -318,22 +329,16 @@ class EngineConfig:
             return InvalidRequestError(f"invalid engine config {name}={getattr(self, name)!r}: "
                                        f"{why}", param=name)
 
+        self._check_types(bad)  # first: the checks below compare numbers
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise bad("device", "expected cpu, cuda or auto")
-        for name, choices in _CHOICES.items():
+        for name, choices in CHOICES.items():
             if getattr(self, name) not in choices:
                 unset = " (or leave it unset)" if None in choices else ""
                 raise bad(name, f"expected {_either([c for c in choices if c])}{unset}")
-        if self.piecewise_graph_max_tokens < 0:
-            raise bad("piecewise_graph_max_tokens", "must be >= 0 (0 turns them off)")
-        for name in _AT_LEAST_ONE:
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise bad(name, "must be >= 1")
+        self._check_counts(bad)
         if not 0.0 < self.mem_fraction <= 1.0:
             raise bad("mem_fraction", "expected a fraction in (0, 1]")
-        if self.tp_size < 1 or self.pp_size < 1:
-            raise bad("tp_size" if self.tp_size < 1 else "pp_size", "must be >= 1")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise bad("node_rank", f"must be in [0, nnodes={self.nnodes})")
         if self.world_size % self.nnodes:
@@ -342,6 +347,8 @@ class EngineConfig:
             raise bad("hicache_page_size", f"must be a multiple of page_size={self.page_size}")
         if self.enable_hicache and self.hicache_host_gb <= 0:
             raise bad("hicache_host_gb", "must be > 0 with --enable-hicache")
+        if self.enable_hicache and self.hicache_dir and self.hicache_disk_gb <= 0:
+            raise bad("hicache_disk_gb", "must be > 0 with --hicache-dir")
         if self.enable_hicache and not self.enable_prefix_cache:
             raise bad("enable_hicache", "needs the prefix cache (drop --no-enable-prefix-cache)")
         if self.enable_flip and not self.enable_hicache:
@@ -363,15 +370,41 @@ class EngineConfig:
                       "memory of the node); use --nnodes 1 or turn HiCache off")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise bad("dist_init_addr", "is required with --nnodes > 1 (host:port of node 0)")
-        if self.dist_timeout_s <= 0:
-            raise bad("dist_timeout_s", "must be > 0")
-        if self.watchdog_timeout_s <= 0:
-            raise bad("watchdog_timeout_s", "must be > 0")
         self._check_flip_policy(bad)
 
+    def _check_types(self, bad: Callable[[str, str], InvalidRequestError]) -> None:
+        """Every numeric field an int (a float field: any finite real): a string or a float
+        count would otherwise fail deep inside the engine, and NaN passes every comparison."""
+        for name, (kind, optional) in _NUMERIC.items():
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            exact = Integral if kind is int else Real
+            if isinstance(value, bool) or not isinstance(value, exact):
+                what = "an integer" if kind is int else "a number"
+                raise bad(name, f"expected {what}, got {type(value).__name__}")
+            if kind is float and not math.isfinite(value):
+                raise bad(name, "must be a finite number")
+
+    def _check_counts(self, bad: Callable[[str, str], InvalidRequestError]) -> None:
+        for name in _AT_LEAST_ONE:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                unset = (" (leave it unset for the model's max_position_embeddings)"
+                         if name == "max_model_len" else "")
+                raise bad(name, f"must be >= 1{unset}")
+        for name, hint in _AT_LEAST_ZERO.items():
+            if getattr(self, name) < 0:
+                raise bad(name, f"must be >= 0{hint}")
+        if self.tp_size < 1 or self.pp_size < 1:
+            raise bad("tp_size" if self.tp_size < 1 else "pp_size", "must be >= 1")
+        if self.chunked_prefill_size < -1:
+            raise bad("chunked_prefill_size", "must be >= 1, or 0 or -1 to turn chunking off")
+        for name in ("dist_timeout_s", "watchdog_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise bad(name, "must be > 0")
+
     def _check_flip_policy(self, bad) -> None:
-        if self.flip_policy not in ("manual", "auto"):
-            raise bad("flip_policy", "expected manual or auto")
         auto = self.flip_policy == "auto"
         if auto and not self.enable_flip:
             raise bad("flip_policy", "needs phase flips: add --enable-flip (with "
@@ -387,8 +420,7 @@ class EngineConfig:
             if (self.tp_size, self.pp_size) not in pair:
                 raise bad("flip_layouts", f"the launch layout tp{self.tp_size}×pp{self.pp_size} "
                           "must be one of the two; pass --flip-layouts with it")
-        for name in ("flip_min_dwell_s", "flip_min_dwell_steps", "flip_seed_to_pp_s",
-                     "flip_seed_to_tp_s"):
+        for name in ("flip_min_dwell_s", "flip_seed_to_pp_s", "flip_seed_to_tp_s"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise bad(name, "must be >= 0")
@@ -433,6 +465,11 @@ class EngineConfig:
         decode, prefill = sorted(pair, reverse=True)  # more tensor-parallel ranks: decode
         return decode, prefill
 
+    def context_len(self, model_positions: int) -> int:
+        """The context limit served: max_model_len, else the model's max_position_embeddings
+        (`model_positions`). Whether the model can take max_model_len: `engine.core`."""
+        return model_positions if self.max_model_len is None else self.max_model_len
+
     @property
     def chunk_size(self) -> int | None:
         """Prefill chunk in tokens, or None when chunking is off."""
@@ -449,6 +486,22 @@ SECTIONS: dict[str, type] = {"load": LoadConfig, "scheduler": SchedulerConfig,
                              "cache": CacheConfig, "parallel": ParallelConfig,
                              "flip": FlipConfig}
 _SECTION_OF = {f.name: name for name, cls in SECTIONS.items() for f in fields(cls)}
+
+
+def _numeric_fields() -> dict[str, tuple[type, bool]]:
+    """Flat name → (int or float, whether None is allowed) of every numeric field."""
+    out = {}
+    for cls in (EngineConfig, *SECTIONS.values()):
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            args = typing.get_args(hints[f.name]) or (hints[f.name],)
+            kind = next((a for a in args if a is not type(None)), None)
+            if kind in (int, float):
+                out[f.name] = (kind, type(None) in args)
+    return out
+
+
+_NUMERIC = _numeric_fields()
 
 
 def _flat_alias(section: str, name: str) -> property:

@@ -457,8 +457,8 @@ def test_sigterm_on_a_real_server_mid_stream():
 
 
 def test_a_layout_the_model_cannot_hold_ends_serve_at_once_naming_why():
-    """`serve --pp-size 8` on the 4-layer embedded model: the engine refuses the layout before
-    any rank starts, and the server exits 1 with the reason on its last line."""
+    """`serve --pp-size 8` on the 4-layer embedded model: refused before the engine process
+    starts, exit code 2 (a usage error) and the reason in one line."""
     import subprocess
     import sys
 
@@ -469,7 +469,7 @@ def test_a_layout_the_model_cannot_hold_ends_serve_at_once_naming_why():
         [sys.executable, "-m", "phaseflip.cli", "serve", "--port", str(free_port()),
          "--device", "cpu", "--pp-size", "8"],
         capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1, done.stdout + done.stderr
-    last = (done.stdout + done.stderr).strip().splitlines()[-1]
-    assert "engine failed to start" in last and "pp_size=8 exceeds the model's 4 layers" in last
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert len(lines) == 1 and "pp_size=8 exceeds the model's 4 layers" in lines[0], lines
     assert time.monotonic() - start < 30

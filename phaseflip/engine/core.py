@@ -22,6 +22,7 @@ from pathlib import Path
 
 from phaseflip.config import EngineConfig
 from phaseflip.distributed.group import check_layouts
+from phaseflip.engine.context_limit import context_limit
 from phaseflip.engine.layout_bundle import LayoutBundle, build_layout_bundle
 from phaseflip.engine.output_processor import Group, OutputProcessor
 from phaseflip.engine.outputs import StreamDelta
@@ -48,7 +49,7 @@ GRAMMAR_WAIT_S = 0.05  # an idle step's wait for a compiling grammar (new messag
 class EngineCore:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, tokenizer) -> None:
         self.model_cfg, self.tokenizer = model_cfg, tokenizer
-        self.max_context = cfg.max_model_len or model_cfg.max_position_embeddings
+        self.max_context = context_limit(cfg, model_cfg)  # before any rank starts
         self.dead: str | None = None  # set when a failed phase flip left no usable layout
         # told a seam's target as it starts and None as it ends, however it ended (the engine
         # process announces seams to the front end with it; manual and automatic alike)

@@ -8,7 +8,8 @@ import itertools
 import queue
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -40,6 +41,47 @@ def merge_delta(out: RequestOutput, d: StreamDelta) -> None:
         out.prompt_logprobs, out.prompt_top_logprobs = d.prompt_logprobs, d.prompt_top_logprobs
     if d.usage is not None:
         out.usage = d.usage
+
+
+def prompt_list(prompts: Any) -> list[Prompt]:
+    """`generate`'s prompts as a list: a string or a list of token ids is one prompt; any other
+    iterable (a list, a tuple, a generator) holds prompts."""
+    if isinstance(prompts, str) or (
+            isinstance(prompts, list | tuple) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    if isinstance(prompts, bytes | dict) or not isinstance(prompts, Iterable):
+        raise InvalidRequestError("prompts must be a string, a list of token ids, or an "
+                                  f"iterable of either; got {type(prompts).__name__}", "prompts")
+    return list(prompts)
+
+
+def sampling_params(params: Any) -> SamplingParams:
+    """`params` as SamplingParams: one as is, or a dict of its fields (as SGLang's engine takes
+    them); InvalidRequestError names anything else, or a key that is no field."""
+    if isinstance(params, SamplingParams):
+        return params
+    if not isinstance(params, dict):
+        raise InvalidRequestError("params must be a SamplingParams or a dict of its fields, "
+                                  f"got {type(params).__name__}", "params")
+    unknown = sorted(set(params) - {f.name for f in fields(SamplingParams)})
+    if unknown:
+        raise InvalidRequestError(f"params: unknown SamplingParams field(s) {unknown}",
+                                  "params")
+    return SamplingParams(**params)
+
+
+def params_list(params: Any, n: int) -> list[SamplingParams]:
+    """`generate`'s params for its `n` prompts: None (the defaults) or one (SamplingParams or
+    dict) for every prompt, or an iterable of them, one per prompt."""
+    if params is None:
+        return [SamplingParams()] * n
+    one = isinstance(params, SamplingParams | dict | str | bytes)
+    if one or not isinstance(params, Iterable):
+        return [sampling_params(params)] * n  # names what it got, if it is neither
+    out = [sampling_params(p) for p in params]
+    if len(out) != n:
+        raise InvalidRequestError(f"{n} prompts but {len(out)} params", "params")
+    return out
 
 
 def _weakly(method: Callable[..., None]) -> Callable[..., None]:
@@ -97,36 +139,40 @@ class Engine:
     def _new_output(self, rid: str, ids: list[int], n: int) -> RequestOutput:
         return RequestOutput(rid, ids, [CompletionOutput(index=i) for i in range(n)])
 
+    def _live_core(self) -> EngineCore:
+        """The core; a clear error once `shutdown` has freed it (not an AttributeError)."""
+        if self.core is None:
+            raise RuntimeError("the engine is shut down: build a new Engine to generate again")
+        return self.core
+
     # ------------------------------------------------------------------ offline
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompts: Prompt | Iterable[Prompt],
+        params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generates for every prompt (a string, token ids, or a list of either); returns one
-        RequestOutput per prompt, in order. Invalid input raises before anything runs."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} params")
+        """Generates for every prompt (a string, token ids, or an iterable of either); returns
+        one RequestOutput per prompt, in order. `params`: one for every prompt or one per
+        prompt, each a SamplingParams or a dict of its fields. Invalid input raises before
+        anything runs."""
+        core = self._live_core()
+        prompts = prompt_list(prompts)
+        params = params_list(params, len(prompts))
         encoded = [self.encode(p) for p in prompts]
         for ids, p in zip(encoded, params):
-            self.core.validate(ids, p)
+            core.validate(ids, p)
         with self._lock:
             results: dict[str, RequestOutput] = {}
             order = [f"gen-{next(self._ids)}" for _ in encoded]
             # the call returns with its last request: the longest outputs go in first
             for i in longest_output_first([p.max_new_tokens for p in params]):
-                self.core.add_request(order[i], encoded[i], params[i])
+                core.add_request(order[i], encoded[i], params[i])
                 results[order[i]] = self._new_output(order[i], encoded[i], params[i].n)
             bar = tqdm(total=len(order), desc="Generating", disable=not use_tqdm, unit="req")
             pending = set(order)
             while pending:
-                for d in self.core.step():
+                for d in core.step():
                     out = results.get(d.request_id)
                     if out is None:  # a streaming request: hand it to its consumer
                         self._publish(d.request_id, d)
@@ -140,17 +186,19 @@ class Engine:
 
     # ------------------------------------------------------------------ streaming
     async def generate_stream(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: Prompt, params: SamplingParams | dict | None = None,
+        request_id: str | None = None
     ) -> AsyncIterator[StreamDelta]:
         """Yields deltas as tokens are produced; the last delta of each sample carries its
         finish reason. Cancelling the consumer aborts the request and frees its KV."""
-        params = params or SamplingParams()
+        core = self._live_core()
+        params = SamplingParams() if params is None else sampling_params(params)
         ids = self.encode(prompt)
-        self.core.validate(ids, params)
+        core.validate(ids, params)
         rid = request_id or f"stream-{next(self._ids)}"
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            if rid in self._subscribers or rid in self.core.groups:
+            if rid in self._subscribers or rid in core.groups:
                 raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
             self._subscribers[rid] = (asyncio.get_running_loop(), q)
         self._ensure_thread()
@@ -229,14 +277,16 @@ class Engine:
     def flip(self, tp_size: int, pp_size: int):
         """Re-lays the engine out as tp_size × pp_size between two steps; running requests
         are retracted and re-admitted (see `phaseflip.engine.flip`). Returns the seam census."""
+        core = self._live_core()
         with self._lock:
-            census, _ = self.core.flip(tp_size, pp_size, sink=self._publish_all)
+            census, _ = core.flip(tp_size, pp_size, sink=self._publish_all)
         return census
 
     # ------------------------------------------------------------------ lifetime
     def pool_accounting(self):
+        core = self._live_core()
         with self._lock:
-            return self.core.kv.check(self.core.scheduler.running)
+            return core.kv.check(core.scheduler.running)
 
     def shutdown(self) -> None:
         """Stops the loop and gives back everything the engine took: rank processes, weights,

@@ -301,7 +301,7 @@ class ModelRunner:
         graphs = DecodeGraphs(
             self.model, self.pool, self.backend,
             max_bs=min(cfg.cuda_graph_max_bs, cfg.max_running_requests),
-            max_context=cfg.max_model_len or self.model_cfg.max_position_embeddings,
+            max_context=cfg.context_len(self.model_cfg.max_position_embeddings),
             max_kv_tokens=self.num_slots, record=not unrecorded,
         )
         if lazy:

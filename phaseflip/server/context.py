@@ -51,13 +51,14 @@ inherit it)."""
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
-    """Address to listen on."""
+    """Address to listen on (0.0.0.0: every IPv4 address)."""
     port: int = 8000
-    """Port to listen on."""
+    """Port to listen on, 0-65535 (0: any free port, named in the ready line)."""
     served_model_name: str | None = None
     """Model id clients use (default: the model directory's name)."""
     api_key: str | None = None
-    """If set, requests must carry `Authorization: Bearer <key>`."""
+    """If set, requests must carry `Authorization: Bearer <key>`. An empty key is refused (an
+    unset environment variable would otherwise serve without one)."""
     max_queued_requests: int = 4096
     """Sequences in flight (prompts x n of every request) beyond which new requests get 503."""
     max_request_bytes: int = 16 * 2**20
@@ -76,6 +77,31 @@ class ServerConfig:
     log_requests: bool = False
     """Log one line per HTTP request: its id, method and path, status, prompt and output
     tokens, and seconds taken (logger phaseflip.requests, shown at any --log-level)."""
+
+    def __post_init__(self) -> None:
+        """Refuses values that would start a server that serves wrongly instead of failing:
+        --max-request-bytes -1 (every POST a 413), --api-key "" (no key at all)."""
+        for name, ok, why in _SERVER_LIMITS:
+            if not ok(getattr(self, name)):
+                flag = "--" + name.replace("_", "-")
+                raise InvalidRequestError(f"invalid server config {name}="
+                                          f"{getattr(self, name)!r} ({flag}): {why}", name)
+
+
+# (field, whether a value is acceptable, why not): what ServerConfig checks; NaN fails them all
+_SERVER_LIMITS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("host", lambda v: bool(v.strip()), "empty; 0.0.0.0 (or ::) listens on every address"),
+    ("port", lambda v: 0 <= v <= 65535, "expected 0-65535 (0: any free port)"),
+    ("api_key", lambda v: v is None or bool(v.strip()),
+     "an empty key (an unset environment variable?) would serve with no key at all; leave "
+     "--api-key out to serve without one"),
+    ("max_queued_requests", lambda v: v >= 1, "must be >= 1"),
+    ("max_request_bytes", lambda v: v >= 1, "must be >= 1"),
+    ("shutdown_timeout", lambda v: v >= 0,
+     "must be >= 0 seconds (0 ends the requests in flight at once)"),
+    ("flip_timeout_s", lambda v: v > 0, "must be > 0 seconds"),
+    ("responses_kept", lambda v: v >= 0, "must be >= 0 (0 keeps none)"),
+)
 
 
 @dataclass

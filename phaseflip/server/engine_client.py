@@ -229,8 +229,12 @@ class EngineClient:
 
     async def control(self, op: str, timeout_s: float = 30.0, args: dict | None = None
                       ) -> m.ControlReply:
-        fut = await self.send_control(op, args)
-        return await asyncio.wait_for(fut, timeout_s)  # (cancels the call when it times out)
+        """`send_control` and its reply, both within `timeout_s` (TimeoutError, the call
+        cancelled): the send too, since with no engine connected it would wait for ever."""
+        async def call() -> m.ControlReply:
+            return await (await self.send_control(op, args))
+
+        return await asyncio.wait_for(call(), timeout_s)
 
     async def close(self) -> None:
         for t in self._tasks:

@@ -1,8 +1,8 @@
 """The engine process: owns the model and the scheduler, speaks ZeroMQ to the front end.
 
 The loop never waits on a client: it drains whatever messages arrived, runs one step when there
-is work, pushes the step's deltas, and only blocks (with a timeout, to notice a dead parent)
-when there is nothing to do — so an idle engine uses no CPU.
+is work, pushes the step's deltas, and only blocks (with a timeout, to notice SIGTERM) when
+there is nothing to do — so an idle engine uses no CPU.
 
 Health travels to the front end as it changes (`EngineHealth`): a loop that has work but
 finishes no step for --watchdog-timeout-s (`StepWatchdog`), or a step that fails (a stalled or
@@ -10,8 +10,13 @@ dead rank), is reported before the process exits non-zero, so /health turns 503 
 Every phase-flip seam, manual (the "flip" control op) or automatic (the policy, inside a
 step), is announced as it starts and ends (`FlipState`): the loop answers nothing meanwhile,
 so the front end holds its flip guard and answers status calls itself.
-SIGTERM stops the loop at its next turn and closes the engine (ranks, host tiers, the weight
-image in /dev/shm) the normal way.
+The process runs in a session of its own, and so do the ranks it starts: signals sent to the
+server's process group (`timeout`, `kill -- -PGID`, Ctrl-C; systemd with KillMode=mixed)
+reach the front end only, which drains the requests in flight and then stops the engine
+("shutdown"). SIGTERM
+(the front end's fallback, or our own once the front end is gone) stops the loop at its
+next turn and closes the engine (ranks, host tiers, the weight image in /dev/shm) the normal
+way; during the model load it leaves at once.
 """
 
 from __future__ import annotations
@@ -20,11 +25,14 @@ import contextlib
 import dataclasses
 import faulthandler
 import logging
+import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
+from multiprocessing import connection
 
 import zmq
 
@@ -60,7 +68,6 @@ class EngineServer:
         self.inbox.connect(requests_addr)
         self.outbox = self.ctx.socket(zmq.PUSH)
         self.outbox.connect(outputs_addr)
-        self.parent = os.getppid()
         model_cfg = ModelConfig.from_dir(cfg.model)
         self.core = EngineCore(cfg, model_cfg, load_tokenizer(cfg.model))
         # (the loop's thread: manual and automatic flips both run in it)
@@ -111,9 +118,6 @@ class EngineServer:
             if busy or self.inbox.poll(IDLE_POLL_MS):
                 if not self._drain():
                     return
-            elif os.getppid() != self.parent:
-                log.warning("front end process is gone; engine exits")
-                return
             else:
                 self.core.check_alive()
             if self.core.has_work():
@@ -268,11 +272,14 @@ def send_unhealthy(ctx: zmq.Context, outputs_addr: str, reason: str) -> None:
 
 
 def engine_main(cfg: EngineConfig, requests_addr: str, outputs_addr: str) -> None:
-    """Entry point of the engine process (spawned by the launcher)."""
+    """Entry point of the engine process (spawned by the launcher, SIGINT blocked)."""
+    _leave_the_launchers_session()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher stops us with a message/SIGTERM
     # SIGTERM while loading: leave at once (finalizers unlink what was made); while serving:
     # end the loop at its next turn and close normally
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # (a pending one: ignored)
+    _stop_when_the_launcher_dies()
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     apply_cpu_threads(cfg)
     server = None
@@ -295,3 +302,28 @@ def engine_main(cfg: EngineConfig, requests_addr: str, outputs_addr: str) -> Non
                 ctx.term()
         log.error("engine process failed:\n%s", traceback.format_exc())
         raise SystemExit(EXIT_FAILED) from None
+
+
+def _leave_the_launchers_session() -> None:
+    """A session (so a process group) of our own, inherited by the ranks we start: a SIGTERM
+    to the server's group no longer stops the engine at once, failing the requests the front
+    end is draining (and leaving that front end to wait on an engine already gone)."""
+    with contextlib.suppress(OSError):  # already a group leader: not started by the launcher
+        os.setsid()
+
+
+def _stop_when_the_launcher_dies() -> None:
+    """SIGTERMs this process once the front end is gone (SIGKILL, the OOM killer), from the
+    start, the model load included: out of its process group, nothing else would stop us.
+    multiprocessing's parent sentinel (a pipe the front end holds open), not a pid read
+    after the slow imports, by which time the front end may already be gone."""
+    parent = mp.parent_process()
+    if parent is None:  # not started by multiprocessing: nobody to watch
+        return
+
+    def watch() -> None:
+        connection.wait([parent.sentinel])  # readable: its end closed with the process
+        log.warning("front end process is gone; engine exits")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="phaseflip-front-end-watch", daemon=True).start()

@@ -107,7 +107,8 @@ class Gate:
     def _refusal(self, path: str, headers: dict):
         ctx, cfg = self.ctx, self.ctx.cfg
         public = path in OPEN_PATHS or (path == "/metrics" and cfg.metrics_without_api_key)
-        if cfg.api_key and not public and not _bearer_matches(
+        # set or not (ServerConfig refuses ""; a truth test let "" mean "no key at all")
+        if cfg.api_key is not None and not public and not _bearer_matches(
                 headers.get(b"authorization", b"").decode("latin-1"), cfg.api_key):
             return error_response(401, "invalid or missing API key (send 'Authorization: "
                                   "Bearer <key>')", "authentication_error",

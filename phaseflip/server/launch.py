@@ -1,18 +1,26 @@
-"""`phaseflip serve`: start the engine process, then the HTTP front end, and stop both together.
+"""`phaseflip serve`: check the flags and the model, bind the port, start the engine process,
+then the HTTP front end, and stop both together.
 
-The engine process is spawned first and the HTTP port opens at once, answering 503 on
-/health until the engine reports Ready. SIGTERM/SIGINT drain (`Drain`), then stop uvicorn; on
-the way out the engine is told to shut down and, failing that, terminated — no orphans. The
-exit code says how it ended (`EXIT_*`), and so does the log's last line.
+What a flag or the model gets wrong is found before the engine process starts (`preflight`,
+`bind`): a one-line error and exit code 2, not a traceback seconds into the model load. The
+engine is spawned with SIGTERM/SIGINT handled here already and runs in a session of its own
+(`engine_main`), so a signal to the server's process group reaches only this process: the
+port answers 503 on /health until the engine reports Ready, SIGTERM/SIGINT drain (`Drain`),
+then stop uvicorn; on the way out the engine is told to shut down and, failing that,
+terminated — no orphans, and the IPC directory goes too. The exit code says how it ended
+(`EXIT_*`), and so does the log's last line.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import signal
+import socket
 import tempfile
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
@@ -21,7 +29,12 @@ from pathlib import Path
 import uvicorn
 
 from phaseflip.config import EngineConfig
+from phaseflip.distributed.group import check_layouts
+from phaseflip.engine.context_limit import context_limit
+from phaseflip.errors import InvalidRequestError
+from phaseflip.model.config import ModelConfig
 from phaseflip.model.loader import load_tokenizer
+from phaseflip.model.quant import engine_quantization
 from phaseflip.server.app import build_app
 from phaseflip.server.context import ServerConfig, ServerContext
 from phaseflip.server.engine_client import EngineClient
@@ -35,8 +48,15 @@ EXIT_OK = 0
 """Stopped by SIGTERM/SIGINT after every request in flight finished."""
 EXIT_ENGINE_FAILED = 1
 """The engine failed to start, or died (or stopped itself as unhealthy) while serving."""
+EXIT_USAGE = 2
+"""A flag, the model or the listening address is unusable: found before the engine starts
+(`cli.main` prints the one-line error of the `PhaseflipError` raised)."""
 EXIT_DRAIN_TIMEOUT = 3
-"""Stopped by a signal, but requests still running after --shutdown-timeout were ended."""
+"""Stopped by a signal, but requests still running after --shutdown-timeout were ended (or
+by a second signal)."""
+STOP_WAIT_S = 5.0
+"""How long stopping the engine waits on each step: the "shutdown" call's answer, then the
+process's exit after it, after SIGTERM, after SIGKILL."""
 
 
 @dataclass
@@ -73,6 +93,13 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         self.on_signal(sig)
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and sockets:  # uvicorn says it only of the sockets it binds itself
+            logging.getLogger("uvicorn.error").info(
+                "Uvicorn running on %s (Press CTRL+C to quit)",
+                _origin(self.config.host, sockets[0].getsockname()[1]))
+
 
 class Drain:
     """On a signal: refuse new work (503), wait up to --shutdown-timeout for the requests in
@@ -83,6 +110,7 @@ class Drain:
         self.ctx, self.outcome = ctx, outcome
         self.server: uvicorn.Server | None = None
         self.hurry = asyncio.Event()
+        self.cut_by: str | None = None  # the second signal, which ends the drain early
         self.loop = asyncio.get_running_loop()
         self.task: asyncio.Task | None = None
 
@@ -92,6 +120,7 @@ class Drain:
     def _begin(self, name: str) -> None:
         if self.task is not None:
             log.warning("%s again: ending the requests in flight now", name)
+            self.cut_by = self.cut_by or name
             self.hurry.set()
             return
         self.outcome.reason = f"stopped by {name}"
@@ -107,12 +136,11 @@ class Drain:
         while engine.state.in_flight and self.loop.time() < end and not self.hurry.is_set():
             await asyncio.wait([asyncio.ensure_future(self.hurry.wait())], timeout=0.1)
         if engine.state.in_flight:
+            why, self.outcome.reason = self._why_ended(name, timeout_s,
+                                                       len(engine.state.in_flight))
             rids = await engine.end_all(
-                f"the server is shutting down ({name}) and this request did not finish "
-                f"within --shutdown-timeout {timeout_s:g} s")
+                f"the server is shutting down ({name}) and this request {why}")
             self.outcome.code = EXIT_DRAIN_TIMEOUT
-            self.outcome.reason = (f"stopped by {name}; {len(rids)} requests still running "
-                                   f"after the {timeout_s:g} s drain were ended")
             log.warning("drain: ended %d requests", len(rids))
             for _ in range(50):  # let their last events reach the clients
                 if not engine.state.in_flight:
@@ -120,61 +148,156 @@ class Drain:
                 await asyncio.sleep(0.02)
         self.server.should_exit = True
 
+    def _why_ended(self, name: str, timeout_s: float, n: int) -> tuple[str, str]:
+        """Why the `n` requests still in flight are ended, as their error and the exit line
+        say it: the drain ran out, or a second signal cut it short."""
+        if self.cut_by is None:
+            return (f"did not finish within --shutdown-timeout {timeout_s:g} s",
+                    f"stopped by {name}; {n} requests still running after the {timeout_s:g} s "
+                    "drain were ended")
+        return (f"was ended by a second signal ({self.cut_by}) before --shutdown-timeout "
+                f"{timeout_s:g} s ran out",
+                f"stopped by {name}; a second signal ({self.cut_by}) cut the {timeout_s:g} s "
+                f"drain short, ending {n} requests still running")
+
 
 async def _serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> Outcome:
-    ipc_dir, client, proc = _start_engine(engine_cfg)
+    preflight(engine_cfg)
+    with bind(server_cfg) as sock:  # (uvicorn closes it too; closed here if we fail first)
+        tokenizer = load_tokenizer(engine_cfg.model)  # its ModelLoadError, before the engine
+        ipc_dir = tempfile.mkdtemp(prefix="phaseflip-")
+        try:
+            return await _run(engine_cfg, server_cfg, sock, tokenizer, ipc_dir)
+        finally:
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+async def _run(engine_cfg: EngineConfig, server_cfg: ServerConfig, sock: socket.socket,
+               tokenizer: object, ipc_dir: str) -> Outcome:
+    """Serves until a signal or the engine's end. Signals drain from before the engine
+    process starts, and whatever happens after it started, it is stopped on the way out."""
+    req_addr, out_addr = f"ipc://{ipc_dir}/requests", f"ipc://{ipc_dir}/outputs"
+    proc = mp.get_context("spawn").Process(
+        target=engine_main, args=(engine_cfg, req_addr, out_addr), name="phaseflip-engine",
+        daemon=False)  # (it spawns ranks)
+    client = EngineClient(req_addr, out_addr, proc)  # binds before the engine connects
     name = server_cfg.served_model_name or Path(engine_cfg.model).name
-    ctx = ServerContext(server_cfg, client, load_tokenizer(engine_cfg.model), name)
-    app = build_app(ctx)
+    ctx = ServerContext(server_cfg, client, tokenizer, name)
     outcome = Outcome()
     drain = Drain(ctx, outcome)
-    server = _Server(uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port,
+    server = _Server(uvicorn.Config(build_app(ctx), host=server_cfg.host, port=server_cfg.port,
                                     log_level=engine_cfg.log_level, access_log=False,
                                     timeout_graceful_shutdown=5),
                      drain.on_signal)
     drain.server = server
     _signals_drain(drain)
-    tasks = [asyncio.create_task(_announce(client, server, outcome, engine_cfg, server_cfg,
-                                           name)),
-             asyncio.create_task(_stop_if_engine_dies(client, proc, server, outcome))]
+    tasks: list[asyncio.Task] = []
     try:
-        await server.serve()
+        _start_shielded(proc)
+        client.start()
+        url = _origin(server_cfg.host, sock.getsockname()[1]) + "/v1"  # (--port 0: the real one)
+        tasks = [asyncio.create_task(_announce(client, server, outcome, engine_cfg, url, name)),
+                 asyncio.create_task(_stop_if_engine_dies(client, proc, server, outcome))]
+        await server.serve(sockets=[sock])
     finally:
         for t in tasks:
             t.cancel()
         await _stop_engine(client, proc)
-        for f in ("requests", "outputs"):
-            Path(ipc_dir, f).unlink(missing_ok=True)
         ctx.pool.shutdown(wait=False, cancel_futures=True)
-        os.rmdir(ipc_dir)
     if client.state.ready is None and outcome.code == EXIT_OK:
         outcome.code, outcome.reason = EXIT_ENGINE_FAILED, (
             f"stopped before the engine was ready ({outcome.reason})")
     return outcome
 
 
-def _start_engine(engine_cfg: EngineConfig) -> tuple[str, EngineClient, mp.Process]:
-    """Spawns the engine process and starts its client; returns (IPC dir, client, process)."""
-    ipc_dir = tempfile.mkdtemp(prefix="phaseflip-")
-    req_addr, out_addr = f"ipc://{ipc_dir}/requests", f"ipc://{ipc_dir}/outputs"
-    spawn = mp.get_context("spawn")
-    proc = spawn.Process(target=engine_main, args=(engine_cfg, req_addr, out_addr),
-                         name="phaseflip-engine", daemon=False)  # it spawns ranks
-    client = EngineClient(req_addr, out_addr, proc)  # binds before the engine connects
-    proc.start()
-    client.start()
-    return ipc_dir, client, proc
+def preflight(cfg: EngineConfig) -> None:
+    """What the engine process would find wrong only seconds into its start (with a
+    traceback, exit code 1), found before it starts: a typed one-line error (exit code 2)."""
+    model_cfg = ModelConfig.from_dir(cfg.model)  # no or a bad config.json: ModelLoadError
+    try:
+        check_layouts(cfg, model_cfg)  # -tp 3 of 4 heads, -pp 8 of 4 layers, --flip-layouts
+    except ValueError as e:
+        raise InvalidRequestError(f"invalid engine config: {e}") from None
+    engine_quantization(cfg, model_cfg.model_dir)  # --fp8-lm-head without FP8 weights
+    context_limit(cfg, model_cfg)  # --max-model-len past the model's trained positions
+    if cfg.enable_hicache:
+        _check_hicache(cfg)
+
+
+def _check_hicache(cfg: EngineConfig) -> None:
+    """--hicache-dir must be (or be creatable as) a directory; --hicache-host-gb must fit the
+    host's memory (the tier is allocated at start: the allocator's own error said neither)."""
+    if cfg.hicache_dir is not None:
+        wanted = Path(cfg.hicache_dir).absolute()
+        existing = next(p for p in (wanted, *wanted.parents) if p.exists())
+        if not existing.is_dir():
+            raise InvalidRequestError(
+                f"--hicache-dir {cfg.hicache_dir}: {existing} is a file, not a directory; "
+                "give a directory for the disk tier (it is created if missing)", "hicache_dir")
+    available = _available_memory_bytes()
+    if available is not None and cfg.hicache_host_gb * 2**30 > available:
+        raise InvalidRequestError(
+            f"--hicache-host-gb {cfg.hicache_host_gb:g} is more than this host's "
+            f"{available / 2**30:.1f} GiB of available memory; give a smaller host tier",
+            "hicache_host_gb")
+
+
+def _available_memory_bytes() -> int | None:
+    """The host memory a new allocation can take: MemAvailable on Linux, else the physical
+    memory (a looser bound), None where neither is known."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return None
+
+
+def bind(cfg: ServerConfig) -> socket.socket:
+    """The listening socket, bound before the engine starts (uvicorn serves on it): a port in
+    use or an address not of this host is a one-line error naming the flag before any model
+    loads, not uvicorn's exit code 3 (our drain timeout's) after it loaded."""
+    sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET,
+                         socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own bind
+        sock.bind((cfg.host, cfg.port))
+    except OSError as e:
+        sock.close()
+        raise InvalidRequestError(f"cannot listen on --host {cfg.host} --port {cfg.port}: "
+                                  f"{e.strerror or e}", "port") from None
+    return sock
+
+
+def _origin(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _start_shielded(proc: mp.Process) -> None:
+    """Starts the engine process with SIGINT blocked, a mask it inherits: a Ctrl-C while it
+    imports waits in it until `engine_main` has moved it to a session of its own and
+    ignores SIGINT, instead of a KeyboardInterrupt traceback. (SIGTERM stays deliverable: it
+    ends an engine that made nothing yet at once. The resource tracker is started first: its
+    start unblocks SIGINT.)"""
+    resource_tracker.ensure_running()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        proc.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _signals_drain(drain: Drain) -> None:
     """uvicorn takes SIGTERM/SIGINT while serving and puts back the handlers it found: these,
-    so a signal before or after (while the engine stops) is a drain request too, never death."""
+    so a signal before (from before the engine starts) or after (while the engine stops) is
+    a drain request too, never death with the engine left behind."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda sig, _: drain.on_signal(sig))
 
 
 async def _announce(client: EngineClient, server: uvicorn.Server, outcome: Outcome,
-                    engine_cfg: EngineConfig, server_cfg: ServerConfig, name: str) -> None:
+                    engine_cfg: EngineConfig, url: str, name: str) -> None:
     """Logs the ready line once the engine is up, or stops the server if it failed to start."""
     try:
         ready = await client.wait_ready()
@@ -183,9 +306,8 @@ async def _announce(client: EngineClient, server: uvicorn.Server, outcome: Outco
         outcome.code, outcome.reason = EXIT_ENGINE_FAILED, f"engine failed to start: {e}"
         server.should_exit = True
         return
-    log.info("phaseflip ready: http://%s:%d/v1 (model %s, %s %s, KV %d tokens; %s)",
-             server_cfg.host, server_cfg.port, name, ready.device, ready.dtype,
-             ready.kv_capacity_tokens, plan_for(engine_cfg).describe())
+    log.info("phaseflip ready: %s (model %s, %s %s, KV %d tokens; %s)", url, name,
+             ready.device, ready.dtype, ready.kv_capacity_tokens, plan_for(engine_cfg).describe())
 
 
 async def _stop_if_engine_dies(client: EngineClient, proc: mp.Process, server: uvicorn.Server,
@@ -208,15 +330,16 @@ def _exit_cause(code: int | None, unhealthy: str | None) -> str:
 
 
 async def _stop_engine(client: EngineClient, proc: mp.Process) -> None:
-    if proc.is_alive():
-        try:
-            await client.control("shutdown", timeout_s=5)
-        except Exception:  # noqa: BLE001 — already dead or stuck; terminate below
-            pass
-        proc.join(timeout=5)
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(timeout=5)
-    if proc.is_alive():
-        proc.kill()
+    """Stops the engine process, each step bounded: "shutdown" to an engine that serves (it
+    answers, then closes its ranks and host tiers), SIGTERM to one still loading (it leaves at
+    once) or that did not stop, SIGKILL last. No call to an engine known dead: with no reader,
+    a send on the request socket would wait for ever."""
+    if proc.is_alive() and client.state.ready is not None and client.state.dead is None:
+        with contextlib.suppress(Exception):  # gone or wedged meanwhile: SIGTERM below
+            await client.control("shutdown", timeout_s=STOP_WAIT_S)
+        proc.join(timeout=STOP_WAIT_S)
+    for stop in (proc.terminate, proc.kill):
+        if proc.is_alive():
+            stop()
+            proc.join(timeout=STOP_WAIT_S)
     await client.close()
