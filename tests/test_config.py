@@ -111,3 +111,17 @@ def test_another_hosts_ranks_refuse_a_layout_the_model_cannot_hold_at_once(monke
                        node_rank=1, dist_init_addr="127.0.0.1:29999")
     with pytest.raises(ValueError, match="pp_size=8 exceeds the model's 4 layers"):
         rank_set.run_node_workers(cfg)
+
+
+@pytest.mark.parametrize("flags, param", [({"tp_size": 3}, "tp_size"), ({"pp_size": 8}, "pp_size")])
+def test_a_layout_the_model_cannot_hold_is_a_typed_error_naming_the_option(flags, param):
+    """The project's InvalidRequestError (what the CLI prints in one line), not a bare
+    ValueError, with the option that is wrong: `Engine(tp_size=3)` and `serve -tp 3` alike."""
+    from phaseflip.distributed.group import check_layouts
+    from phaseflip.errors import InvalidRequestError
+    from phaseflip.model.config import ModelConfig
+
+    cfg = EngineConfig(model=str(EMBEDDED_MODEL), device="cpu", **flags)
+    with pytest.raises(InvalidRequestError) as e:
+        check_layouts(cfg, ModelConfig.from_dir(EMBEDDED_MODEL))
+    assert e.value.param == param, e.value

@@ -124,3 +124,9 @@ def test_trust_remote_code_cannot_add_an_architecture(tmp_path):
         resolve_model(EngineConfig(model=str(custom), trust_remote_code=True))
     # a supported architecture is served with or without the flag
     assert resolve_model(EngineConfig(trust_remote_code=True)).model == str(EMBEDDED_MODEL)
+
+
+def test_a_missing_tokenizer_names_the_flag(tmp_path):
+    """The loader speaks of "model directory": with --tokenizer that read as --model's."""
+    with pytest.raises(ModelLoadError, match=r"^--tokenizer .*nothing: "):
+        resolve_model(EngineConfig(device="cpu", tokenizer=str(tmp_path / "nothing")))

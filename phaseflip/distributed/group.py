@@ -34,6 +34,7 @@ from phaseflip.distributed.symm_allreduce import (
     communicator,
     setup_symm_all_reduce,
 )
+from phaseflip.errors import InvalidRequestError
 from phaseflip.layout import Layout, ProcessGroupCommunicator
 from phaseflip.model.config import ModelConfig
 
@@ -109,12 +110,13 @@ def dist_backend(cfg: EngineConfig) -> str:
 
 
 def check_layouts(cfg: EngineConfig, model_cfg: ModelConfig) -> None:
-    """ValueError naming why the launch layout, or a flip layout the engine was told to use
-    (--flip-layouts, or the auto policy's default tpW/ppW), cannot hold the model: checked
-    before any rank starts, by the driver and by every other host's `serve --node-rank`."""
+    """InvalidRequestError (a ValueError) naming why the launch layout, or a flip layout the
+    engine was told to use (--flip-layouts, or the auto policy's default tpW/ppW), cannot hold
+    the model: checked before any rank starts, by the driver and by every other host's `serve
+    --node-rank` (and by `serve`'s launcher before the engine process starts)."""
     misfit = model_cfg.layout_error(cfg.tp_size, cfg.pp_size)
     if misfit is not None:
-        raise ValueError(misfit)
+        raise InvalidRequestError(misfit, "tp_size" if "tp_size" in misfit else "pp_size")
     if not cfg.enable_flip or not (cfg.flip_layouts or cfg.flip_policy == "auto"):
         return
     for tp, pp in cfg.flip_layout_pair:
@@ -123,10 +125,11 @@ def check_layouts(cfg: EngineConfig, model_cfg: ModelConfig) -> None:
             continue
         w = cfg.world_size
         if cfg.flip_layouts:
-            raise ValueError(f"--flip-layouts {cfg.flip_layouts}: tp{tp}×pp{pp}: {misfit}")
-        raise ValueError(f"--flip-policy auto flips to tp{tp}×pp{pp} (the default --flip-layouts "
-                         f"tp{w},pp{w}): {misfit}; pass --flip-layouts with two layouts the "
-                         "model can hold")
+            raise InvalidRequestError(
+                f"--flip-layouts {cfg.flip_layouts}: tp{tp}×pp{pp}: {misfit}", "flip_layouts")
+        raise InvalidRequestError(
+            f"--flip-policy auto flips to tp{tp}×pp{pp} (the default --flip-layouts tp{w},pp{w}): "
+            f"{misfit}; pass --flip-layouts with two layouts the model can hold", "flip_layouts")
 
 
 def runnable_layouts(cfg: EngineConfig, model_cfg: ModelConfig) -> tuple[tuple[int, int], ...]:

@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from phaseflip.config import EngineConfig
+from phaseflip.errors import ModelLoadError
 from phaseflip.model import loader
 from phaseflip.model.dummy import resolve_model_dir
 
@@ -26,6 +27,15 @@ def resolve_model(cfg: EngineConfig) -> EngineConfig:
     if cfg.load_format != "dummy":
         loader.check_remote_code(model, cfg.trust_remote_code)
     if cfg.tokenizer is not None or cfg.chat_template is not None:
-        tokenizer = cfg.tokenizer and loader.resolve_model_path(cfg.tokenizer, None)
+        tokenizer = cfg.tokenizer and _tokenizer_dir(cfg.tokenizer)
         model = loader.overlay_model_dir(model, tokenizer, cfg.chat_template)
     return cfg if str(model) == cfg.model else replace(cfg, model=str(model))
+
+
+def _tokenizer_dir(tokenizer: str) -> Path:
+    """--tokenizer's directory; its ModelLoadError names the flag (the loader's own message
+    speaks of a model directory, which read as --model's)."""
+    try:
+        return loader.resolve_model_path(tokenizer, None)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"--tokenizer {tokenizer}: {e}") from None

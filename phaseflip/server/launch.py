@@ -214,10 +214,7 @@ def preflight(cfg: EngineConfig) -> None:
     """What the engine process would find wrong only seconds into its start (with a
     traceback, exit code 1), found before it starts: a typed one-line error (exit code 2)."""
     model_cfg = ModelConfig.from_dir(cfg.model)  # no or a bad config.json: ModelLoadError
-    try:
-        check_layouts(cfg, model_cfg)  # -tp 3 of 4 heads, -pp 8 of 4 layers, --flip-layouts
-    except ValueError as e:
-        raise InvalidRequestError(f"invalid engine config: {e}") from None
+    check_layouts(cfg, model_cfg)  # -tp 3 of 4 heads, -pp 8 of 4 layers, --flip-layouts
     engine_quantization(cfg, model_cfg.model_dir)  # --fp8-lm-head without FP8 weights
     context_limit(cfg, model_cfg)  # --max-model-len past the model's trained positions
     if cfg.enable_hicache:
