@@ -19,6 +19,7 @@ import re
 import sys
 import types
 import typing
+from pathlib import Path
 
 from phaseflip.config import CHOICES as CONFIG_CHOICES
 from phaseflip.config import SECTIONS, EngineConfig
@@ -185,7 +186,14 @@ def config_from_args(args: argparse.Namespace, cls: type = EngineConfig):
     names = (cls.field_names() if cls is EngineConfig else
              [f.name for f in dataclasses.fields(cls)])
     cfg = cls(**{name: getattr(args, name) for name in names})
-    return resolve_model(cfg) if isinstance(cfg, EngineConfig) else cfg
+    if not isinstance(cfg, EngineConfig):
+        return cfg
+    if cfg.revision is not None and Path(cfg.model).expanduser().is_dir():
+        # here, not in resolve_model: the engine re-resolves the hub snapshot's directory
+        logging.getLogger("phaseflip").warning(
+            "--revision %s is ignored: --model %s is a local directory (a revision picks a "
+            "snapshot of a Hugging Face id in the local cache)", cfg.revision, cfg.model)
+    return resolve_model(cfg)
 
 
 def _setup_logging(level: str) -> None:

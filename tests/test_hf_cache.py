@@ -130,3 +130,20 @@ def test_a_missing_tokenizer_names_the_flag(tmp_path):
     """The loader speaks of "model directory": with --tokenizer that read as --model's."""
     with pytest.raises(ModelLoadError, match=r"^--tokenizer .*nothing: "):
         resolve_model(EngineConfig(device="cpu", tokenizer=str(tmp_path / "nothing")))
+
+
+def test_revision_with_a_local_directory_warns(hub, caplog):
+    """--revision picks a snapshot of a cached hub id; with a directory it does nothing, and
+    the user is told so once (a hub id's revision, resolved to its snapshot, is no warning)."""
+    from phaseflip.cli import build_parser, config_from_args
+
+    parser = build_parser()
+    with caplog.at_level("WARNING", logger="phaseflip"):
+        args = parser.parse_args(["serve", "--model", str(EMBEDDED_MODEL), "--revision", "v1"])
+        config_from_args(args)
+    assert "--revision v1 is ignored" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="phaseflip"):
+        args = parser.parse_args(["serve", "--model", "tiny-org/tiny-llama", "--revision", "v1"])
+        assert Path(config_from_args(args).model).name == V1
+    assert "is ignored" not in caplog.text
