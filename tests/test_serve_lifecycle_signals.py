@@ -135,7 +135,8 @@ def test_sigterm_while_the_model_loads_leaves_no_engine_and_no_ipc_dir():
 
 def test_a_front_end_sigkilled_while_the_model_loads_takes_the_engine_down():
     """The engine, in a session of its own, watches its front end from its first line on
-    (not from after its imports): killed during the load, the front end leaves nothing."""
+    (not from after its imports): killed during the load, the front end leaves nothing, its
+    IPC directory included (the engine removes it: the front end's clean-up never ran)."""
     tmp = tempfile.mkdtemp(prefix="pf-")
     proc, engine = _serve_until_the_engine_starts(tmp)
     try:
@@ -144,8 +145,10 @@ def test_a_front_end_sigkilled_while_the_model_loads_takes_the_engine_down():
         left = _gone([engine], 20)  # (it notices once its imports are done)
     finally:
         _kill_all(proc, [engine])
+        leaked = list(Path(tmp).glob("phaseflip-*"))
         shutil.rmtree(tmp)
     assert not left, f"engine {engine} outlived its front end"
+    assert not leaked, leaked
 
 
 def test_a_second_signal_says_it_cut_the_drain_short(tmp_path):

@@ -27,12 +27,14 @@ import faulthandler
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
 import threading
 import time
 import traceback
 from multiprocessing import connection
+from pathlib import Path
 
 import zmq
 
@@ -56,6 +58,7 @@ IDLE_POLL_MS = 1000
 SLOW_STEP_S = 1.0
 TRACE_ENV = "PHASEFLIP_SLOW_STEP_TRACE_S"
 EXIT_FAILED, EXIT_STALLED = 1, 3  # the engine process's exit codes besides 0
+IPC_DIR_PREFIX = "phaseflip-"  # the launcher's temporary IPC directory (the engine removes it too)
 
 
 class EngineServer:
@@ -279,7 +282,7 @@ def engine_main(cfg: EngineConfig, requests_addr: str, outputs_addr: str) -> Non
     # end the loop at its next turn and close normally
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # (a pending one: ignored)
-    _stop_when_the_launcher_dies()
+    _stop_when_the_launcher_dies(_launch_ipc_dir(requests_addr))
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     apply_cpu_threads(cfg)
     server = None
@@ -312,11 +315,21 @@ def _leave_the_launchers_session() -> None:
         os.setsid()
 
 
-def _stop_when_the_launcher_dies() -> None:
+def _launch_ipc_dir(addr: str) -> Path | None:
+    """The launcher's temporary IPC directory holding `addr`'s socket (None for any other
+    address: only a directory the launcher made is ever removed)."""
+    if not addr.startswith("ipc://"):
+        return None
+    folder = Path(addr.removeprefix("ipc://")).parent
+    return folder if folder.name.startswith(IPC_DIR_PREFIX) else None
+
+
+def _stop_when_the_launcher_dies(ipc_dir: Path | None) -> None:
     """SIGTERMs this process once the front end is gone (SIGKILL, the OOM killer), from the
     start, the model load included: out of its process group, nothing else would stop us.
     multiprocessing's parent sentinel (a pipe the front end holds open), not a pid read
-    after the slow imports, by which time the front end may already be gone."""
+    after the slow imports, by which time the front end may already be gone. The front
+    end's IPC directory goes too: a killed front end never ran its own clean-up."""
     parent = mp.parent_process()
     if parent is None:  # not started by multiprocessing: nobody to watch
         return
@@ -324,6 +337,8 @@ def _stop_when_the_launcher_dies() -> None:
     def watch() -> None:
         connection.wait([parent.sentinel])  # readable: its end closed with the process
         log.warning("front end process is gone; engine exits")
+        if ipc_dir is not None:
+            shutil.rmtree(ipc_dir, ignore_errors=True)
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="phaseflip-front-end-watch", daemon=True).start()

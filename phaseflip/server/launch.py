@@ -38,7 +38,7 @@ from phaseflip.model.quant import engine_quantization
 from phaseflip.server.app import build_app
 from phaseflip.server.context import ServerConfig, ServerContext
 from phaseflip.server.engine_client import EngineClient
-from phaseflip.server.engine_process import engine_main
+from phaseflip.server.engine_process import IPC_DIR_PREFIX, engine_main
 from phaseflip.threads import plan_for
 
 log = logging.getLogger("phaseflip.server")
@@ -165,7 +165,7 @@ async def _serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> Outcome:
     preflight(engine_cfg)
     with bind(server_cfg) as sock:  # (uvicorn closes it too; closed here if we fail first)
         tokenizer = load_tokenizer(engine_cfg.model)  # its ModelLoadError, before the engine
-        ipc_dir = tempfile.mkdtemp(prefix="phaseflip-")
+        ipc_dir = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)
         try:
             return await _run(engine_cfg, server_cfg, sock, tokenizer, ipc_dir)
         finally:
