@@ -114,6 +114,12 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"seed": "7"}, "seed"),
     ({"stop": ["ok", ""]}, "stop"),
     ({"stop": ""}, "stop"),
+    ({"stop": 5}, "stop"),  # the Python API's dicts: no schema ahead of it
+    ({"stop": {"a"}}, "stop"),
+    ({"stop_token_ids": 5}, "stop_token_ids"),
+    ({"ignore_eos": "no"}, "ignore_eos"),
+    ({"skip_special_tokens": 0}, "skip_special_tokens"),
+    ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
     ({"stop_token_ids": [VOCAB]}, "stop_token_ids"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"logprobs": -1}, "logprobs"),

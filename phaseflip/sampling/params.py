@@ -75,8 +75,10 @@ class SamplingParams:
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
         else:
-            self.stop = list(self.stop)
-        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+            self.stop = _as_list(self.stop, "stop", "a string or a list of strings")
+        self.stop_token_ids = ([] if self.stop_token_ids is None else
+                               _as_list(self.stop_token_ids, "stop_token_ids",
+                                        "a list of token ids"))
 
     @property
     def is_greedy(self) -> bool:
@@ -104,6 +106,10 @@ class SamplingParams:
         self._validate_stops(vocab_size)
         self._validate_grammar(build_grammar)
         self._validate_logprobs(max_logprobs)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):  # "no" would read as True
+                raise InvalidRequestError(
+                    f"{name} must be true or false, got {getattr(self, name)!r}", param=name)
 
     def _validate_lengths(self) -> None:
         max_new = _require_int(self.max_new_tokens, "max_new_tokens")
@@ -224,3 +230,11 @@ class SamplingParams:
                 raise InvalidRequestError(
                     f"{name} must be in [0, {max_logprobs}], got {value}", param=name
                 )
+
+
+def _as_list(value: object, name: str, what: str) -> list:
+    """`value` as a list; a non-iterable (`stop: 5`, from the Python API) is the
+    caller's 4xx naming the field, not list()'s TypeError."""
+    if isinstance(value, list | tuple):
+        return list(value)
+    raise InvalidRequestError(f"{name} must be {what}, got {type(value).__name__}", param=name)
