@@ -123,3 +123,13 @@ def test_an_engine_that_is_shut_down_says_so():
         with pytest.raises(RuntimeError, match="the engine is shut down"):
             call()
     e.shutdown()  # twice is fine
+
+
+@pytest.mark.parametrize("ids", [[True, 3], [1, False], [1, 2.0], [1, -1], [1, 100]])
+def test_prompt_ids_are_integers_of_the_vocabulary_and_never_bools(ids):
+    """A list of flags is no prompt (`[True, False]` ran as tokens 1 and 0)."""
+    from phaseflip.engine.validation import validate_request
+
+    with pytest.raises(InvalidRequestError, match="prompt token ids must be integers"):
+        validate_request(ids, SamplingParams(), vocab_size=100, max_context=100,
+                         max_logprobs=5, kv_capacity_tokens=1000, page_size=16)

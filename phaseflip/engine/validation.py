@@ -27,7 +27,8 @@ def validate_request(
     grammar's shape only (`SamplingParams.validate`)."""
     if not prompt_ids:
         raise InvalidRequestError("the prompt is empty", param="prompt")
-    bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    bad = [t for t in prompt_ids  # (a bool is an int to Python, never a token)
+           if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size)]
     if bad:
         raise InvalidRequestError(
             f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}", "prompt")
