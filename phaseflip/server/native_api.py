@@ -19,6 +19,8 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from phaseflip.errors import InvalidRequestError
+from phaseflip.sampling.grammar import GrammarSpec
+from phaseflip.sampling.params import MAX_N, SamplingParams
 from phaseflip.server import protocol as p
 from phaseflip.server.context import ServerContext
 from phaseflip.server.openai_api import (
@@ -29,6 +31,7 @@ from phaseflip.server.openai_api import (
     sse,
     stream_response,
 )
+from phaseflip.server.protocol.sampling import NATIVE_GRAMMARS
 
 DEFAULT_MAX_NEW_TOKENS = 128
 """SGLang's default when `sampling_params.max_new_tokens` is left out (less where the context
@@ -37,12 +40,14 @@ has less room)."""
 
 async def generate(ctx: ServerContext, req: p.GenerateRequest, request: Request) -> Response:
     single = req.single
+    _check_width(ctx, req)
+    await _check_grammars(ctx, req)
     if req.text is not None:
         prompts = await ctx.encode_all([req.text] if single else req.text, "text")
     else:
         prompts = [list(req.input_ids)] if single else [list(x) for x in req.input_ids]
     base = req.rid if isinstance(req.rid, str) else ctx.new_id("gen")
-    runs = []
+    runs, first = [], 0
     for i, ids in enumerate(prompts):
         if req.return_logprob and req.logprob_start_len >= len(ids):
             raise InvalidRequestError(
@@ -50,9 +55,10 @@ async def generate(ctx: ServerContext, req: p.GenerateRequest, request: Request)
                 f"(it has {len(ids)})", "logprob_start_len")
         params = p.generate_sampling_params(
             req, min(DEFAULT_MAX_NEW_TOKENS, ctx.default_max_tokens(len(ids))), i)
-        ctx.validate(ids, params)
+        _validate(ctx, req, i, ids, params)
         rid = req.rid[i] if isinstance(req.rid, list) else base if single else f"{base}-{i}"
-        runs.append(PromptRun(rid, ids, params, sum(r.params.n for r in runs)))
+        runs.append(PromptRun(rid, ids, params, first))
+        first += params.n  # (a running count: a sum over the runs so far is quadratic)
     group = None if single or isinstance(req.rid, list) else base
     taken = [r for r in [group, *(run.rid for run in runs)] if r is not None
              and ctx.engine.in_use(r)]
@@ -62,6 +68,68 @@ async def generate(ctx: ServerContext, req: p.GenerateRequest, request: Request)
     if req.stream:
         return stream_response(_chunks(ctx, req, runs, group))
     return await respond(request, lambda: _whole(ctx, req, runs, group, single))
+
+
+def _prompt_name(req: p.GenerateRequest, i: int) -> str:
+    """The field holding prompt `i`, as an error's `param` names it."""
+    what = "text" if req.text is not None else "input_ids"
+    return what if req.single else f"{what}.{i}"
+
+
+def _params_name(req: p.GenerateRequest, i: int) -> str:
+    """Where prompt `i`'s sampling parameters are in the request."""
+    return f"sampling_params.{i}" if isinstance(req.sampling_params, list) else (
+        "sampling_params")
+
+
+def _check_width(ctx: ServerContext, req: p.GenerateRequest) -> None:
+    """A batch wider (prompts x n) than the server ever takes is refused before any prompt
+    is tokenised or checked: `ctx.admit` would refuse it anyway, but only after work that
+    grows with the batch (seconds to minutes of a blocked event loop for 10^5 prompts)."""
+    width = sum(_samples(req.params_of(i).n) for i in range(req.num_prompts))
+    if width > ctx.cfg.max_queued_requests:
+        ctx.admit([SamplingParams(n=width)])  # (raises: its message, in one place)
+
+
+def _samples(n: int | None) -> int:
+    """A prompt's sequences for `_check_width`; an `n` out of range counts 1, so that the
+    error the client gets is that `n` is out of range (`SamplingParams.validate`'s)."""
+    return n if n is not None and 1 <= n <= MAX_N else 1
+
+
+async def _check_grammars(ctx: ServerContext, req: p.GenerateRequest) -> None:
+    """Builds each `regex` / `ebnf` / `json_schema` in the tokenizer pool, as chat's
+    `check_grammar` does: the first build loads xgrammar and a large grammar takes seconds,
+    which on the event loop would stall every stream. The result is cached, so the check
+    `generate_sampling_params` repeats on the loop costs a lookup."""
+    sps = req.sampling_params
+    for i, sp in enumerate(sps if isinstance(sps, list) else [sps]):
+        for kind in NATIVE_GRAMMARS:
+            if (value := getattr(sp, kind)) is not None:
+                await ctx.in_pool(GrammarSpec(kind, value).check,
+                                  f"{_params_name(req, i)}.{kind}")
+
+
+_SAMPLING_FIELDS = p.native_sampling_param_names() - set(NATIVE_GRAMMARS)
+"""`sampling_params` fields an engine-side check may name (grammars are checked before)."""
+_ENGINE_NAMES = {"logprobs": "top_logprobs_num", "prompt_logprobs": "top_logprobs_num"}
+"""`SamplingParams` fields that a native request sets outside `sampling_params`."""
+
+
+def _validate(ctx: ServerContext, req: p.GenerateRequest, i: int, ids: list[int],
+              params: SamplingParams) -> None:
+    """`ctx.validate` with errors naming the field the client sent: `sampling_params.<f>`
+    (`sampling_params.<i>.<f>` for a list), and the prompt as `input_ids` or `text`, whose
+    length is checked first (a prompt too long by itself is not `max_new_tokens`' fault)."""
+    prompt, where = _prompt_name(req, i), _params_name(req, i)
+    ctx.check_token_count(len(ids), prompt)
+    names = {f: f"{where}.{f}" for f in _SAMPLING_FIELDS} | _ENGINE_NAMES
+    try:
+        ctx.validate(ids, params, names)
+    except InvalidRequestError as e:
+        if e.param == "prompt":
+            raise type(e)(str(e), prompt) from None
+        raise
 
 
 def _take(run: PromptRun, d: Any) -> None:
@@ -85,13 +153,14 @@ async def _chunks(ctx: ServerContext, req: p.GenerateRequest, runs: list[PromptR
 
 async def _whole(ctx: ServerContext, req: p.GenerateRequest, runs: list[PromptRun],
                  group: str | None, single: bool) -> dict | list[dict]:
-    acc: dict[tuple[str, int], Choice] = {}
+    acc: dict[str, dict[int, Choice]] = {run.rid: {} for run in runs}
     async for run, d in run_prompts(ctx, runs, group):
         _take(run, d)
-        acc.setdefault((run.rid, d.index), Choice(d.index)).add(d)
+        acc[run.rid].setdefault(d.index, Choice(d.index)).add(d)
+    # (each run's own choices: sorting every choice once per run was quadratic in prompts)
     outs = [{"text": c.text, "output_ids": c.token_ids, "index": run.first_index + c.index,
              "meta_info": _meta(ctx, req, run, c, True)}
-            for run in runs for (rid, _), c in sorted(acc.items()) if rid == run.rid]
+            for run in runs for _, c in sorted(acc[run.rid].items())]
     return outs[0] if single and len(outs) == 1 else outs
 
 

@@ -12,6 +12,7 @@ for `previous_response_id`, `GET` and `DELETE /v1/responses/{id}`: `ResponseStor
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -210,8 +211,8 @@ def _responses_error(e: InvalidRequestError) -> InvalidRequestError:
     """An error of the chat path as a Responses client reads it: its fields renamed, and one
     about chat's `messages` (instructions, history and input together) about `input`."""
     e = renamed(e, _RENAMED)
-    if (e.param or "").startswith("messages"):
-        return type(e)(str(e), "input")
+    if (e.param or "").startswith("messages"):  # ("messages is 2510 tokens": not sent)
+        return type(e)(re.sub(r"\bmessages\b", "input", str(e)), "input")
     return e
 
 

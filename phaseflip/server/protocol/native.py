@@ -18,6 +18,7 @@ from phaseflip.server.protocol.requests import (
     Float,
     Int,
     LogitBias,
+    Seed,
     Stop,
     Str,
     TokenId,
@@ -60,7 +61,9 @@ class NativeSamplingParams(_Request):
     frequency_penalty: Float | None = None
     presence_penalty: Float | None = None
     logit_bias: LogitBias = None
-    seed: Int | None = None
+    seed: Seed | None = None
+    """OpenAI's range, as chat's: the sampler keeps a seed's low 64 bits, so a wider seed
+    would draw silently as another (2**64 as 0)."""
     n: Int | None = None
     ignore_eos: Bool | None = None
     stop: Stop = None
