@@ -60,6 +60,7 @@ def test_a_batch_wider_than_the_server_is_refused_before_tokenising(tmp_path):
     for r, width in ((wide, 9), (samples, 9)):
         assert r.status_code == 400, r.text
         assert f"runs {width} sequences" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "text", r.text  # (the field sent, not `prompt`)
     assert bad_n.status_code == 400 and bad_n.json()["error"]["param"] == "sampling_params.n"
     assert not added
 
@@ -167,3 +168,19 @@ def test_responses_context_error_names_input_not_messages(tmp_path):
     assert error["param"] == "input" and error["code"] == "context_length_exceeded", error
     assert "messages" not in error["message"] and error["message"].startswith("input"), error
     assert not added
+
+
+def test_a_body_sent_as_a_form_says_it_must_be_json(tmp_path):
+    """`curl -d '{...}'` without `-H content-type: application/json` sends a form: the 400
+    said pydantic's "Input should be a valid dictionary", not what to change."""
+    async def go():
+        async with fake_server(tmp_path) as (_, app, _engine), asgi(app) as c:
+            form = await c.post("/v1/completions", content=b'{"prompt": "a"}', headers={
+                "content-type": "application/x-www-form-urlencoded"})
+            json_list = await c.post("/v1/completions", json=["a"])
+            return form, json_list
+
+    form, json_list = asyncio.run(go())
+    assert form.status_code == 400 and "Content-Type: application/json" in \
+        form.json()["error"]["message"], form.text
+    assert json_list.status_code == 400 and "Content-Type" not in json_list.text, json_list.text

@@ -44,8 +44,14 @@ def _error(status: int, message: str, type_: str, param: str | None = None,
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = p.validation_error_to_openai(exc.errors())
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        if (any(tuple(e.get("loc", ())) == ("body",) for e in errors)
+                and "json" not in request.headers.get("content-type", "")):
+            # (`curl -d '{...}'` sends form encoding: pydantic's "valid dictionary" says not why)
+            return _error(400, "the request body must be a JSON object sent with "
+                          "Content-Type: application/json", "invalid_request_error")
+        message, param = p.validation_error_to_openai(errors)
         return _error(400, message, "invalid_request_error", param)
 
     @app.exception_handler(ContextLengthError)

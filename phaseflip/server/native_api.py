@@ -64,16 +64,20 @@ async def generate(ctx: ServerContext, req: p.GenerateRequest, request: Request)
              and ctx.engine.in_use(r)]
     if taken:  # (before the answer starts: a stream would only get an error event)
         raise InvalidRequestError(f"request id {taken[0]!r} is already in flight", "rid")
-    ctx.admit([r.params for r in runs])
+    ctx.admit([r.params for r in runs], _prompt_field(req))
     if req.stream:
         return stream_response(_chunks(ctx, req, runs, group))
     return await respond(request, lambda: _whole(ctx, req, runs, group, single))
 
 
+def _prompt_field(req: p.GenerateRequest) -> str:
+    """The request's prompt field: `text` or `input_ids`."""
+    return "text" if req.text is not None else "input_ids"
+
+
 def _prompt_name(req: p.GenerateRequest, i: int) -> str:
     """The field holding prompt `i`, as an error's `param` names it."""
-    what = "text" if req.text is not None else "input_ids"
-    return what if req.single else f"{what}.{i}"
+    return _prompt_field(req) if req.single else f"{_prompt_field(req)}.{i}"
 
 
 def _params_name(req: p.GenerateRequest, i: int) -> str:
@@ -88,7 +92,7 @@ def _check_width(ctx: ServerContext, req: p.GenerateRequest) -> None:
     grows with the batch (seconds to minutes of a blocked event loop for 10^5 prompts)."""
     width = sum(_samples(req.params_of(i).n) for i in range(req.num_prompts))
     if width > ctx.cfg.max_queued_requests:
-        ctx.admit([SamplingParams(n=width)])  # (raises: its message, in one place)
+        ctx.admit([SamplingParams(n=width)], _prompt_field(req))  # (raises: one message)
 
 
 def _samples(n: int | None) -> int:
