@@ -412,6 +412,7 @@ class HiCache:
         job = self._load_of.get(req.rid)
         if job is not None:
             return job.state == LOADED
+        self._missed.discard(req.rid)  # a miss of an earlier try that did not admit it
         hp = self.page_size
         first = int(self.tree.match_prefix(tokens).slots.numel()) // hp
         if first >= len(tokens) // hp:
@@ -437,10 +438,15 @@ class HiCache:
         return job.state == LOADED
 
     def admitted(self, req: Req) -> None:
-        """`req` now locks its prefix itself: its load's hold is no longer needed."""
+        """`req` was admitted and locks its prefix itself: a miss its prefetch met is counted
+        (once an admission, not once a try), and its load's hold is no longer needed."""
         if req.rid in self._missed:
             self._missed.discard(req.rid)
             self._count(miss_pages=1)
+        self.unhold(req)
+
+    def unhold(self, req: Req) -> None:
+        """Drops the hold of `req`'s load, if any: its pages stay in the tree."""
         job = self._load_of.pop(req.rid, None)
         if job is not None and job.hold is not None:
             self.tree.dec_lock_ref(job.hold)

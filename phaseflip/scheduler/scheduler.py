@@ -230,8 +230,6 @@ class Scheduler:
                 continue  # its cached pages are on their way: admit others meanwhile
             if not self.kv.admit(req, limit):
                 return
-            if self.hicache is not None:
-                self.hicache.admitted(req)
             n = self._chunk(req, budget, first=not prefill)
             if reserve is None:
                 reserve = self.decode_reserve()
@@ -239,8 +237,10 @@ class Scheduler:
                 self.kv.available()
             )
             if not fits or self.kv.allocate(req, n) is None:
-                self.kv.release(req)
+                self._unadmit(req)
                 return
+            if self.hicache is not None:  # (after the fit: a try that failed is no admission)
+                self.hicache.admitted(req)
             self.waiting.remove(req)
             self.running.append(req)
             reserve += self.kv.pages_needed(req, 1) * self.kv.page_size
@@ -251,6 +251,13 @@ class Scheduler:
                 req.admitted_once = True
             items.append(self._extend(req, n))
             budget -= n
+
+    def _unadmit(self, req: Req) -> None:
+        """Undoes `kv.admit` of a request that did not fit: it waits holding nothing, and the
+        hold of its HiCache load goes too (a waiting request pins no pages)."""
+        self.kv.release(req)
+        if self.hicache is not None:
+            self.hicache.unhold(req)
 
     def _prefetch(self, req: Req, limit: int) -> bool:
         """Whether `req` may be admitted: its host/disk pages (if any) are in the tree. A load

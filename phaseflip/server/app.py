@@ -284,12 +284,8 @@ def _info_routes(app: FastAPI, ctx: ServerContext) -> None:
         st = ctx.engine.state
         ctx.metrics.running.set(st.running)
         ctx.metrics.waiting.set(st.waiting)
-        if st.ready is not None and not st.dead:
-            data = await ctx.engine_info()
-            if (pool := data.get("pool")) is not None:  # (none mid-flip)
-                ctx.metrics.token_usage.set((pool["protected"] + pool["private"])
-                                            / pool["total"])
-                ctx.metrics.observe_hicache(data.get("hicache"))
+        if st.ready is not None and not st.dead:  # exact now (none of it mid-flip)
+            ctx.metrics.observe_engine(await ctx.engine_info())
         ctx.observe_flip()
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 

@@ -295,25 +295,29 @@ class ServerContext:
                   params: SamplingParams) -> AsyncIterator[StreamDelta]:
         """Streams one request's deltas, recording latency metrics on the way; a request left
         before its end (the client went away) is counted as aborted."""
-        start = last = time.perf_counter()
-        first, finished = True, set()
+        start = time.perf_counter()
+        last: dict[int, float] = {}  # each sample's last token: ITL is per sample
+        first, finished, cached, counted = True, set(), 0, False
         try:
             async for d in self.engine.generate(rid, prompt_ids, params):
                 now = time.perf_counter()
+                if d.index == 0 and d.cached_tokens is not None:
+                    cached = d.cached_tokens
                 if d.token_ids:
                     self.metrics.generation_tokens.inc(len(d.token_ids))
                     if first:
                         self.metrics.ttft.observe(now - start)
                         first = False
-                    else:
-                        self.metrics.itl.observe((now - last) / len(d.token_ids))
-                    last = now
+                    if (prev := last.get(d.index)) is not None:
+                        self.metrics.itl.observe((now - prev) / len(d.token_ids))
+                    last[d.index] = now
                 if d.finish_reason is not None:
                     self.metrics.requests.labels(d.finish_reason).inc()
                     finished.add(d.index)
                 if d.usage is not None:
                     self.metrics.e2e.observe(now - start)
                     self.metrics.observe_usage(d.usage.prompt_tokens, d.usage.cached_tokens)
+                    counted = True
                     if (record := CURRENT_REQUEST.get()) is not None:
                         record.prompt_tokens += d.usage.prompt_tokens
                         record.completion_tokens += d.usage.completion_tokens
@@ -325,11 +329,14 @@ class ServerContext:
             raise
         except (EngineDeadError, InvalidRequestError):
             finished.update(range(params.n))  # failed, not aborted
+            counted = True  # (its prompt was not processed)
             raise
         finally:
             if len(finished) < params.n:  # the consumer left early: the client went away
                 self.metrics.requests.labels("abort").inc(params.n - len(finished))
                 self.metrics.aborted.labels("client_disconnect").inc()
+            if not counted and not first:  # left after its prefill, before its usage came
+                self.metrics.observe_usage(len(prompt_ids), cached)
 
 
 def renamed(e: InvalidRequestError, names: dict[str, str]) -> InvalidRequestError:

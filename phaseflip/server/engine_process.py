@@ -169,9 +169,7 @@ class EngineServer:
                 except PhaseflipError as e:
                     self._request_failed(msg.rid, e)
             elif isinstance(msg, m.AbortRequest):
-                deltas = self.core.abort(msg.rid)
-                if deltas:
-                    self.send(m.Deltas(deltas))
+                self._send_deltas(self.core.abort(msg.rid))  # (with the counts: not 0/0)
             elif isinstance(msg, m.Control):
                 if msg.op == "shutdown":
                     self.send(m.ControlReply(msg.call_id, True))

@@ -6,11 +6,23 @@ so one dashboard can show several servers; docs/metrics.md maps the names to vLL
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# Seconds. Below 5 ms for the inter-token latency of small models on fast GPUs; up to 40 min
+# for the end-to-end latency of long outputs (120 s left every long request in +Inf).
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
+                    60, 120, 300, 600, 1200, 2400)
 _NS = "phaseflip"
+# the engine's HiCache page counters and their `event` label (docs/metrics.md)
+_HICACHE_PAGE_EVENTS = {
+    "pages_written": "written", "miss_pages": "miss", "corrupt_pages": "corrupt",
+    "host_evictions": "host_eviction", "disk_evictions": "disk_eviction",
+    "disk_writes_dropped": "disk_writes_dropped", "sync_writebacks": "sync_writeback",
+}
 
 
 class Labelled:
@@ -25,6 +37,24 @@ class Labelled:
 
     def clear(self) -> None:
         self.family.clear()
+
+
+class EngineCounters:
+    """Counters the engine keeps itself, mirrored at each scrape. A family appears only once
+    the engine reported it: an engine that never said is unmeasured, not 0."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.values: dict[str, tuple[str, float]] = {}  # name -> (help, value)
+
+    def set(self, name: str, doc: str, value: float) -> None:
+        self.values[name] = (doc, float(value))
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        for name, (doc, value) in self.values.items():
+            family = CounterMetricFamily(f"{_NS}_{name}", doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
 
 
 class ServerMetrics:
@@ -67,6 +97,8 @@ class ServerMetrics:
         self.hicache_rate = self._by(
             Gauge, "hicache_transfer_gbps", "Observed HiCache copy rate (dispatch to seen done; "
             "a floor on the link rate)", "direction")
+        self.engine_counters = EngineCounters(model_name)
+        self.registry.register(self.engine_counters)
 
     def _one(self, kind: type[MetricWrapperBase], name: str, doc: str, **kw):
         """The family's one series, `{model_name=...}`."""
@@ -90,10 +122,23 @@ class ServerMetrics:
             rate = stats.get(f"{direction}_gbps")
             if rate is not None:
                 self.hicache_rate.labels(direction).set(rate)
-        for event in ("pages_written", "miss_pages", "corrupt_pages", "host_evictions",
-                      "disk_evictions", "disk_writes_dropped", "sync_writebacks"):
-            self.hicache_pages.labels(event.removesuffix("_pages").removesuffix("s")).set(
-                stats[event])
+        for field, event in _HICACHE_PAGE_EVENTS.items():
+            self.hicache_pages.labels(event).set(stats[field])
+
+    def observe_engine(self, info: dict) -> None:
+        """Mirrors the engine's answer to "info", exact at the scrape (the running/waiting
+        counts of the last output are stale through a long prefill and after an abort).
+        Mid-flip the answer holds none of it: the figures stay as they were."""
+        if "running" in info:
+            self.running.set(info["running"])
+            self.waiting.set(info["waiting"])
+        if (pool := info.get("pool")) is not None:
+            self.token_usage.set((pool["protected"] + pool["private"]) / pool["total"])
+            self.observe_hicache(info.get("hicache"))
+        if (sched := info.get("scheduler")) is not None:
+            self.engine_counters.set(
+                "num_preemptions", "Requests taken off the device to free KV and recomputed "
+                "later (the pool ran out, or a phase flip)", sched["retractions"])
 
     def observe_usage(self, prompt_tokens: int, cached: int) -> None:
         """A finished request's prompt (its generated tokens are counted as they come, so an
