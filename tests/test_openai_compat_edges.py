@@ -183,3 +183,23 @@ def test_chat_max_tokens_zero_is_a_400_while_completions_score_with_it(tmp_path)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == field, r.text
     assert scored.status_code == 200, scored.text  # (the real engine's answer: test_server)
+
+
+def test_tool_function_names_must_be_unique(tmp_path):
+    """Two tools of one name: a call naming it could not say which was meant (and a named
+    tool_choice would pick the first). Anthropic's API refuses them; chat and Responses too."""
+    tools = [_person_tool("save_person", ADDRESS), _person_tool("save_person", ADDRESS)]
+
+    async def go():
+        async with fake_server(tmp_path) as (_, app, _engine), asgi(app) as c:
+            return [
+                await c.post("/v1/chat/completions", json={
+                    "model": "tiny", "messages": USER, "max_tokens": 2, "tools": tools}),
+                await c.post("/v1/responses", json={
+                    "model": "tiny", "input": "hi", "max_output_tokens": 2,
+                    "tools": [{"type": "function", **t["function"]} for t in tools]}),
+            ]
+
+    for r in asyncio.run(go()):
+        assert r.status_code == 400, r.text
+        assert "'save_person' is given twice" in r.json()["error"]["message"], r.text

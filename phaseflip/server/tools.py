@@ -65,7 +65,7 @@ class ToolPlan:
 
 
 def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
+    out, seen = [], set()
     for i, tool in enumerate(tools):
         kind = tool.get("type", "function") if isinstance(tool, dict) else None
         fn = tool.get("function") if isinstance(tool, dict) else None
@@ -75,6 +75,10 @@ def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 f"tools[{i}]")
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise InvalidRequestError("a tool function needs a name", f"tools[{i}].function.name")
+        if fn["name"] in seen:  # a call naming it could not say which one it meant
+            raise InvalidRequestError(f"tool function names must be unique; {fn['name']!r} "
+                                      "is given twice", f"tools[{i}].function.name")
+        seen.add(fn["name"])
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise InvalidRequestError("function parameters must be a JSON schema object",
