@@ -385,7 +385,7 @@ def test_a_target_outside_flip_layouts_is_refused_before_the_seam(model_dirs):
 
     cfg = EngineConfig(model=str(model_dirs["llama"]), tp_size=4, enable_flip=True,
                        enable_hicache=True, flip_layouts="tp4,pp4")
-    with pytest.raises(InvalidRequestError, match="launch layout tp2×pp2"):
+    with pytest.raises(InvalidRequestError, match="flips only between tp4×pp1 and tp1×pp4"):
         check_target(cfg, ModelConfig.from_dir(model_dirs["llama"]), 2, 2)
 
 

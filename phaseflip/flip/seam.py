@@ -68,9 +68,26 @@ def check_target(cfg, model_cfg, tp_size: int, pp_size: int) -> None:
     misfit = model_cfg.layout_error(tp_size, pp_size)
     if misfit is not None:
         raise InvalidRequestError(misfit, "layout")
+    _check_flip_layouts(cfg, tp_size, pp_size)
     # the new layout's config passes its own checks (e.g. --flip-layouts) now, not half-way
     # through the seam, where a refusal would leave no layout
     cfg.with_layout(tp_size, pp_size)
+
+
+def _check_flip_layouts(cfg, tp_size: int, pp_size: int) -> None:
+    """With --flip-layouts (or the auto policy's default pair) a flip goes only between the
+    two: say so, naming them, instead of the config check's "the launch layout … must be one
+    of the two; pass --flip-layouts with it", which blamed a launch flag for the target."""
+    if cfg.flip_layouts is None and cfg.flip_policy != "auto":
+        return
+    pair = cfg.flip_layout_pair
+    if (tp_size, pp_size) not in pair:
+        allowed = " and ".join(layout_name(*lay) for lay in pair)
+        why = (f"--flip-layouts {cfg.flip_layouts}" if cfg.flip_layouts
+               else "the default --flip-layouts of --flip-policy auto")
+        raise InvalidRequestError(
+            f"cannot flip to {layout_name(tp_size, pp_size)}: this server flips only between "
+            f"{allowed} ({why})", "layout")
 
 
 def run_seam(host: LayoutHost, tp_size: int, pp_size: int) -> SeamCensus:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Annotated, Literal
 
@@ -12,6 +13,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from phaseflip.errors import ContextLengthError, InvalidRequestError
+from phaseflip.server import context as server_context
 from phaseflip.server import native_api
 from phaseflip.server import protocol as p
 from phaseflip.server.context import OverloadedError, ServerContext, UnknownModelError
@@ -214,7 +216,20 @@ def _admin_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/flush_cache", responses=ok(FreedTokens))
     @app.get("/flush_cache", include_in_schema=False)  # (as SGLang's)
     async def flush_cache() -> Response:
-        reply = await ctx.engine.control("flush_cache")
+        """Drops the device prefix cache; 400 while requests run, 409 while a flip runs."""
+        if (busy := ctx.flip_in_progress) is not None:
+            # the engine answers nothing until its seam ends (up to --flip-timeout-s): this
+            # call waited it out, or 500 "TimeoutError" after 30 s
+            return _error(409, f"a flip to {busy} is in progress; retry once it has ended "
+                               "(/server_info says flip_in_progress until then)",
+                          "invalid_request_error", code="flip_in_progress")
+        timeout_s = server_context.INFO_TIMEOUT_S  # (answered between two steps, as "info")
+        try:
+            reply = await ctx.engine.control("flush_cache", timeout_s=timeout_s)
+        except asyncio.TimeoutError:  # (builtin TimeoutError from 3.11 on)
+            return _error(504, f"the engine did not answer the flush within {timeout_s:g} s "
+                               "(a long step?); it may still flush when it gets to it",
+                          "timeout_error")
         if not reply.ok:
             return _error(400, reply.message, "invalid_request_error")
         return JSONResponse({"freed_tokens": reply.data["freed_tokens"]})
@@ -248,6 +263,10 @@ def _admin_routes(app: FastAPI, ctx: ServerContext) -> None:
             return _error(400, reply.message, "invalid_request_error")
         return JSONResponse(reply.data)
 
+    # ids this endpoint aborted whose end has not reached the front end yet: asked again (a
+    # retry, abort_all beside a rid), they are sent again but not counted again
+    asked: set[str] = set()
+
     @app.post("/abort_request", response_model=None, responses=ok(Aborted))
     async def abort_request(req: p.AbortRequest) -> dict:
         rids = list(ctx.engine.state.in_flight) if req.abort_all else ctx.engine.matching(
@@ -256,9 +275,12 @@ def _admin_routes(app: FastAPI, ctx: ServerContext) -> None:
             return _error(404, f"no request {req.rid!r} is in flight (it finished, was "
                                "aborted already, or never existed)", "not_found_error", "rid",
                           "request_not_found")
+        asked.intersection_update(ctx.engine.state.in_flight)  # (ended ones: their id is free)
+        new = [rid for rid in rids if rid not in asked]
+        asked.update(new)
         for rid in rids:
             await ctx.engine.abort(rid)
-        ctx.metrics.aborted.labels("abort_request").inc(len(rids))
+        ctx.metrics.aborted.labels("abort_request").inc(len(new))
         return {"rid": req.rid, "aborted": rids}
 
 
@@ -270,7 +292,10 @@ def _info_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.get("/get_server_info", response_model=None, include_in_schema=False)
     async def server_info() -> dict:
         # mid-flip the engine answers nothing until its seam ends: say so instead of waiting
-        info = await ctx.engine_info()
+        try:
+            info = await ctx.engine_info()
+        except asyncio.TimeoutError as e:  # a wedged engine (or a step longer than the wait)
+            return _error(504, str(e), "timeout_error")
         ready = ctx.engine.state.ready
         return info | {
             "model": ctx.model_name, "max_model_len": ctx.max_context,
@@ -285,7 +310,8 @@ def _info_routes(app: FastAPI, ctx: ServerContext) -> None:
         ctx.metrics.running.set(st.running)
         ctx.metrics.waiting.set(st.waiting)
         if st.ready is not None and not st.dead:  # exact now (none of it mid-flip)
-            ctx.metrics.observe_engine(await ctx.engine_info())
+            with contextlib.suppress(asyncio.TimeoutError):  # (a wedged engine: as they were)
+                ctx.metrics.observe_engine(await ctx.engine_info())
         ctx.observe_flip()
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 

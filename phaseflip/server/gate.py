@@ -29,8 +29,9 @@ request_log = logging.getLogger("phaseflip.requests")
 OPEN_PATHS = ("/health",)
 """Answered without the API key (load balancers probe them)."""
 NEEDS_ENGINE = ("/v1/", "/generate", "/health_generate", "/tokenize", "/detokenize", "/get_",
-                "/flush_cache", "/abort_request", "/admin/")
-"""Refused with 503 until the engine is ready, and after it died or reported unhealthy."""
+                "/server_info", "/flush_cache", "/abort_request", "/admin/")
+"""Refused with 503 until the engine is ready, and after it died or reported unhealthy (an
+engine still loading, or wedged, answers no "info": /server_info waited 30 s, then 500)."""
 NEW_WORK = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate",
             "/health_generate", "/tokenize", "/detokenize", "/flush_cache", "/admin/")
 """Refused with 503 once a shutdown began (/abort_request and status endpoints still answer)."""
