@@ -80,6 +80,7 @@ def test_admin_flip_over_http_under_load():
         for bad in ({"tp_size": 1, "pp_size": 2}, {"tp_size": 4, "pp_size": 1}):
             r = httpx.post(url + "/admin/flip", json=bad, timeout=30)
             assert r.status_code == 400 and r.json()["error"]["message"], r.text
+            assert r.json()["error"]["param"] == "layout", r.text  # (was null: engine-side)
         r = httpx.post(url + "/admin/flip", json={"tp_size": "2"}, timeout=30)
         assert r.status_code in (400, 422), r.text
         info = httpx.get(url + "/server_info", timeout=30).json()

@@ -260,7 +260,7 @@ def _admin_routes(app: FastAPI, ctx: ServerContext) -> None:
         finally:
             ctx.hold_flip_guard(call)  # released when the engine answers, not before
         if not reply.ok:
-            return _error(400, reply.message, "invalid_request_error")
+            return _error(400, reply.message, "invalid_request_error", reply.param)
         return JSONResponse(reply.data)
 
     # ids this endpoint aborted whose end has not reached the front end yet: asked again (a

@@ -201,7 +201,7 @@ class EngineServer:
             except InvalidRequestError as e:
                 if self.core.dead:  # failed after the seam began: the engine is gone
                     raise
-                return m.ControlReply(msg.call_id, False, message=str(e))
+                return m.ControlReply(msg.call_id, False, message=str(e), param=e.param)
             finally:  # a manual flip's drain and seam are busy time, as an auto flip's are
                 self.busy_s += time.perf_counter() - t0
             self.cfg = self.core.cfg

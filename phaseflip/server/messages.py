@@ -99,6 +99,7 @@ class ControlReply:
     ok: bool
     data: dict[str, Any] = field(default_factory=dict)
     message: str = ""
+    param: str | None = None  # the field a refusal names (the HTTP error's `param`)
 
 
 Message = (AddRequest | AbortRequest | Control | Ready | Deltas | RequestFailed | ControlReply
