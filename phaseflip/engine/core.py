@@ -34,6 +34,7 @@ from phaseflip.flip.seam import check_target, run_seam
 from phaseflip.flip.telemetry import FlipTelemetry
 from phaseflip.heap import freeze_heap, release_freed_heap, thaw_heap
 from phaseflip.model.config import ModelConfig
+from phaseflip.model.loader import with_tokenizer_eos
 from phaseflip.model.runner import Runner
 from phaseflip.sampling.grammar import GrammarBook
 from phaseflip.sampling.params import SamplingParams
@@ -48,6 +49,9 @@ GRAMMAR_WAIT_S = 0.05  # an idle step's wait for a compiling grammar (new messag
 
 class EngineCore:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, tokenizer) -> None:
+        # the tokenizer's end token stops generation too (vLLM's and SGLang's rule)
+        model_cfg = replace(model_cfg, eos_token_ids=with_tokenizer_eos(
+            model_cfg.eos_token_ids, tokenizer))
         self.model_cfg, self.tokenizer = model_cfg, tokenizer
         self.max_context = context_limit(cfg, model_cfg)  # before any rank starts
         self.dead: str | None = None  # set when a failed phase flip left no usable layout

@@ -403,3 +403,13 @@ def check_remote_code(model_dir: Path, trust_remote_code: bool) -> None:
         f"{custom}, which phaseflip does not implement. phaseflip runs its own implementations "
         f"({', '.join(SUPPORTED_ARCHITECTURES)}) and never a checkpoint's code, so "
         "--trust-remote-code cannot add an architecture")
+
+
+def with_tokenizer_eos(eos_ids: tuple[int, ...], tokenizer: PreTrainedTokenizerBase
+                       ) -> tuple[int, ...]:
+    """`eos_ids` (generation_config.json's, then config.json's) and the tokenizer's own
+    `eos_token_id` where they lack it: vLLM and SGLang stop at it too, and a chat fine-tune
+    often sets only the tokenizer's (ChatML's `<|im_end|>` over a base whose config says
+    `</s>`), so without it generation runs on past the end of the turn."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return eos_ids if not isinstance(eos, int) or eos in eos_ids else (*eos_ids, eos)

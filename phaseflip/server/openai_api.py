@@ -347,16 +347,24 @@ async def _stream_completion(ctx, req: p.CompletionRequest, base: str, created: 
 
 
 # ------------------------------------------------------------------ chat
+def template_options(add_generation_prompt: bool, template_kwargs: dict) -> dict:
+    """`apply_chat_template`'s keyword arguments. `chat_template_kwargs` may set the renderer's
+    own options (`add_generation_prompt`, `continue_final_message`), as vLLM lets it: passed
+    beside the request's they were a TypeError (400). `tokenize` stays False: we tokenise."""
+    return {"add_generation_prompt": add_generation_prompt, **template_kwargs,
+            "tokenize": False}
+
+
 async def chat_ids(ctx: ServerContext, messages: list[dict], add_generation_prompt: bool,
                    template_kwargs: dict) -> list[int]:
     """The chat template rendered and tokenised, in the tokenizer pool (both take seconds on
     a long conversation); refused early when the messages alone exceed the context."""
     ctx.check_text_length(sum(len(m["content"]) for m in messages), "messages")
 
+    options = template_options(add_generation_prompt, template_kwargs)
+
     def render() -> str:
-        return ctx.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-            **template_kwargs)
+        return ctx.tokenizer.apply_chat_template(messages, **options)
 
     try:
         text = await ctx.in_pool(render)
