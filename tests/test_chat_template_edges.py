@@ -181,3 +181,35 @@ def test_tokenizer_eos_is_a_stop_token(tmp_path):
         eot = e.tokenizer.eos_token_id
         out = forced(e, eot)
     assert (out.finish_reason, out.token_ids) == ("stop", [eot])
+
+
+def test_continue_final_message_as_a_request_field(tmp_path):
+    """vLLM's top-level `continue_final_message` (was "Unrecognized request argument"), on
+    chat and on `/tokenize` (whose count is then the chat request's); with the default
+    add_generation_prompt it is a 400 naming it."""
+    import asyncio
+
+    from tests.fake_engine import fake_server
+    from tests.test_server_ops import asgi
+
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, "}]
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+
+    async def go():
+        async with fake_server(tmp_path) as (_, app, _engine), asgi(app) as c:
+            return (
+                await c.post("/tokenize", json={"messages": messages} | cont),
+                await c.post("/tokenize", json={"messages": messages, "add_generation_prompt":
+                                                False, "chat_template_kwargs": cont}),
+                await c.post("/v1/chat/completions", json={
+                    "model": "tiny", "messages": messages, "max_tokens": 2} | cont),
+                await c.post("/v1/chat/completions", json={
+                    "model": "tiny", "messages": messages, "max_tokens": 2,
+                    "continue_final_message": True}),
+            )
+
+    field, kwargs, chat, both = asyncio.run(go())
+    assert field.status_code == 200 and field.json() == kwargs.json(), (field.text, kwargs.text)
+    assert chat.status_code == 200, chat.text
+    assert both.status_code == 400 and both.json()["error"]["param"] == \
+        "continue_final_message", both.text

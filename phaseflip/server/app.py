@@ -167,7 +167,7 @@ def _inference_routes(app: FastAPI, ctx: ServerContext) -> None:
         ctx.check_model(req.model)
         if req.messages is not None:
             ids = await chat_ids(ctx, [m.template_dict() for m in req.messages],
-                                 req.add_generation_prompt, {})
+                                 req.add_generation_prompt, req.template_kwargs)
         else:
             ids = await ctx.encode(req.prompt, "prompt", req.add_special_tokens)
         return p.TokenizeResponse(tokens=ids, count=len(ids),

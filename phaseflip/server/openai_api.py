@@ -351,8 +351,13 @@ def template_options(add_generation_prompt: bool, template_kwargs: dict) -> dict
     """`apply_chat_template`'s keyword arguments. `chat_template_kwargs` may set the renderer's
     own options (`add_generation_prompt`, `continue_final_message`), as vLLM lets it: passed
     beside the request's they were a TypeError (400). `tokenize` stays False: we tokenise."""
-    return {"add_generation_prompt": add_generation_prompt, **template_kwargs,
-            "tokenize": False}
+    options = {"add_generation_prompt": add_generation_prompt, **template_kwargs,
+               "tokenize": False}
+    if options["add_generation_prompt"] and options.get("continue_final_message"):
+        raise InvalidRequestError(
+            "continue_final_message continues the last message, add_generation_prompt opens "
+            "a new one: set add_generation_prompt to false", "continue_final_message")
+    return options
 
 
 async def chat_ids(ctx: ServerContext, messages: list[dict], add_generation_prompt: bool,
@@ -409,7 +414,7 @@ async def prepare_chat(ctx: ServerContext, req: p.ChatCompletionRequest, rid: st
         req, plan, template if isinstance(template, str) else str(template or ""))
     effort = {} if req.reasoning_effort is None else {"reasoning_effort": req.reasoning_effort}
     ids = await chat_ids(ctx, messages, req.add_generation_prompt,
-                         {**effort, **(req.chat_template_kwargs or {}), **tool_kwargs})
+                         {**effort, **req.template_kwargs, **tool_kwargs})
     max_tokens = req.requested_max_tokens
     if max_tokens is None:
         max_tokens = ctx.required_max_tokens(len(ids), "messages")

@@ -212,6 +212,14 @@ class TokenizeRequest(_Request):
     add_special_tokens: Bool = True
     add_generation_prompt: Bool = True
     """Only for `messages`: end with the assistant turn's opening, as chat requests do."""
+    continue_final_message: Bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Only for `messages`: as a chat request's, so the count is the chat request's."""
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        return ({"continue_final_message": True} if self.continue_final_message else {}) | (
+            self.chat_template_kwargs or {})
 
     @model_validator(mode="after")
     def _check_input(self) -> TokenizeRequest:

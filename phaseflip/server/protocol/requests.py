@@ -474,8 +474,17 @@ class ChatCompletionRequest(_OpenAISampling):
     """`store`, `metadata` and `service_tier` are accepted, as clients send them, and have no
     effect: nothing is stored, and every request is served alike."""
     add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    """vLLM's: the answer continues the last (assistant) message, left open by the template;
+    needs `add_generation_prompt: false`."""
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra variables for the chat template (e.g. `enable_thinking`)."""
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """`chat_template_kwargs` with `continue_final_message` where it is set."""
+        return ({"continue_final_message": True} if self.continue_final_message else {}) | (
+            self.chat_template_kwargs or {})
 
     @property
     def requested_max_tokens(self) -> int | None:
