@@ -28,6 +28,7 @@ from phaseflip.server.protocol.requests import (
     _prompt_validator,
     _Request,
     _Text,
+    template_kwargs,
 )
 
 
@@ -218,8 +219,7 @@ class TokenizeRequest(_Request):
 
     @property
     def template_kwargs(self) -> dict[str, Any]:
-        return ({"continue_final_message": True} if self.continue_final_message else {}) | (
-            self.chat_template_kwargs or {})
+        return template_kwargs(self.continue_final_message, self.chat_template_kwargs)
 
     @model_validator(mode="after")
     def _check_input(self) -> TokenizeRequest:

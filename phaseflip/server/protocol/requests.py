@@ -445,6 +445,14 @@ class ChatMessage(_Request):
         return out
 
 
+def template_kwargs(continue_final_message: bool,
+                    chat_template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """A chat request's (or `/tokenize`'s) `chat_template_kwargs`, with `continue_final_message`
+    where it is set (the renderer's own option: `apply_chat_template` takes it beside them)."""
+    return ({"continue_final_message": True} if continue_final_message else {}) | (
+        chat_template_kwargs or {})
+
+
 class ChatCompletionRequest(_OpenAISampling):
     """Body of `POST /v1/chat/completions`."""
 
@@ -482,9 +490,7 @@ class ChatCompletionRequest(_OpenAISampling):
 
     @property
     def template_kwargs(self) -> dict[str, Any]:
-        """`chat_template_kwargs` with `continue_final_message` where it is set."""
-        return ({"continue_final_message": True} if self.continue_final_message else {}) | (
-            self.chat_template_kwargs or {})
+        return template_kwargs(self.continue_final_message, self.chat_template_kwargs)
 
     @property
     def requested_max_tokens(self) -> int | None:
