@@ -198,14 +198,18 @@ class ServerContext:
                 raise
             raise renamed(e, names) from None
 
+    def check_width(self, width: int, param: str = "prompt") -> None:
+        """A request of `width` sequences that no state of this server could ever admit."""
+        if width > (bound := self.cfg.max_queued_requests):
+            raise InvalidRequestError(
+                f"this request runs {width} sequences (prompts x n); this server takes at most "
+                f"{bound} at a time (--max-queued-requests)", param)
+
     def admit(self, params: list[SamplingParams], param: str = "prompt") -> None:
         """Counts a request's sequences (prompts x n) against --max-queued-requests; `param`
         names the request's prompt field (`/generate`: `text` or `input_ids`)."""
         bound, width = self.cfg.max_queued_requests, sum(pr.n for pr in params)
-        if width > bound:
-            raise InvalidRequestError(
-                f"this request runs {width} sequences (prompts x n); this server takes at most "
-                f"{bound} at a time (--max-queued-requests)", param)
+        self.check_width(width, param)
         busy = max(self.admitted, sum(self.engine.state.widths.values()))
         if busy + width > bound:
             raise OverloadedError(

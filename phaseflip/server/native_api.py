@@ -19,13 +19,13 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from phaseflip.errors import InvalidRequestError
-from phaseflip.sampling.grammar import GrammarSpec
 from phaseflip.sampling.params import MAX_N, SamplingParams
 from phaseflip.server import protocol as p
 from phaseflip.server.context import ServerContext
 from phaseflip.server.openai_api import (
     Choice,
     PromptRun,
+    check_grammar,
     respond,
     run_prompts,
     sse,
@@ -41,7 +41,6 @@ has less room)."""
 async def generate(ctx: ServerContext, req: p.GenerateRequest, request: Request) -> Response:
     single = req.single
     _check_width(ctx, req)
-    await _check_grammars(ctx, req)
     if req.text is not None:
         prompts = await ctx.encode_all([req.text] if single else req.text, "text")
     else:
@@ -55,6 +54,9 @@ async def generate(ctx: ServerContext, req: p.GenerateRequest, request: Request)
                 f"(it has {len(ids)})", "logprob_start_len")
         params = p.generate_sampling_params(
             req, min(DEFAULT_MAX_NEW_TOKENS, ctx.default_max_tokens(len(ids))), i)
+        if params.grammar is not None and (i == 0 or isinstance(req.sampling_params, list)):
+            # built in the pool (seconds for a large one), once per `sampling_params` entry
+            await check_grammar(ctx, params, f"{_params_name(req, i)}.{params.grammar.kind}")
         _validate(ctx, req, i, ids, params)
         rid = req.rid[i] if isinstance(req.rid, list) else base if single else f"{base}-{i}"
         runs.append(PromptRun(rid, ids, params, first))
@@ -90,28 +92,14 @@ def _check_width(ctx: ServerContext, req: p.GenerateRequest) -> None:
     """A batch wider (prompts x n) than the server ever takes is refused before any prompt
     is tokenised or checked: `ctx.admit` would refuse it anyway, but only after work that
     grows with the batch (seconds to minutes of a blocked event loop for 10^5 prompts)."""
-    width = sum(_samples(req.params_of(i).n) for i in range(req.num_prompts))
-    if width > ctx.cfg.max_queued_requests:
-        ctx.admit([SamplingParams(n=width)], _prompt_field(req))  # (raises: one message)
+    ctx.check_width(sum(_samples(req.params_of(i).n) for i in range(req.num_prompts)),
+                    _prompt_field(req))
 
 
 def _samples(n: int | None) -> int:
     """A prompt's sequences for `_check_width`; an `n` out of range counts 1, so that the
     error the client gets is that `n` is out of range (`SamplingParams.validate`'s)."""
     return n if n is not None and 1 <= n <= MAX_N else 1
-
-
-async def _check_grammars(ctx: ServerContext, req: p.GenerateRequest) -> None:
-    """Builds each `regex` / `ebnf` / `json_schema` in the tokenizer pool, as chat's
-    `check_grammar` does: the first build loads xgrammar and a large grammar takes seconds,
-    which on the event loop would stall every stream. The result is cached, so the check
-    `generate_sampling_params` repeats on the loop costs a lookup."""
-    sps = req.sampling_params
-    for i, sp in enumerate(sps if isinstance(sps, list) else [sps]):
-        for kind in NATIVE_GRAMMARS:
-            if (value := getattr(sp, kind)) is not None:
-                await ctx.in_pool(GrammarSpec(kind, value).check,
-                                  f"{_params_name(req, i)}.{kind}")
 
 
 _SAMPLING_FIELDS = p.native_sampling_param_names() - set(NATIVE_GRAMMARS)

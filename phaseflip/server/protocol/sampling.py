@@ -128,8 +128,7 @@ def generate_sampling_params(req: GenerateRequest, default_max_tokens: int,
         given["top_k"] = -1
     for kind in NATIVE_GRAMMARS:  # (at most one: NativeSamplingParams checks)
         if kind in given:
-            given["grammar"] = GrammarSpec(kind, given.pop(kind))
-            given["grammar"].check(f"sampling_params.{kind}")
+            given["grammar"] = GrammarSpec(kind, given.pop(kind))  # (checked by the caller)
     if req.return_logprob:
         given["logprobs"] = req.top_logprobs_num
         if req.logprob_start_len >= 0:
