@@ -82,17 +82,19 @@ def llama_dir(model_dirs) -> Path:
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Reference: transformers generate, one prompt at a time (no padding effects)."""
+    """Reference: transformers generate, one prompt at a time (no padding effects). No end
+    token: plain argmax at every step, as the engine's ignore_eos (min_new_tokens would mask
+    the end token's logit instead, a different choice where it is the argmax)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
     outs = []
     for p in prompts:
         ids = torch.tensor([p])
         with torch.no_grad():
             g = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                               max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                               pad_token_id=0)
+                               max_new_tokens=max_new_tokens, pad_token_id=0)
         outs.append(g[0, len(p):].tolist())
     return outs
 

@@ -45,7 +45,8 @@ def test_max_model_len_past_the_models_context_is_refused(model_cfg, monkeypatch
 
 def test_rope_scaling_extends_the_context_max_model_len_may_ask_for(model_cfg, monkeypatch):
     """As vLLM: yarn covers original positions × factor (a config may leave
-    max_position_embeddings at the original), linear and dynamic scale max_position_embeddings."""
+    max_position_embeddings at the original), linear scales max_position_embeddings. Dynamic
+    does not (vLLM's does): our rotary keeps the unscaled frequencies past it."""
     from phaseflip.engine.context_limit import context_limit
 
     monkeypatch.delenv(ALLOW_LONG_MAX_MODEL_LEN_ENV, raising=False)
@@ -53,8 +54,12 @@ def test_rope_scaling_extends_the_context_max_model_len_may_ask_for(model_cfg, m
         rope = dataclasses.replace(model_cfg.rope, rope_type=rope_type, factor=4.0,
                                    original_max_position_embeddings=original)
         scaled = dataclasses.replace(model_cfg, rope=rope)
-        assert context_limit(EngineConfig(max_model_len=4096), scaled) == 4096
         assert context_limit(EngineConfig(), scaled) == 1024  # the default stays the same
+        if rope_type == "dynamic":
+            with pytest.raises(InvalidRequestError, match="exceeds the model's context of 1024"):
+                context_limit(EngineConfig(max_model_len=1025), scaled)
+            continue
+        assert context_limit(EngineConfig(max_model_len=4096), scaled) == 4096
         with pytest.raises(InvalidRequestError, match=f"{rope_type} rope factor 4"):
             context_limit(EngineConfig(max_model_len=4097), scaled)
 

@@ -14,12 +14,13 @@ log = logging.getLogger(__name__)
 
 
 def trained_positions(model_cfg: ModelConfig) -> int:
-    """The positions the model's rotary embedding covers, as vLLM derives them: its
-    max_position_embeddings, times the factor of linear or dynamic scaling; for yarn, the
-    original positions times the factor (a checkpoint may leave max_position_embeddings at
-    the original length and turn yarn on, as Qwen2.5 documents)."""
+    """The positions the model's rotary embedding covers: its max_position_embeddings, times
+    the factor of linear scaling; for yarn, the original positions times the factor (a
+    checkpoint may leave max_position_embeddings at the original length and turn yarn on, as
+    Qwen2.5 documents). Dynamic scaling is not multiplied (vLLM does): our rotary keeps the
+    unscaled frequencies past max_position_embeddings, where transformers rescales them."""
     rope, limit = model_cfg.rope, model_cfg.max_position_embeddings
-    if rope.rope_type in ("linear", "dynamic"):
+    if rope.rope_type == "linear":
         return int(limit * rope.factor)
     if rope.rope_type == "yarn" and rope.original_max_position_embeddings:
         return max(limit, int(rope.original_max_position_embeddings * rope.factor))

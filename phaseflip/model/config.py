@@ -11,6 +11,7 @@ engine builds exactly the model transformers would build from the same directory
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -21,6 +22,8 @@ import torch
 from phaseflip.errors import ModelLoadError
 from phaseflip.model.config_fields import Fields, read_json
 from phaseflip.model.rope_config import RopeConfig, parse_rope
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -339,6 +342,13 @@ def _check_rotary(rope: RopeConfig, head_dim: int, config_path: str) -> None:
         )
     if rope.rope_type == "dynamic" and rotary_dim == 2:
         raise ModelLoadError(f"dynamic RoPE needs a rotary dimension > 2 in {config_path}")
+    if rotary_dim < head_dim:
+        log.warning(
+            "%s: partial_rotary_factor %g rotates the first %d of %d channels of each head, as "
+            "vLLM does; transformers 5 ignores the key for this architecture (it rotates all "
+            "%d) and transformers 4 cannot run it. Remove the key if the model was trained "
+            "with full rotary", config_path, rope.partial_rotary_factor, rotary_dim, head_dim,
+            head_dim)
 
 
 def _parse_model_dir(model_dir: str | os.PathLike[str]) -> ModelConfig:

@@ -6,6 +6,7 @@ the layers of its pipeline stage and only its tensor-parallel shard of each (`La
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,8 @@ from phaseflip.model.rope import RotaryBatch, RotaryEmbedding
 
 if TYPE_CHECKING:  # (imported on first use: it needs triton)
     from phaseflip.kernels.linear_fold import RotaryFold
+
+log = logging.getLogger(__name__)
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
 _FUSED = (
@@ -267,6 +270,7 @@ class LlamaForCausalLM(nn.Module):
         raises naming any parameter the checkpoint did not provide."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
+        weights = self._checked_stream(weights)
         if self.quant is not None:  # any FP8 or float checkpoint -> FP8 weights + row scales
             weights = convert_checkpoint(weights, self.quant, next(self.parameters()).device,
                                          keep=lambda n: (t := self._param_name(n)) is not None
@@ -281,9 +285,47 @@ class LlamaForCausalLM(nn.Module):
             param = params[pname]
             loader = getattr(param, "weight_loader", default_weight_loader)
             t = tensor.to(param.dtype)
-            loader(param, t) if shard is None else loader(param, t, shard)
+            try:
+                loader(param, t) if shard is None else loader(param, t, shard)
+            except (ValueError, RuntimeError) as e:
+                if isinstance(e, torch.OutOfMemoryError):
+                    raise
+                raise ModelLoadError(f"cannot load checkpoint tensor '{name}' of shape "
+                                     f"{tuple(tensor.shape)} into {pname}: {e}") from e
             loaded.add(pname if shard is None else f"{pname}#{shard}")
         self._check_complete(params, loaded)
+
+    def _checked_stream(self, weights: Iterable[tuple[str, torch.Tensor]]
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The stream, each tensor of the config's inventory checked against its full shape
+        first: the loaders slice a rank's part, so a tensor too large would be cut and one
+        too small zero-filled (the embedding) without a word (transformers refuses both).
+        A tied model's lm_head.weight is not loaded (the embedding is the output projection,
+        as in vLLM); where it differs from the embedding, a warning says so."""
+        from phaseflip.model.dummy import checkpoint_shapes
+
+        want = {n.removeprefix("model."): s for n, s in checkpoint_shapes(self.cfg)}
+        tied = self.cfg.tie_word_embeddings
+        rows = torch.linspace(0, self.cfg.vocab_size - 1, 16).long()
+        samples: dict[str, torch.Tensor] = {}  # a few rows of the embedding and the head
+        for name, tensor in weights:
+            short = name.removeprefix("model.")
+            shape = want.get(short)
+            if shape is not None and tuple(tensor.shape) != shape:
+                raise ModelLoadError(
+                    f"checkpoint tensor '{name}' has shape {tuple(tensor.shape)}, but config.json "
+                    f"implies {shape} (in {self.cfg.model_dir})")
+            if tied and short in ("embed_tokens.weight", "lm_head.weight") and tensor.dim() == 2:
+                samples[short] = tensor[rows.to(tensor.device)].float().cpu()
+            yield name, tensor
+        if (len(samples) == 2 and not torch.equal(*samples.values())
+                and self.layout.tp_rank == 0 and self.layout.is_last_stage):
+            log.warning(
+                "%s: config.json ties the word embeddings, but the checkpoint's lm_head.weight "
+                "differs from its embed_tokens.weight: serving with the embedding as the output "
+                "projection (as vLLM does; transformers 5 unties them and uses lm_head.weight). "
+                "Set tie_word_embeddings to false in config.json to serve lm_head.weight",
+                self.cfg.model_dir)
 
     def _param_name(self, name: str) -> tuple[str, str | int | None] | None:
         if "rotary_emb" in name:
@@ -305,6 +347,20 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(src, dst), shard
         return name, None
 
+    def _checkpoint_name(self, entry: str) -> str:
+        """The checkpoint tensor a `loaded` entry ("pname" or "pname#shard") stands for: the
+        inverse of `_param_name` (global layer index, unfused projection, "model." prefix)."""
+        pname, _, shard = entry.partition("#")
+        if pname == "lm_head.weight":
+            return "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else pname
+        if pname.startswith("layers."):
+            idx = int(pname.split(".")[1])
+            pname = pname.replace(f"layers.{idx}.", f"layers.{idx + self.start_layer}.", 1)
+        for src, dst, sid in _FUSED:
+            if f".{dst}." in pname and str(sid) == shard:
+                pname = pname.replace(dst, src)
+        return f"model.{pname}"
+
     def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         missing = []
         for pname in params:
@@ -318,11 +374,13 @@ class LlamaForCausalLM(nn.Module):
                 need = []
             else:
                 need = [pname]
-            missing += [n for n in need if n not in loaded]
+            missing += [self._checkpoint_name(n) for n in need if n not in loaded]
         if missing:
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+            hint = ("; config.json has tie_word_embeddings false: set it to true if the "
+                    "embedding is the output projection" if "lm_head.weight" in missing else "")
             raise ModelLoadError(
-                f"checkpoint in {self.cfg.model_dir} lacks {len(missing)} tensors: {shown}"
+                f"checkpoint in {self.cfg.model_dir} lacks {len(missing)} tensors: {shown}{hint}"
             )
 
 

@@ -19,6 +19,7 @@ seq_len=n)` still exposes HF's rescaled frequencies for a given length.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -30,6 +31,8 @@ from phaseflip.model.rope_config import SUPPORTED_ROPE_TYPES, RopeConfig
 
 if TYPE_CHECKING:
     from phaseflip.cache.kv_pool import KVPool
+
+log = logging.getLogger(__name__)
 
 # Whether the fused in-place kernel (`phaseflip.kernels.rope`, imported on first use) can rotate
 # CUDA tensors; elsewhere the torch code below runs.
@@ -236,6 +239,12 @@ class RotaryEmbedding(nn.Module):
         graph (forward cannot grow the cache during capture)."""
         if num_positions <= self.cache_len:
             return
+        if self.rope.rope_type == "dynamic" and self.cache_len <= self.max_position_embeddings:
+            log.warning(  # once: the cache only grows
+                "dynamic RoPE: positions past max_position_embeddings %d keep the unscaled "
+                "frequencies (no NTK rescaling here; transformers rescales every position of a "
+                "longer sequence): outputs there differ from transformers and may degrade",
+                self.max_position_embeddings)
         length = 1 << (num_positions - 1).bit_length()
         self.cos_cache, self.sin_cache = self._build_cache(length)
 
