@@ -65,6 +65,7 @@ from phaseflip.cache.hicache.frames import (
 )
 from phaseflip.cache.hicache.transfer import TransferChannel
 from phaseflip.config import EngineConfig
+from phaseflip.errors import InvalidRequestError
 from phaseflip.model.config import ModelConfig
 from phaseflip.scheduler.hicache_state import (
     COPYING,
@@ -73,7 +74,7 @@ from phaseflip.scheduler.hicache_state import (
     HiCacheStats,
     LoadJob,
     StoreJob,
-    weights_id,
+    kv_producer_id,
 )
 from phaseflip.scheduler.kv_cache import KVCacheManager
 from phaseflip.scheduler.request import Req
@@ -92,16 +93,22 @@ class HiCache:
                                                                      "generation_defaults")}
         self.fingerprint = model_fingerprint(
             {k: str(v) for k, v in raw.items()}, dtype,
-            weights_id=weights_id(model_cfg.model_dir, cfg.load_format, cfg.seed))
+            weights_id=kv_producer_id(cfg, model_cfg))
         self.geometry = geo = self._geometry(dtype)
         capacity = host_capacity_pages(cfg.hicache_host_gb * 2**30, geo)
         frames = (HostFrames.create_shared(shared_frames_path(), capacity, geo.total_size)
                   if shared else HostFrames.private(capacity, geo.total_size))
         self.host = HostPagePool(frames.capacity, geo.total_size, fingerprint=self.fingerprint,
                                  frames=frames)
-        self.disk = (DiskPageStore(cfg.hicache_dir, self.fingerprint,
-                                   int(cfg.hicache_disk_gb * 2**30))
-                     if cfg.hicache_dir else None)
+        try:
+            self.disk = (DiskPageStore(cfg.hicache_dir, self.fingerprint,
+                                       int(cfg.hicache_disk_gb * 2**30), geometry=geo)
+                         if cfg.hicache_dir else None)
+        except OSError as exc:  # it cannot be created or listed
+            frames.close()
+            raise InvalidRequestError(f"--hicache-dir {cfg.hicache_dir}: cannot use it for the "
+                                      f"disk tier ({exc}); give a directory this user can "
+                                      "create and write", "hicache_dir") from exc
         self.io = (DiskIO(self.disk, self.host, geo, cfg.hicache_disk_queue_pages)
                    if self.disk is not None else None)
         self._header = torch.frombuffer(bytearray(page_header(geo, self.fingerprint)),
@@ -193,6 +200,8 @@ class HiCache:
             s.bytes_written, s.corrupt_pages, s.disk_evictions = (d.bytes_written, d.corrupt,
                                                                   d.evictions)
             s.disk_writes_dropped = self.io.writes_dropped
+            s.disk_write_failures, s.disk_read_errors, s.foreign_pages = (
+                d.write_failures, d.read_errors, d.foreign)
         if s.store_seconds > 0:
             s.store_gbps = s.bytes_stored / s.store_seconds / 1e9
         if s.load_seconds > 0:

@@ -15,6 +15,7 @@ import torch
 from phaseflip.cache.kv_pool import kv_cache_dtype
 from phaseflip.config import EngineConfig
 from phaseflip.model.config import ModelConfig
+from phaseflip.model.quant.checkpoint import engine_quantization
 from phaseflip.model.runner import resolve_dtype
 
 PROMOTING, COPYING, LOADED = "promoting", "copying", "loaded"
@@ -33,6 +34,9 @@ class HiCacheStats:
     host_evictions: int = 0
     disk_evictions: int = 0
     disk_writes_dropped: int = 0  # disk copies skipped because the write queue was full
+    disk_write_failures: int = 0  # disk copies that failed (full disk, permissions, ...)
+    disk_read_errors: int = 0  # disk pages that could not be read (an OS error: a miss)
+    foreign_pages: int = 0  # disk pages of another model (weights, KV dtype) met, left alone
     sync_writebacks: int = 0  # write-back pages copied synchronously at eviction
     stores_in_flight: int = 0  # pages being copied device -> host now
     loads_in_flight: int = 0  # pages being promoted or copied host -> device now
@@ -86,9 +90,25 @@ def weights_id(model_dir: str, load_format: str, seed: int) -> bytes:
     return h.digest()
 
 
+def kv_producer_id(cfg: EngineConfig, model_cfg: ModelConfig) -> bytes:
+    """What besides the config and the KV dtype decides the KV of a token sequence: the weights
+    (`weights_id`), how they run (`--quantization fp8` quantizes a float checkpoint at load)
+    and the compute dtype (FP8 KV is the same page dtype under bf16 and fp16 compute). Pages
+    of engines that differ in any of these never read each other."""
+    scheme = engine_quantization(cfg, model_cfg.model_dir)
+    quant = "none" if scheme is None else f"{scheme.source}:{scheme.block}"  # not lm_head: no KV
+    model = _model_dtype(cfg, model_cfg)
+    return weights_id(model_cfg.model_dir, cfg.load_format, cfg.seed) + (
+        f"|quant={quant}|compute={model}".encode())
+
+
+def _model_dtype(cfg: EngineConfig, model_cfg: ModelConfig) -> torch.dtype:
+    cuda = cfg.device != "cpu" and torch.cuda.is_available()
+    return resolve_dtype(cfg.dtype, model_cfg, torch.device("cuda" if cuda else "cpu"))
+
+
 def kv_dtype(cfg: EngineConfig, model_cfg: ModelConfig) -> torch.dtype:
     """The KV dtype of every layout of `cfg` (it follows the device kind, not the layout), known
     before the first runner exists: the host tier is made first."""
-    cuda = cfg.device != "cpu" and torch.cuda.is_available()
-    model = resolve_dtype(cfg.dtype, model_cfg, torch.device("cuda" if cuda else "cpu"))
+    model = _model_dtype(cfg, model_cfg)
     return kv_cache_dtype(cfg.kv_cache_dtype, model)  # FP8 pages with --kv-cache-dtype

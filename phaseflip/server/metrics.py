@@ -22,6 +22,8 @@ _HICACHE_PAGE_EVENTS = {
     "pages_written": "written", "miss_pages": "miss", "corrupt_pages": "corrupt",
     "host_evictions": "host_eviction", "disk_evictions": "disk_eviction",
     "disk_writes_dropped": "disk_writes_dropped", "sync_writebacks": "sync_writeback",
+    "disk_write_failures": "disk_write_failure", "disk_read_errors": "disk_read_error",
+    "foreign_pages": "foreign",
 }
 
 

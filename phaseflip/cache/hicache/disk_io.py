@@ -50,9 +50,9 @@ class DiskIO:
         g = self.geometry
         try:
             payload = self.host.frame(frame, g.total_size)[g.payload_offset :]
-            self.disk.put_payload(key, g, memoryview(payload.numpy()))
-            with self._lock:
-                self.writes_done += 1
+            if self.disk.put_payload(key, g, memoryview(payload.numpy())):
+                with self._lock:
+                    self.writes_done += 1
         finally:
             self.host.unpin(key)
             self._queue.release()
@@ -92,3 +92,4 @@ class DiskIO:
         self.closed = True
         self._writer.shutdown(wait=True)
         self._reader.shutdown(wait=True)
+        self.disk.close()

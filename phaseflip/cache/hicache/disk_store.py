@@ -14,13 +14,23 @@ order survives a restart.
 
 One process should write a directory; any number may read it. `get` of a key this instance has
 not indexed still looks at the file system, so pages written by another process (e.g. the
-driver, read by a TP rank) are found; only the writer's capacity accounting is exact.
+driver, read by a TP rank) are found; only the writer's capacity accounting is exact. A writer
+holds an advisory lock (`.lock`, flock) for its life; a second one on the directory logs a
+warning (both stay correct, but each keeps only its own pages under its capacity).
+
+Faults are misses, never exceptions: a page that cannot be read, deleted or written is counted
+(`StoreStats`) and logged with its cause at the 1st, 10th, 100th, ... failure of its kind, not
+once per page. A page that failed and could not be deleted (a read-only directory) is not
+looked up again until a put replaces it. A directory deleted while the store runs is made again
+by the next put.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import fcntl
 import logging
 import os
 import threading
@@ -54,6 +64,10 @@ log = logging.getLogger("phaseflip.hicache")
 
 _SUFFIX = ".page"
 _TMP_SUFFIX = ".tmp"
+_LOCK_NAME = ".lock"
+# what opening a page that is not there raises (a file where its fan-out directory should be
+# gives the second): a plain miss
+_ABSENT = (FileNotFoundError, NotADirectoryError)
 _T = TypeVar("_T")
 Ranges = Sequence[tuple[int, int]]
 
@@ -96,11 +110,14 @@ class DiskPageStore:
         fsync: bool = False,
         purge_foreign: bool = False,
         stale_tmp_s: float = 3600.0,
+        geometry: PageGeometry | None = None,
     ) -> None:
         """`fsync=True` makes a put durable across power loss (file and directory fsync) at a
         latency cost; without it a crash can lose recent pages but never corrupt one silently
         (checksums catch torn data). Temp files older than `stale_tmp_s` are crash leftovers
-        and are swept at start; younger ones may belong to a live writer."""
+        and are swept at start; younger ones may belong to a live writer. With `geometry` (the
+        reader's page shape), a page of another shape under a key is corrupt: the key names a
+        page of this shape, so the file was copied or renamed in."""
         if len(fingerprint) != KEY_BYTES:
             raise ValueError(f"fingerprint must be {KEY_BYTES} bytes")
         if capacity_bytes < 1:
@@ -110,10 +127,17 @@ class DiskPageStore:
         self.fingerprint = fingerprint
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
+        self.geometry = geometry
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, LRU first
         self._used = 0
         self._stats = StoreStats()
         self._lock = threading.Lock()
+        self._failures: dict[str, int] = {}  # kind -> count, to log the 1st, 10th, 100th, ...
+        self._failures_lock = threading.Lock()  # its own: `_warn` may run under `_lock`
+        # keys whose file was rejected but is still there (undeletable, foreign, unreadable):
+        # not looked up again until a put replaces the file
+        self._bad: set[bytes] = set()
+        self._lock_fd = self._claim()
         self._scan(purge_foreign, stale_tmp_s)
 
     # ------------------------------------------------------------ queries
@@ -139,8 +163,13 @@ class DiskPageStore:
     def contains(self, key: bytes) -> bool:
         """Indexed, or a valid-looking file (header checked) another process wrote."""
         with self._lock:
+            if key in self._bad:
+                return False
             if key in self._index:
-                return True
+                if self.path(key).exists():
+                    return True
+                self._forget(key)  # deleted behind the store's back (unlinks here are locked)
+                return False
         return self._read(key, lambda _read_at, _header: (True, 0), count=False) is not None
 
     @overload
@@ -207,12 +236,14 @@ class DiskPageStore:
 
     def read_into(self, key: bytes, out: memoryview) -> int | None:
         """Read the whole page into `out` (e.g. a host frame) and verify it; its length, or None
-        on a miss or a bad page (deleted, as for `get`). `out` may hold garbage after a miss."""
+        on a miss or a bad page (deleted, as for `get`; one larger than `out` is bad). `out` may
+        hold garbage after a miss."""
 
         def into(read_at: ReadAt, header: PageHeader) -> tuple[int, int]:
             n = header.total_size
             if len(out) < n:
-                raise ValueError(f"page of {n} bytes does not fit a {len(out)}-byte buffer")
+                raise CorruptPageError(f"page of {n} bytes does not fit a {len(out)}-byte "
+                                       "buffer")
             got = read_at.readinto(0, out[:n])
             if got != n:
                 raise CorruptPageError(f"truncated page: {got} of {n} bytes")
@@ -237,6 +268,7 @@ class DiskPageStore:
             return False
         with self._lock:
             self._stats.bytes_written += size
+            self._bad.discard(key)  # whatever was rejected under this key is replaced
             # a reader may have indexed the file while this put wrote it, and an eviction or a
             # delete unlinked it since: indexing it now would count a page no file holds
             # (unlinks happen under the lock, so its absence here is current)
@@ -283,12 +315,19 @@ class DiskPageStore:
                 if not path.exists():
                     self._forget(key)
                 self._stats.misses += count
-            if not isinstance(exc, FileNotFoundError):
-                log.warning("hicache: cannot open page %s: %s", path, exc)
+                if not isinstance(exc, _ABSENT):
+                    self._bad.add(key)
+                    self._stats.read_errors += 1
+            if not isinstance(exc, _ABSENT):
+                self._warn("read", "cannot open page %s (served as a miss; check the "
+                           "permissions of the HiCache directory): %s", path, exc)
             return None
         try:
             read_at = _FileReader(fd)
             header, size = _read_header(fd, self.fingerprint)
+            if self.geometry is not None and _geometry_of(header) != self.geometry:
+                raise CorruptPageError(f"page of geometry {_geometry_of(header)} under a key "
+                                       f"of {self.geometry}")
             result, nbytes = fn(read_at, header)
         except (CorruptPageError, OSError) as exc:
             self._reject(key, path, exc, count)
@@ -311,7 +350,8 @@ class DiskPageStore:
         return result
 
     def _reject(self, key: bytes, path: Path, exc: Exception, count: bool) -> None:
-        """A failed read: foreign pages are left alone, corrupt ones deleted, I/O errors kept."""
+        """A failed read: foreign pages are left alone, corrupt ones deleted, I/O errors kept;
+        what stays is not looked up again (`_bad`) until a put replaces it."""
         with self._lock:
             self._forget(key)
             self._stats.misses += count
@@ -319,19 +359,76 @@ class DiskPageStore:
                 self._stats.foreign += 1
             elif isinstance(exc, CorruptPageError):
                 self._stats.corrupt += 1
+            else:
+                self._stats.read_errors += 1
+            self._bad.add(key)
         if isinstance(exc, ForeignPageError):
-            log.warning("hicache: page %s belongs to another model, ignored: %s", path, exc)
+            self._warn("foreign", "page %s belongs to another model, ignored: %s", path, exc)
         elif isinstance(exc, CorruptPageError):
-            log.warning("hicache: corrupt page %s deleted (served as a miss): %s", path, exc)
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as unlink_exc:
+                self._warn("corrupt", "corrupt page %s served as a miss, but it cannot be "
+                           "deleted (%s): %s", path, unlink_exc, exc)
+                return
+            self._warn("corrupt", "corrupt page %s deleted (served as a miss): %s", path, exc)
+            with self._lock:
+                self._bad.discard(key)
         else:
-            log.warning("hicache: cannot read page %s (served as a miss): %s", path, exc)
+            self._warn("read", "cannot read page %s (served as a miss): %s", path, exc)
+
+    def _warn(self, kind: str, msg: str, *args: object) -> None:
+        """Log a failure of `kind` at its 1st, 10th, 100th, ... occurrence (debug otherwise):
+        a broken disk must not write a line per page per step."""
+        with self._failures_lock:
+            n = self._failures[kind] = self._failures.get(kind, 0) + 1
+        first = n == 1
+        if str(n).rstrip("0") != "1":
+            log.debug("hicache: " + msg, *args)
+            return
+        log.warning("hicache: " + msg + (" (the first %s failure of the disk tier; logged "
+                    "again at the 10th, 100th, ...)" if first else " (%s %s failures so far)"),
+                    *args, *((kind,) if first else (n, kind)))
+
+    def _claim(self) -> int | None:
+        """The directory's advisory writer lock (None when it cannot be taken): a second
+        engine on the directory is told, once, that its capacity is its own pages' only."""
+        path = self.directory / _LOCK_NAME
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            self._warn("write", "cannot write to the HiCache directory %s (%s): the disk "
+                       "tier serves the pages it has and stores none", self.directory, exc)
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return None
+            log.warning("hicache: the HiCache directory %s is in use by another engine (pid "
+                        "%s): pages are shared safely, but each engine holds its own pages to "
+                        "--hicache-disk-gb, so the directory can grow past it; give each "
+                        "engine its own --hicache-dir to keep the bound", self.directory, owner)
+            return None
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
+
+    def close(self) -> None:
+        """Release the directory's writer lock (the store stays usable)."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)
 
     def _write_atomic(self, path: Path, chunks: list[memoryview]) -> bool:
         tmp = path.parent / f".{path.name}.{os.getpid()}-{os.urandom(6).hex()}{_TMP_SUFFIX}"
         try:
-            path.parent.mkdir(exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)  # the directory may have been deleted
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 for view in chunks:
@@ -353,7 +450,8 @@ class DiskPageStore:
                 tmp.unlink()
             if not isinstance(exc, OSError):
                 raise
-            log.warning("hicache: cannot write page %s: %s", path, exc)
+            self._warn("write", "cannot write page %s (it stays in the host tier only; check "
+                       "the free space and permissions of the HiCache directory): %s", path, exc)
             return False
         return True
 
@@ -379,8 +477,14 @@ class DiskPageStore:
                 return
             self._forget(victim)
             self._stats.evictions += 1
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 self.path(victim).unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # e.g. a read-only directory: the file outlives its entry
+                self._bad.add(victim)
+                self._warn("evict", "cannot delete evicted page %s (the directory holds more "
+                           "than --hicache-disk-gb): %s", self.path(victim), exc)
 
     def _scan(self, purge_foreign: bool, stale_tmp_s: float) -> None:
         """Index this model's valid pages (headers only; payloads are verified when read)."""
@@ -419,6 +523,11 @@ class DiskPageStore:
             for _, key, size in sorted(found):
                 self._add(key, size)
             self._evict_to(self.capacity_bytes)
+
+
+def _geometry_of(header: PageHeader) -> PageGeometry:
+    return PageGeometry(header.dtype, header.page_size, header.num_layers, header.num_kv_heads,
+                        header.head_dim)
 
 
 def _read_header(fd: int, fingerprint: bytes) -> tuple[PageHeader, int]:

@@ -467,6 +467,7 @@ class StoreStats:
     corrupt: int = 0
     foreign: int = 0  # well-formed pages of another model seen (and left alone)
     write_failures: int = 0
+    read_errors: int = 0  # pages that could not be opened or read (an OS error: a miss)
 
 
 class PageStore(Protocol):
