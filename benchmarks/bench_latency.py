@@ -362,7 +362,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--hf-cache", default="static", choices=["static", "dynamic"])
     add_gpu_busy_arg(ap)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    for flag in ("num_iters", "input_len", "output_len"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.num_warmup < 0:
+        ap.error("--num-warmup must be >= 0")
+    return args
 
 
 def _ints(text: str) -> list[int]:

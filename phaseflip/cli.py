@@ -241,24 +241,72 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(cfg, config_from_args(args, ServerConfig))
 
 
+# `generate`'s sampling flags, by the SamplingParams field each sets
+SAMPLING_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
+                  "top_p": "--top-p", "seed": "--sampling-seed"}
+
+
+def _prompts(args: argparse.Namespace) -> list[str]:
+    """`generate`'s prompts: the arguments, else the non-blank lines of stdin. Text that is
+    not UTF-8 is an InvalidRequestError naming where it is (before the model loads)."""
+    from phaseflip.errors import InvalidRequestError
+
+    if args.prompt:
+        for n, prompt in enumerate(args.prompt, 1):
+            try:
+                prompt.encode("utf-8")  # (undecodable bytes of argv arrive as surrogates)
+            except UnicodeEncodeError:
+                raise InvalidRequestError(f"prompt argument {n} is not valid UTF-8",
+                                          "prompt") from None
+        return args.prompt
+    prompts = []
+    data = b"" if sys.stdin is None else sys.stdin.buffer.read()
+    for n, line in enumerate(data.split(b"\n"), 1):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidRequestError(f"stdin line {n} is not valid UTF-8 ({e.reason} at byte "
+                                      f"{e.start})", "prompt") from None
+        if text.strip():
+            prompts.append(text)
+    return prompts
+
+
 def _generate(args: argparse.Namespace) -> int:
     from phaseflip import Engine, SamplingParams
+    from phaseflip.errors import InvalidRequestError
     from phaseflip.threads import apply_cpu_threads
 
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.sampling_seed)
+    try:  # a bad value is told at once, not after the model has loaded
+        params.validate(vocab_size=sys.maxsize)
+    except InvalidRequestError as e:
+        raise InvalidRequestError(f"argument {SAMPLING_FLAGS.get(e.param, e.param)}: {e}",
+                                  e.param) from None
+    prompts = _prompts(args)
+    if not prompts:
+        print("phaseflip generate: no prompts (give them as arguments, or one per line on "
+              "stdin)", file=sys.stderr)
+        return 0
     cfg = config_from_args(args)
     _warn_if_cpu(cfg)
     apply_cpu_threads(cfg)  # the engine runs in this process
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.sampling_seed)
-    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     with Engine(**cfg.flat_dict()) as engine:
         outs = engine.generate(prompts, params, use_tqdm=len(prompts) > 1)
-    for prompt, out in zip(prompts, outs):
-        if args.json:
-            print(json.dumps({"prompt": prompt, "text": out.text,
-                              "finish_reason": out.outputs[0].finish_reason}))
-        else:
-            print(f"{prompt}\033[1m{out.text}\033[0m" if sys.stdout.isatty() else prompt + out.text)
+    try:
+        for prompt, out in zip(prompts, outs):
+            if args.json:
+                print(json.dumps({"prompt": prompt, "text": out.text,
+                                  "finish_reason": out.outputs[0].finish_reason}))
+            elif sys.stdout.isatty():
+                print(f"{prompt}\033[1m{out.text}\033[0m")
+            else:
+                print(prompt + out.text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader went away (`| head -1`): what it read is all it wants
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit's flush)
+        return 128 + 13  # as a process that SIGPIPE ended
     return 0
 
 
@@ -274,10 +322,11 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"phaseflip bench: cannot import the benchmark: {e}{hint}", file=sys.stderr)
         return 2
     main = module.main
+    # (its usage and errors then name `phaseflip bench NAME`, argparse's prog)
+    sys.argv = [f"phaseflip bench {args.benchmark}", *args.bench_args]
     if inspect.signature(main).parameters:
         main(args.bench_args)
     else:  # a benchmark that reads sys.argv itself
-        sys.argv = [f"phaseflip bench {args.benchmark}", *args.bench_args]
         main()
     return 0
 
@@ -351,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
         return command(args)
     except PhaseflipError as e:  # a bad flag value or model: a message, not a traceback
         parser.exit(2, f"phaseflip {name}: error: {e}\n")
+    except KeyboardInterrupt:  # Ctrl-C: the engine is shut down on the way out
+        print(f"\nphaseflip {name}: interrupted", file=sys.stderr)
+        return 128 + 2
 
 
 if __name__ == "__main__":

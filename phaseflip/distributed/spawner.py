@@ -31,6 +31,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import pickle
+import signal
 from collections.abc import Callable
 from multiprocessing import forkserver, reduction
 from pathlib import Path
@@ -90,7 +91,10 @@ def _is_open(fd: int) -> bool:
 
 def _run(env: dict[str, str] | None, stdio: tuple[int | None, ...] | None,
          payload: bytes) -> None:
-    """The child's entry: the driver's environment and stdio first, then the target."""
+    """The child's entry: the driver's environment and stdio first, then the target. A rank
+    ignores SIGINT: a Ctrl-C at the terminal reaches the whole process group, and the driver
+    ends its ranks itself (a rank dying first left a traceback per rank and exit status 1)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if env is not None:
         os.environ.clear()
         os.environ.update(env)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
+import logging
 import queue
+import re
+import signal
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import fields
 from typing import Any
 
@@ -26,6 +30,8 @@ from phaseflip.sampling.params import SamplingParams
 from phaseflip.scheduler.scheduler import longest_output_first
 
 Prompt = str | list[int]
+_SURROGATE = re.compile("[\ud800-\udfff]")
+log = logging.getLogger(__name__)
 
 
 def merge_delta(out: RequestOutput, d: StreamDelta) -> None:
@@ -84,6 +90,28 @@ def params_list(params: Any, n: int) -> list[SamplingParams]:
     return out
 
 
+@contextlib.contextmanager
+def _interrupts_between_steps() -> Iterator[list[int]]:
+    """In the main thread, a Ctrl-C (SIGINT left to Python's default handler) is held until
+    the step under way ends: the list it yields is then non-empty. A step cut in half leaves
+    requests that can neither be ended nor run on. A second Ctrl-C interrupts at once."""
+    held: list[int] = []
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield held
+        return
+
+    def hold(signum: int, frame: object) -> None:
+        held.append(signum)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield held
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _weakly(method: Callable[..., None]) -> Callable[..., None]:
     """`method`, calling through a weak reference to its object (a no-op once it is gone)."""
     ref = weakref.WeakMethod(method)
@@ -94,6 +122,48 @@ def _weakly(method: Callable[..., None]) -> Callable[..., None]:
             bound(*args)
 
     return call
+
+
+def _serve(ref: weakref.ref[Engine]) -> None:
+    """The streaming loop (a daemon thread). It holds its engine only during a turn, so an
+    engine dropped without `shutdown` is collected, and its finalizer stops the loop."""
+    err: BaseException = RuntimeError("the engine was shut down")
+    try:
+        while (engine := ref()) is not None and not engine._stop.is_set():
+            msg = None
+            with engine._lock:
+                idle = not engine.core.has_work()
+            if idle:  # block only when idle (no spinning), holding the engine weakly
+                inbox, engine = engine._inbox, None
+                try:
+                    msg = inbox.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if (engine := ref()) is None:
+                    return
+            engine._run_once(msg)
+    except BaseException as e:  # noqa: BLE001 - reported to every waiting consumer
+        err = e
+    engine = ref()
+    if engine is not None:
+        for rid in list(engine._subscribers):
+            engine._publish(rid, err)
+
+
+def _release(stop: threading.Event, threads: list[threading.Thread], core: EngineCore) -> bool:
+    """An engine's end (`Engine.shutdown`'s, or its finalizer's): its streaming loop stopped,
+    then its core closed, once. False: the loop did not stop, the core is left open (closed
+    under a step that runs on, it could crash the process)."""
+    stop.set()
+    others = [t for t in threads if t is not threading.current_thread()]
+    for t in others:
+        t.join(timeout=5)
+    if any(t.is_alive() for t in others):
+        log.warning("the engine's loop did not stop within 5 s")
+        return False
+    threads.clear()
+    core.close()
+    return True
 
 
 class Engine:
@@ -122,15 +192,24 @@ class Engine:
         self._ids = itertools.count()
         self._lock = threading.Lock()  # serialises core access between the two drivers
         self._inbox: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []  # the streaming loop's, while it runs
         self._stop = threading.Event()
         self._subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # `shutdown`, else the engine's collection or the interpreter's exit (where a loop
+        # still stepping in its daemon thread aborts the process: "terminate called ...")
+        self._finalizer = weakref.finalize(self, _release, self._stop, self._threads, self.core)
 
     # ------------------------------------------------------------------ helpers
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty", param="prompt")
+            bad = _SURROGATE.search(prompt)  # (what a tokenizer cannot encode: a TypeError)
+            if bad is not None:
+                raise InvalidRequestError(
+                    f"the prompt contains a lone surrogate "
+                    f"({bad.group().encode('unicode_escape').decode()}) at character "
+                    f"{bad.start()}; text must be valid Unicode", "prompt")
             return self.tokenizer.encode(prompt)
         if not isinstance(prompt, list | tuple):
             raise InvalidRequestError("a prompt is a string or a list of token ids", "prompt")
@@ -165,23 +244,40 @@ class Engine:
         with self._lock:
             results: dict[str, RequestOutput] = {}
             order = [f"gen-{next(self._ids)}" for _ in encoded]
-            # the call returns with its last request: the longest outputs go in first
-            for i in longest_output_first([p.max_new_tokens for p in params]):
-                core.add_request(order[i], encoded[i], params[i])
-                results[order[i]] = self._new_output(order[i], encoded[i], params[i].n)
             bar = tqdm(total=len(order), desc="Generating", disable=not use_tqdm, unit="req")
-            pending = set(order)
-            while pending:
-                for d in core.step():
-                    out = results.get(d.request_id)
-                    if out is None:  # a streaming request: hand it to its consumer
-                        self._publish(d.request_id, d)
-                        continue
-                    merge_delta(out, d)
-                    if d.usage is not None:
-                        pending.discard(d.request_id)
-                        bar.update(1)
-            bar.close()
+            in_step = False
+            try:
+                with _interrupts_between_steps() as interrupted:
+                    # the call returns with its last request: the longest outputs go in first
+                    for i in longest_output_first([p.max_new_tokens for p in params]):
+                        core.add_request(order[i], encoded[i], params[i])
+                        results[order[i]] = self._new_output(order[i], encoded[i], params[i].n)
+                    pending = set(order)
+                    while pending and not interrupted:
+                        in_step = True
+                        deltas = core.step()
+                        in_step = False
+                        for d in deltas:
+                            out = results.get(d.request_id)
+                            if out is None:  # a streaming request: hand it to its consumer
+                                self._publish(d.request_id, d)
+                                continue
+                            merge_delta(out, d)
+                            if d.usage is not None:
+                                pending.discard(d.request_id)
+                                bar.update(1)
+                    if interrupted:
+                        raise KeyboardInterrupt
+            except BaseException:
+                # Ctrl-C or an error between steps: none of this call's requests may stay in
+                # the engine, holding KV and the steps of the calls after it. (Cut inside a
+                # step, they cannot be ended: they run on, their outputs dropped.)
+                if not in_step:
+                    for rid in order:
+                        core.abort(rid)
+                raise
+            finally:
+                bar.close()
         return [results[r] for r in order]
 
     # ------------------------------------------------------------------ streaming
@@ -217,38 +313,30 @@ class Engine:
                 self._inbox.put(("abort", rid))
 
     def _ensure_thread(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
+        self._threads[:] = [t for t in self._threads if t.is_alive()]
+        if not self._threads:
             self._stop.clear()
-            self._thread = threading.Thread(target=self._loop, name="phaseflip-engine",
-                                             daemon=True)
-            self._thread.start()
+            thread = threading.Thread(target=_serve, args=(weakref.ref(self),),
+                                      name="phaseflip-engine", daemon=True)
+            self._threads.append(thread)
+            thread.start()
 
-    def _loop(self) -> None:
-        err: BaseException = RuntimeError("the engine was shut down")
+    def _run_once(self, msg: tuple | None) -> None:
+        """One turn of the streaming loop: the inbox's messages (`msg` first), then a step."""
+        with self._lock:
+            if msg is None:
+                msg = self._next_message()
+            while msg is not None:
+                self._handle(msg)
+                msg = self._next_message()
+            deltas = self.core.step(sink=self._publish_all) if self.core.has_work() else []
+        self._publish_all(deltas)
+
+    def _next_message(self) -> tuple | None:
         try:
-            self._run()
-        except BaseException as e:  # noqa: BLE001 - reported to every waiting consumer
-            err = e
-        for rid in list(self._subscribers):
-            self._publish(rid, err)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            with self._lock:
-                idle = not self.core.has_work()
-            try:  # block only when idle: no spinning
-                msg = self._inbox.get(timeout=0.5) if idle else self._inbox.get_nowait()
-            except queue.Empty:
-                msg = None
-            with self._lock:
-                while msg is not None:
-                    self._handle(msg)
-                    try:
-                        msg = self._inbox.get_nowait()
-                    except queue.Empty:
-                        msg = None
-                deltas = self.core.step(sink=self._publish_all) if self.core.has_work() else []
-            self._publish_all(deltas)
+            return self._inbox.get_nowait()
+        except queue.Empty:
+            return None
 
     def _handle(self, msg: tuple) -> None:
         if msg[0] == "add":
@@ -292,13 +380,11 @@ class Engine:
         """Stops the loop and gives back everything the engine took: rank processes, weights,
         KV pool, graphs, workspaces and host tiers are freed (`EngineCore.close`), what
         still refers to them is dropped, and the device's cached blocks go back to the
-        driver, so another engine in this process has the whole device again."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
-        if self.core is not None:
-            self.core.close()
+        driver, so another engine in this process has the whole device again. An engine
+        dropped or still open at the interpreter's exit is closed the same way."""
+        core = self.core
+        if self._finalizer() is False and core is not None:
+            core.close()  # asked for: the ranks go even under a step that does not end
         self.core = None  # the last reference to the loop's objects (sampler, backend...)
         gc.collect()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
