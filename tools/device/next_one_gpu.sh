@@ -1,12 +1,10 @@
-# the next one-GPU call, by the card that came (a call for nvidia-h200 may get an H100): an
-# H200 -> defaults_ab_call.sh (row padding, longest first and the o/down fold, on against
-# off: lmh_call.sh and head_tune_call.sh ran there on 2026-12-06), then tile_head_call.sh,
-# pdl_chain_call.sh and silu_call.sh in the calls after; anything else -> tile_head_call.sh
-# (the FP8 LM head's tile-GEMM entries for that card: its W8A8 skinny entries, head_tune_call.sh,
-# ran on an H100 on 2026-12-07 and ship). END, ONLY and PAIRS pass through.
+# the next one-GPU call, whatever the card: gpu_tests_call.sh (the GPU test files at the tree,
+# then FP8 and bf16 offline once each). Since the last GPU test run (2026-12-06) the loader
+# checks every checkpoint tensor's shape (a tied checkpoint's head rows sampled on the device),
+# HiCache's page identity took the quantization and compute dtype, and the offline Engine's
+# generate holds Ctrl-C between steps: none of it has run on a GPU. (The seventeenth H200 run,
+# 2026-12-07, ran the queue before it: defaults_ab, tile_head, pdl_chain, silu.)
+# END, ONLY and PAIRS pass through.
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "card: $card"
-case "$card" in
-  *H200*) exec bash tools/device/defaults_ab_call.sh;;
-  *) exec bash tools/device/tile_head_call.sh;;
-esac
+exec bash tools/device/gpu_tests_call.sh
