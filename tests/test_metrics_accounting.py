@@ -24,7 +24,8 @@ HICACHE_STATS = {
     "host_hit_tokens": 64, "disk_hit_tokens": 0, "bytes_written": 0, "bytes_loaded": 4096,
     "bytes_stored": 8192, "store_gbps": None, "load_gbps": None, "pages_written": 5,
     "miss_pages": 2, "corrupt_pages": 3, "host_evictions": 4, "disk_evictions": 6,
-    "disk_writes_dropped": 7, "sync_writebacks": 8,
+    "disk_writes_dropped": 7, "sync_writebacks": 8, "disk_write_failures": 9,
+    "disk_read_errors": 10, "foreign_pages": 11,
 }
 
 
@@ -44,13 +45,21 @@ def one(text: str, name: str, **labels: str) -> float | None:
 
 
 def test_hicache_page_events_carry_the_documented_labels():
-    """`pages_written` was exported as event="pages_written" and `miss_pages` as "mis"."""
+    """`pages_written` was exported as event="pages_written" and `miss_pages` as "mis". Every
+    page counter of the engine's `HiCacheStats` is exported."""
+    from dataclasses import fields
+
+    from phaseflip.scheduler.hicache_state import HiCacheStats
+
+    assert {f.name for f in fields(HiCacheStats)} <= HICACHE_STATS.keys() | {
+        "stores_in_flight", "loads_in_flight", "store_seconds", "load_seconds"}
     m = ServerMetrics("tiny")
     m.observe_hicache(HICACHE_STATS)
     pages = {dict(k)["event"]: v for k, v in series(m.render().decode(),
                                                      "phaseflip_hicache_pages").items()}
     assert pages == {"written": 5, "miss": 2, "corrupt": 3, "host_eviction": 4,
-                     "disk_eviction": 6, "disk_writes_dropped": 7, "sync_writeback": 8}
+                     "disk_eviction": 6, "disk_writes_dropped": 7, "sync_writeback": 8,
+                     "disk_write_failure": 9, "disk_read_error": 10, "foreign": 11}
 
 
 def test_engine_info_sets_gauges_and_preemptions():

@@ -39,7 +39,8 @@ def test_every_metrics_series_carries_the_model_name(tmp_path):
                 "host_hit_tokens": 1, "disk_hit_tokens": 0, "bytes_written": 2,
                 "bytes_loaded": 3, "bytes_stored": 0, "store_gbps": 1.5, "load_gbps": None,
                 "pages_written": 1, "miss_pages": 0, "corrupt_pages": 0, "host_evictions": 0,
-                "disk_evictions": 0, "disk_writes_dropped": 0, "sync_writebacks": 0})
+                "disk_evictions": 0, "disk_writes_dropped": 0, "sync_writebacks": 0,
+                "disk_write_failures": 0, "disk_read_errors": 0, "foreign_pages": 0})
             return (await c.get("/metrics")).text
 
     text = asyncio.run(go())

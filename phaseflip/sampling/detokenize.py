@@ -20,6 +20,8 @@ REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens kept as context when `context_from_prompt` is set (enough for any tokenizer's
 # context effects, cheap to re-decode).
 _PROMPT_CONTEXT = 5
+# How many of the text's last characters `partial_stop_len` looks for in a stop string at once.
+_STOP_TAIL = 16
 
 
 class Decoder(Protocol):
@@ -184,11 +186,31 @@ def find_stop_match(text: str, stop: list[str], start: int) -> tuple[int, str] |
 def partial_stop_len(text: str, stop: list[str]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of a stop string: text a
     stream holds back, since the next token may turn it into a stop match (the engine's
-    rule, `OutputProcessor.delta`)."""
-    longest = 0
+    rule, `OutputProcessor.delta`).
+
+    Runs every step for every request with stop strings, so it only tries the n where
+    s[:n] can end the text, found by `rfind`, longest first (trying every n, slicing s[:n]
+    each time, took O(len(s)^2): 10 ms a step for 16 stop strings of 1024 characters)."""
+    if not text:
+        return 0
+    tail = text[-_STOP_TAIL:]
+    last, k, longest = text[-1], len(tail), 0
     for s in stop:
-        for n in range(min(len(s) - 1, len(text)), longest, -1):
-            if text.endswith(s[:n]):
-                longest = n
+        hi = min(len(s) - 1, len(text))  # the longest n to try
+        if hi <= longest:
+            continue
+        # n >= k: s[n-k:n] is the text's last k characters
+        p = s.rfind(tail, 0, hi)
+        while p >= 0 and p + k > longest:
+            if text.endswith(s[: p + k]):
+                longest = p + k
                 break
+            p = s.rfind(tail, 0, p + k - 1)
+        else:  # n < k: s[n-1] is the text's last character
+            i = s.rfind(last, 0, min(hi, k - 1))
+            while i >= longest:  # n = i + 1 > longest
+                if text.endswith(s[: i + 1]):
+                    longest = i + 1
+                    break
+                i = s.rfind(last, 0, i)
     return longest

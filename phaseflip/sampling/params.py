@@ -17,6 +17,13 @@ MAX_N = 128
 PENALTY_RANGE = 2.0
 LOGIT_BIAS_RANGE = 100.0
 TOP_K_MAX = 2**31 - 1  # any k past the vocabulary keeps every token
+# Sizes a request may give; each is checked by the engine every step it runs (stop strings
+# against the text's end, stop ids against each token, the bias added to each row), so an
+# unbounded one slowed every other request's steps, and its checks held the front end.
+MAX_STOP_STRINGS = 16  # more generous than OpenAI's 4
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 4096  # OpenAI takes 300
 
 
 def _is_int(x: Any) -> bool:
@@ -168,6 +175,7 @@ class SamplingParams:
                 raise InvalidRequestError(
                     "logit_bias must be a mapping of token id to bias", param="logit_bias"
                 )
+            _check_count(self.logit_bias, MAX_LOGIT_BIAS, "logit_bias", "entries")
             for token, bias in self.logit_bias.items():
                 if not _is_int(token) or not 0 <= token < vocab_size:
                     raise InvalidRequestError(
@@ -189,7 +197,13 @@ class SamplingParams:
         if self.seed is not None:
             _require_int(self.seed, "seed")
 
+        _check_count(self.stop, MAX_STOP_STRINGS, "stop", "stop strings")
+        _check_count(self.stop_token_ids, MAX_STOP_TOKEN_IDS, "stop_token_ids", "entries")
         for s in self.stop:
+            if isinstance(s, str) and len(s) > MAX_STOP_STRING_CHARS:
+                raise InvalidRequestError(
+                    f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters, got "
+                    f"one of {len(s)}", param="stop")
             if not isinstance(s, str) or s == "":
                 raise InvalidRequestError(
                     f"stop strings must be non-empty strings, got {s!r}", param="stop"
@@ -230,6 +244,12 @@ class SamplingParams:
                 raise InvalidRequestError(
                     f"{name} must be in [0, {max_logprobs}], got {value}", param=name
                 )
+
+
+def _check_count(items: list | dict, limit: int, param: str, what: str) -> None:
+    if len(items) > limit:
+        raise InvalidRequestError(f"{param} may have at most {limit} {what}, got {len(items)}",
+                                  param=param)
 
 
 def _as_list(value: object, name: str, what: str) -> list:

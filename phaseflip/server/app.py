@@ -20,7 +20,7 @@ from phaseflip.server.context import OverloadedError, ServerContext, UnknownMode
 from phaseflip.server.engine_client import EngineDeadError
 from phaseflip.server.gate import Gate
 from phaseflip.server.openai_api import (
-    chat_ids,
+    chat_prompt,
     create_chat_completion,
     create_completion,
 )
@@ -165,9 +165,11 @@ def _inference_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/tokenize", response_model=None, responses=ok(p.TokenizeResponse))
     async def tokenize(req: p.TokenizeRequest) -> dict:
         ctx.check_model(req.model)
-        if req.messages is not None:
-            ids = await chat_ids(ctx, [m.template_dict() for m in req.messages],
-                                 req.add_generation_prompt, req.template_kwargs)
+        if req.messages is not None:  # (as a chat request of these fields: its count)
+            ids, _ = await chat_prompt(ctx, p.ChatCompletionRequest.model_construct(
+                model=ctx.model_name, **req.model_dump(include={
+                    "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+                    "tools", "tool_choice"}, exclude_none=True), messages=req.messages))
         else:
             ids = await ctx.encode(req.prompt, "prompt", req.add_special_tokens)
         return p.TokenizeResponse(tokens=ids, count=len(ids),
@@ -263,10 +265,6 @@ def _admin_routes(app: FastAPI, ctx: ServerContext) -> None:
             return _error(400, reply.message, "invalid_request_error", reply.param)
         return JSONResponse(reply.data)
 
-    # ids this endpoint aborted whose end has not reached the front end yet: asked again (a
-    # retry, abort_all beside a rid), they are sent again but not counted again
-    asked: set[str] = set()
-
     @app.post("/abort_request", response_model=None, responses=ok(Aborted))
     async def abort_request(req: p.AbortRequest) -> dict:
         rids = list(ctx.engine.state.in_flight) if req.abort_all else ctx.engine.matching(
@@ -275,12 +273,10 @@ def _admin_routes(app: FastAPI, ctx: ServerContext) -> None:
             return _error(404, f"no request {req.rid!r} is in flight (it finished, was "
                                "aborted already, or never existed)", "not_found_error", "rid",
                           "request_not_found")
-        asked.intersection_update(ctx.engine.state.in_flight)  # (ended ones: their id is free)
-        new = [rid for rid in rids if rid not in asked]
-        asked.update(new)
-        for rid in rids:
+        ctx.abort_asked.intersection_update(ctx.engine.state.in_flight)  # (ended: forgotten)
+        for rid in rids:  # (counted when the abort ends it: `ServerContext.abort_asked`)
+            ctx.abort_asked.add(rid)
             await ctx.engine.abort(rid)
-        ctx.metrics.aborted.labels("abort_request").inc(len(new))
         return {"rid": req.rid, "aborted": rids}
 
 

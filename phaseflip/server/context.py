@@ -121,6 +121,10 @@ class ServerContext:
     # so that concurrent requests cannot all pass the bound before any of them is running
     admitted: int = 0
     shutting_down: str | None = None  # why new work is refused, once a shutdown began
+    # engine requests /abort_request asked to end, until their end comes back: counted in
+    # aborted_requests_total{abort_request} then, once, if the abort ended them (one whose
+    # end crossed the abort on its way ended by itself, and is not counted)
+    abort_asked: set[str] = field(default_factory=set)
     # tokenising a long prompt takes seconds: off the event loop, one at a time (the fast
     # tokenizer's Rust object is not safe to share between concurrent encodes)
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
@@ -301,7 +305,7 @@ class ServerContext:
         before its end (the client went away) is counted as aborted."""
         start = time.perf_counter()
         last: dict[int, float] = {}  # each sample's last token: ITL is per sample
-        first, finished, cached, counted = True, set(), 0, False
+        first, finished, cached, counted, aborted = True, set(), 0, False, False
         try:
             async for d in self.engine.generate(rid, prompt_ids, params):
                 now = time.perf_counter()
@@ -318,6 +322,7 @@ class ServerContext:
                 if d.finish_reason is not None:
                     self.metrics.requests.labels(d.finish_reason).inc()
                     finished.add(d.index)
+                    aborted = aborted or d.finish_reason == "abort"
                 if d.usage is not None:
                     self.metrics.e2e.observe(now - start)
                     self.metrics.observe_usage(d.usage.prompt_tokens, d.usage.cached_tokens)
@@ -336,6 +341,10 @@ class ServerContext:
             counted = True  # (its prompt was not processed)
             raise
         finally:
+            if rid in self.abort_asked:
+                self.abort_asked.discard(rid)
+                if aborted:
+                    self.metrics.aborted.labels("abort_request").inc()
             if len(finished) < params.n:  # the consumer left early: the client went away
                 self.metrics.requests.labels("abort").inc(params.n - len(finished))
                 self.metrics.aborted.labels("client_disconnect").inc()

@@ -133,8 +133,14 @@ class Drain:
         log.info("%s: refusing new requests; draining %d in flight for up to %.0f s",
                  name, len(engine.state.in_flight), timeout_s)
         end = self.loop.time() + timeout_s
-        while engine.state.in_flight and self.loop.time() < end and not self.hurry.is_set():
+        # a flip in its seam is work in flight too (also one whose caller got its 504): the
+        # engine answers no "shutdown" until the seam ends, and one stopped mid-seam is killed
+        while ((engine.state.in_flight or ctx.flip_in_progress) and self.loop.time() < end
+               and not self.hurry.is_set()):
             await asyncio.wait([asyncio.ensure_future(self.hurry.wait())], timeout=0.1)
+        if (target := ctx.flip_in_progress) is not None:
+            log.warning("drain: the flip to %s is still in its seam; the engine is stopped "
+                        "in it", target)
         if engine.state.in_flight:
             why, self.outcome.reason = self._why_ended(name, timeout_s,
                                                        len(engine.state.in_flight))
@@ -231,6 +237,12 @@ def _check_hicache(cfg: EngineConfig) -> None:
             raise InvalidRequestError(
                 f"--hicache-dir {cfg.hicache_dir}: {existing} is a file, not a directory; "
                 "give a directory for the disk tier (it is created if missing)", "hicache_dir")
+        try:
+            wanted.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InvalidRequestError(
+                f"--hicache-dir {cfg.hicache_dir}: cannot create it ({exc.strerror}); give a "
+                "directory this user can create and write", "hicache_dir") from exc
     available = _available_memory_bytes()
     if available is not None and cfg.hicache_host_gb * 2**30 > available:
         raise InvalidRequestError(

@@ -56,6 +56,7 @@ class PromptRun:
     prompt_ids: list[int]
     params: SamplingParams
     first_index: int  # choice index of sample 0
+    prompt_text: str | None = None  # the prompt as sent, if as text (what `echo` repeats)
     usage: object = None
     prompt_logprobs: list | None = None
     prompt_top: list | None = None
@@ -192,17 +193,32 @@ def reported_stop(params: SamplingParams, matched_stop: int | str | None) -> int
     return matched_stop
 
 
+def echo_text(ctx: ServerContext, run: PromptRun) -> str:
+    """The prompt as `echo` repeats it: as sent when it was text (as vLLM's; its decoded ids
+    would add what the tokenizer added, a BOS token's "<s>"), else its ids decoded."""
+    return run.prompt_text if run.prompt_text is not None else ctx.tokenizer.decode(
+        run.prompt_ids)
+
+
 def completion_logprobs(ctx: ServerContext, cursor: OffsetCursor, ids: list[int],
                         lps: list[float | None], tops: list, n_prompt: int,
-                        params: SamplingParams, last_hidden: bool) -> p.CompletionLogprobs:
+                        params: SamplingParams, last_hidden: bool,
+                        prompt_text: str | None = None) -> p.CompletionLogprobs:
     """Logprobs of `ids`: the first `n_prompt` of them echoed prompt tokens, whose text keeps
-    special tokens; the rest generated, whose text skips them with `skip_special_tokens`, and
-    whose last is not in the text at all when `last_hidden` (a stop token)."""
-    tokens, offsets, special = [], [], ctx.token_text.special
+    special tokens (of a prompt sent as `prompt_text`, those its text spells there: not a BOS
+    the tokenizer added); the rest generated, whose text skips them with
+    `skip_special_tokens`, and whose last is not in the text at all when `last_hidden` (a
+    stop token)."""
+    tokens, offsets, tt = [], [], ctx.token_text
+    special = tt.special
     for i, t in enumerate(ids):
         generated = i >= n_prompt
-        in_text = not (generated and (params.skip_special_tokens and t in special
-                                      or last_hidden and i == len(ids) - 1))
+        if not generated:
+            in_text = prompt_text is None or t not in special or prompt_text.startswith(
+                tt.spell(t), cursor.chars)
+        else:
+            in_text = not (params.skip_special_tokens and t in special
+                           or last_hidden and i == len(ids) - 1)
         token, offset = cursor.add(t, in_text)
         tokens.append(token)
         offsets.append(offset)
@@ -226,15 +242,19 @@ async def create_completion(req: p.CompletionRequest, request: Request,
         raise InvalidRequestError(f"{feature} is not supported", feature)
     if req.stream and req.best_of is not None and req.best_of > req.n:
         raise InvalidRequestError("best_of > n cannot be streamed", "best_of")
+    width = req.best_of if req.best_of and req.best_of > req.n else req.n
+    single = isinstance(req.prompt, str) or isinstance(req.prompt[0], int)
+    ctx.check_width((1 if single else len(req.prompt)) * width)  # (before tokenising them)
     prompts = await _completion_prompts(ctx, req.prompt)
     base = ctx.new_id("cmpl")
     runs = []
-    width = req.best_of if req.best_of and req.best_of > req.n else req.n
+    texts = ([req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
+             if isinstance(req.prompt[0], str) else [None] * len(prompts))  # (None: ids)
     for i, ids in enumerate(prompts):
         params = p.completion_sampling_params(req, ctx.default_max_tokens(len(ids)))
         await check_grammar(ctx, params, "response_format")
         ctx.validate(ids, params, _COMPLETION_NAMES)
-        runs.append(PromptRun(f"{base}-{i}", ids, params, i * req.n))
+        runs.append(PromptRun(f"{base}-{i}", ids, params, i * req.n, texts[i]))
     ctx.admit([r.params for r in runs])
     if req.stream:
         return stream_response(_stream_completion(ctx, req, base, created, runs))
@@ -271,7 +291,7 @@ async def _complete(ctx, req: p.CompletionRequest, base: str, created: int,
         cs = choices[run.rid]
         if width > req.n:
             cs = best_of(cs, req.n)
-        prompt_text = ctx.tokenizer.decode(run.prompt_ids) if req.echo else ""
+        prompt_text = echo_text(ctx, run) if req.echo else ""
         for j, c in enumerate(cs):
             lp = None
             if req.logprobs is not None:
@@ -283,7 +303,8 @@ async def _complete(ctx, req: p.CompletionRequest, base: str, created: int,
                 lp = completion_logprobs(
                     ctx, OffsetCursor(ctx.token_text), ids, lps, tops,
                     len(run.prompt_ids) if req.echo else 0, run.params,
-                    hides_stop_token(run.params, c.finish_reason, c.stop_reason))
+                    hides_stop_token(run.params, c.finish_reason, c.stop_reason),
+                    run.prompt_text)
             out.append(p.CompletionChoice(
                 index=run.first_index + j, text=prompt_text + c.text, logprobs=lp,
                 finish_reason=c.finish_reason, stop_reason=reported_stop(run.params,
@@ -307,7 +328,7 @@ async def _stream_completion(ctx, req: p.CompletionRequest, base: str, created: 
         first = req.echo and key not in echoed
         if first:
             echoed.add(key)
-            text = ctx.tokenizer.decode(run.prompt_ids) + text
+            text = echo_text(ctx, run) + text
         if req.logprobs is not None:
             ids, lps, tops = list(d.token_ids), list(d.logprobs or []), list(d.top_logprobs or [])
             n_prompt = 0
@@ -318,7 +339,7 @@ async def _stream_completion(ctx, req: p.CompletionRequest, base: str, created: 
             cursor = cursors.setdefault(key, OffsetCursor(ctx.token_text))
             lp = completion_logprobs(ctx, cursor, ids, lps, tops, n_prompt, run.params,
                                      hides_stop_token(run.params, d.finish_reason,
-                                                      d.matched_stop))
+                                                      d.matched_stop), run.prompt_text)
         choice = p.CompletionChoice(index=run.first_index + d.index, text=text, logprobs=lp,
                                     finish_reason=d.finish_reason,
                                     stop_reason=reported_stop(run.params, d.matched_stop)
@@ -401,13 +422,10 @@ async def create_chat_completion(req: p.ChatCompletionRequest, request: Request,
     return await respond(request, lambda: _chat(ctx, req, run, plan, created))
 
 
-async def prepare_chat(ctx: ServerContext, req: p.ChatCompletionRequest, rid: str,
-                       names: dict[str, str]) -> tuple[PromptRun, tools.ToolPlan | None]:
-    """A chat request made the admitted engine run `rid`: its tools planned, its template
-    rendered and tokenised, its sampling checked (`names`: `ServerContext.validate`'s)."""
-    feature = p.unsupported(req)
-    if feature:
-        raise InvalidRequestError(f"{feature} is not supported yet", feature)
+async def chat_prompt(ctx: ServerContext, req: p.ChatCompletionRequest
+                      ) -> tuple[list[int], tools.ToolPlan | None]:
+    """A chat request's prompt ids and its tool plan: the tools planned, the template rendered
+    (with the tools, unless tool_choice is none) and tokenised; what /tokenize counts too."""
     plan = tools.plan_tools(req)
     template = ctx.tokenizer.chat_template
     messages, tool_kwargs = tools.template_messages(
@@ -415,6 +433,17 @@ async def prepare_chat(ctx: ServerContext, req: p.ChatCompletionRequest, rid: st
     effort = {} if req.reasoning_effort is None else {"reasoning_effort": req.reasoning_effort}
     ids = await chat_ids(ctx, messages, req.add_generation_prompt,
                          {**effort, **req.template_kwargs, **tool_kwargs})
+    return ids, plan
+
+
+async def prepare_chat(ctx: ServerContext, req: p.ChatCompletionRequest, rid: str,
+                       names: dict[str, str]) -> tuple[PromptRun, tools.ToolPlan | None]:
+    """A chat request made the admitted engine run `rid`: its tools planned, its template
+    rendered and tokenised, its sampling checked (`names`: `ServerContext.validate`'s)."""
+    feature = p.unsupported(req)
+    if feature:
+        raise InvalidRequestError(f"{feature} is not supported yet", feature)
+    ids, plan = await chat_prompt(ctx, req)
     max_tokens = req.requested_max_tokens
     if max_tokens is None:
         max_tokens = ctx.required_max_tokens(len(ids), "messages")

@@ -16,12 +16,16 @@ from phaseflip.server.protocol.requests import (
     Bool,
     ChatMessage,
     Float,
+    GrammarText,
     Int,
     LogitBias,
     Seed,
     Stop,
+    StopTokenIds,
     Str,
     TokenId,
+    ToolChoice,
+    Tools,
     TopLogprobsNum,
     _fail,
     _Ids,
@@ -68,14 +72,14 @@ class NativeSamplingParams(_Request):
     n: Int | None = None
     ignore_eos: Bool | None = None
     stop: Stop = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: StopTokenIds | None = None
     skip_special_tokens: Bool | None = None
     include_stop_str_in_output: Bool | None = None
-    regex: Str | None = None
+    regex: GrammarText | None = None
     """The output matches this regular expression (grammar-constrained)."""
-    ebnf: Str | None = None
+    ebnf: GrammarText | None = None
     """The output matches this EBNF grammar (GBNF-style, root rule `root`)."""
-    json_schema: Str | None = None
+    json_schema: GrammarText | None = None
     """The output is JSON valid against this schema (given as JSON text, as in SGLang)."""
     # SGLang's names, accepted as its clients send them (see SGLANG_SAMPLING_EXTRAS)
     no_stop_trim: Bool | None = None
@@ -216,6 +220,10 @@ class TokenizeRequest(_Request):
     continue_final_message: Bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     """Only for `messages`: as a chat request's, so the count is the chat request's."""
+    tools: Tools = None
+    tool_choice: ToolChoice = None
+    """Only for `messages`: rendered into the prompt as a chat request renders them (not
+    with tool_choice "none"), so the count is the chat request's."""
 
     @property
     def template_kwargs(self) -> dict[str, Any]:
@@ -225,6 +233,8 @@ class TokenizeRequest(_Request):
     def _check_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise _fail("exactly one of prompt and messages is required", "prompt")
+        if self.prompt is not None and (self.tools is not None or self.tool_choice is not None):
+            raise _fail("tools and tool_choice are only for messages", "tools")
         return self
 
 

@@ -23,6 +23,8 @@ and the server runs `SamplingParams.validate` (vocabulary-dependent checks) afte
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
 import types
 import typing
@@ -39,18 +41,29 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from phaseflip.sampling.params import LOGIT_BIAS_RANGE, MAX_N, PENALTY_RANGE
+from phaseflip.sampling.grammar import MAX_GRAMMAR_CHARS
+from phaseflip.sampling.params import (
+    LOGIT_BIAS_RANGE,
+    MAX_LOGIT_BIAS,
+    MAX_N,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    PENALTY_RANGE,
+)
 
 MAX_LOGPROBS = 20
 """Most alternatives per position a request may ask for (OpenAI's limit for chat)."""
-MAX_STOP_STRINGS = 16
-"""More generous than OpenAI's 4; each stop string costs a suffix check per token."""
+MAX_TOOLS = 128
+"""OpenAI's limit on a request's tools (each is rendered into the prompt and, with a required
+or named tool_choice, into the grammar)."""
 VERY_UNLIKELY_LOGPROB = -9999.0
 """What OpenAI reports for a token outside the distribution; JSON has no -Infinity."""
 
 _CUSTOM_ERROR = "phaseflip_invalid_value"
 _TOKEN_ID_KEY = re.compile(r"[0-9]+")
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_TEXT_OR_CONTAINER = frozenset({str, dict, list})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,17 +148,41 @@ def _prompt_validator(*, strings: bool, token_ids: bool, what: str) -> BeforeVal
 
 
 def _check_stop(value: Any) -> Any:
-    if value is None or isinstance(value, str):
-        if value == "":
-            raise _fail("stop strings must not be empty")
+    if value is None:
         return value
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise _fail("stop must be a string or a list of strings")
-    if len(value) > MAX_STOP_STRINGS:
-        raise _fail(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(value)}")
-    if not all(value):
+    if len(stops) > MAX_STOP_STRINGS:
+        raise _fail(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+    if not all(stops):
         raise _fail("stop strings must not be empty")
+    if (longest := max(map(len, stops), default=0)) > MAX_STOP_STRING_CHARS:
+        raise _fail(f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters, got "
+                    f"one of {longest}")
     return value
+
+
+def _at_most(limit: int, what: str) -> BeforeValidator:
+    """A list or object of more than `limit` items, refused before any item is checked (a
+    million items took seconds of the event loop)."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, list | dict) and len(value) > limit:
+            raise _fail(f"at most {limit} {what} are allowed, got {len(value)}")
+        return value
+
+    return BeforeValidator(check)
+
+
+def _text_at_most(limit: int, what: str) -> BeforeValidator:
+    def check(value: Any) -> Any:
+        if isinstance(value, str) and len(value) > limit:
+            raise _fail(f"{what} has {len(value)} characters; this server takes at most "
+                        f"{limit}")
+        return value
+
+    return BeforeValidator(check)
 
 
 def _check_logit_bias(value: dict[str, float] | None) -> dict[str, float] | None:
@@ -169,8 +206,14 @@ Stop = Annotated[str | list[str] | None, BeforeValidator(_check_stop)]
 LogitBias = Annotated[
     dict[str, Annotated[float, Strict(), Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE)]]
     | None,
-    AfterValidator(_check_logit_bias),
+    AfterValidator(_check_logit_bias), _at_most(MAX_LOGIT_BIAS, "logit_bias entries"),
 ]
+StopTokenIds = Annotated[list[TokenId], _at_most(MAX_STOP_TOKEN_IDS, "stop_token_ids")]
+Tools = Annotated[list[dict[str, Any]] | None, _at_most(MAX_TOOLS, "tools")]
+GrammarText = Annotated[str, Strict(), _text_at_most(MAX_GRAMMAR_CHARS, "the grammar")]
+"""A regex, EBNF grammar or JSON schema (as text): compiling one takes time that grows faster
+than its length (a 100 000-character regex: 9 s of a CPU core), on the engine's compile
+threads, which no client can stop once it began."""
 
 
 def _allows_none(annotation: Any) -> bool:
@@ -181,14 +224,41 @@ def _allows_none(annotation: Any) -> bool:
     return False
 
 
+def _surely_valid_unicode(data: Any) -> bool:
+    """Whether no text in `data` holds a lone surrogate, told in C: its JSON encodes as UTF-8
+    (a walk in Python, `_find_surrogate`, took seconds of the event loop for a long list, and
+    runs only to say where one is)."""
+    try:
+        json.dumps(data, ensure_ascii=False, default=_opaque).encode()
+    except (UnicodeEncodeError, TypeError, ValueError, RecursionError):
+        return False  # (or keys JSON has not: walked)
+    return True
+
+
+def _opaque(_: Any) -> None:
+    """What `_surely_valid_unicode` makes of an object that is not JSON (a model instance): as
+    `_find_surrogate`, it does not look into it."""
+
+
 def _find_surrogate(value: Any, path: str) -> tuple[str, str, int] | None:
     """(field path, surrogate, index) of the first lone surrogate in any string of `value`."""
     if isinstance(value, str):
         found = None if value.isascii() else _SURROGATE.search(value)
         return None if found is None else (path, found.group(), found.start())
+    # numbers only (under ASCII keys), told apart in C: a walk took seconds of a long list
+    if isinstance(value, list) and _TEXT_OR_CONTAINER.isdisjoint(map(type, value)):
+        return None
+    if isinstance(value, dict) and _TEXT_OR_CONTAINER.isdisjoint(map(type, value.values())):
+        with contextlib.suppress(TypeError):  # (a key that is not text: walked below)
+            if "".join(value).isascii():
+                return None
     items = value.items() if isinstance(value, dict) else (
         enumerate(value) if isinstance(value, list) else ())
     for key, item in items:
+        # (only text and containers are looked into)
+        if (isinstance(item, str) and item.isascii() or not isinstance(item, str | dict | list)
+                ) and (not isinstance(key, str) or key.isascii()):
+            continue
         where = f"{path}.{key}" if path else str(key)
         hit = _find_surrogate(key, where) or _find_surrogate(item, where)
         if hit is not None:
@@ -205,7 +275,7 @@ class _Request(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
-        hit = _find_surrogate(data, "")
+        hit = None if _surely_valid_unicode(data) else _find_surrogate(data, "")
         if hit is not None:  # (a key may hold the surrogate: the path is escaped too)
             path, char, index = hit
             path = path.encode("utf-8", "backslashreplace").decode()
@@ -252,7 +322,7 @@ class _SamplingExtras(_Request):
     repetition_penalty: Annotated[float, Strict(), Field(gt=0.0)] = 1.0
     min_tokens: Annotated[int, Strict(), Field(ge=0)] = 0
     ignore_eos: Bool = False
-    stop_token_ids: list[TokenId] = Field(default_factory=list)
+    stop_token_ids: StopTokenIds = Field(default_factory=list)
     skip_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
 
@@ -304,6 +374,16 @@ class ResponseFormat(_Request):
     json_schema: dict[str, Any] | None = None
     """{"name": ..., "schema": {...}, "strict": ...}: the output is JSON valid against the
     schema (grammar-constrained, always strict)."""
+
+    @model_validator(mode="after")
+    def _schema_size(self) -> ResponseFormat:
+        schema = (self.json_schema or {}).get("schema")
+        if self.type == "json_schema" and isinstance(schema, dict):
+            chars = len(json.dumps(schema))  # (the text the grammar is compiled from)
+            if chars > MAX_GRAMMAR_CHARS:
+                raise _fail(f"the schema is {chars} characters as JSON; this server compiles "
+                            f"grammars of at most {MAX_GRAMMAR_CHARS}", "json_schema.schema")
+        return self
 
 
 class CompletionRequest(_OpenAISampling):
@@ -372,6 +452,8 @@ def _check_choice(value: Any) -> Any:
         return value
     raise _fail("must be a string (e.g. \"none\") or an object")
 
+
+ToolChoice = Annotated[str | dict[str, Any] | None, BeforeValidator(_check_choice)]
 
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 
@@ -464,8 +546,8 @@ class ChatCompletionRequest(_OpenAISampling):
     max_completion_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
     logprobs: Bool = False
     top_logprobs: TopLogprobsNum | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Annotated[str | dict[str, Any] | None, BeforeValidator(_check_choice)] = None
+    tools: Tools = None
+    tool_choice: ToolChoice = None
     functions: list[dict[str, Any]] | None = None
     function_call: Annotated[str | dict[str, Any] | None, BeforeValidator(_check_choice)] = None
     parallel_tool_calls: Bool | None = None

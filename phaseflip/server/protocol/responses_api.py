@@ -19,11 +19,13 @@ from pydantic import BeforeValidator, Discriminator, Field, Strict, Tag, model_v
 
 from phaseflip.server.protocol.requests import (
     MAX_LOGPROBS,
+    MAX_TOOLS,
     Bool,
     Seed,
     Str,
     Temperature,
     TopP,
+    _at_most,
     _fail,
     _Request,
     _SamplingExtras,
@@ -217,7 +219,8 @@ class ResponsesRequest(_SamplingExtras):
     stream: Bool = False
     stream_options: ResponsesStreamOptions | None = None
     text: TextConfig | None = None
-    tools: Annotated[list[FunctionTool], BeforeValidator(_check_tools)] | None = None
+    tools: Annotated[list[FunctionTool], BeforeValidator(_check_tools),
+                     _at_most(MAX_TOOLS, "tools")] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
     parallel_tool_calls: Bool | None = None
     include: list[Include] | None = None
