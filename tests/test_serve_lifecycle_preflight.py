@@ -97,7 +97,9 @@ def test_engine_checks_run_before_the_engine_starts(tmp_path):
                         ({"enable_hicache": True, "hicache_dir": str(a_file / "d")},
                          f"{a_file} is a file"),
                         ({"enable_hicache": True, "hicache_host_gb": 2.0**40},
-                         "--hicache-host-gb")):
+                         "--hicache-host-gb"),
+                        ({"enable_hicache": True, "hicache_dir": "/proc/phaseflip/kv"},
+                         "cannot create it")):  # (even as root)
         cfg = resolve_model(EngineConfig(device="cpu", **flags))
         with pytest.raises(PhaseflipError, match=says):
             preflight(cfg)
