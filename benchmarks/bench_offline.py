@@ -224,11 +224,12 @@ def _timed_run(engine: Engine, args: argparse.Namespace, work: Any,
     try:
         if args.num_warmup:
             _warm(engine, args.num_warmup, args.seed)
-        t0 = time.perf_counter()
-        deadline = t0 + args.max_duration_s if args.max_duration_s else None
         outs = None
         with GpuBusySampler(gpus, note=why_not) as sampler, \
-                Progress(engine, deadline) as progress, GcPauses() as pauses:
+                Progress(engine, None) as progress, GcPauses() as pauses:
+            # the clock starts here: the sampler's start (an nvidia-smi child) is not the run's
+            t0 = time.perf_counter()
+            progress.deadline = t0 + args.max_duration_s if args.max_duration_s else None
             try:
                 outs = engine.generate(work.prompts, params, use_tqdm=True)
             except _DeadlineReached:

@@ -7,7 +7,8 @@
 
 Each request is `POST /v1/completions` with a token-id prompt, `stream: true`, `ignore_eos` and
 `max_tokens` = its target length, `stream_options.include_usage`. Arrival gaps are exponential
-with mean 1/rate (seeded); `--request-rate inf` sends everything at once. Measured per request:
+with mean 1/rate (seeded), the first request sent at once and each later one at its scheduled
+time since then; `--request-rate inf` sends everything at once. Measured per request:
 TTFT (send → first token event), ITL (gaps between token events), E2E (send → last event);
 reported as mean/p50/p90/p99, with request and token throughput over the run's wall time.
 
@@ -255,10 +256,14 @@ async def run_benchmark(args: argparse.Namespace, base_url: str,
             return res
 
         tasks = []
+        # request i is sent at the sum of the gaps before it (the first at once: the run's
+        # duration starts with it), each against the one clock: sleeping gap after gap would
+        # add every wake-up's lateness (the loop busy with streams) to all later arrivals
+        arrivals = np.cumsum([0.0, *gaps[1:]])[:len(gaps)]
         start = time.perf_counter()
-        for i, gap in enumerate(gaps):
-            if gap:
-                await asyncio.sleep(gap)
+        for i, at in enumerate(arrivals):
+            if (wait := start + at - time.perf_counter()) > 0:
+                await asyncio.sleep(wait)
             tasks.append(asyncio.create_task(fire(i)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
@@ -303,7 +308,9 @@ def structured_summary(path: str, response_format: dict[str, Any],
 async def run_compare(args: argparse.Namespace, base_url: str,
                       response_format: dict[str, Any]) -> dict[str, Any]:
     """The same workload without, then with the schema, each on a flushed prefix cache (the
-    second run would otherwise find every prompt cached); ratios are constrained/unconstrained."""
+    second run would otherwise find every prompt cached); ratios are constrained/unconstrained.
+    `itl_split` and `decode_itl_p50_ratio` only for one wave (every request sent at once, no
+    concurrency limit below --num-prompts); otherwise empty and None."""
     runs = {}
     for name, fmt in (("unconstrained", None), ("constrained", response_format)):
         flushed = await _flush_cache(base_url, args.api_key)
@@ -314,7 +321,11 @@ async def run_compare(args: argparse.Namespace, base_url: str,
     def ratio(a: float, b: float) -> float | None:
         return a / b if b and math.isfinite(a) and math.isfinite(b) else None
 
-    split = {name: itl_split(run) for name, run in runs.items() if run["requests"]}
+    # the split takes every request as sent at once (one wave): under arrivals spread in time
+    # or a concurrency limit below --num-prompts, prompts keep prefilling past any cut
+    one_wave = math.isinf(args.request_rate) and (
+        not args.max_concurrency or args.max_concurrency >= args.num_prompts)
+    split = {name: itl_split(run) for name, run in runs.items() if run["requests"] and one_wave}
     decode = [split.get(n, {}).get("decode_p50_ms") for n in ("constrained", "unconstrained")]
     return {
         "benchmark": "serving-structured-compare", "model": c["model"],

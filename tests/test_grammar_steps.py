@@ -33,12 +33,17 @@ def test_the_split_puts_waits_that_began_before_the_last_first_token_in_the_pref
 
 
 def test_split_main_reads_a_comparison(tmp_path: Path) -> None:
-    runs = {name: _run([0.1], [[0.01] * 10]) for name in ("unconstrained", "constrained")}
+    """One wave (every request sent at once) is split; spread arrivals are not (their prompts
+    keep prefilling past any cut)."""
+    wave = {"request_rate": "inf", "max_concurrency": None, "num_prompts": 1}
+    runs = {name: _run([0.1], [[0.01] * 10]) | wave for name in ("unconstrained", "constrained")}
+    runs["unconstrained"]["request_rate"] = 4.0
     path = tmp_path / "cmp.json"
     path.write_text(json.dumps(runs))
     out = grammar_steps.split_main(path)
     assert out["constrained"]["prefill_window_itls"] == 0
     assert out["constrained"]["decode_p50_ms"] == 10.0
+    assert "unconstrained" not in out
 
 
 def test_a_small_constrained_wave_times_its_masks() -> None:
