@@ -9,9 +9,11 @@ Without --base-url it launches `phaseflip serve --device cpu --check-accounting`
 --serve-args) on a free loopback port. `--concurrency` clients loop over a mix: completions
 and chat, streaming or not, n > 1, lists of prompts, logprobs; streams the client drops after
 a few events and non-streaming calls it hangs up on (client disconnects); `/generate` calls
-cancelled by `/abort_request`. A controller meanwhile calls /flush_cache (refused under load;
-every `--flush-every-s` it quiets the clients so one goes through) and, when the server runs
-with flips on, flips the layout by `POST /admin/flip` every `--flip-every-s`, under load.
+cancelled by `/abort_request`; completions and chat with stop strings (short, and up to 1024
+characters); a few invalid requests (each must be a 4xx). A controller meanwhile calls
+/flush_cache (refused under load; every `--flush-every-s` it quiets the clients so one goes
+through) and, when the server runs with flips on, flips the layout by `POST /admin/flip`
+every `--flip-every-s`, under load.
 
 At the end, with the clients stopped, it checks:
 - nothing lost: the server's `phaseflip_requests_total` (every sequence that ended, by finish
@@ -26,6 +28,9 @@ At the end, with the clients stopped, it checks:
   run, and a flip round trip when flipping). Shared memory is reported apart: the HiCache
   host tier and the weight image are /dev/shm files the ranks map, resident as they are
   touched, up to their fixed sizes (--hicache-host-gb), so they grow by design until full.
+Every `--sample-every-s` it also records, against the requests sent so far, each process's
+RSS, open file descriptors and threads (`samples` in the JSON: growth with the requests
+served, not with the concurrency, is a leak).
 Prints a table and writes JSON (`--out`); exits 1 when a check fails.
 """
 
@@ -60,8 +65,20 @@ SHARED_PREFIX = ("Return a new list containing the items of the iterable, sorted
                  "ignoring case, keeping the first of equal items; raise TypeError if ")
 KINDS = {  # the mix: kind -> weight
     "complete": 4, "complete_list": 1, "stream": 3, "chat": 2, "chat_stream": 2,
-    "drop_stream": 2, "hang_up": 1, "abort": 1,
+    "drop_stream": 2, "hang_up": 1, "abort": 1, "stop_strings": 2, "invalid": 1,
 }
+# each must be refused with a 4xx before it reaches the engine (or by it)
+INVALID = [
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}),
+    ("/v1/completions", {"prompt": "x", "n": 0}),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}),
+    ("/v1/completions", {"prompt": "x", "stop": ["s"] * 17}),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"999999999": 1}}),
+    ("/v1/chat/completions", {"messages": []}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 3}),
+    ("/v1/completions", None),  # not JSON
+]
 
 
 @dataclass
@@ -78,6 +95,7 @@ class Books:
     flushes: Counter = field(default_factory=Counter)  # "ok", "refused"
     flips: Counter = field(default_factory=Counter)  # "ok", "conflict", ...
     flip_s: list[float] = field(default_factory=list)
+    refused: Counter = field(default_factory=Counter)  # invalid requests by status code
 
     def error(self, what: str) -> None:
         if len(self.errors) < 50:
@@ -98,6 +116,24 @@ def proc_status_bytes(pid: int, field: str) -> int | None:
 
 def proc_rss_bytes(pid: int) -> int | None:
     return proc_status_bytes(pid, "VmRSS")
+
+
+def proc_status_count(pid: int, field: str) -> int | None:
+    """A plain number of /proc/<pid>/status (Threads...)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def open_fds(pid: int) -> int | None:
+    try:
+        return len(list(Path(f"/proc/{pid}/fd").iterdir()))
+    except OSError:
+        return None
 
 
 def private_rss_bytes(pid: int) -> tuple[int | None, int | None]:
@@ -153,6 +189,7 @@ class Soak:
         self.idle_clients = 0
         self.rss: dict[str, dict[str, int | None]] = {}
         self.flips_done = 0
+        self.samples: list[dict[str, Any]] = []  # periodic: requests sent, RSS, fds, threads
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         self.http = httpx.AsyncClient(base_url=base_url, headers=headers,
                                       timeout=httpx.Timeout(args.request_timeout_s),
@@ -170,14 +207,17 @@ class Soak:
         t0 = time.monotonic()
         clients = [asyncio.create_task(self.client(i)) for i in range(self.args.concurrency)]
         control = asyncio.create_task(self.controller(t0))
+        sampler = asyncio.create_task(self.sampler())
         await asyncio.sleep(self.args.duration_s)
         self.stop.set()
         await control
         await asyncio.gather(*clients)
+        sampler.cancel()
         load_s = time.monotonic() - t0
         idle = await self.wait_idle()
         after = ended_counts(parse_metrics((await self.http.get("/metrics")).text))
         self.rss["end"] = self.sample_rss()
+        self.samples.append(self.sample_procs())
         await self.http.aclose()
         return self.verdict(before, after, idle, load_s)
 
@@ -315,6 +355,49 @@ class Soak:
         self.books.admitted_seqs += 1  # it finished before the client gave up
         self._finished(r.json()["choices"], 1, "hang_up")
 
+    async def stop_strings(self, rng: random.Random) -> None:
+        """Completions or chat, streaming or not, with stop strings (some 1024 characters
+        long: held-back text is searched for their prefixes every step)."""
+        stop = [rng.choice(["\n", " the", "()", ":", ".", "\n\n", "return"])
+                for _ in range(rng.randint(1, 4))]
+        if rng.random() < 0.3:
+            stop += ["".join(rng.choice("abc ()\n") for _ in range(1024))
+                     for _ in range(rng.randint(1, 4))]
+        n = rng.choice([1, 2])
+        body = self._sampling(rng) | {"n": n, "stop": stop}
+        chat = rng.random() < 0.4
+        if chat:
+            body["messages"] = [{"role": "user", "content": self._prompt(rng)}]
+        else:
+            body["prompt"] = self._prompt(rng)
+            if rng.random() < 0.5:
+                body["logprobs"] = rng.randint(0, 2)
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        if rng.random() < 0.5:
+            return await self._stream(path, body, n, rng, drop=False)
+        r = await self.http.post(path, json=body)
+        if r.status_code != 200:
+            return self.books.error(f"stop_strings {r.status_code}: {r.text[:200]}")
+        self.books.admitted_seqs += n
+        choices = r.json()["choices"]
+        self._finished(choices, n, "stop_strings")
+        for c in choices:
+            text = c["message"]["content"] if chat else c["text"]
+            if any(s in (text or "") for s in stop):
+                self.books.error(f"stop_strings: a stop string in the output {text!r}")
+
+    async def invalid(self, rng: random.Random) -> None:
+        """A request the server must refuse with a 4xx (and admit nothing of)."""
+        path, body = rng.choice(INVALID)
+        if body is None:
+            r = await self.http.post(path, content=b"{not json",
+                                     headers={"content-type": "application/json"})
+        else:
+            r = await self.http.post(path, json={"model": self.model} | body)
+        self.books.refused[r.status_code] += 1
+        if not 400 <= r.status_code < 500:
+            self.books.error(f"invalid {path} {body}: {r.status_code}: {r.text[:200]}")
+
     async def abort(self, rng: random.Random) -> None:
         """/generate with its own rid, cancelled by /abort_request once it is in flight."""
         rid = f"soak-{rng.getrandbits(64):016x}"
@@ -401,6 +484,23 @@ class Soak:
                 return info
             await asyncio.sleep(0.2)
 
+    async def sampler(self) -> None:
+        while True:
+            self.samples.append(self.sample_procs())
+            await asyncio.sleep(self.args.sample_every_s)
+
+    def sample_procs(self) -> dict[str, Any]:
+        """Requests sent so far, and each process's VmRSS, open descriptors and threads."""
+        out: dict[str, Any] = {"t": time.monotonic(), "requests": sum(self.books.sent.values())}
+        if self.server_pid is None:
+            return out
+        engine = engine_pid(self.server_pid)
+        for name, pid in (("front_end", self.server_pid), ("engine", engine)):
+            if pid is not None:
+                out[name] = {"rss": proc_rss_bytes(pid), "fds": open_fds(pid),
+                             "threads": proc_status_count(pid, "Threads")}
+        return out
+
     def sample_rss(self) -> dict[str, int | None]:
         if self.server_pid is None:
             return {"front_end": None, "engine": None}
@@ -468,6 +568,7 @@ class Soak:
             "aborts_sent": b.aborts_sent, "dropped": b.dropped, "flushes": dict(b.flushes),
             "flips": dict(b.flips),
             "flip_s": b.flip_s, "rss": self.rss, "rss_growth": growth,
+            "refused": dict(b.refused), "samples": self.samples,
             "idle": {"running": idle["running"], "waiting": idle["waiting"], "pool": pool},
             "errors": b.errors,
             "checks": {k: {"ok": ok, "detail": d} for k, (ok, d) in checks.items()},
@@ -520,6 +621,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rss-tolerance", type=float, default=0.05)
     ap.add_argument("--launch-timeout-s", type=float, default=300.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sample-every-s", type=float, default=15.0,
+                    help="how often to record each process's RSS, descriptors and threads")
     ap.add_argument("--out", help="write the result as JSON here")
     return ap.parse_args(argv)
 
@@ -536,6 +639,11 @@ def print_result(r: dict[str, Any]) -> None:
                   "-" if r["rss_growth"].get(p) is None else f"{r['rss_growth'][p]:+.1%}",
                   f"{_mib(warm.get(p + '_shmem'))} -> {_mib(end.get(p + '_shmem'))}")
                  for p in ("front_end", "engine", "worker_ranks")])
+    rows = [(s["requests"], *(f"{s[p]['rss'] / 2**20:.0f} / {s[p]['fds']} / {s[p]['threads']}"
+                              if s.get(p) and s[p]["rss"] else "-"
+                              for p in ("front_end", "engine")))
+            for s in r.get("samples", [])]
+    print_table(["requests sent", "front end RSS MiB / fds / threads", "engine"], rows)
     print_table(["check", "ok", "detail"],
                 [(k, "yes" if v["ok"] else "NO", v["detail"]) for k, v in r["checks"].items()])
     for e in r["errors"][:10]:
