@@ -10,6 +10,7 @@ the engine makes it (`check_target`), without starting ranks.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -154,6 +155,23 @@ def test_a_silent_engine_is_a_504_not_a_500(tmp_path, monkeypatch, method, path,
             assert err["type"] == "timeout_error" and words in err["message"], err
             scrape = await call(c, "GET", "/metrics")
             assert scrape.status_code == 200 and "phaseflip_requests_total" in scrape.text
+
+    asyncio.run(go())
+
+
+def test_a_scrape_during_a_long_step_renders_the_last_figures(tmp_path, monkeypatch):
+    """/metrics waits SCRAPE_INFO_WAIT_S for the engine's figures, not INFO_TIMEOUT_S: a scrape
+    during a long step (or a paused engine) answered only after 30 s, past Prometheus's 10 s
+    scrape timeout."""
+    monkeypatch.setattr("phaseflip.server.context.INFO_TIMEOUT_S", 20.0)
+    monkeypatch.setattr("phaseflip.server.context.SCRAPE_INFO_WAIT_S", 0.3)
+
+    async def go():
+        async with silent_engine(tmp_path, ready=True) as ctx, asgi(build_app(ctx)) as c:
+            start = time.monotonic()
+            scrape = await asyncio.wait_for(c.get("/metrics"), 5.0)
+            assert scrape.status_code == 200 and "phaseflip_requests_total" in scrape.text
+            assert time.monotonic() - start < 2.0
 
     asyncio.run(go())
 

@@ -306,8 +306,9 @@ def _info_routes(app: FastAPI, ctx: ServerContext) -> None:
         ctx.metrics.running.set(st.running)
         ctx.metrics.waiting.set(st.waiting)
         if st.ready is not None and not st.dead:  # exact now (none of it mid-flip)
-            with contextlib.suppress(asyncio.TimeoutError):  # (a wedged engine: as they were)
-                ctx.metrics.observe_engine(await ctx.engine_info())
+            with contextlib.suppress(asyncio.TimeoutError):  # (a long step: as they were)
+                ctx.metrics.observe_engine(await ctx.engine_info(
+                    server_context.SCRAPE_INFO_WAIT_S))
         ctx.observe_flip()
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 

@@ -22,6 +22,9 @@ from phaseflip.server.metrics import ServerMetrics
 from phaseflip.server.token_text import TokenText
 
 INFO_TIMEOUT_S = 30.0  # the engine answers "info" between two steps: milliseconds, not seconds
+# a /metrics scrape waits this long for the engine's figures, then renders the last ones: a
+# scrape during a long step (or a paused engine) must not fail (Prometheus's timeout is 10 s)
+SCRAPE_INFO_WAIT_S = 2.0
 
 
 class OverloadedError(Exception):
@@ -147,21 +150,23 @@ class ServerContext:
         else:
             call.add_done_callback(lambda _: setattr(self, "flipping_to", None))
 
-    async def engine_info(self) -> dict:
+    async def engine_info(self, timeout_s: float | None = None) -> dict:
         """The engine's state (the "info" call), or `{"flip_in_progress": target}` while a
         flip runs: the engine answers nothing until its seam ends, so a call sent just before
-        a seam began is left to its late answer, not waited for."""
+        a seam began is left to its late answer, not waited for. Waits `timeout_s`
+        (default INFO_TIMEOUT_S) for the answer."""
         if (target := self.flip_in_progress) is not None:
             return {"flip_in_progress": target}
+        wait_s = INFO_TIMEOUT_S if timeout_s is None else timeout_s
         call = await self.engine.send_control("info")
-        end = time.monotonic() + INFO_TIMEOUT_S
+        end = time.monotonic() + wait_s
         while not call.done():
             if (target := self.flip_in_progress) is not None:
                 return {"flip_in_progress": target}
             if time.monotonic() > end:
                 call.cancel()
                 raise asyncio.TimeoutError(f"the engine did not answer 'info' in "
-                                           f"{INFO_TIMEOUT_S:.0f} s")
+                                           f"{wait_s:g} s")
             await asyncio.wait({call}, timeout=0.05)
         return call.result().data | {"flip_in_progress": None}
 
