@@ -2,8 +2,10 @@
 
 Every step it (1) secures one KV slot for every decoding request, retracting the newest
 requests when the pool is exhausted, (2) continues partially prefilled requests and (3) admits
-waiting ones under the prefill token budget. The result is a `ScheduledBatch`: a forward plan
-plus the bookkeeping needed to apply the sampled tokens afterwards.
+waiting ones under the prefill token budget (none while a partially prefilled request finds no
+room for its next chunk: newer requests would take the room it waits for). The result is a
+`ScheduledBatch`: a forward plan plus the bookkeeping needed to apply the sampled tokens
+afterwards.
 """
 
 from __future__ import annotations
@@ -114,21 +116,27 @@ class Scheduler:
                                f"securing them ({self.kv.accounting(self.running)})")
         items += [self._extend(r, 1) for r in decoding]
         prefill = False  # whether `items` holds prompt tokens yet (decode items never do)
+        starved = False  # a running request's next chunk found no room
         for req in self.running:
             if req.remaining > 1:
                 n = self._chunk(req, budget, first=not prefill)
-                if n == 0 or self.kv.allocate(req, n) is None:
+                if n == 0:
+                    break
+                if self.kv.allocate(req, n) is None:
+                    starved = True
                     break
                 items.append(self._extend(req, n))
                 prefill = True  # more than one token, or (n == 1) not yet sampling
                 budget -= n
-        self._admit(items, budget, prefill)
+        if not starved:  # else newer requests would take the room it waits for, for ever
+            self._admit(items, budget, prefill)
         # nothing else can run: waiting on the transfers is free, unless a run-ahead step's
         # tokens are still to be turned into outputs (a request they finish would wait)
         if not items and self.hicache is not None and self.hicache.busy \
                 and not any(r.pending or r.launched for r in self.running):
             self.hicache.quiesce()
-            self._admit(items, budget, False)
+            if not starved:
+                self._admit(items, budget, False)
         if not items:
             return None
         self.stats.steps += 1
