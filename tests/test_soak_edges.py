@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from phaseflip.sampling import detokenize
 from phaseflip.sampling.detokenize import partial_stop_len
 
 
@@ -90,3 +91,71 @@ def test_partial_stop_len_is_cheap_with_long_stop_strings():
             partial_stop_len(text, stop)
     per_call_s = (time.perf_counter() - t0) / 60
     assert per_call_s < 2e-3, f"{per_call_s * 1e6:.0f} us a call"
+
+
+def _repetitive(rng: random.Random, n: int, unit: str = "") -> str:
+    """An 'a'/'b' string made of a short unit repeated, with a few characters flipped: many
+    shifts of a stop string match the text's tail, which sends `partial_stop_len` to KMP."""
+    unit = unit or _word(rng, "ab", rng.randint(1, 4))
+    chars = list((unit * (n // len(unit) + 1))[:n])
+    for _ in range(rng.randint(0, 3) if n else 0):
+        i = rng.randrange(n)
+        chars[i] = "b" if chars[i] == "a" else "a"
+    return "".join(chars)
+
+
+def test_partial_stop_len_equals_the_old_one_on_repetitive_cases(monkeypatch):
+    calls = 0
+    kmp_suffix = detokenize._kmp_suffix
+
+    def counted(*args: object) -> int:
+        nonlocal calls
+        calls += 1
+        return kmp_suffix(*args)
+
+    monkeypatch.setattr(detokenize, "_kmp_suffix", counted)
+    rng = random.Random(99)
+    for i in range(5_000):
+        unit = _word(rng, "ab", rng.randint(1, 4))
+        stop = [_repetitive(rng, rng.choice([1, 2, 17, 40, 100, 300]), unit)
+                for _ in range(rng.randint(1, 4))]
+        text = _repetitive(rng, rng.choice([0, 1, 16, 30, 100, 400]), unit)
+        if rng.random() < 0.5:
+            s = rng.choice(stop)
+            text += s[: rng.randint(0, len(s))]
+        assert partial_stop_len(text, stop) == reference_partial_stop_len(text, stop), (
+            i, text, stop)
+    assert calls > 500, calls  # the fallback ran often (~950 times)
+
+
+def test_partial_stop_len_kmp_fallback_alone_equals_the_old_one(monkeypatch):
+    """No candidate tried before KMP: the fallback answers every random case by itself."""
+    monkeypatch.setattr(detokenize, "_STOP_TRIES", 0)
+    rng = random.Random(4321)
+    for i in range(20_000):
+        text, stop = _case(rng) if i % 2 else (_repetitive(rng, rng.randint(0, 60)),
+                                                [_repetitive(rng, rng.randint(0, 60))])
+        assert partial_stop_len(text, stop) == reference_partial_stop_len(text, stop), (
+            i, text, stop)
+
+
+@pytest.mark.parametrize("stop", [
+    # every shift is a candidate and none ends the text (which lacks their first character):
+    # ~10 ms a call with candidates tried until they ran out
+    [chr(ord("A") + i) + "a" * 1023 for i in range(16)],
+    # the same, but the stop strings' heads are in the text: KMP runs over ~1000 characters
+    ["a" * 16 + chr(ord("A") + i) + "a" * 1007 for i in range(16)],
+], ids=["crafted", "kmp"])
+def test_partial_stop_len_is_linear_on_crafted_stop_strings(stop):
+    """An output forced to "a"s (logit_bias) against periodic stop strings of the maximum size."""
+    text = "a" * 2000
+    assert partial_stop_len(text, stop) == reference_partial_stop_len(text, stop)
+    per_call_s = min(_time_per_call(text, stop, 5) for _ in range(3))
+    assert per_call_s < 5e-3, f"{per_call_s * 1e6:.0f} us a call"
+
+
+def _time_per_call(text: str, stop: list[str], calls: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        partial_stop_len(text, stop)
+    return (time.perf_counter() - t0) / calls
