@@ -2,8 +2,9 @@
 generate, and how its text becomes `tool_calls` (whole, or as stream deltas).
 
 Modes (`tool_choice`): "none" (tools are not shown), "auto" (shown; the text is parsed for
-Hermes/Qwen `<tool_call>{"name", "arguments"}</tool_call>` blocks or a Llama-3 JSON call
-`{"name", "parameters"}`), "required" (the output is constrained to one
+Hermes/Qwen `<tool_call>{"name", "arguments"}</tool_call>` blocks, Mistral `[TOOL_CALLS]`
+calls or Llama-3 JSON calls `{"name", "parameters"}`; text with no marker is a call only when
+it is nothing but calls naming listed tools), "required" (the output is constrained to one
 `{"name": ..., "arguments": {...}}` object naming a listed tool) and a named function (the
 output is constrained to that tool's arguments object). The two constrained modes always
 parse. A chat template that knows tools gets them (`tools=`); any other gets a Hermes-style
@@ -15,6 +16,7 @@ concatenate to exactly the arguments of the same call answered whole.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
@@ -27,6 +29,7 @@ from phaseflip.server import protocol as p
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+MISTRAL_TAG = "[TOOL_CALLS]"
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 _BLOCK = re.compile(re.escape(TOOL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CLOSE) + r"|$)",
                     re.DOTALL)
@@ -47,6 +50,10 @@ class ToolPlan:
     name: str | None = None  # the named function
     grammar: GrammarSpec | None = None
     parallel: bool = True  # `parallel_tool_calls`: false keeps an auto answer's first call
+
+    @property
+    def names(self) -> set[str]:
+        return {f["name"] for f in self.tools}
 
     def parameters(self, name: str) -> dict[str, Any]:
         fn = next(f for f in self.tools if f["name"] == name)
@@ -174,12 +181,15 @@ def template_messages(req: p.ChatCompletionRequest, plan: ToolPlan | None,
     """(messages for the chat template, extra template kwargs): earlier tool calls and the
     tool list in the form the template understands, else as Hermes-style text."""
     knows_calls = "tool_calls" in template
+    ids = _mistral_id if MISTRAL_TAG in template else None
     messages = []
     for m in req.messages:
         d = m.template_dict()
+        if ids is not None and "tool_call_id" in d:
+            d["tool_call_id"] = ids(d["tool_call_id"])
         if m.tool_calls:
             if knows_calls:
-                d["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+                d["tool_calls"] = [_template_call(c, ids) for c in m.tool_calls]
             else:
                 blocks = [f"{TOOL_OPEN}\n{json.dumps(_template_call(c)['function'])}\n"
                           f"{TOOL_CLOSE}" for c in m.tool_calls]
@@ -198,8 +208,21 @@ def template_messages(req: p.ChatCompletionRequest, plan: ToolPlan | None,
     return messages, {}
 
 
-def _template_call(call: dict[str, Any]) -> dict[str, Any]:
-    """An OpenAI tool call as templates take it: arguments as an object, not JSON text."""
+_NINE = re.compile(r"[A-Za-z0-9]{9}")
+
+
+def _mistral_id(call_id: Any) -> Any:
+    """A tool call id as Mistral's templates take it, which raise on any but 9 letters and
+    digits: another id becomes 9 hex digits of its hash (the same for the call and for the
+    `tool` message answering it)."""
+    if not isinstance(call_id, str) or _NINE.fullmatch(call_id):
+        return call_id
+    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
+
+
+def _template_call(call: dict[str, Any], ids: Any = None) -> dict[str, Any]:
+    """An OpenAI tool call as templates take it: arguments as an object, not JSON text (`ids`:
+    how the template's ids are made from the call's)."""
     fn = call.get("function")
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise InvalidRequestError('a tool call is {"id": ..., "type": "function", "function": '
@@ -210,7 +233,8 @@ def _template_call(call: dict[str, Any]) -> dict[str, Any]:
             args = json.loads(args)
         except json.JSONDecodeError:
             pass
-    return {"type": "function", "id": call.get("id"),
+    call_id = call.get("id")
+    return {"type": "function", "id": call_id if ids is None else ids(call_id),
             "function": {"name": fn.get("name"), "arguments": args}}
 
 
@@ -232,29 +256,87 @@ def split_required(text: str) -> tuple[str, str] | None:
     return json.loads(f'"{m.group(1)}"'), rest
 
 
-def _auto_calls(text: str, parallel: bool = True) -> tuple[str | None, list[tuple[str, str]]]:
-    """Hermes/Qwen blocks, or a Llama-3 JSON call; unparseable text stays content. The content
-    before a call loses its trailing whitespace (a stream holds that back until it knows)."""
+def _auto_calls(text: str, names: set[str],
+                parallel: bool = True) -> tuple[str | None, list[tuple[str, str]]]:
+    """Hermes/Qwen blocks, Mistral `[TOOL_CALLS]` calls, or Llama-3 JSON calls; unparseable
+    text stays content. Text with no marker is a call only when it is nothing but calls naming
+    listed tools (a JSON answer the user asked for stays content): one or more Llama-3
+    `{"name", "parameters"}` objects (separated by `;` or whitespace), a Mistral list of
+    `{"name", "arguments"}` or `name{arguments}` (the two Mistral forms whose special marker
+    tokens `skip_special_tokens` took out). The content before a call loses its trailing
+    whitespace (a stream holds that back until it knows)."""
     calls: list[tuple[str, str]] = []
     head = text
     if TOOL_OPEN in text:
         head = text[: text.index(TOOL_OPEN)]
         for block in _BLOCK.findall(text):
             obj = _json_object(block)
-            if obj is not None and isinstance(obj.get("name"), str):
-                calls.append((obj["name"], json.dumps(obj.get("arguments", {}),
-                                                      ensure_ascii=False)))
+            call = _call(obj, None, {}) if obj is not None else None
+            if call is not None:
+                calls.append(call)
+    elif MISTRAL_TAG in text:
+        i = text.index(MISTRAL_TAG)
+        head, calls = text[:i], _call_sequence(text[i:].replace(MISTRAL_TAG, " "), None)
     else:
         body = text.strip()
-        body = body[len(PYTHON_TAG):] if body.startswith(PYTHON_TAG) else body
-        obj = _json_object(body) if body.startswith("{") else None
-        args = None if obj is None else obj.get("parameters", obj.get("arguments"))
-        if obj is not None and isinstance(obj.get("name"), str) and isinstance(args, dict):
-            calls.append((obj["name"], json.dumps(args, ensure_ascii=False)))
-            head = ""
+        tagged = body.startswith(PYTHON_TAG)
+        calls = _call_sequence(body[len(PYTHON_TAG):] if tagged else body,
+                               None if tagged else names)
+        head = ""
     if not calls:
         return text, []
     return (head.rstrip() if head.strip() else None), calls if parallel else calls[:1]
+
+
+_DECODER = json.JSONDecoder()
+_NAMED = re.compile(r"([A-Za-z0-9_.\-]+)\s*(\[ARGS\])?\s*(?=\{)")
+"""Mistral's newer form, `name[ARGS]{...}` (`name{...}` once `[ARGS]` was skipped)."""
+_NAME_FIRST = re.compile(r'\[?\s*\{\s*"name"\s*:')
+
+
+def _call_sequence(text: str, names: set[str] | None) -> list[tuple[str, str]]:
+    """The calls `text` is made of, all or nothing: JSON call objects or lists of them, or
+    `name[ARGS]{...}`, separated by whitespace, `;` or `,`. `names`: the only names that count
+    (None: any, after a marker)."""
+    calls: list[tuple[str, str]] = []
+    pos, n = 0, len(text)
+    while True:
+        while pos < n and (text[pos].isspace() or text[pos] in ";,"):
+            pos += 1
+        if pos == n:
+            return calls
+        m = _NAMED.match(text, pos)
+        try:
+            if m and (m.group(2) or (names is not None and m.group(1) in names)):
+                args, pos = _DECODER.raw_decode(text, m.end())
+                objs = [{"name": m.group(1), "arguments": args}]
+            elif names is not None and not _NAME_FIRST.match(text, pos):
+                return []  # (unmarked: `"name"` first, as models write it, and a stream tells)
+            else:
+                value, pos = _DECODER.raw_decode(text, pos)
+                objs = value if isinstance(value, list) and value else [value]
+        except json.JSONDecodeError:
+            return []
+        for obj in objs:
+            call = _call(obj, names, None) if isinstance(obj, dict) else None
+            if call is None:
+                return []
+            calls.append(call)
+
+
+def _call(obj: dict[str, Any], names: set[str] | None,
+          missing: dict[str, Any] | None) -> tuple[str, str] | None:
+    """(name, arguments JSON text) of a parsed call object: its `arguments` (or Llama's
+    `parameters`) an object, or JSON text of one (as some models write it); `missing`: what
+    absent arguments count as (None: not a call)."""
+    name = obj.get("name")
+    args = obj.get("arguments", obj.get("parameters", missing))
+    if isinstance(args, str):
+        args = _json_object(args)
+    if not isinstance(name, str) or not isinstance(args, dict) or (
+            names is not None and name not in names):
+        return None
+    return name, json.dumps(args, ensure_ascii=False)
 
 
 def _json_object(text: str) -> dict[str, Any] | None:
@@ -273,7 +355,7 @@ def parse_output(plan: ToolPlan, text: str) -> tuple[str | None, list[tuple[str,
         call = split_required(text)
         return None, [call] if call else []
     if plan.mode == "auto":
-        return _auto_calls(text, plan.parallel)
+        return _auto_calls(text, plan.names, plan.parallel)
     return text, []
 
 
@@ -291,6 +373,7 @@ class ToolStreamer:
     sent: int = 0  # named/required: argument characters sent; auto: content characters sent
     opened: bool = False  # the call's first delta (id, name) went out
     buffering: bool = False  # auto: a tool call began; the rest is parsed at the end
+    plain: bool = False  # auto: the text does not begin with an unmarked call
     calls: list[tuple[str, str]] = field(default_factory=list)
 
     def feed(self, delta: str, finished: bool) -> tuple[str | None, list[p.DeltaToolCall]]:
@@ -333,38 +416,74 @@ class ToolStreamer:
     def _auto(self, finished: bool) -> tuple[str | None, list[p.DeltaToolCall]]:
         text = self.text
         if not self.buffering:
-            start = text.lstrip()
-            if TOOL_OPEN in text or start.startswith(("{", PYTHON_TAG)):
+            if TOOL_OPEN in text or MISTRAL_TAG in text:
                 self.buffering = True
-        if not self.buffering:
+            # (a prefix decides; a cut one can only hold longer: the text is told at the end)
+            elif not self.plain and not _may_begin_call(text[:4096].lstrip(), self.plan.names):
+                self.plain = True  # (no unmarked call at the start: content, up to a marker)
+        if not self.buffering and self.plain:
             end = len(text) if finished else _content_end(text)
             end = max(self.sent, end)
             out, self.sent = text[self.sent:end], end
             return out or None, []
         if not finished:
             return None, []
-        content, calls = _auto_calls(text, self.plan.parallel)
-        if not calls:  # not a call after all: the held text is content
-            out, self.sent = text[self.sent:], len(text)
-            return out or None, []
+        content, calls = _auto_calls(text, self.plan.names, self.plan.parallel)
+        out, self.sent = (content or "")[self.sent:], len(text)
         self.calls = calls
         deltas = [p.DeltaToolCall(index=i, id=new_call_id(), type="function",
                                   function=p.DeltaFunctionCall(name=n, arguments=a))
                   for i, (n, a) in enumerate(calls)]
-        rest = text[self.sent: text.index(TOOL_OPEN)] if TOOL_OPEN in text else ""
-        return rest.rstrip() or None, deltas
+        return out or None, deltas
+
+
+_WORD = re.compile(r"[A-Za-z0-9_.\-]+")
+
+
+def _may_begin_call(start: str, names: set[str]) -> bool:
+    """Whether an auto answer's text so far (less leading whitespace) may still begin a call
+    with no `<tool_call>` or `[TOOL_CALLS]` marker before it (what `_call_sequence` takes
+    with `names`): False only when it cannot, so the stream holds nothing longer than needed
+    and never sends as content what the whole answer calls."""
+    if any(t.startswith(start) or start.startswith(t) for t in (PYTHON_TAG, MISTRAL_TAG)):
+        return True
+    m = _WORD.match(start)
+    if m:  # Mistral's `name{...}`
+        word, rest = m.group(), start[m.end():]
+        if not rest:
+            return any(n.startswith(word) for n in names)
+        return word in names and (rest.isspace() or rest.lstrip().startswith("{"))
+    s = start[1:].lstrip() if start.startswith("[") else start
+    if not s:
+        return True
+    if s[0] != "{":
+        return False
+    s = s[1:].lstrip()
+    key = '"name"'
+    if not s.startswith(key):
+        return key.startswith(s)
+    s = s[len(key):].lstrip()
+    if s[:1] != ":":
+        return not s
+    s = s[1:].lstrip()
+    if s[:1] != '"':
+        return not s
+    s = s[1:]
+    j = s.find('"')
+    name = s if j < 0 else s[:j]
+    if "\\" in name:  # (escaped: told at the end)
+        return True
+    return any(n.startswith(name) for n in names) if j < 0 else name in names
 
 
 def _content_end(text: str) -> int:
     """How much of an unfinished auto answer's `text` is content for sure: all but a suffix
-    that may begin a `<tool_call>` and the whitespace before it (content before a call ends
-    without it). Nothing while the text may still begin a Llama-3 call (all whitespace, or a
-    beginning of `<|python_tag|>`)."""
-    if PYTHON_TAG.startswith(text.lstrip()):  # (a Llama-3 call may begin so)
-        return 0
+    that may begin a `<tool_call>` or `[TOOL_CALLS]` and the whitespace before it (content
+    before a call ends without it)."""
     hold = 0
-    for k in range(min(len(TOOL_OPEN) - 1, len(text)), 0, -1):
-        if TOOL_OPEN.startswith(text[-k:]):
-            hold = k
-            break
+    for tag in (TOOL_OPEN, MISTRAL_TAG):
+        for k in range(min(len(tag) - 1, len(text)), 0, -1):
+            if tag.startswith(text[-k:]):
+                hold = max(hold, k)
+                break
     return len(text[: len(text) - hold].rstrip())
