@@ -140,6 +140,12 @@ def test_a_front_end_sigkilled_while_the_model_loads_takes_the_engine_down():
     tmp = tempfile.mkdtemp(prefix="pf-")
     proc, engine = _serve_until_the_engine_starts(tmp)
     try:
+        # killed before the engine's entry ran (multiprocessing still handing it its
+        # arguments), nothing could know the directory: wait for the entry's first act, a
+        # session of its own
+        end = time.monotonic() + 30
+        while os.getsid(engine) != engine and time.monotonic() < end:
+            time.sleep(0.005)
         proc.kill()
         proc.wait(timeout=10)
         left = _gone([engine], 20)  # (it notices once its imports are done)
