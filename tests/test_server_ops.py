@@ -376,6 +376,10 @@ def test_queue_bound_counts_prompts_times_n(tmp_path):
                 "message"]
             r = await c.post("/generate", json={"text": ["a", "b", "c"]})
             assert r.status_code == 503
+            # only the first request's three reached the engine (its own thread: the front end
+            # counts them in flight when it sends them, before the engine has read them)
+            await until(lambda: len(engine.added) == 3)
+            await asyncio.sleep(0.1)
             assert len(engine.added) == 3
             first.cancel()
 
