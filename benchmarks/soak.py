@@ -48,13 +48,19 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from benchmarks.common import print_table, write_json
-from phaseflip.distributed.spawner import child_pids, rank_pids
+from benchmarks.proc_stats import (
+    engine_pid,
+    open_fds,
+    private_rss_bytes,
+    proc_rss_bytes,
+    proc_status_count,
+)
+from phaseflip.distributed.spawner import rank_pids
 
 PROMPTS = [
     "def main():", "The quick brown fox", "Return the number of items in", "class Node:",
@@ -100,58 +106,6 @@ class Books:
     def error(self, what: str) -> None:
         if len(self.errors) < 50:
             self.errors.append(what)
-
-
-# ------------------------------------------------------------------ the server's side
-def proc_status_bytes(pid: int, field: str) -> int | None:
-    """A `kB` field of /proc/<pid>/status (VmRSS, RssShmem...), in bytes."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def proc_rss_bytes(pid: int) -> int | None:
-    return proc_status_bytes(pid, "VmRSS")
-
-
-def proc_status_count(pid: int, field: str) -> int | None:
-    """A plain number of /proc/<pid>/status (Threads...)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def open_fds(pid: int) -> int | None:
-    try:
-        return len(list(Path(f"/proc/{pid}/fd").iterdir()))
-    except OSError:
-        return None
-
-
-def private_rss_bytes(pid: int) -> tuple[int | None, int | None]:
-    """(VmRSS less RssShmem, RssShmem): what the process holds itself, and what it has
-    resident of shared-memory files."""
-    rss, shmem = proc_rss_bytes(pid), proc_status_bytes(pid, "RssShmem")
-    return (None if rss is None or shmem is None else rss - shmem), shmem
-
-
-def engine_pid(server_pid: int) -> int | None:
-    """The engine process: the front end's multiprocessing child that is not its resource
-    tracker."""
-    for child in child_pids(server_pid):
-        with contextlib.suppress(OSError):
-            cmd = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
-            if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
-                return child
-    return None
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -128,7 +128,7 @@ def test_a_real_flip_past_its_timeout_keeps_the_guard():
     import os
     import signal
 
-    from benchmarks.soak import engine_pid
+    from benchmarks.proc_stats import engine_pid
     from tests.server_process import start_server, stop_server
 
     proc, url = start_server("--tp-size", "2", "--enable-flip", "--enable-hicache",
@@ -212,6 +212,6 @@ def test_the_engine_announces_manual_and_automatic_seams(monkeypatch):
 
 def _rss_bytes() -> int:
     """Private resident memory (the host tier is shared memory, resident as it fills)."""
-    from benchmarks.soak import private_rss_bytes
+    from benchmarks.proc_stats import private_rss_bytes
 
     return private_rss_bytes(os.getpid())[0]
