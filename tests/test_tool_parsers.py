@@ -257,8 +257,9 @@ def test_a_mistral_conversation_with_openai_call_ids_renders(mistral_server) -> 
 
 
 def test_the_text_parsed_skips_the_tool_calls_token_unless_asked(mistral_server) -> None:
-    """`[TOOL_CALLS]` is special: with skip_special_tokens (the default) the parsed text has no
-    marker (hence the unmarked Mistral forms above); with it false the marker is there."""
+    """`[TOOL_CALLS]` is special: under `auto` the text is decoded with the marker kept for the
+    parser and the content leaves it out; with `skip_special_tokens: false` the content keeps
+    it."""
     import httpx
 
     url, marker = mistral_server

@@ -450,10 +450,21 @@ async def prepare_chat(ctx: ServerContext, req: p.ChatCompletionRequest, rid: st
     params = p.chat_sampling_params(req, max_tokens)
     if plan is not None and plan.grammar is not None:
         params = replace(params, grammar=plan.grammar)
+    if params.skip_special_tokens and tools.keep_specials(plan, ctx.token_text):
+        params = replace(params, skip_special_tokens=False)  # (the plan skips them after)
+        plan = replace(plan, specials=ctx.token_text)
     await check_grammar(ctx, params, "tools" if plan and plan.grammar else "response_format")
     ctx.validate(ids, params, names)
     ctx.admit([params])
     return PromptRun(rid, ids, params, 0), plan
+
+
+def parser_delta(plan: tools.ToolPlan | None, d: StreamDelta) -> StreamDelta:
+    """`d` with the text the tool parser reads (`ToolPlan.parser_text`)."""
+    if plan is None:
+        return d
+    text = plan.parser_text(d.text, d.token_ids)
+    return d if text == d.text else replace(d, text=text)
 
 
 def _chat_message(plan: tools.ToolPlan | None,
@@ -473,7 +484,7 @@ async def _chat(ctx, req: p.ChatCompletionRequest, run: PromptRun,
                 plan: tools.ToolPlan | None, created: int) -> dict:
     choices = [Choice(j) for j in range(req.n)]
     async for _, d in run_prompts(ctx, [run]):
-        choices[d.index].add(d)
+        choices[d.index].add(parser_delta(plan, d))
         if d.usage is not None:
             run.usage = d.usage
     out = []
@@ -501,6 +512,7 @@ async def _stream_chat(ctx, req: p.ChatCompletionRequest, run: PromptRun,
         yield chunk([p.ChatCompletionStreamChoice(
             index=j, delta=p.DeltaMessage(role="assistant", content=""))])
     async for _, d in run_prompts(ctx, [run]):
+        d = parser_delta(plan, d)
         if d.usage is not None:
             run.usage = d.usage
         lp = None

@@ -32,6 +32,7 @@ from phaseflip.server.openai_api import (
     Choice,
     PromptRun,
     chat_logprobs,
+    parser_delta,
     prepare_chat,
     respond,
     run_prompts,
@@ -258,7 +259,7 @@ async def create_response(req: rp.ResponsesRequest, request: Request, ctx: Serve
 async def _answer(ctx: ServerContext, store: ResponseStore, ex: Exchange) -> dict[str, Any]:
     c = Choice(0)
     async for _, d in run_prompts(ctx, [ex.run]):
-        c.add(d)
+        c.add(parser_delta(ex.plan, d))
         if d.usage is not None:
             ex.run.usage = d.usage
     out, status = ex.output, _status(c.finish_reason)
@@ -304,6 +305,7 @@ async def _events(ctx: ServerContext, store: ResponseStore, ex: Exchange
     reason = None
     try:
         async for _, d in run_prompts(ctx, [ex.run]):
+            d = parser_delta(ex.plan, d)
             if d.usage is not None:
                 ex.run.usage = d.usage
             reason = d.finish_reason or reason

@@ -1,9 +1,9 @@
 """Tool calls on `/v1/chat/completions`: which mode, what the model is shown, what it must
 generate, and how its text becomes `tool_calls` (whole, or as stream deltas).
 
-Modes (`tool_choice`): "none" (tools are not shown), "auto" (shown; the text is parsed for
-Hermes/Qwen `<tool_call>{"name", "arguments"}</tool_call>` blocks, Mistral `[TOOL_CALLS]`
-calls or Llama-3 JSON calls `{"name", "parameters"}`; text with no marker is a call only when
+Modes (`tool_choice`): "none" (tools are not shown), "auto" (shown; the text is parsed for the
+formats of `tool_parsers`: Hermes/Qwen `<tool_call>` blocks, Mistral `[TOOL_CALLS]` calls,
+Llama-3 JSON calls, Llama 3.2's pythonic `[f(x=1)]`; text with no marker is a call only when
 it is nothing but calls naming listed tools), "required" (the output is constrained to one
 `{"name": ..., "arguments": {...}}` object naming a listed tool) and a named function (the
 output is constrained to that tool's arguments object). The two constrained modes always
@@ -26,13 +26,20 @@ from typing import Any
 from phaseflip.errors import InvalidRequestError
 from phaseflip.sampling.grammar import GrammarSpec
 from phaseflip.server import protocol as p
+from phaseflip.server.token_text import TokenText
+from phaseflip.server.tool_parsers import (
+    HEADER,
+    MISTRAL_TAG,
+    PARSER_MARKERS,
+    TOOL_CLOSE,
+    TOOL_OPEN,
+    auto_calls,
+    content_end,
+    json_object,
+    may_begin_call,
+    split_required,
+)
 
-TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
-PYTHON_TAG = "<|python_tag|>"
-MISTRAL_TAG = "[TOOL_CALLS]"
-_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
-_BLOCK = re.compile(re.escape(TOOL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CLOSE) + r"|$)",
-                    re.DOTALL)
 _SYSTEM = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
@@ -50,6 +57,8 @@ class ToolPlan:
     name: str | None = None  # the named function
     grammar: GrammarSpec | None = None
     parallel: bool = True  # `parallel_tool_calls`: false keeps an auto answer's first call
+    # set when the text keeps the special tokens the request asked skipped (`keep_specials`)
+    specials: TokenText | None = None
 
     @property
     def names(self) -> set[str]:
@@ -67,8 +76,42 @@ class ToolPlan:
         "tool_calls" would run arguments that are not whole."""
         if self.mode == "named" or reason != "stop" or not called:
             return reason
-        whole = self.mode != "required" or _json_object(text) is not None
+        whole = self.mode != "required" or json_object(text) is not None
         return "tool_calls" if whole else reason
+
+    def parser_text(self, text: str, token_ids: list[int]) -> str:
+        """A delta's text as the parser reads it: with `specials`, less the special tokens of
+        `token_ids` but the parser's markers (the engine decodes with all or none), so it is
+        what `skip_special_tokens` gives plus the markers."""
+        tt = self.specials
+        if tt is None:
+            return text
+        for t in token_ids:
+            if t in tt.special and (spelling := tt.spell(t)) not in PARSER_MARKERS:
+                text = text.replace(spelling, "", 1)
+        return text
+
+    def shown(self, content: str | None) -> str | None:
+        """`content` as the request asked for it: with `specials`, without the markers that
+        were kept for the parser only (text with a marker but no call is content)."""
+        if content is None or self.specials is None:
+            return content
+        for marker in PARSER_MARKERS:
+            content = content.replace(marker, "")
+        return content
+
+
+def keep_specials(plan: ToolPlan | None, token_text: TokenText) -> bool:
+    """Whether an `auto` request is to be decoded with its special tokens (the caller's
+    `skip_special_tokens` asked them skipped): where Mistral's `[TOOL_CALLS]` is one, skipped
+    it turned `Sure. [TOOL_CALLS][{"name": ...}]` into `Sure. [{"name": ...}]`, content,
+    since only text that is nothing but calls is a call without a marker (vLLM keeps them
+    too). The plan (its `specials` set) then reads the text without the others and sends
+    content without the markers (`parser_text`, `shown`)."""
+    if plan is None or plan.mode != "auto":
+        return False
+    marker = token_text.tokenizer.convert_tokens_to_ids(MISTRAL_TAG)  # (else unk, or None)
+    return marker in token_text.special and token_text.spell(marker) == MISTRAL_TAG
 
 
 def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -243,110 +286,6 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def split_required(text: str) -> tuple[str, str] | None:
-    """(name, arguments text) of a `{"name": ..., "arguments": ...}` call: the whole call, or
-    one cut short (by `max_tokens`) after its name, whose arguments are then what came;
-    None before the name is complete."""
-    m = _HEADER.match(text)
-    if m is None:
-        return None
-    rest = text[m.end():].rstrip()
-    if _json_object(text) is not None:  # whole: the last brace closes the wrapper
-        rest = rest[:-1].rstrip()
-    return json.loads(f'"{m.group(1)}"'), rest
-
-
-def _auto_calls(text: str, names: set[str],
-                parallel: bool = True) -> tuple[str | None, list[tuple[str, str]]]:
-    """Hermes/Qwen blocks, Mistral `[TOOL_CALLS]` calls, or Llama-3 JSON calls; unparseable
-    text stays content. Text with no marker is a call only when it is nothing but calls naming
-    listed tools (a JSON answer the user asked for stays content): one or more Llama-3
-    `{"name", "parameters"}` objects (separated by `;` or whitespace), a Mistral list of
-    `{"name", "arguments"}` or `name{arguments}` (the two Mistral forms whose special marker
-    tokens `skip_special_tokens` took out). The content before a call loses its trailing
-    whitespace (a stream holds that back until it knows)."""
-    calls: list[tuple[str, str]] = []
-    head = text
-    if TOOL_OPEN in text:
-        head = text[: text.index(TOOL_OPEN)]
-        for block in _BLOCK.findall(text):
-            obj = _json_object(block)
-            call = _call(obj, None, {}) if obj is not None else None
-            if call is not None:
-                calls.append(call)
-    elif MISTRAL_TAG in text:
-        i = text.index(MISTRAL_TAG)
-        head, calls = text[:i], _call_sequence(text[i:].replace(MISTRAL_TAG, " "), None)
-    else:
-        body = text.strip()
-        tagged = body.startswith(PYTHON_TAG)
-        calls = _call_sequence(body[len(PYTHON_TAG):] if tagged else body,
-                               None if tagged else names)
-        head = ""
-    if not calls:
-        return text, []
-    return (head.rstrip() if head.strip() else None), calls if parallel else calls[:1]
-
-
-_DECODER = json.JSONDecoder()
-_NAMED = re.compile(r"([A-Za-z0-9_.\-]+)\s*(\[ARGS\])?\s*(?=\{)")
-"""Mistral's newer form, `name[ARGS]{...}` (`name{...}` once `[ARGS]` was skipped)."""
-_NAME_FIRST = re.compile(r'\[?\s*\{\s*"name"\s*:')
-
-
-def _call_sequence(text: str, names: set[str] | None) -> list[tuple[str, str]]:
-    """The calls `text` is made of, all or nothing: JSON call objects or lists of them, or
-    `name[ARGS]{...}`, separated by whitespace, `;` or `,`. `names`: the only names that count
-    (None: any, after a marker)."""
-    calls: list[tuple[str, str]] = []
-    pos, n = 0, len(text)
-    while True:
-        while pos < n and (text[pos].isspace() or text[pos] in ";,"):
-            pos += 1
-        if pos == n:
-            return calls
-        m = _NAMED.match(text, pos)
-        try:
-            if m and (m.group(2) or (names is not None and m.group(1) in names)):
-                args, pos = _DECODER.raw_decode(text, m.end())
-                objs = [{"name": m.group(1), "arguments": args}]
-            elif names is not None and not _NAME_FIRST.match(text, pos):
-                return []  # (unmarked: `"name"` first, as models write it, and a stream tells)
-            else:
-                value, pos = _DECODER.raw_decode(text, pos)
-                objs = value if isinstance(value, list) and value else [value]
-        except json.JSONDecodeError:
-            return []
-        for obj in objs:
-            call = _call(obj, names, None) if isinstance(obj, dict) else None
-            if call is None:
-                return []
-            calls.append(call)
-
-
-def _call(obj: dict[str, Any], names: set[str] | None,
-          missing: dict[str, Any] | None) -> tuple[str, str] | None:
-    """(name, arguments JSON text) of a parsed call object: its `arguments` (or Llama's
-    `parameters`) an object, or JSON text of one (as some models write it); `missing`: what
-    absent arguments count as (None: not a call)."""
-    name = obj.get("name")
-    args = obj.get("arguments", obj.get("parameters", missing))
-    if isinstance(args, str):
-        args = _json_object(args)
-    if not isinstance(name, str) or not isinstance(args, dict) or (
-            names is not None and name not in names):
-        return None
-    return name, json.dumps(args, ensure_ascii=False)
-
-
-def _json_object(text: str) -> dict[str, Any] | None:
-    try:
-        obj = json.loads(text.strip())
-    except json.JSONDecodeError:
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
 def parse_output(plan: ToolPlan, text: str) -> tuple[str | None, list[tuple[str, str]]]:
     """(content, [(name, arguments JSON text)]) of a finished choice's text."""
     if plan.mode == "named":
@@ -355,7 +294,9 @@ def parse_output(plan: ToolPlan, text: str) -> tuple[str | None, list[tuple[str,
         call = split_required(text)
         return None, [call] if call else []
     if plan.mode == "auto":
-        return _auto_calls(text, plan.names, plan.parallel)
+        content, calls = auto_calls(text, plan.names, plan.parallel)
+        content = plan.shown(content)
+        return (content or None) if calls else content, calls
     return text, []
 
 
@@ -394,7 +335,7 @@ class ToolStreamer:
                 return []
             name, args = call
         else:
-            m = _HEADER.match(self.text)
+            m = HEADER.match(self.text)
             if m is None:
                 return []
             name = json.loads(f'"{m.group(1)}"')
@@ -419,71 +360,19 @@ class ToolStreamer:
             if TOOL_OPEN in text or MISTRAL_TAG in text:
                 self.buffering = True
             # (a prefix decides; a cut one can only hold longer: the text is told at the end)
-            elif not self.plain and not _may_begin_call(text[:4096].lstrip(), self.plan.names):
+            elif not self.plain and not may_begin_call(text[:4096].lstrip(), self.plan.names):
                 self.plain = True  # (no unmarked call at the start: content, up to a marker)
         if not self.buffering and self.plain:
-            end = len(text) if finished else _content_end(text)
+            end = len(text) if finished else content_end(text)
             end = max(self.sent, end)
             out, self.sent = text[self.sent:end], end
-            return out or None, []
+            return self.plan.shown(out) or None, []
         if not finished:
             return None, []
-        content, calls = _auto_calls(text, self.plan.names, self.plan.parallel)
+        content, calls = auto_calls(text, self.plan.names, self.plan.parallel)
         out, self.sent = (content or "")[self.sent:], len(text)
         self.calls = calls
         deltas = [p.DeltaToolCall(index=i, id=new_call_id(), type="function",
                                   function=p.DeltaFunctionCall(name=n, arguments=a))
                   for i, (n, a) in enumerate(calls)]
-        return out or None, deltas
-
-
-_WORD = re.compile(r"[A-Za-z0-9_.\-]+")
-
-
-def _may_begin_call(start: str, names: set[str]) -> bool:
-    """Whether an auto answer's text so far (less leading whitespace) may still begin a call
-    with no `<tool_call>` or `[TOOL_CALLS]` marker before it (what `_call_sequence` takes
-    with `names`): False only when it cannot, so the stream holds nothing longer than needed
-    and never sends as content what the whole answer calls."""
-    if any(t.startswith(start) or start.startswith(t) for t in (PYTHON_TAG, MISTRAL_TAG)):
-        return True
-    m = _WORD.match(start)
-    if m:  # Mistral's `name{...}`
-        word, rest = m.group(), start[m.end():]
-        if not rest:
-            return any(n.startswith(word) for n in names)
-        return word in names and (rest.isspace() or rest.lstrip().startswith("{"))
-    s = start[1:].lstrip() if start.startswith("[") else start
-    if not s:
-        return True
-    if s[0] != "{":
-        return False
-    s = s[1:].lstrip()
-    key = '"name"'
-    if not s.startswith(key):
-        return key.startswith(s)
-    s = s[len(key):].lstrip()
-    if s[:1] != ":":
-        return not s
-    s = s[1:].lstrip()
-    if s[:1] != '"':
-        return not s
-    s = s[1:]
-    j = s.find('"')
-    name = s if j < 0 else s[:j]
-    if "\\" in name:  # (escaped: told at the end)
-        return True
-    return any(n.startswith(name) for n in names) if j < 0 else name in names
-
-
-def _content_end(text: str) -> int:
-    """How much of an unfinished auto answer's `text` is content for sure: all but a suffix
-    that may begin a `<tool_call>` or `[TOOL_CALLS]` and the whitespace before it (content
-    before a call ends without it)."""
-    hold = 0
-    for tag in (TOOL_OPEN, MISTRAL_TAG):
-        for k in range(min(len(tag) - 1, len(text)), 0, -1):
-            if tag.startswith(text[-k:]):
-                hold = max(hold, k)
-                break
-    return len(text[: len(text) - hold].rstrip())
+        return self.plan.shown(out) or None, deltas
