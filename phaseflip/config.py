@@ -85,7 +85,8 @@ class SchedulerConfig:
     max_model_len: int | None = None
     """Context limit (prompt + output); default the model's max_position_embeddings."""
     chunked_prefill_size: int = 8192
-    """Most prompt tokens one request prefills per step; 0 or -1 turns chunking off."""
+    """Most prompt tokens prefilled per step (a longer prompt is cut into chunks; the step's
+    budget is the smaller of this and --max-prefill-tokens); 0 or -1 turns chunking off."""
     max_prefill_tokens: int = 16384
     """Most prefill tokens in one step across requests (a request alone may exceed it)."""
     schedule_policy: str = "fcfs"
@@ -246,7 +247,8 @@ class EngineConfig:
     """torch CPU threads of each engine process and rank. Default: the cores this process may
     use, less one for the front end, shared by this host's ranks (OMP_NUM_THREADS, if set)."""
     dtype: str = "auto"
-    """float32, float16, bfloat16 or auto (the checkpoint's dtype; float32 on CPU)."""
+    """float32, float16, bfloat16 or auto (float32 on CPU; on a GPU the checkpoint's dtype,
+    bfloat16 for a float32 checkpoint)."""
     quantization: str | None = None
     """fp8: the decoder's projections in FP8 (a scale per output channel, activations scaled
     per token at run time); a float checkpoint is quantized at load. Default: the checkpoint's
