@@ -161,7 +161,7 @@ def test_hicache_counters_reach_metrics_and_server_info(tmp_path):
         info = httpx.get(url + "/server_info").json()["hicache"]
         assert info["pages_written"] > 0 and info["host_hit_tokens"] > 0
         metrics = httpx.get(url + "/metrics").text
-        assert 'phaseflip_hicache_hit_tokens{model_name="tiny-llama",tier="host"}' in metrics
+        assert 'phaseflip_hicache_hit_tokens_total{model_name="tiny-llama",tier="host"}' in metrics
         assert 'hicache_transfer_gbps{direction="load",model_name="tiny-llama"}' in metrics
         assert info["load_gbps"] > 0
     finally:

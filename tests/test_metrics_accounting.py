@@ -56,7 +56,7 @@ def test_hicache_page_events_carry_the_documented_labels():
     m = ServerMetrics("tiny")
     m.observe_hicache(HICACHE_STATS)
     pages = {dict(k)["event"]: v for k, v in series(m.render().decode(),
-                                                     "phaseflip_hicache_pages").items()}
+                                                     "phaseflip_hicache_pages_total").items()}
     assert pages == {"written": 5, "miss": 2, "corrupt": 3, "host_eviction": 4,
                      "disk_eviction": 6, "disk_writes_dropped": 7, "sync_writeback": 8,
                      "disk_write_failure": 9, "disk_read_error": 10, "foreign": 11}
@@ -77,7 +77,7 @@ def test_engine_info_sets_gauges_and_preemptions():
     assert one(text, "phaseflip_num_requests_waiting") == 2
     assert one(text, "phaseflip_token_usage") == pytest.approx(0.4)
     assert one(text, "phaseflip_num_preemptions_total") == 7
-    assert one(text, "phaseflip_hicache_hit_tokens", tier="host") == 64
+    assert one(text, "phaseflip_hicache_hit_tokens_total", tier="host") == 64
     m.observe_engine(info | {"running": 0, "waiting": 0})
     text = m.render().decode()
     assert one(text, "phaseflip_num_requests_running") == 0

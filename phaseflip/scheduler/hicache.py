@@ -20,7 +20,10 @@ is committed to the host tier and queued for the disk thread (a full queue drops
 Loads (read-through as prefetch). When a waiting request is considered for admission, the
 pages that follow its device-cached prefix and exist in a tier start their way: disk pages are
 promoted into host frames on the disk thread, then every page is copied host->device into fresh
-slots. The request is skipped (others are admitted) until its pages are *visible*; they are then
+slots. A load's pages stay pinned in the host tier from the prefetch that chose them (or from
+landing) until its copy is done, so a burst's later promotions cannot evict them unread; a
+request whose first disk page finds every host frame held waits for the loads in flight.
+The request is skipped (others are admitted) until its pages are *visible*; they are then
 inserted into the radix tree, so admission matches them like any cached prefix and the request
 is priced by its uncached tokens only. Slots of a load in flight are held by its `LoadJob`
 (`in_flight_slots`): allocated, neither free nor in the tree nor any request's; they join the
@@ -254,7 +257,7 @@ class HiCache:
         for key, fut in list(self._promoting.items()):
             if fut.done():
                 del self._promoting[key]
-                fut.result()  # an I/O thread crash is an error, not a miss
+                self._landed(key, fut.result())  # an I/O thread crash raises: not a miss
         for job in list(self._stores):
             if self.channel.done(job.ticket):
                 self._finish_store(job)
@@ -431,12 +434,16 @@ class HiCache:
             return False  # another request is loading these very pages: wait for them
         job = LoadJob(tokens=[], start=first * hp, keys=[], base=None, spare_tokens=spare_tokens)
         for key in keys[first:]:
-            if not self._available(key, job):
-                self._missed.add(req.rid)  # counted once, when the request is admitted
+            found = self._available(key, job)
+            if not found:
+                if found is not None:
+                    self._missed.add(req.rid)  # counted once, when the request is admitted
                 break
             job.keys.append(key)
         if not job.keys:
-            return True
+            # A disk page with no host frame free: while loads and stores in flight hold the
+            # frames (they let go within steps) the request waits rather than recompute it.
+            return not (found is None and self.busy)
         job.tokens = tokens[: job.start + len(job.keys) * hp]
         job.base = self.tree.match_prefix(tokens[: job.start]).last_node
         self.tree.inc_lock_ref(job.base)
@@ -466,24 +473,38 @@ class HiCache:
         self._load_of.pop(req.rid, None)
         self._missed.discard(req.rid)
 
-    def _available(self, key: bytes, job: LoadJob) -> bool:
-        if self.host.contains(key):
+    def _available(self, key: bytes, job: LoadJob) -> bool | None:
+        """Whether `job` can load page `key`: pinned for it now (host tier) or when it lands
+        (disk). None: on disk, but no host frame can take it now (all pinned or reserved)."""
+        if self.host.acquire_frame(key) is not None:
+            job.pinned.add(key)
             return True
-        if key in self._promoting:
-            job.from_disk.add(key)
-            return True
-        if self.io is None or not self.disk.contains(key):
-            return False
-        fut = self.io.promote(key)
-        if fut is None:
-            return False
-        self._promoting[key] = fut
-        job.from_disk.add(key)
+        if key not in self._promoting:
+            if self.io is None or not self.disk.contains(key):
+                return False
+            fut = self.io.promote(key)
+            if fut is None:
+                return None
+            self._promoting[key] = fut
+        job.promoting.add(key)
         return True
+
+    def _landed(self, key: bytes, ok: bool) -> None:
+        """A promotion ended: if the page landed (pinned once, for the controller), every load
+        waiting on it gets a pin of its own, then the promotion's goes."""
+        for job in self._loads:
+            if key in job.promoting:
+                job.promoting.discard(key)
+                if ok:
+                    self.host.pin(key)
+                    job.pinned.add(key)
+                    job.from_disk.add(key)
+        if ok:
+            self.host.unpin(key)
 
     def _advance(self, job: LoadJob) -> None:
         if job.state == PROMOTING:
-            if any(k in self._promoting for k in job.keys):
+            if job.promoting:
                 return
             self._start_copy(job)
         if job.state == COPYING and self.channel.visible(job.ticket):
@@ -494,21 +515,25 @@ class HiCache:
             job.frames = []
 
     def _start_copy(self, job: LoadJob) -> None:
-        """Pin the pages' frames, allocate their slots, dispatch the host->device copies."""
+        """Allocate the slots of the pinned pages up to the first failed promotion, dispatch
+        the host->device copies; the pins of pages not loaded go."""
         hp = self.page_size
         for key in job.keys:
-            frame = self.host.acquire_frame(key)
-            if frame is None:  # a failed promotion, or evicted meanwhile: load up to here
-                break
-            job.frames.append(frame)
+            # a page that failed to promote may have come into the host tier since (a store
+            # of the same prefix): a host hit then, never counted as read from disk
+            if key not in job.pinned and self.host.acquire_frame(key) is not None:
+                job.pinned.add(key)
+            if key not in job.pinned:
+                break  # load up to here
+            job.frames.append(self.host.frame_of(key))
         alloc = self.kv.allocator
         # the reserve as of now: a load promoted from disk may start many steps after prefetch
         spare = max(job.spare_tokens, self.decode_reserve() if self.decode_reserve else 0)
         room = alloc.free_slots + self.tree.evictable_size() - spare
         n = min(len(job.frames), max(0, room) // hp)
-        for key in job.keys[n : len(job.frames)]:
-            self.host.unpin(key)
         job.keys, job.frames = job.keys[:n], job.frames[:n]
+        for key in job.pinned.difference(job.keys):
+            self.host.unpin(key)
         if n and alloc.free_slots < n * hp:
             self.tree.evict(n * hp - alloc.free_slots)
         slots = alloc.alloc_slots(n * hp // self.kv.page_size) if n else None
@@ -537,7 +562,7 @@ class HiCache:
             self.kv.allocator.free(job.slots[: dup - start])
         job.hold = tree.match_prefix(job.tokens[:end]).last_node
         tree.inc_lock_ref(job.hold)
-        disk = sum(hp for k in job.keys if k in job.from_disk)
+        disk = hp * len(job.from_disk.intersection(job.keys))
         self._count(host_hit_tokens=end - start - disk, disk_hit_tokens=disk,
                     bytes_loaded=len(job.keys) * self.geometry.payload_len,
                     load_seconds=time.perf_counter() - job.dispatched)

@@ -26,7 +26,7 @@ class HiCacheStats:
     pages_written: int = 0  # pages stored device -> host tier (copy done)
     bytes_written: int = 0  # bytes written to the disk tier
     host_hit_tokens: int = 0  # prompt tokens loaded from pages found in the host tier
-    disk_hit_tokens: int = 0  # prompt tokens loaded from pages promoted from the disk tier
+    disk_hit_tokens: int = 0  # prompt tokens loaded from pages read from disk for the load
     miss_pages: int = 0  # admitted requests whose cached prefix stopped at a page no tier has
     corrupt_pages: int = 0  # disk pages found corrupt (deleted, served as misses)
     bytes_loaded: int = 0  # host -> device
@@ -64,7 +64,12 @@ class LoadJob:
     keys: list[bytes]  # pages to load, consecutive from `start`
     base: Any  # locked node ending at `start`: the prefix the pages extend
     spare_tokens: int  # slots the scheduler keeps for running requests
-    from_disk: set[bytes] = field(default_factory=set)
+    # Every page of `keys` is, for this job, pinned in the host tier (found there at prefetch,
+    # or landed from disk), or promoting (on its way from disk), until the copy is done: a
+    # page is never evicted between the prefetch that chose it and the load that reads it.
+    pinned: set[bytes] = field(default_factory=set)
+    promoting: set[bytes] = field(default_factory=set)
+    from_disk: set[bytes] = field(default_factory=set)  # pinned pages that landed from disk
     state: str = PROMOTING
     frames: list[int] = field(default_factory=list)  # pinned host frames while copying
     slots: torch.Tensor | None = None  # the in-flight slots (held by this job until inserted)

@@ -25,6 +25,13 @@ _HICACHE_PAGE_EVENTS = {
     "disk_write_failures": "disk_write_failure", "disk_read_errors": "disk_read_error",
     "foreign_pages": "foreign",
 }
+# the engine's HiCache totals, exported as counters (`_total`): name, help, label
+_HICACHE_TOTALS = (
+    ("hicache_hit_tokens", "Prompt tokens read from a HiCache tier", "tier"),
+    ("hicache_bytes", "Bytes moved by HiCache: stored device -> host, loaded host -> device, "
+     "written to disk", "direction"),
+    ("hicache_pages", "HiCache page events", "event"),
+)
 
 
 class Labelled:
@@ -42,20 +49,37 @@ class Labelled:
 
 
 class EngineCounters:
-    """Counters the engine keeps itself, mirrored at each scrape. A family appears only once
-    the engine reported it: an engine that never said is unmeasured, not 0."""
+    """Totals the engine keeps itself, exported as counters at each scrape. Each series follows
+    the deltas of the engine's total, so it never goes down: a total below the last one seen
+    is an engine that counts from 0 again, and all of it is new. A family is exported once
+    declared (HELP and TYPE only); a series appears once the engine reported it: an engine
+    that never said is unmeasured, not 0."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.values: dict[str, tuple[str, float]] = {}  # name -> (help, value)
+        self.families: dict[str, tuple[str, str | None]] = {}  # name -> (help, label)
+        self.totals: dict[str, dict[str, float]] = {}  # name -> label value -> exported
+        self._seen: dict[tuple[str, str], float] = {}  # (name, label value) -> engine's total
 
-    def set(self, name: str, doc: str, value: float) -> None:
-        self.values[name] = (doc, float(value))
+    def declare(self, name: str, doc: str, label: str | None = None) -> None:
+        self.families.setdefault(name, (doc, label))
+        self.totals.setdefault(name, {})
+
+    def observe(self, name: str, value: float, label_value: str = "") -> None:
+        """The engine's total for the series `name{label=label_value}` (declared first)."""
+        value, key = float(value), (name, label_value)
+        last = self._seen.get(key, 0.0)
+        series = self.totals[name]
+        series[label_value] = series.get(label_value, 0.0) + (
+            value - last if value >= last else value)
+        self._seen[key] = value
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        for name, (doc, value) in self.values.items():
-            family = CounterMetricFamily(f"{_NS}_{name}", doc, labels=["model_name"])
-            family.add_metric([self.model_name], value)
+        for name, (doc, label) in self.families.items():
+            labels = ["model_name"] if label is None else ["model_name", label]
+            family = CounterMetricFamily(f"{_NS}_{name}", doc, labels=labels)
+            for value, total in self.totals[name].items():
+                family.add_metric([self.model_name] + ([value] if label else []), total)
             yield family
 
 
@@ -91,15 +115,15 @@ class ServerMetrics:
             Gauge, "flip_in_progress", "1 while a phase-flip seam runs or a flip asked for is "
             "not answered, labelled with its target layout; 0 (to=\"\") otherwise", "to")
 
-        self.hicache_tokens = self._by(Gauge, "hicache_hit_tokens",
-                                       "Prompt tokens read from a HiCache tier", "tier")
-        self.hicache_bytes = self._by(Gauge, "hicache_bytes", "Bytes moved by HiCache",
-                                      "direction")
-        self.hicache_pages = self._by(Gauge, "hicache_pages", "HiCache page events", "event")
         self.hicache_rate = self._by(
             Gauge, "hicache_transfer_gbps", "Observed HiCache copy rate (dispatch to seen done; "
             "a floor on the link rate)", "direction")
         self.engine_counters = EngineCounters(model_name)
+        for name, doc, label in _HICACHE_TOTALS:
+            self.engine_counters.declare(name, doc, label)
+        self.engine_counters.declare("num_preemptions", "Requests taken off the device to "
+                                     "free KV and recomputed later (the pool ran out, or a "
+                                     "phase flip)")
         self.registry.register(self.engine_counters)
 
     def _one(self, kind: type[MetricWrapperBase], name: str, doc: str, **kw):
@@ -112,20 +136,21 @@ class ServerMetrics:
                              registry=self.registry), self.model_name)
 
     def observe_hicache(self, stats: dict | None) -> None:
-        """Mirrors the engine's HiCache counters (absent when HiCache is off: nothing set)."""
+        """Mirrors the engine's HiCache totals as counters and its copy rates as gauges (absent
+        when HiCache is off: nothing set)."""
         if not stats:
             return
-        self.hicache_tokens.labels("host").set(stats["host_hit_tokens"])
-        self.hicache_tokens.labels("disk").set(stats["disk_hit_tokens"])
-        self.hicache_bytes.labels("written").set(stats["bytes_written"])
-        self.hicache_bytes.labels("loaded").set(stats["bytes_loaded"])
-        self.hicache_bytes.labels("stored").set(stats["bytes_stored"])
+        counters = self.engine_counters
+        for tier in ("host", "disk"):
+            counters.observe("hicache_hit_tokens", stats[f"{tier}_hit_tokens"], tier)
+        for direction in ("written", "loaded", "stored"):
+            counters.observe("hicache_bytes", stats[f"bytes_{direction}"], direction)
+        for field, event in _HICACHE_PAGE_EVENTS.items():
+            counters.observe("hicache_pages", stats[field], event)
         for direction in ("store", "load"):  # unmeasured (None) stays unset, never 0
             rate = stats.get(f"{direction}_gbps")
             if rate is not None:
                 self.hicache_rate.labels(direction).set(rate)
-        for field, event in _HICACHE_PAGE_EVENTS.items():
-            self.hicache_pages.labels(event).set(stats[field])
 
     def observe_engine(self, info: dict) -> None:
         """Mirrors the engine's answer to "info", exact at the scrape (the running/waiting
@@ -138,9 +163,7 @@ class ServerMetrics:
             self.token_usage.set((pool["protected"] + pool["private"]) / pool["total"])
             self.observe_hicache(info.get("hicache"))
         if (sched := info.get("scheduler")) is not None:
-            self.engine_counters.set(
-                "num_preemptions", "Requests taken off the device to free KV and recomputed "
-                "later (the pool ran out, or a phase flip)", sched["retractions"])
+            self.engine_counters.observe("num_preemptions", sched["retractions"])
 
     def observe_usage(self, prompt_tokens: int, cached: int) -> None:
         """A finished request's prompt (its generated tokens are counted as they come, so an

@@ -6,7 +6,8 @@ reading straight from the host frame, which stays pinned (the host pool's refere
 the file is written. Writes queue up to `queue_pages`; a write that finds the queue full is
 dropped and counted: the page stays in the host tier, only its disk copy is skipped. A read
 (a *promotion*) fills a reserved host frame from the file, verifies it and maps it in the host
-tier; any failure is a miss (the store already logged and deleted a corrupt page).
+tier, pinned for the controller until the load it serves has taken it; any failure is a miss
+(the store already logged and deleted a corrupt page).
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ class DiskIO:
     # ------------------------------------------------------------ reads
     def promote(self, key: bytes) -> Future[bool] | None:
         """Start reading page `key` from disk into a host frame; the future says whether it
-        landed (then `host.contains(key)`). None when no host frame is free (all pinned)."""
+        landed: then the page is in the host tier, pinned once for the caller (who must `unpin`
+        it), so a later reservation cannot evict it before it is used. None when no host frame
+        is free (all pinned or reserved)."""
         if self.closed:
             return None
         frame = self.host.reserve()
@@ -82,7 +85,7 @@ class DiskIO:
         if n is None or n != self.geometry.total_size:  # a miss, or a page of another size
             self.host.abandon(frame)
             return False
-        self.host.commit(key, frame, n)
+        self.host.commit(key, frame, n, pin=True)
         return True
 
     def close(self) -> None:

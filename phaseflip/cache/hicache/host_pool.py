@@ -201,19 +201,25 @@ class HostPagePool:
             self._reserved.add(frame)
             return frame
 
-    def commit(self, key: bytes, frame: int, length: int | None = None) -> bool:
+    def commit(self, key: bytes, frame: int, length: int | None = None, *,
+               pin: bool = False) -> bool:
         """Map a reserved, now filled frame to `key`. If `key` got mapped meanwhile (same
-        content, another writer) the frame is freed instead; returns whether it was mapped."""
+        content, another writer) the frame is freed instead; returns whether it was mapped.
+        `pin`: the page (either frame) is pinned in the same step, so no reservation can evict
+        it before the caller, who must `unpin` it, hands it on (a promotion from disk)."""
         length = self.page_bytes if length is None else length
         with self._lock:
             self._unreserve(frame)
-            if key in self._pages:
+            mapped = key not in self._pages
+            if mapped:
+                self._pages[key] = (frame, length)
+                self._stats.bytes_written += length
+            else:
                 self._free.append(frame)
                 self._pages.move_to_end(key)
-                return False
-            self._pages[key] = (frame, length)
-            self._stats.bytes_written += length
-            return True
+            if pin:
+                self.pin(key)
+            return mapped
 
     def abandon(self, frame: int) -> None:
         """Give back a reserved frame whose fill failed or was cancelled."""
