@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from phaseflip import InvalidRequestError, SamplingParams
+from phaseflip import Engine, InvalidRequestError, SamplingParams
 from phaseflip.cli import main
 from phaseflip.config import EMBEDDED_MODEL
 from phaseflip.engine.outputs import CompletionOutput, RequestOutput
@@ -85,8 +85,6 @@ def test_a_lone_surrogate_in_a_prompt_is_an_invalid_request(make_engine):
 def test_an_engine_dropped_after_streaming_is_collected_and_its_loop_ends():
     """The streaming loop's thread held its engine for good: dropped without `shutdown`, the
     engine (weights, KV pool, rank processes) stayed until the interpreter's exit."""
-    from phaseflip import Engine
-
     engine = Engine(device="cpu", dtype="float32", max_total_tokens=4096)
 
     async def stream(e):
@@ -256,3 +254,18 @@ def test_ctrl_c_during_a_real_generate_exits_130_without_a_traceback(tmp_path, t
     text = err_path.read_text()
     assert rc == 130, text[-2000:]
     assert "Traceback" not in text and "phaseflip generate: interrupted" in text
+
+
+def test_an_engine_made_while_a_rank_process_bootstraps_says_what_to_do() -> None:
+    """A script that makes an engine at import time (no `__main__` guard) runs again in every
+    rank while it starts: there the engine must refuse, naming the guard, before it loads
+    anything (the user saw only "the rank group did not form")."""
+    import multiprocessing
+
+    me = multiprocessing.current_process()
+    me._inheriting = True  # what multiprocessing sets while a child imports the main module
+    try:
+        with pytest.raises(RuntimeError, match='if __name__ == "__main__"'):
+            Engine(device="cpu")
+    finally:
+        del me._inheriting

@@ -7,6 +7,7 @@ import contextlib
 import gc
 import itertools
 import logging
+import multiprocessing
 import queue
 import re
 import signal
@@ -166,6 +167,18 @@ def _release(stop: threading.Event, threads: list[threading.Thread], core: Engin
     return True
 
 
+def _refuse_while_bootstrapping() -> None:
+    """A script that makes an engine at import time makes one in every rank too: the ranks'
+    forkserver (like spawn) imports the script's main module again before the rank runs. That
+    engine would load the model and start ranks of its own; the user saw only "the rank group
+    did not form". (`_inheriting` is multiprocessing's own flag for that import.)"""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError(
+            "phaseflip.Engine was created while a new process was starting: the script's main "
+            "module is imported again in each rank process, so the code that makes the "
+            "Engine must sit under `if __name__ == \"__main__\":`")
+
+
 class Engine:
     """An inference engine for one model in this process.
 
@@ -174,6 +187,7 @@ class Engine:
     """
 
     def __init__(self, model: str | None = None, **config: Any) -> None:
+        _refuse_while_bootstrapping()
         known = {*EngineConfig.field_names(), *SECTIONS}
         unknown = sorted(set(config) - known)
         if unknown:
