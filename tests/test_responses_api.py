@@ -14,7 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from phaseflip.server.responses_api import Kept, ResponseNotFoundError, ResponseStore
+from phaseflip.server.response_store import Kept, ResponseNotFoundError, ResponseStore
 
 MODEL = "tiny-llama"
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
@@ -192,7 +192,7 @@ def test_errors_on_the_chat_path_name_the_responses_field(server):
     assert err["param"] == "text.format" and "text.format" in err["message"]
     assert error({"input": [{"role": "tool", "content": "x"}]})["param"] == "input.0.role"
     err = error({"input": [{"type": "function_call_output", "call_id": "zz", "output": "x"}]})
-    assert err["param"] == "input" and "'zz'" in err["message"]
+    assert err["param"] == "input.0.call_id" and "'zz'" in err["message"]
 
 
 def test_an_empty_answer_is_continued(client):

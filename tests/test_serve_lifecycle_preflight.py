@@ -37,6 +37,7 @@ def _serve(*args: str, deadline_s: float = 60) -> tuple[int, list[str], float]:
     ("shutdown_timeout", -5.0, ">= 0"),
     ("shutdown_timeout", math.nan, ">= 0"),
     ("responses_kept", -1, ">= 0"),
+    ("responses_kept_bytes", 0, ">= 1"),
     ("flip_timeout_s", -1.0, "> 0"),
 ])
 def test_server_config_refuses_values_that_would_serve_wrongly(field, value, says):

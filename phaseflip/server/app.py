@@ -27,12 +27,8 @@ from phaseflip.server.openai_api import (
 from phaseflip.server.openapi import ERRORS, Aborted, FreedTokens, Health, Versions, ok, streams
 from phaseflip.server.openapi import install as install_openapi
 from phaseflip.server.protocol.responses_api import ResponsesRequest
-from phaseflip.server.responses_api import (
-    ResponseNotFoundError,
-    ResponseStore,
-    create_response,
-    list_input_items,
-)
+from phaseflip.server.response_store import ResponseNotFoundError, ResponseStore
+from phaseflip.server.responses_api import create_response, list_input_items
 from phaseflip.versions import __version__, version_info
 
 log = logging.getLogger("phaseflip.server")
@@ -187,7 +183,7 @@ def _inference_routes(app: FastAPI, ctx: ServerContext) -> None:
 
 def _responses_routes(app: FastAPI, ctx: ServerContext) -> None:
     """/v1/responses and its kept answers (the store lives as long as the app)."""
-    store = ResponseStore(ctx.cfg.responses_kept)
+    store = ResponseStore(ctx.cfg.responses_kept, ctx.cfg.responses_kept_bytes)
 
     @app.post("/v1/responses", responses=streams({"type": "object"}))
     async def responses(req: ResponsesRequest, request: Request):

@@ -77,6 +77,9 @@ class ServerConfig:
     responses_kept: int = 1000
     """Answers of /v1/responses kept in memory for previous_response_id and GET (the newest;
     0 keeps none)."""
+    responses_kept_bytes: int = 512 * 2**20
+    """Memory, in bytes, the kept /v1/responses answers may hold together (one answer can hold
+    a whole context of input): beyond it the oldest are dropped, with a log line."""
     log_requests: bool = False
     """Log one line per HTTP request: its id, method and path, status, prompt and output
     tokens, and seconds taken (logger phaseflip.requests, shown at any --log-level)."""
@@ -104,6 +107,7 @@ _SERVER_LIMITS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
      "must be >= 0 seconds (0 ends the requests in flight at once)"),
     ("flip_timeout_s", lambda v: v > 0, "must be > 0 seconds"),
     ("responses_kept", lambda v: v >= 0, "must be >= 0 (0 keeps none)"),
+    ("responses_kept_bytes", lambda v: v >= 1, "must be >= 1 (--responses-kept 0 keeps none)"),
 )
 
 

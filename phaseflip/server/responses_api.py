@@ -5,8 +5,8 @@ grammars and sampling are chat's), its one choice becomes the response's `output
 `message` with one `output_text` part, then a `function_call` item per tool call — and, with
 `stream`, the Responses API's typed events (`response.created` … `response.completed`, each
 with a `sequence_number`; no `[DONE]`). Answers with `store` (the default) are kept in memory
-for `previous_response_id`, `GET` and `DELETE /v1/responses/{id}`: `ResponseStore`, bounded by
-`--responses-kept`, oldest dropped first.
+for `previous_response_id`, `GET` and `DELETE /v1/responses/{id}`: `ResponseStore`
+(`response_store.py`), bounded by `--responses-kept` and by bytes, oldest dropped first.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import json
 import re
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +23,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
-from phaseflip.errors import InvalidRequestError, PhaseflipError
+from phaseflip.errors import ContextLengthError, InvalidRequestError, PhaseflipError
 from phaseflip.server import protocol as p
 from phaseflip.server import tools
 from phaseflip.server.context import ServerContext, renamed
@@ -38,49 +37,7 @@ from phaseflip.server.openai_api import (
     run_prompts,
 )
 from phaseflip.server.protocol import responses_api as rp
-
-
-class ResponseNotFoundError(PhaseflipError):
-    """No kept response has this id (never stored, dropped as the oldest, or deleted): 404."""
-
-    def __init__(self, response_id: str, param: str | None) -> None:
-        super().__init__(f"no response with id {response_id!r} is kept here (never stored, "
-                         "deleted, or dropped as the oldest: --responses-kept)")
-        self.param = param
-
-
-@dataclass
-class Kept:
-    body: dict[str, Any]  # the response as answered
-    messages: list[dict[str, Any]]  # the conversation through it, instructions left out
-    input_items: list[dict[str, Any]] = field(default_factory=list)  # its own input, as items
-
-
-class ResponseStore:
-    """The answers kept for follow-ups: the `capacity` newest (a follow-up or a GET counts as
-    use), in this front end's memory (lost on restart)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._kept: OrderedDict[str, Kept] = OrderedDict()
-
-    def put(self, response_id: str, kept: Kept) -> None:
-        if self.capacity <= 0:
-            return
-        self._kept[response_id] = kept
-        while len(self._kept) > self.capacity:
-            self._kept.popitem(last=False)
-
-    def get(self, response_id: str, param: str | None = None) -> Kept:
-        kept = self._kept.get(response_id)
-        if kept is None:
-            raise ResponseNotFoundError(response_id, param)
-        self._kept.move_to_end(response_id)
-        return kept
-
-    def delete(self, response_id: str) -> None:
-        if self._kept.pop(response_id, None) is None:
-            raise ResponseNotFoundError(response_id, None)
+from phaseflip.server.response_store import Kept, ResponseStore
 
 
 def _item_id(prefix: str) -> str:
@@ -139,10 +96,11 @@ class Exchange:
     req: rp.ResponsesRequest
     run: PromptRun
     plan: tools.ToolPlan | None
-    messages: list[dict[str, Any]]  # history + this input (no instructions)
+    messages: list[dict[str, Any]]  # this input as chat messages (no history, instructions)
     response_id: str  # the engine request's id too
     created: float = field(default_factory=time.time)
     output: Output = field(default_factory=Output)
+    previous: Kept | None = None  # the kept answer it continues
 
     def body(self, ctx: ServerContext, status: str, reason: str | None = None,
              error: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -175,7 +133,7 @@ class Exchange:
         if self.req.store:
             store.put(self.response_id, Kept(
                 body, [*self.messages, self.output.assistant_message()],
-                rp.input_items(self.req, _item_id)))
+                rp.input_items(self.req, _item_id), self.previous))
 
 
 def _usage(usage: Any) -> dict[str, Any] | None:
@@ -208,25 +166,49 @@ _RENAMED = {"max_new_tokens": "max_output_tokens", "max_completion_tokens": "max
 on the chat path names the field the client sent."""
 
 
-def _responses_error(e: InvalidRequestError) -> InvalidRequestError:
+def _responses_error(e: InvalidRequestError, previous_id: str | None) -> InvalidRequestError:
     """An error of the chat path as a Responses client reads it: its fields renamed, and one
-    about chat's `messages` (instructions, history and input together) about `input`."""
+    about chat's `messages` (instructions, history and input together) about `input`, saying
+    so when a kept conversation (`previous_id`) makes most of it."""
     e = renamed(e, _RENAMED)
-    if (e.param or "").startswith("messages"):  # ("messages is 2510 tokens": not sent)
+    if not (e.param or "").startswith("messages"):  # ("messages is 2510 tokens": not sent)
+        return e
+    if previous_id is None:
         return type(e)(re.sub(r"\bmessages\b", "input", str(e)), "input")
-    return e
+    what = f"the conversation through previous_response_id {previous_id!r}, then input,"
+    message = re.sub(r"\bmessages\b", what, str(e))
+    if isinstance(e, ContextLengthError):
+        message = message.rstrip(".") + (". A conversation cannot grow past the context: "
+                                         "start a new one, or send a shortened one as input")
+    return type(e)(message, "input")
 
 
-def _check_calls(messages: list[dict[str, Any]]) -> None:
-    """Every function call output answers a call made before it (in this input or the kept
-    conversation), as OpenAI requires."""
-    made: set[str] = set()
-    for m in messages:
-        made.update(c["id"] for c in m.get("tool_calls") or [])
-        if m["role"] == "tool" and m.get("tool_call_id") not in made:
-            raise InvalidRequestError(
-                f"no function call with call_id {m.get('tool_call_id')!r} comes before its "
-                "function_call_output", "input")
+def _check_calls(history: list[dict[str, Any]], req: rp.ResponsesRequest) -> None:
+    """Every function call in the conversation has its own call_id, and each output answers,
+    once, a call made before it (in this input or the kept conversation), as OpenAI
+    requires: an error names the input item."""
+    made = {c["id"] for m in history for c in m.get("tool_calls") or []}
+    answered = {m["tool_call_id"] for m in history if m["role"] == "tool"}
+    for i, item in enumerate([] if isinstance(req.input, str) else req.input):
+        if isinstance(item, rp.MessageItem):
+            continue
+        param, call_id = f"input.{i}.call_id", item.call_id
+        if isinstance(item, rp.FunctionCallItem):
+            if call_id in made:
+                raise InvalidRequestError(
+                    f"input[{i}] is a second function_call with call_id {call_id!r}: each "
+                    "call needs its own call_id", param)
+            made.add(call_id)
+        else:
+            if call_id not in made:
+                raise InvalidRequestError(
+                    f"input[{i}]: no function_call with call_id {call_id!r} comes before this "
+                    "function_call_output", param)
+            if call_id in answered:
+                raise InvalidRequestError(
+                    f"input[{i}] is a second function_call_output for call_id {call_id!r}: "
+                    "send one output per call", param)
+            answered.add(call_id)
 
 
 async def create_response(req: rp.ResponsesRequest, request: Request, ctx: ServerContext,
@@ -236,10 +218,10 @@ async def create_response(req: rp.ResponsesRequest, request: Request, ctx: Serve
     feature = rp.unsupported(req)
     if feature:
         raise InvalidRequestError(f"{feature} is not supported", feature)
-    history = [] if req.previous_response_id is None else store.get(
-        req.previous_response_id, "previous_response_id").messages
-    messages = [*history, *rp.input_messages(req)]
-    _check_calls(messages)
+    previous = None if req.previous_response_id is None else store.get(
+        req.previous_response_id, "previous_response_id")
+    history = [] if previous is None else previous.conversation("previous_response_id")
+    _check_calls(history, req)
     response_id = _item_id("resp")  # also the engine's request id (/abort_request takes it)
     try:
         try:
@@ -248,8 +230,9 @@ async def create_response(req: rp.ResponsesRequest, request: Request, ctx: Serve
             raise InvalidRequestError(*p.validation_error_to_openai(e.errors())) from None
         run, plan = await prepare_chat(ctx, chat, response_id, {})
     except InvalidRequestError as e:
-        raise _responses_error(e) from None
-    exchange = Exchange(req, run, plan, messages, response_id=response_id, created=created)
+        raise _responses_error(e, req.previous_response_id) from None
+    exchange = Exchange(req, run, plan, rp.input_messages(req), response_id=response_id,
+                        created=created, previous=previous)
     if req.stream:
         return StreamingResponse(_events(ctx, store, exchange), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})

@@ -51,13 +51,16 @@ class ContentText(_Request):
 
 
 def _check_content(value: Any) -> Any:
-    """A string, or text parts; an image or a file is named, not a union mismatch."""
+    """A string, or text parts; an image or a file is named (the part's `type` the error's
+    param), not a union mismatch."""
     if isinstance(value, str) or not isinstance(value, list):
         return value
-    for part in value:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text"):
-            raise _fail(f"only text content is supported (got a part of type {kind!r})")
+    for j, part in enumerate(value):
+        if not isinstance(part, dict):
+            raise _fail(f"content part {j} must be an object, not {type(part).__name__}", f"{j}")
+        if (kind := part.get("type")) not in ("input_text", "output_text"):
+            raise _fail(f"only text content is supported (got a part of type {kind!r})",
+                        f"{j}.type")
     return value
 
 
@@ -137,11 +140,11 @@ def _check_input(value: Any) -> Any:
     items = []
     for i, item in enumerate(value):
         if not isinstance(item, dict):
-            raise _fail(f"input[{i}] must be an object")
+            raise _fail(f"input[{i}] must be an object, not {type(item).__name__}", f"{i}")
         kind = item.get("type", "message")
         if kind not in _ITEM_TYPES:
             raise _fail(f"input[{i}] is of type {kind!r}; served item types: "
-                        f"{', '.join(_ITEM_TYPES)}")
+                        f"{', '.join(_ITEM_TYPES)}", f"{i}.type")
         items.append(item if "type" in item else {**item, "type": "message"})
     return items
 
