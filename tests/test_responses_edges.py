@@ -242,6 +242,8 @@ def reachable_bytes(store: ResponseStore) -> int:
     seen: dict[int, int] = {}
     for link in list(store._index.values()):
         while link is not None and id(link) not in seen:
+            # a deleted turn is hollow, even one an answer running from it held again
+            assert not link.deleted or (link.size_bytes == 0 and link.previous is None)
             seen[id(link)] = link.size_bytes
             link = link.previous
     return sum(seen.values())
@@ -347,3 +349,22 @@ def test_a_long_chain_through_the_handler_holds_each_turn_once(monkeypatch):
     assert [m["content"] for m in conversation[-4:]] == ["turn 98", "fine", "turn 99", "fine"]
     one_turn = min(kept.size_bytes for kept in store._index.values())
     assert len(conversation) == 200 and store.held_bytes <= 1.2 * 100 * one_turn
+
+
+def test_a_turn_deleted_while_its_follow_up_runs_holds_nothing_after():
+    """The follow-up's answer is kept after the generation: it held the deleted turn again,
+    with its old size and the turns before it, so the byte bound dropped live answers for
+    memory nothing could reach (a chain through it is refused anyway)."""
+    store = ResponseStore(10, max_bytes=10**9)
+    store.put("p", turn("p", "x" * 50_000))
+    store.put("a", turn("a", "y" * 50_000, store.get("p")))
+    previous = store.get("a")  # a follow-up starts
+    store.delete("p")
+    store.delete("a")  # both deleted while it runs
+    answer = turn("r", "z", previous)
+    store.put("r", answer)
+    assert store.held_bytes == answer.size_bytes == reachable_bytes(store)
+    with pytest.raises(ResponseDeletedError):
+        answer.conversation("previous_response_id")
+    store.delete("r")
+    assert store.held_bytes == 0

@@ -266,3 +266,22 @@ def test_tokenizers_without_the_marker_keep_skipping(tmp_path) -> None:
     plan = _plan()
     assert tools.keep_specials(plan, TokenText(tok))
     assert not tools.keep_specials(_plan(tool_choice="required"), TokenText(tok))
+
+
+UNCARRIABLE = {  # model output whose arguments no response can carry: content, never a 500
+    "pythonic_big_int": "[get_weather(city=0x" + "f" * 4000 + ")]",
+    "pythonic_surrogate": r'[get_weather(city="\ud800")]',
+    "json_big_int": '{"name": "get_weather", "parameters": {"x": ' + "1" * 5000 + "}}",
+    "json_surrogate": r'{"name": "get_weather", "parameters": {"city": "\ud800"}}',
+    "hermes_big_int": '<tool_call>{"name": "get_weather", "arguments": {"x": '
+                      + "1" * 5000 + "}}</tool_call>",
+}
+
+
+@pytest.mark.parametrize("case", UNCARRIABLE)
+def test_arguments_no_response_can_carry_stay_content(case) -> None:
+    """An int past Python's 4 300-digit limit raised ValueError out of the parser, and a lone
+    surrogate (JSON's or Python's `\\ud800`) reached the response's UTF-8 encoding: a 500."""
+    text = UNCARRIABLE[case]
+    content, calls = tools.parse_output(_plan(), text)
+    assert calls == [] and content == text

@@ -144,10 +144,11 @@ class ResponseStore:
         self._release(kept)
         if kept.holders:  # still continued by held answers: hollow, it holds nothing
             self.held_bytes -= kept.size_bytes
-            previous = kept.previous
-            kept.size_bytes, kept.previous = 0, None
-            if previous is not None:
-                self._release(previous)
+            if kept.previous is not None:
+                self._release(kept.previous)
+        # (unheld, `_release` let go already) hollow either way: an answer still running from
+        # it, `put` later, must hold neither its bytes nor the turns before it
+        kept.size_bytes, kept.previous = 0, None
         kept.deleted = True
         kept.body = {"id": response_id}
         kept.messages, kept.input_items = [], []

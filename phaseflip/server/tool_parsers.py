@@ -95,7 +95,7 @@ def _call_sequence(text: str, names: set[str] | None) -> list[tuple[str, str]]:
             else:
                 value, pos = _DECODER.raw_decode(text, pos)
                 objs = value if isinstance(value, list) and value else [value]
-        except json.JSONDecodeError:
+        except ValueError:  # (JSONDecodeError, or an int past Python's 4 300-digit limit)
             return []
         for obj in objs:
             call = _call(obj, names, None) if isinstance(obj, dict) else None
@@ -116,7 +116,10 @@ def _call(obj: dict[str, Any], names: set[str] | None,
     if not isinstance(name, str) or not isinstance(args, dict) or (
             names is not None and name not in names):
         return None
-    return name, json.dumps(args, ensure_ascii=False)
+    try:
+        return name, _dumps(args)
+    except ValueError:
+        return None
 
 
 def _pythonic_calls(text: str, names: set[str]) -> list[tuple[str, str]]:
@@ -140,11 +143,20 @@ def _pythonic_calls(text: str, names: set[str]) -> list[tuple[str, str]]:
         if None in keys or len(set(keys)) < len(keys):  # (`**kw`, a name given twice)
             return []
         try:
-            args = {kw.arg: _literal(kw.value) for kw in node.keywords}
+            text = _dumps({kw.arg: _literal(kw.value) for kw in node.keywords})
         except ValueError:
             return []
-        calls.append((node.func.id, json.dumps(args, ensure_ascii=False)))
+        calls.append((node.func.id, text))
     return calls
+
+
+def _dumps(args: dict[str, Any]) -> str:
+    """Arguments as JSON text a response can carry. ValueError (UnicodeEncodeError is one) for
+    an int past Python's digit limit or a lone surrogate (`"\\ud800"` decodes to one): the
+    model's text is then content, never a 500."""
+    text = json.dumps(args, ensure_ascii=False)
+    text.encode("utf-8")
+    return text
 
 
 _SCALARS = (str, int, float, bool, type(None))
@@ -172,7 +184,7 @@ def _literal(node: ast.expr) -> Any:
 def json_object(text: str) -> dict[str, Any] | None:
     try:
         obj = json.loads(text.strip())
-    except json.JSONDecodeError:
+    except ValueError:  # (JSONDecodeError, or an int past Python's 4 300-digit limit)
         return None
     return obj if isinstance(obj, dict) else None
 

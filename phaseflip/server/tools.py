@@ -274,7 +274,7 @@ def _template_call(call: dict[str, Any], ids: Any = None) -> dict[str, Any]:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except ValueError:  # (not JSON, or an int past Python's 4 300-digit limit)
             pass
     call_id = call.get("id")
     return {"type": "function", "id": call_id if ids is None else ids(call_id),
