@@ -170,6 +170,10 @@ class ParallelConfig:
     watchdog_timeout_s: float = 300.0
     """An engine that has work but finishes no step for this long is reported (every rank's
     position and stack in the log), /health answers 503, and the server exits non-zero."""
+    grammar_compile_timeout_s: float = 30.0
+    """Longest a new grammar (JSON schema, regex, EBNF) may take to build and compile, tried
+    in a child process that is then killed; its request gets a 400 ("grammar too complex to
+    compile within N s")."""
 
     @property
     def world_size(self) -> int:
@@ -402,7 +406,7 @@ class EngineConfig:
             raise bad("tp_size" if self.tp_size < 1 else "pp_size", "must be >= 1")
         if self.chunked_prefill_size < -1:
             raise bad("chunked_prefill_size", "must be >= 1, or 0 or -1 to turn chunking off")
-        for name in ("dist_timeout_s", "watchdog_timeout_s"):
+        for name in ("dist_timeout_s", "watchdog_timeout_s", "grammar_compile_timeout_s"):
             if getattr(self, name) <= 0:
                 raise bad(name, "must be > 0")
 

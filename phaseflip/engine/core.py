@@ -81,8 +81,8 @@ class EngineCore:
             if self._hicache is not None:
                 self._hicache.close()  # no engine will: free the (maybe shared) host tier now
             raise
-        self.sampling = SamplingStep(Sampler(cfg.seed),
-                                     GrammarBook(tokenizer, model_cfg.vocab_size))
+        self.sampling = SamplingStep(Sampler(cfg.seed), GrammarBook(
+            tokenizer, model_cfg.vocab_size, budget_s=cfg.grammar_compile_timeout_s))
         self.outputs = OutputProcessor(tokenizer, self.max_context, self.scheduler.remove)
         self._arrivals = 0
         self._inflight: InFlight | None = None

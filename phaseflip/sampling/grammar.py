@@ -4,12 +4,14 @@ A `GrammarSpec` is the picklable description a request carries (in `SamplingPara
 the front end's ZeroMQ link); the engine process compiles it against its tokenizer with
 xgrammar (compiled grammars cached by spec) and keeps one matcher per constrained sequence in a
 `GrammarBook`. A grammar the book has not compiled yet compiles off the engine loop, on a
-small thread pool (xgrammar releases the GIL while it compiles): its request waits in the
-scheduler's queue, not admitted, until `GrammarBook.poll` finds the grammar ready (or ends
-the request with the 400 the client would have got). Before a step's tokens are chosen the
-book brings each matcher up to its request's `output_ids` (every accepted token, whatever
-path appended it: n > 1 samples, a retracted request that re-prefills keeps its output, so
-its matcher stays where it was) and fills the rows of an int32 bitmask [rows, ceil(V / 32)];
+small thread pool (xgrammar releases the GIL while it compiles), after a trial run in a child
+process that is killed past a budget or once no request waits (`grammar_worker`): its request
+waits in the scheduler's queue, not admitted, until `GrammarBook.poll` finds the grammar ready
+(or ends the request with the 400 the client would have got). Before a step's tokens are
+chosen the book brings each matcher up to its request's `output_ids` (every accepted token,
+whatever path appended it: n > 1 samples, a retracted request that re-prefills keeps its
+output, so its matcher stays where it was) and fills the rows of an int32 bitmask
+[rows, ceil(V / 32)];
 `apply_bitmask` sets the logits of disallowed tokens to -inf in the sampler.
 
 xgrammar is imported on first use only: requests without a grammar never load it (law 11);
@@ -21,12 +23,14 @@ from __future__ import annotations
 import json
 import re
 import weakref
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal
 
 from phaseflip.errors import InvalidRequestError
+from phaseflip.sampling.grammar_worker import COMPILE_BUDGET_S, CompileCancelled, GrammarProbes
 from phaseflip.sampling.surrogates import without_surrogates
 
 if TYPE_CHECKING:
@@ -41,6 +45,7 @@ compile time grows faster than the text (on one CPU core, a 64 KiB regex of lite
 100 000 characters 9 s, a million minutes) and cannot be interrupted, so a few huge grammars
 held every compile thread and stalled every other constrained request."""
 COMPILE_THREADS = 2  # background compile threads per engine: a big schema delays no small one
+_TRIAL_CACHE_BYTES = 256 * 2**20  # a trial child's xgrammar cache (the engine's is unbounded)
 _XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+?:\d+: ")
 
 
@@ -72,11 +77,18 @@ class GrammarSpec:
                 f"the {self.kind} is {len(self.value)} characters; this server compiles "
                 f"grammars of at most {MAX_GRAMMAR_CHARS}", param)
 
-    def check(self, param: str = "response_format") -> None:
+    def check(self, param: str = "response_format", probes: GrammarProbes | None = None
+              ) -> None:
         """Raises `InvalidRequestError` naming the problem if the grammar cannot be built
-        (no tokenizer needed; cached, so a repeated spec costs a dict lookup)."""
+        (no tokenizer needed; cached, so a repeated spec costs a dict lookup). With `probes`
+        (build-only ones), a grammar a client can make slow is built in a child first,
+        within its budget (`GrammarTooComplexError` past it), and only then here."""
         self.check_shape(param)
-        problem = _grammar_problem(self)
+        if probes is not None and self.kind != "json_object":
+            problem = probes.problem(self, param=param)
+            if problem is not None:
+                raise InvalidRequestError(f"invalid {self.kind}: {problem}", param)
+        problem = _grammar_problem(self)  # (fills the cache `SamplingParams.validate` reads)
         if problem is not None:
             raise InvalidRequestError(f"invalid {self.kind}: {problem}", param)
 
@@ -139,18 +151,41 @@ def _build(spec: GrammarSpec):
     return _valid_utf8(xgr.Grammar.from_ebnf(spec.value))
 
 
-def _problem(e: Exception) -> str:
+def problem_text(e: Exception) -> str:
     """What a failed build says to the client (no xgrammar: how to install it)."""
     return str(e) if isinstance(e, InvalidRequestError) else _clean(e)
 
 
+def trial(spec: GrammarSpec, compiler) -> str | None:
+    """What is wrong with `spec` (None: nothing): built, and compiled with `compiler` unless
+    None (a trial child's work, `grammar_worker`; the check's, without a compiler)."""
+    try:
+        grammar = _build(spec)
+        if compiler is not None:
+            compiler.compile_grammar(grammar)
+    except Exception as e:  # noqa: BLE001 — xgrammar raises RuntimeError/ValueError freely
+        return problem_text(e)
+    return None
+
+
+def trial_compiler(receive: Callable[[], str | None]):
+    """A trial child's compiler: xgrammar imported first (seconds, while the parent reads
+    its vocabulary), then built for the tokenizer `receive` gives (None: no compiler, the
+    child only builds)."""
+    xgr = _xgr()
+    import torch
+
+    torch.set_num_threads(1)
+    tokenizer_json = receive()
+    if tokenizer_json is None:
+        return None
+    info = xgr.TokenizerInfo.deserialize_json(tokenizer_json)
+    return xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=_TRIAL_CACHE_BYTES)
+
+
 @lru_cache(maxsize=_COMPILED_CACHE)
 def _grammar_problem(spec: GrammarSpec) -> str | None:
-    try:
-        _build(spec)
-    except Exception as e:  # noqa: BLE001 — xgrammar raises RuntimeError/ValueError freely
-        return _problem(e)
-    return None
+    return trial(spec, None)
 
 
 def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
@@ -181,24 +216,66 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) 
     logits.index_copy_(0, index, sub)
 
 
-def _toolchain(tokenizer, vocab_size: int):
+@dataclass(frozen=True)
+class _Toolchain:
+    compiler: Any  # xgrammar.GrammarCompiler
+    tokenizer_json: str  # the same vocabulary, for the trial children
+
+
+def _toolchain(tokenizer, vocab_size: int) -> _Toolchain:
     """xgrammar's compiler for `tokenizer` (in a compile thread: xgrammar's import and the
     vocabulary read take seconds for a large tokenizer; the tokenizer is only read, as the
     engine thread's detokenising reads it)."""
     xgr = _xgr()
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-    return xgr.GrammarCompiler(info, max_threads=1)
+    return _Toolchain(xgr.GrammarCompiler(info, max_threads=1), info.serialize_json())
 
 
-def _compile(toolchain: Future, spec: GrammarSpec):
+def _compile(toolchain: Future, probes: GrammarProbes, spec: GrammarSpec,
+             cancelled: Callable[[], bool]):
     """The compiled grammar of `spec`, or `InvalidRequestError` naming the problem as
-    `GrammarSpec.check` words it (runs in a compile thread; builds the grammar once)."""
+    `GrammarSpec.check` words it (runs in a compile thread). A grammar a client can make
+    slow is tried in a child first, stopped there once `cancelled()` (`CompileCancelled`)
+    or past the budget (`GrammarTooComplexError`), and compiled here only after it passed:
+    in about the time the trial took (`grammar_worker` says why it is compiled twice)."""
     spec.check_shape()
+    if spec.kind != "json_object":  # (json_object's grammar is fixed: no client makes it slow)
+        try:
+            problem = probes.problem(spec, cancelled)
+        except (InvalidRequestError, CompileCancelled):
+            raise
+        except Exception as e:  # noqa: BLE001 — the toolchain's own failure, as below
+            problem = problem_text(e)
+        if problem is not None:
+            raise InvalidRequestError(f"invalid {spec.kind}: {problem}", "response_format")
+        if cancelled():
+            raise CompileCancelled
     try:
-        return toolchain.result().compile_grammar(_build(spec))
+        return toolchain.result().compiler.compile_grammar(_build(spec))
     except Exception as e:  # noqa: BLE001 — xgrammar raises RuntimeError/ValueError freely
-        raise InvalidRequestError(f"invalid {spec.kind}: {_problem(e)}",
+        raise InvalidRequestError(f"invalid {spec.kind}: {problem_text(e)}",
                                   "response_format") from None
+
+
+@dataclass
+class _Job:
+    """One spec's compile and who waits for it: stopped (its trial child killed) once every
+    request that waited has finished, unless a `compiled` caller waits too."""
+
+    future: Future | None = None
+    waiters: list[weakref.ref] = field(default_factory=list)  # requests (appended first)
+    pinned: bool = False  # a caller of `GrammarBook.compiled` waits
+
+    def unwanted(self) -> bool:
+        """(Read on the compile thread: a copy of the list, and each request's flag.)"""
+        return not self.pinned and all((r := w()) is None or r.finished
+                                       for w in list(self.waiters))
+
+
+def _stop(pool: ThreadPoolExecutor, probes: GrammarProbes) -> None:
+    """A book's end (closed or collected): its queued compiles cancelled, its children killed."""
+    pool.shutdown(wait=False, cancel_futures=True)
+    probes.close()
 
 
 @dataclass
@@ -214,15 +291,20 @@ class GrammarBook:
     `COMPILE_THREADS` background threads, one compile per spec however many requests wait for
     it, and `poll` (the engine loop, each step) hands out the matchers. Everything but the
     compile threads' own work runs on the engine thread. Matchers and waiting requests are
-    keyed weakly by request object: a finished request's go with it."""
+    keyed weakly by request object: a finished request's go with it. A compile's trial
+    (`grammar_worker`, one child process per compile thread) is killed past `budget_s` (the
+    requests get a 400) or once all its requests have finished (aborted)."""
 
-    def __init__(self, tokenizer, vocab_size: int, threads: int = COMPILE_THREADS) -> None:
+    def __init__(self, tokenizer, vocab_size: int, threads: int = COMPILE_THREADS,
+                 budget_s: float = COMPILE_BUDGET_S) -> None:
         self.tokenizer, self.vocab_size, self.threads = tokenizer, vocab_size, threads
+        self.budget_s = budget_s
         self._pool: ThreadPoolExecutor | None = None  # started by the first miss (law 11)
+        self._probes: GrammarProbes | None = None  # the trial children, with the pool
         self._stop_pool: weakref.finalize | None = None
         self._toolchain: Future | None = None  # the xgrammar compiler, made in the pool
         self._compiled: dict[GrammarSpec, Any] = {}  # LRU: oldest first
-        self._inflight: dict[GrammarSpec, Future] = {}  # one compile per spec
+        self._inflight: dict[GrammarSpec, _Job] = {}  # one compile per spec
         self._waiting: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # req -> spec
         self._tracks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.compiles = 0  # grammars compiled (cache misses), for tests and /server_info
@@ -235,6 +317,11 @@ class GrammarBook:
     def compiling(self) -> int:
         """Requests waiting for their grammar."""
         return len(self._waiting)
+
+    @property
+    def trial_pids(self) -> list[int]:
+        """The trial children's process ids (none before the first compile)."""
+        return [] if self._probes is None else self._probes.pids
 
     def _hit(self, spec: GrammarSpec):
         hit = self._compiled.pop(spec, None)
@@ -249,19 +336,28 @@ class GrammarBook:
         self._compiled[spec] = compiled
         return compiled
 
-    def _submit(self, spec: GrammarSpec) -> Future:
-        """The compile of `spec`, started unless one is in flight already."""
-        fut = self._inflight.get(spec)
-        if fut is None:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads,
-                                                thread_name_prefix="phaseflip-grammar")
-                self._stop_pool = weakref.finalize(self, self._pool.shutdown, wait=False,
-                                                   cancel_futures=True)
-                self._toolchain = self._pool.submit(_toolchain, self.tokenizer,
-                                                    self.vocab_size)
-            fut = self._inflight[spec] = self._pool.submit(_compile, self._toolchain, spec)
-        return fut
+    def _start_pool(self) -> ThreadPoolExecutor:
+        pool = self._pool = ThreadPoolExecutor(self.threads,
+                                               thread_name_prefix="phaseflip-grammar")
+        toolchain = self._toolchain = pool.submit(_toolchain, self.tokenizer, self.vocab_size)
+        self._probes = GrammarProbes(self.budget_s, self.threads,
+                                     lambda: toolchain.result().tokenizer_json)
+        self._stop_pool = weakref.finalize(self, _stop, pool, self._probes)
+        return pool
+
+    def _submit(self, spec: GrammarSpec, *reqs) -> _Job:
+        """The compile of `spec`, started unless one is in flight already; `reqs` wait for
+        it (none: a `compiled` caller, whose wait is never stopped)."""
+        job = self._inflight.get(spec)
+        fresh = job is None
+        if fresh:
+            job = self._inflight[spec] = _Job()
+        job.pinned |= not reqs
+        job.waiters += map(weakref.ref, reqs)  # (before it starts: it stops once none waits)
+        if fresh:
+            pool = self._pool or self._start_pool()
+            job.future = pool.submit(_compile, self._toolchain, self._probes, spec, job.unwanted)
+        return job
 
     def compiled(self, spec: GrammarSpec):
         """The compiled grammar of `spec`, waited for: for callers off the engine loop
@@ -269,11 +365,11 @@ class GrammarBook:
         hit = self._hit(spec)
         if hit is not None:
             return hit
-        fut = self._submit(spec)
+        job = self._submit(spec)
         try:
-            result = fut.result()
+            result = job.future.result()
         finally:
-            if self._inflight.get(spec) is fut:
+            if self._inflight.get(spec) is job:
                 del self._inflight[spec]
         return self._store(spec, result)
 
@@ -289,7 +385,7 @@ class GrammarBook:
         if hit is not None:
             self._track(req, hit)
             return True
-        self._submit(spec)
+        self._submit(spec, req)
         self._waiting[req] = spec
         req.compiling = True
         return False
@@ -306,9 +402,9 @@ class GrammarBook:
         if not self._waiting and not self._inflight:
             return []
         if wait_s > 0 and self._inflight:
-            wait(list(self._inflight.values()), wait_s, FIRST_COMPLETED)
+            wait([job.future for job in self._inflight.values()], wait_s, FIRST_COMPLETED)
         ready, failed = self._collect()
-        out = []
+        out, lost = [], {}
         for req, spec in list(self._waiting.items()):
             if req.finished:  # aborted while its grammar compiled
                 del self._waiting[req]
@@ -319,26 +415,32 @@ class GrammarBook:
                 del self._waiting[req]
                 self._track(req, hit)
                 req.compiling = False
-            elif spec not in self._inflight:  # (evicted before this request got it)
-                self._submit(spec)
+            elif spec not in self._inflight:  # (evicted before it got it, or stopped)
+                lost.setdefault(spec, []).append(req)
+        for spec, reqs in lost.items():
+            self._submit(spec, *reqs)
         return out
 
     def _collect(self) -> tuple[dict, dict[GrammarSpec, InvalidRequestError]]:
-        """The compiles that ended since the last poll: (compiled by spec, errors by spec)."""
+        """The compiles that ended since the last poll: (compiled by spec, errors by spec);
+        a stopped one (no request waited) is dropped."""
         ready, failed = {}, {}
-        for spec, fut in list(self._inflight.items()):
-            if not fut.done():
+        for spec, job in list(self._inflight.items()):
+            if not job.future.done():
                 continue
             del self._inflight[spec]
             try:
-                ready[spec] = self._store(spec, fut.result())
+                ready[spec] = self._store(spec, job.future.result())
             except InvalidRequestError as e:
                 failed[spec] = e
+            except CompileCancelled:
+                pass
         return ready, failed
 
     def close(self) -> None:
-        """Stops the compile threads without waiting for them: queued compiles are
-        cancelled; a running one (xgrammar cannot be interrupted) ends on its own, unread."""
+        """Stops the compile threads without waiting for them and kills the trial children:
+        queued compiles are cancelled, a trial ends at once; a compile already past its trial
+        (xgrammar cannot be interrupted) ends on its own, unread."""
         if self._stop_pool is not None:
             self._stop_pool()
         self._inflight.clear()

@@ -16,6 +16,7 @@ from typing import Any
 from phaseflip.engine.outputs import StreamDelta
 from phaseflip.engine.validation import validate_request
 from phaseflip.errors import ContextLengthError, InvalidRequestError
+from phaseflip.sampling.grammar_worker import GrammarProbes
 from phaseflip.sampling.params import SamplingParams
 from phaseflip.server.engine_client import EngineClient, EngineDeadError, ShutdownError
 from phaseflip.server.metrics import ServerMetrics
@@ -231,6 +232,12 @@ class ServerContext:
         if (record := CURRENT_REQUEST.get()) is not None:  # (no gate: a direct call, tests)
             record.admitted += width
             self.admitted += width
+
+    @cached_property
+    def grammar_probes(self) -> GrammarProbes:
+        """One child process that builds each new grammar for `check_grammar` within the
+        engine's default budget (started by the first grammar; it dies with this process)."""
+        return GrammarProbes(processes=1)
 
     @cached_property
     def token_text(self) -> TokenText:

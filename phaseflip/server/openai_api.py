@@ -160,9 +160,10 @@ def stream_response(events: AsyncIterator[str]) -> StreamingResponse:
 async def check_grammar(ctx: ServerContext, params: SamplingParams, param: str) -> None:
     """A 400 naming the problem if the request's grammar cannot be built. In the pool: the
     first check loads xgrammar (and torch, ~seconds), which must not stall the event loop;
-    the result is cached, so `SamplingParams.validate` repeats it for free."""
+    the result is cached, so `SamplingParams.validate` repeats it for free. Built in a child
+    first (`ctx.grammar_probes`): one that takes minutes is a 400 at the budget."""
     if params.grammar is not None:
-        await ctx.in_pool(params.grammar.check, param)
+        await ctx.in_pool(params.grammar.check, param, ctx.grammar_probes)
 
 
 def usage_of(runs: list[PromptRun]) -> p.UsageInfo:

@@ -3,6 +3,13 @@ response bodies and OpenAI-shaped errors. Split by concern; import from here."""
 
 from __future__ import annotations
 
+from phaseflip.server.protocol.chat import (
+    MAX_MESSAGES,
+    ChatCompletionRequest,
+    ChatMessage,
+    Role,
+    TextContentPart,
+)
 from phaseflip.server.protocol.errors import (
     validation_error_to_openai,
 )
@@ -19,8 +26,6 @@ from phaseflip.server.protocol.requests import (
     MAX_STOP_STRINGS,
     VERY_UNLIKELY_LOGPROB,
     Bool,
-    ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     Float,
     Int,
@@ -29,13 +34,11 @@ from phaseflip.server.protocol.requests import (
     Penalty,
     Prompt,
     ResponseFormat,
-    Role,
     Seed,
     Stop,
     Str,
     StreamOptions,
     Temperature,
-    TextContentPart,
     TokenId,
     TopLogprobsNum,
     TopP,
@@ -113,6 +116,7 @@ __all__ = [
     "LogitBias",
     "Logprob",
     "MAX_LOGPROBS",
+    "MAX_MESSAGES",
     "MAX_STOP_STRINGS",
     "ModelCard",
     "ModelList",

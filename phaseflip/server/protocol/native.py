@@ -12,9 +12,14 @@ from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field, Strict, model_validator
 
+from phaseflip.server.protocol.chat import (
+    ChatMessage,
+    ToolChoice,
+    conversation_size,
+    template_kwargs,
+)
 from phaseflip.server.protocol.requests import (
     Bool,
-    ChatMessage,
     Float,
     GrammarText,
     Int,
@@ -24,7 +29,6 @@ from phaseflip.server.protocol.requests import (
     StopTokenIds,
     Str,
     TokenId,
-    ToolChoice,
     Tools,
     TopLogprobsNum,
     _fail,
@@ -32,7 +36,6 @@ from phaseflip.server.protocol.requests import (
     _prompt_validator,
     _Request,
     _Text,
-    template_kwargs,
 )
 
 
@@ -224,6 +227,8 @@ class TokenizeRequest(_Request):
     tool_choice: ToolChoice = None
     """Only for `messages`: rendered into the prompt as a chat request renders them (not
     with tool_choice "none"), so the count is the chat request's."""
+
+    _conversation_size = conversation_size("messages")
 
     @property
     def template_kwargs(self) -> dict[str, Any]:

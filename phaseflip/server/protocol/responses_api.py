@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Discriminator, Field, Strict, Tag, model_validator
 
+from phaseflip.server.protocol.chat import conversation_size
 from phaseflip.server.protocol.requests import (
     MAX_LOGPROBS,
     MAX_TOOLS,
@@ -213,6 +214,7 @@ class ResponsesRequest(_SamplingExtras):
 
     model: Str
     input: Annotated[str | list[InputItem], BeforeValidator(_check_input)]
+    _input_size = conversation_size("input", "input items")
     instructions: Str | None = None
     previous_response_id: Str | None = None
     max_output_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None

@@ -8,11 +8,11 @@ from typing import Any
 from phaseflip.errors import InvalidRequestError
 from phaseflip.sampling.grammar import GrammarSpec
 from phaseflip.sampling.params import SamplingParams
+from phaseflip.server.protocol.chat import ChatCompletionRequest
 from phaseflip.server.protocol.native import (
     GenerateRequest,
 )
 from phaseflip.server.protocol.requests import (
-    ChatCompletionRequest,
     CompletionRequest,
     ResponseFormat,
     _OpenAISampling,
