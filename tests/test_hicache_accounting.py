@@ -198,6 +198,48 @@ def test_a_burst_larger_than_the_host_tier_reads_each_page_once(frames, llama_di
     hc.host.check()
 
 
+@pytest.mark.timeout(60, method="thread")  # (unbounded, the engine ends up quiescing on the
+# in-flight future below, for ever: a failure at the deadline)
+def test_a_request_waits_for_a_host_frame_a_bounded_number_of_tries(llama_dir, make_engine,
+                                                                     tmp_path):
+    """A request whose pages are on disk and finds every host frame held waits while HiCache
+    is busy: write-back's cleaner can hold every frame again each step, so without a bound it
+    waited as long as others kept arriving (39 steps in a review's stress run). Here the
+    frames stay held and HiCache busy throughout: after FRAME_WAITS tries it computes."""
+    from concurrent.futures import Future
+
+    from phaseflip.scheduler.hicache import FRAME_WAITS
+
+    batch = prompts(1)
+    want, frame_bytes = on_disk(make_engine, llama_dir, tmp_path / "kv", batch)
+    engine = make_engine(llama_dir, hicache_dir=str(tmp_path / "kv"),
+                         hicache_host_gb=2 * frame_bytes / 2**30, **HC)
+    hc, core = engine.core.hicache, engine.core
+    # a request that keeps the engine stepping (an idle engine quiesces HiCache, which would
+    # wait on the future below), every frame held (by a store) and something in flight
+    core.add_request("long", prompts(1, seed=1)[0][:5],
+                     SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True))
+    core.step()
+    held = [hc.host.reserve() for _ in range(hc.host.capacity)]
+    hc._promoting[b"elsewhere"] = Future()
+    core.add_request("r", batch[0], GREEDY)
+    steps = 0
+    while core.scheduler.waiting:
+        core.step()
+        steps += 1
+        assert steps <= FRAME_WAITS + 2, "the request waited past its bound"
+    assert steps > FRAME_WAITS // 2, "it did not wait for a frame at all"
+    del hc._promoting[b"elsewhere"]
+    for frame in held:
+        hc.host.abandon(frame)
+    out = []
+    while core.has_work():
+        out += [d for d in core.step() if d.request_id == "r"]
+    assert [t for d in out for t in d.token_ids] == want[0]
+    hc.flush()  # (queued disk writes hold their frames)
+    assert hc.stats.disk_hit_tokens == 0 and hc.host.pinned_pages == 0
+
+
 # ---------------------------------------------------------------- flips
 
 

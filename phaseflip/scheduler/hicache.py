@@ -83,6 +83,8 @@ from phaseflip.scheduler.kv_cache import KVCacheManager
 from phaseflip.scheduler.request import Req
 
 log = logging.getLogger("phaseflip.hicache")
+FRAME_WAITS = 8
+"""Admission tries a request whose next page is on disk waits for a host frame, then computes."""
 
 class HiCache:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, *,
@@ -128,6 +130,7 @@ class HiCache:
         self._loading: dict[bytes, LoadJob] = {}  # first page key -> load (one load per page)
         self._promoting: dict[bytes, Future[bool]] = {}
         self._missed: set[str] = set()  # waiting requests whose prefix stopped at a miss
+        self._frame_waits: dict[str, int] = {}  # rid -> admission tries that found no frame
         self._clean_ids: set[int] = set()  # tree nodes whose pages are all in the host tier
         self.write_back = cfg.hicache_write_policy == "write_back"
         # the layout bound now (`bind`/`unbind`): its KV manager, radix tree, transfer channel
@@ -157,6 +160,7 @@ class HiCache:
         # node ids and misses were judged against an earlier tree: judged afresh from now on
         self._clean_ids.clear()
         self._missed.clear()
+        self._frame_waits.clear()
         if self.write_back:
             self.tree.on_evict = self._evicting
             self.clean_below_slots = max(2 * self.page_size, kv.allocator.total_slots // 8)
@@ -442,8 +446,13 @@ class HiCache:
             job.keys.append(key)
         if not job.keys:
             # A disk page with no host frame free: while loads and stores in flight hold the
-            # frames (they let go within steps) the request waits rather than recompute it.
-            return not (found is None and self.busy)
+            # frames (they let go within steps) the request waits rather than recompute it,
+            # FRAME_WAITS tries at most (write-back's cleaner can take every frame each step).
+            waits = self._frame_waits.get(req.rid, 0)
+            if found is None and self.busy and waits < FRAME_WAITS:
+                self._frame_waits[req.rid] = waits + 1
+                return False
+            return True
         job.tokens = tokens[: job.start + len(job.keys) * hp]
         job.base = self.tree.match_prefix(tokens[: job.start]).last_node
         self.tree.inc_lock_ref(job.base)
@@ -456,6 +465,7 @@ class HiCache:
     def admitted(self, req: Req) -> None:
         """`req` was admitted and locks its prefix itself: a miss its prefetch met is counted
         (once an admission, not once a try), and its load's hold is no longer needed."""
+        self._frame_waits.pop(req.rid, None)
         if req.rid in self._missed:
             self._missed.discard(req.rid)
             self._count(miss_pages=1)
@@ -472,6 +482,7 @@ class HiCache:
         """`req` left the queue; its load (if any) still completes into the tree."""
         self._load_of.pop(req.rid, None)
         self._missed.discard(req.rid)
+        self._frame_waits.pop(req.rid, None)
 
     def _available(self, key: bytes, job: LoadJob) -> bool | None:
         """Whether `job` can load page `key`: pinned for it now (host tier) or when it lands
