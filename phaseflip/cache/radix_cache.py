@@ -245,7 +245,7 @@ class RadixCache:
         Returns the number of slots freed."""
         if num_tokens <= 0 or self._evictable == 0:
             return 0
-        heap = [(n.last_access, n.node_id, n) for n in self._leaves() if n.lock_ref == 0]
+        heap = [(n.last_access, n.node_id, n) for n in self.leaves(unlocked_only=True)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -475,8 +475,10 @@ class RadixCache:
             stack.extend(n.children.values())
         return out
 
-    def _leaves(self) -> list[TreeNode]:
-        return [n for n in self._nodes() if not n.children]
+    def leaves(self, unlocked_only: bool = False) -> list[TreeNode]:
+        """Nodes without children (the root aside); `unlocked_only`: those eviction may take."""
+        return [n for n in self._nodes()
+                if not n.children and (n.lock_ref == 0 or not unlocked_only)]
 
     def _evict_leaf(self, node: TreeNode) -> int:
         """Free an unlocked leaf's slots and detach it; returns its token count."""

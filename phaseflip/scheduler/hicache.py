@@ -292,7 +292,7 @@ class HiCache:
         nothing is in flight (the phase flip's fence, design law 6). Under write-back this
         stores the dirty pages now; under write-through only what a full host tier skipped."""
         self.publish_pending()
-        for leaf in _leaves(self.tree.root, unlocked_only=False):
+        for leaf in self.tree.leaves():
             if leaf.node_id in self._clean_ids:
                 continue
             tokens, slots = self.tree.path_of(leaf)
@@ -403,7 +403,7 @@ class HiCache:
         if free >= self.clean_below_slots or not self.tree.evictable_size():
             return
         budget = math.ceil((self.clean_below_slots - free) / self.page_size)
-        for leaf in sorted(_leaves(self.tree.root), key=lambda n: n.last_access):
+        for leaf in sorted(self.tree.leaves(unlocked_only=True), key=lambda n: n.last_access):
             if budget <= 0:
                 return
             if leaf.node_id in self._clean_ids:
@@ -594,14 +594,3 @@ class HiCache:
         for rid in [r for r, j in self._load_of.items() if j is job]:
             del self._load_of[rid]
 
-
-def _leaves(root: Any, unlocked_only: bool = True) -> list[Any]:
-    """Leaves of the radix tree; by default the unlocked ones (what eviction takes first)."""
-    out, stack = [], list(root.children.values())
-    while stack:
-        node = stack.pop()
-        if node.children:
-            stack.extend(node.children.values())
-        elif node.lock_ref == 0 or not unlocked_only:
-            out.append(node)
-    return out
