@@ -41,7 +41,6 @@ import asyncio
 import contextlib
 import json
 import random
-import re
 import shlex
 import subprocess
 import sys
@@ -52,7 +51,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.common import print_table, write_json
+from benchmarks.common import write_json
 from benchmarks.proc_stats import (
     engine_pid,
     open_fds,
@@ -60,6 +59,7 @@ from benchmarks.proc_stats import (
     proc_rss_bytes,
     proc_status_count,
 )
+from benchmarks.soak_report import ended_counts, mib, parse_metrics, print_result
 from phaseflip.distributed.spawner import rank_pids
 
 PROMPTS = [
@@ -106,30 +106,6 @@ class Books:
     def error(self, what: str) -> None:
         if len(self.errors) < 50:
             self.errors.append(what)
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """`name{labels}` -> value of every sample."""
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
-
-
-def ended_counts(metrics: dict[str, float]) -> dict[str, float]:
-    """phaseflip_requests_total by finish reason, and aborted_requests_total by reason."""
-    out = {}
-    for key, value in metrics.items():
-        name, _, labels = key.partition("{")  # (labels also hold model_name="...")
-        if name == "phaseflip_requests_total" and (
-                m := re.search(r'\bfinish_reason="(\w+)"', labels)):
-            out[f"finish:{m[1]}"] = value
-        elif name == "phaseflip_aborted_requests_total" and (
-                m := re.search(r'\breason="(\w+)"', labels)):
-            out[f"aborted:{m[1]}"] = value
-    return out
 
 
 # ------------------------------------------------------------------ the clients
@@ -512,8 +488,8 @@ class Soak:
                 growth[proc] is not None and abs(growth[proc]) <= tol,
                 "unmeasured" if growth[proc] is None
                 else f"private {w / 2**20:.0f} -> {e / 2**20:.0f} MiB ({growth[proc]:+.1%}); "
-                     f"shared {_mib(warm.get(proc + '_shmem'))} -> "
-                     f"{_mib(end.get(proc + '_shmem'))} MiB")
+                     f"shared {mib(warm.get(proc + '_shmem'))} -> "
+                     f"{mib(end.get(proc + '_shmem'))} MiB")
         return {
             "duration_s": load_s, "concurrency": self.args.concurrency,
             "sent": dict(b.sent), "requests": sum(b.sent.values()),
@@ -528,10 +504,6 @@ class Soak:
             "checks": {k: {"ok": ok, "detail": d} for k, (ok, d) in checks.items()},
             "ok": all(ok for ok, _ in checks.values()),
         }
-
-
-def _mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:.0f}"
 
 
 # ------------------------------------------------------------------ launching
@@ -579,29 +551,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="how often to record each process's RSS, descriptors and threads")
     ap.add_argument("--out", help="write the result as JSON here")
     return ap.parse_args(argv)
-
-
-def print_result(r: dict[str, Any]) -> None:
-    print_table(["request kind", "sent"], sorted(r["sent"].items()),
-                f"soak: {r['duration_s']:.0f} s, {r['concurrency']} clients, "
-                f"{r['requests']} requests")
-    print_table(["ended (server, /metrics delta)", "count"], sorted(r["server_ended"].items()))
-    warm, end = r["rss"].get("warm", {}), r["rss"].get("end", {})
-    print_table(["process", "private RSS after warm-up (MiB)", "at the end (MiB)", "growth",
-                 "shared RSS (MiB)"],
-                [(p, _mib(warm.get(p)), _mib(end.get(p)),
-                  "-" if r["rss_growth"].get(p) is None else f"{r['rss_growth'][p]:+.1%}",
-                  f"{_mib(warm.get(p + '_shmem'))} -> {_mib(end.get(p + '_shmem'))}")
-                 for p in ("front_end", "engine", "worker_ranks")])
-    rows = [(s["requests"], *(f"{s[p]['rss'] / 2**20:.0f} / {s[p]['fds']} / {s[p]['threads']}"
-                              if s.get(p) and s[p]["rss"] else "-"
-                              for p in ("front_end", "engine")))
-            for s in r.get("samples", [])]
-    print_table(["requests sent", "front end RSS MiB / fds / threads", "engine"], rows)
-    print_table(["check", "ok", "detail"],
-                [(k, "yes" if v["ok"] else "NO", v["detail"]) for k, v in r["checks"].items()])
-    for e in r["errors"][:10]:
-        print("error:", e)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
