@@ -23,10 +23,7 @@ class AttentionBackend(Protocol):
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch, pool: KVPool, scale: float,
-                sliding_window: int | None = None, *, kv_stored: bool = False,
-                prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, *, kv_stored: bool = False) -> torch.Tensor:
         """Stores the new K/V at `batch.out_cache_loc` (unless `kv_stored`: the caller already
-        wrote them, e.g. fused with rotary), returns attention output [T, H*D]. `prefetch`:
-        the weight of the GEMM that reads the output, which a backend may pull into a cache
-        while it runs (a hint; ignoring it is correct)."""
+        wrote them, e.g. fused with rotary), returns attention output [T, H*D]."""
         ...

@@ -32,7 +32,6 @@ class TorchRefAttention:
         sliding_window: int | None = None,
         *,
         kv_stored: bool = False,
-        prefetch: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens, stored at `out_cache_loc` here
         unless `kv_stored` (already in the pool). Returns [T, H*D] in q's dtype."""

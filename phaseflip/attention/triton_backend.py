@@ -163,15 +163,11 @@ class TritonAttention:
         *,
         out: torch.Tensor | None = None,
         kv_stored: bool = False,
-        prefetch: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens. Returns [T, H*D] in q's dtype.
 
         `out` (optional, [T, H*D] in q's dtype) receives the result instead of a fresh tensor.
         `kv_stored`: the new K/V are already in the pool (the model's fused rotary + store).
-        `prefetch`: the o projection's weight, which a split decode (the few sequences of a
-        decode tail, whose K/V reads leave bandwidth idle) pulls into L2
-        (`kernels.attention.prefetch_mode`).
         """
         if not kv_stored:
             pool.store(layer_id, batch.out_cache_loc, k, v)
@@ -190,14 +186,12 @@ class TritonAttention:
         key = (num_kv_heads, group, head_dim, dtype, sliding_window)
         cache = _Cache(k_cache, v_cache, k_scale, v_scale)
         if meta.is_decode:
-            return self._decode(layer_id, q, cache, batch, meta, key, scale, sliding_window, out,
-                                prefetch)
+            return self._decode(layer_id, q, cache, batch, meta, key, scale, sliding_window, out)
         return self._extend(q, cache, batch, meta, key, scale, sliding_window, out)
 
     def _decode(self, layer_id: int, q: torch.Tensor, cache: _Cache, batch: ForwardBatch,
                 meta: _BatchMeta, key: tuple[Any, ...], scale: float,
-                sliding_window: int | None, out: torch.Tensor,
-                prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                sliding_window: int | None, out: torch.Tensor) -> torch.Tensor:
         """Every sequence has one new token: the CUDA FP8 kernel where it takes the launch
         (unsplit plans; split ones too under `cuda_splits`), else the Triton split-K decode
         kernel."""
@@ -228,7 +222,6 @@ class TritonAttention:
             q, cache.k, cache.v, batch.kv_indptr, batch.kv_indices, scale, plan,
             sliding_window=sliding_window, out=out, workspace=ws, config=cfg,
             k_scale=cache.k_scale, v_scale=cache.v_scale, order=order,
-            prefetch=prefetch if plan.num_splits > 1 else None,
         )
 
     def _extend(self, q: torch.Tensor, cache: _Cache, batch: ForwardBatch, meta: _BatchMeta,

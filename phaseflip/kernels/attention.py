@@ -31,8 +31,6 @@ live in `attention_plan.py`; its public names are re-exported here.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -59,12 +57,7 @@ from phaseflip.kernels.attention_plan import (
     orders_decode,
     plan_decode,
 )
-from phaseflip.kernels.pdl import (
-    chain_launch_options,
-    launch_dependents,
-    prefetch_l2,
-    wait_previous,
-)
+from phaseflip.kernels.pdl import chain_launch_options, launch_dependents, wait_previous
 
 # the planning names callers reach through this module (`kernels.decode_config`, ...)
 __all__ = [
@@ -114,14 +107,13 @@ def _decode_row(pid, ORDER, QO, HAS_ORDER: tl.constexpr, HAS_QO: tl.constexpr):
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     Q, K, V, KV_INDPTR, KV_INDICES, ORDER, QO, OUT, MID_O, MID_M, MID_L, LOCKS, K_SCALE, V_SCALE,
-    PF, qk_scale, window, min_chunk, num_splits, pf_lines,
+    qk_scale, window, min_chunk, num_splits,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
     KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr, HAS_ORDER: tl.constexpr,
     HAS_QO: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, KV_EVICT: tl.constexpr,
 ):
     """One (KV head, head block, sequence, split): attend the group's queries over one chunk.
 
@@ -130,12 +122,7 @@ def _decode_split_kernel(
     backend sorts them), so the long ones do not start last and set the grid's tail. With QO
     (a mixed batch's one-token sequences, ORDER listing them) sequence b's query and output
     are token row QO[b] rather than row b. PDL: every program waits for the kernel before
-    (rotary + KV store) first and lets the next one launch when done (`kernels/pdl.py`).
-    PREFETCH: the programs first pull the next GEMM's weight (PF, pf_lines lines of 128 bytes)
-    into L2 between them, a share each (weights are never written: safe before the wait);
-    KV_EVICT is the K/V loads' eviction policy (evict_first keeps those lines in L2)."""
-    if PREFETCH:
-        _prefetch_share(PF, pf_lines)
+    (rotary + KV store) first and lets the next one launch when done (`kernels/pdl.py`)."""
     wait_previous(PDL)
     kvh = tl.program_id(0) // HEAD_BLOCKS
     hblk = tl.program_id(0) % HEAD_BLOCKS
@@ -157,23 +144,8 @@ def _decode_split_kernel(
                       mask_h, num_heads, split, num_splits, active, stride_qt, stride_qh,
                       stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
                       BLOCK_H, BLOCK_N, HEAD_DIM, BLOCK_D, DIRECT, DOT_PREC, KV_FP8, FP8_DOT,
-                      BLOCK_S, KV_EVICT)
+                      BLOCK_S)
     launch_dependents(PDL)
-
-
-@triton.jit
-def _prefetch_share(PF, pf_lines):
-    """This program's share of the lines PF[0, 128 * pf_lines), one slice a program of the
-    grid, prefetched into L2 (a few instructions a thread: ~1 000 programs share an 8B layer's
-    16.8 MB FP8 o projection, ~130 lines each)."""
-    n0, n1 = tl.num_programs(0), tl.num_programs(1)
-    pid = tl.program_id(0) + n0 * (tl.program_id(1) + n1 * tl.program_id(2))
-    per = tl.cdiv(pf_lines, n0 * n1 * tl.num_programs(2))
-    lo = pid * per
-    hi = tl.minimum(lo + per, pf_lines)
-    for i in range(lo, hi, PREFETCH_LINES):
-        line = tl.minimum(i + tl.arange(0, PREFETCH_LINES), hi - 1)
-        prefetch_l2(PF + line.to(tl.int64) * 128)
 
 
 @triton.jit
@@ -183,7 +155,7 @@ def _decode_split(Q, K, V, KV_INDICES, OUT, MID_O, MID_M, MID_L, LOCKS, K_SCALE,
                   stride_vh, stride_ot, stride_oh, BLOCK_H: tl.constexpr,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr,
-                  FP8_DOT: tl.constexpr, BLOCK_S: tl.constexpr, KV_EVICT: tl.constexpr):
+                  FP8_DOT: tl.constexpr, BLOCK_S: tl.constexpr):
     """One split holding keys [lo, hi): its partial, or the output when unsplit."""
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
@@ -197,7 +169,7 @@ def _decode_split(Q, K, V, KV_INDICES, OUT, MID_O, MID_M, MID_L, LOCKS, K_SCALE,
         q = q.to(K.dtype.element_ty)
     acc, l_i, m_i = _decode_chunk(
         q, K, V, KV_INDICES, kv_beg, lo, hi, kvh, qk_scale, stride_kn, stride_kh, stride_vn,
-        stride_vh, BLOCK_H, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, KV_FP8, FP8_DOT, KV_EVICT)
+        stride_vh, BLOCK_H, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, KV_FP8, FP8_DOT)
     if KV_FP8:  # the V scale of this KV head: out = sum p * (v * s) / l = (sum p * v) * s / l
         acc = acc * tl.load(V_SCALE + kvh)
 
@@ -217,7 +189,7 @@ def _decode_split(Q, K, V, KV_INDICES, OUT, MID_O, MID_M, MID_L, LOCKS, K_SCALE,
 def _decode_chunk(q, K, V, KV_INDICES, kv_beg, lo, hi, kvh, qk_scale, stride_kn, stride_kh,
                   stride_vn, stride_vh, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-                  KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr, KV_EVICT: tl.constexpr):
+                  KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr):
     """(acc, l, m) of the group's queries over keys [lo, hi): online softmax, unnormalised."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -231,9 +203,9 @@ def _decode_chunk(q, K, V, KV_INDICES, kv_beg, lo, hi, kvh, qk_scale, stride_kn,
         slots = tl.load(KV_INDICES + kv_beg + idx, mask=mask_n, other=0).to(tl.int64)
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(K + slots[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :],
-                    mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
+                    mask=kv_mask, other=0.0)
         v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :],
-                    mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
+                    mask=kv_mask, other=0.0)
         if KV_FP8:
             k, v = fp8_widen(k, v, q, FP8_DOT)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
@@ -342,7 +314,6 @@ def decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     order: torch.Tensor | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence (q row b = sequence b) over its paged context.
 
@@ -352,15 +323,12 @@ def decode_attention(
     `plan` comes from `plan_decode` with the same `config.block_n`. Returns out [B, H*D] in q's
     dtype (written into `out` when given). `workspace` (from `decode_workspace`) may be reused
     across calls of one batch; it is allocated here when omitted and the plan splits.
-    `prefetch`: the weight the next GEMM streams (the o projection's), pulled into L2 by the
-    kernel's programs while they wait on their K/V rows (`prefetch_mode`; CUDA only).
     """
     batch_size = q.shape[0]
     if order is not None and order.shape != (batch_size,):
         raise ValueError(f"order must be [{batch_size}], got {tuple(order.shape)}")
     return _decode(q, k_cache, v_cache, kv_indptr, kv_indices, scale, plan, order, None,
-                   batch_size, sliding_window, out, workspace, config, k_scale, v_scale,
-                   prefetch)
+                   batch_size, sliding_window, out, workspace, config, k_scale, v_scale)
 
 
 def mixed_decode_attention(
@@ -390,38 +358,6 @@ def mixed_decode_attention(
                    num_seqs, sliding_window, out, workspace, config, k_scale, v_scale)
 
 
-# The decode tail (a few long sequences, split plans) reads K/V at 1.3-1.9 of the H100's
-# 3.35 TB/s (docs/kernels.md): bound by its access pattern, not by bandwidth. Its programs
-# may use the idle bandwidth to pull the o projection's weight into L2 for the GEMM after
-# them: "off", "on", or "first" (also K/V loads marked evict_first, so the stream of rows
-# read once does not push the weight out). `PHASEFLIP_ATTN_PREFETCH` overrides, for A/B runs.
-PREFETCH_MODE = "off"
-PREFETCH_ENV = "PHASEFLIP_ATTN_PREFETCH"
-PREFETCH_MODES = ("off", "on", "first")
-PREFETCH_LINES = tl.constexpr(128)  # lines one prefetch round of a program covers
-
-
-def prefetch_mode() -> str:
-    """The decode tail's weight prefetch (`PREFETCH_MODE`, or the environment's choice)."""
-    mode = os.environ.get(PREFETCH_ENV, "") or PREFETCH_MODE
-    if mode not in PREFETCH_MODES:
-        raise ValueError(f"{PREFETCH_ENV}={mode!r}: expected one of {', '.join(PREFETCH_MODES)}")
-    return mode
-
-
-def weight_lines(weight: torch.Tensor | None) -> torch.Tensor | None:
-    """`weight`'s bytes as a flat uint8 view (what the prefetch walks), or None where its
-    storage is not one dense span or is not on a GPU."""
-    if (weight is None or weight.device.type != "cuda" or torch.version.hip is not None
-            or os.environ.get("TRITON_INTERPRET") == "1"):  # (PTX prefetch: NVIDIA, compiled)
-        return None
-    if not weight.is_contiguous():
-        weight = weight.t()
-        if not weight.is_contiguous():
-            return None
-    return weight.reshape(-1).view(torch.uint8)
-
-
 # Splits one merge reads at once (the plan's split cap): one build for every split count, so a
 # plan that splits differently never compiles another kernel mid-serving
 MERGE_SPLITS = 64
@@ -432,7 +368,7 @@ def _decode(q, k_cache, v_cache, kv_indptr, kv_indices, scale: float, plan: Deco
             sliding_window: int | None, out: torch.Tensor | None,
             workspace: tuple[torch.Tensor, ...] | None,
             config: KernelConfig | None, k_scale: torch.Tensor | None,
-            v_scale: torch.Tensor | None, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+            v_scale: torch.Tensor | None) -> torch.Tensor:
     """Launches the split kernel over the sequences `order` lists (all `num_seqs` when
     None); partials and split counters are indexed by sequence."""
     group, head_dim = check_layout(q, k_cache, v_cache)
@@ -462,13 +398,10 @@ def _decode(q, k_cache, v_cache, kv_indptr, kv_indices, scale: float, plan: Deco
     qo_arg = kv_indptr if qo is None else qo
     grid = (num_kv_heads * head_blocks, programs, plan.num_splits)
     pdl = chain_launch_options(q.device)
-    mode = prefetch_mode() if prefetch is not None else "off"
-    pf = weight_lines(prefetch) if mode != "off" else None
     _decode_split_kernel[grid](
         q, k_cache, v_cache, kv_indptr, kv_indices, order_arg, qo_arg,
-        out, mid_o, mid_m, mid_l, locks, k_scale, v_scale, q if pf is None else pf,
+        out, mid_o, mid_m, mid_l, locks, k_scale, v_scale,
         scale * LOG2E, sliding_window or 0, plan.min_chunk, plan.num_splits,
-        0 if pf is None else pf.numel() // 128,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), head_dim,
         GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_H=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -476,8 +409,6 @@ def _decode(q, k_cache, v_cache, kv_indptr, kv_indices, scale: float, plan: Deco
         DIRECT=direct, DOT_PREC=dot_precision(dtype), KV_FP8=kv_fp8, FP8_DOT=fp8_dot,
         HAS_ORDER=order is not None, HAS_QO=qo is not None,
         BLOCK_S=max(MERGE_SPLITS, triton.next_power_of_2(plan.num_splits)),
-        PDL=bool(pdl), PREFETCH=pf is not None,
-        KV_EVICT="evict_first" if pf is not None and mode == "first" else "",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        PDL=bool(pdl), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
     return out

@@ -83,17 +83,11 @@ def launch_dependents(PDL: tl.constexpr):
 
 
 @triton.jit
-def prefetch_l2(ptrs):
-    """Prefetch the lines at `ptrs` into L2 (CUDA only: inline PTX, no interpreter)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def prefetch_then_wait(ptrs, PDL: tl.constexpr):
     """Prefetch the lines at `ptrs` (read-only data: weights) into L2, then wait for the
     previous kernel to finish and its writes to be visible. Nothing before this may read
     what an earlier kernel writes, nor write anything."""
     if PDL:
-        prefetch_l2(ptrs)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
         tl.extra.cuda.gdc_wait()

@@ -100,8 +100,7 @@ class Attention(nn.Module):
             # v written into the pool; k itself is then stale, the backend reads the pool
             q = rotary.rotate_and_store_(q, k, v, pool, self.layer_id, batch.out_cache_loc)
         return backend.forward(
-            self.layer_id, q, k, v, batch, pool, self.scale, self.sliding_window, kv_stored=True,
-            prefetch=self.o_proj.weight,
+            self.layer_id, q, k, v, batch, pool, self.scale, self.sliding_window, kv_stored=True
         )
 
     def rotary_fold(self, x: torch.Tensor, batch: ForwardBatch, rotary: RotaryBatch,

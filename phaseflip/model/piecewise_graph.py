@@ -96,7 +96,7 @@ class _Cutter:
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch, pool: KVPool, scale: float,
                 sliding_window: int | None = None, *, out: torch.Tensor | None = None,
-                kv_stored: bool = False, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                kv_stored: bool = False) -> torch.Tensor:
         if not kv_stored:
             raise RuntimeError("piecewise graphs need the model's fused rotary + KV store")
         t = q.shape[0]
@@ -121,7 +121,7 @@ class _Splice:
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch, pool: KVPool, scale: float,
                 sliding_window: int | None = None, *, out: torch.Tensor | None = None,
-                kv_stored: bool = False, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                kv_stored: bool = False) -> torch.Tensor:
         rows = q.shape[0]
         self.owner.q_buf[:rows].copy_(q)
         self.owner.attend(_Cut(layer_id, scale, sliding_window), self.plan)
