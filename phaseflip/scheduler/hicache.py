@@ -17,12 +17,13 @@ lock reference) until the copy is done on every rank, which the controller polls
 target frames stay reserved in the host pool (invisible, not evictable) until then. A done page
 is committed to the host tier and queued for the disk thread (a full queue drops the disk copy).
 
-Loads (read-through as prefetch). When a waiting request is considered for admission, the
-pages that follow its device-cached prefix and exist in a tier start their way: disk pages are
-promoted into host frames on the disk thread, then every page is copied host->device into fresh
-slots. A load's pages stay pinned in the host tier from the prefetch that chose them (or from
-landing) until its copy is done, so a burst's later promotions cannot evict them unread; a
-request whose first disk page finds every host frame held waits for the loads in flight.
+Loads (read-through as prefetch; `LoadPath` in scheduler/hicache_load.py). When a waiting
+request is considered for admission, the pages that follow its device-cached prefix and exist
+in a tier start their way: disk pages are promoted into host frames on the disk thread, then
+every page is copied host->device into fresh slots. A load's pages stay pinned in the host
+tier from the prefetch that chose them (or from landing) until its copy is done, so a burst's
+later promotions cannot evict them unread; a request whose first disk page finds every host
+frame held waits for the loads in flight.
 The request is skipped (others are admitted) until its pages are *visible*; they are then
 inserted into the radix tree, so admission matches them like any cached prefix and the request
 is priced by its uncached tokens only. Slots of a load in flight are held by its `LoadJob`
@@ -70,21 +71,13 @@ from phaseflip.cache.hicache.transfer import TransferChannel
 from phaseflip.config import EngineConfig
 from phaseflip.errors import InvalidRequestError
 from phaseflip.model.config import ModelConfig
-from phaseflip.scheduler.hicache_state import (
-    COPYING,
-    LOADED,
-    PROMOTING,
-    HiCacheStats,
-    LoadJob,
-    StoreJob,
-    kv_producer_id,
-)
+from phaseflip.scheduler.hicache_load import FRAME_WAITS, LoadPath
+from phaseflip.scheduler.hicache_state import HiCacheStats, StoreJob, kv_producer_id
 from phaseflip.scheduler.kv_cache import KVCacheManager
 from phaseflip.scheduler.request import Req
 
+__all__ = ["FRAME_WAITS", "HiCache"]
 log = logging.getLogger("phaseflip.hicache")
-FRAME_WAITS = 8
-"""Admission tries a request whose next page is on disk waits for a host frame, then computes."""
 
 class HiCache:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, *,
@@ -123,14 +116,8 @@ class HiCache:
         self._published: list[list[int]] = []
         self._stores: list[StoreJob] = []
         self._storing: set[bytes] = set()
-        self._loads: list[LoadJob] = []
-        self._load_of: dict[str, LoadJob] = {}  # request id -> its load in progress
-        # the scheduler's current decode reserve in slots (set by the engine; None: none)
-        self.decode_reserve: Callable[[], int] | None = None
-        self._loading: dict[bytes, LoadJob] = {}  # first page key -> load (one load per page)
-        self._promoting: dict[bytes, Future[bool]] = {}
-        self._missed: set[str] = set()  # waiting requests whose prefix stopped at a miss
-        self._frame_waits: dict[str, int] = {}  # rid -> admission tries that found no frame
+        self.loads = LoadPath(self.host, self.io, self.page_size, geo.payload_len, self._keys,
+                              self._count, lambda: self.busy)
         self._clean_ids: set[int] = set()  # tree nodes whose pages are all in the host tier
         self.write_back = cfg.hicache_write_policy == "write_back"
         # the layout bound now (`bind`/`unbind`): its KV manager, radix tree, transfer channel
@@ -157,10 +144,8 @@ class HiCache:
                                f"differs from the host tier's {self.geometry}; its pages cannot "
                                "be read under this layout")
         self.kv, self.tree, self.channel = kv, kv.tree, channel
-        # node ids and misses were judged against an earlier tree: judged afresh from now on
-        self._clean_ids.clear()
-        self._missed.clear()
-        self._frame_waits.clear()
+        self.loads.bind(kv, channel)
+        self._clean_ids.clear()  # node ids of an earlier tree
         if self.write_back:
             self.tree.on_evict = self._evicting
             self.clean_below_slots = max(2 * self.page_size, kv.allocator.total_slots // 8)
@@ -183,14 +168,14 @@ class HiCache:
             self.kv.on_publish = None
         self.channel.close()
         self.kv, self.tree, self.channel = None, None, None
+        self.loads.unbind()
 
     def _check_unbound_state(self, what: str) -> None:
         """Crash before corruption: no job, hold, ticket or slot of a layout may cross to
         another (a fence and a quiesce leave none)."""
         left = {name: len(v) for name, v in (
             ("published", self._published), ("stores", self._stores),
-            ("storing", self._storing), ("loads", self._loads), ("load_of", self._load_of),
-            ("loading", self._loading), ("promoting", self._promoting)) if v}
+            ("storing", self._storing)) if v} | self.loads.pending()
         if left:
             raise RuntimeError(f"HiCache: {what} with work tied to a layout still in flight "
                                f"{left}; fence and quiesce first")
@@ -214,21 +199,35 @@ class HiCache:
         if s.load_seconds > 0:
             s.load_gbps = s.bytes_loaded / s.load_seconds / 1e9
         s.stores_in_flight = sum(len(j.keys) for j in self._stores)
-        s.loads_in_flight = sum(len(j.keys) for j in self._loads if j.state != LOADED)
+        s.loads_in_flight = self.loads.pages_in_flight
         return s
 
     @property
     def in_flight_slots(self) -> int:
         """Device slots held by loads not yet in the tree (outside the pool's four classes)."""
-        return sum(int(j.slots.numel()) for j in self._loads
-                   if j.state == COPYING and j.slots is not None)
+        return self.loads.in_flight_slots
 
     @property
     def busy(self) -> bool:
         """Anything dispatched or queued that is not done (disk writes excepted: they need no
         device slot and no scheduler step)."""
-        return bool(self._published or self._stores or self._promoting
-                    or any(j.state != LOADED or j.frames for j in self._loads))
+        return bool(self._published or self._stores or self.loads.busy)
+
+    @property
+    def decode_reserve(self) -> Callable[[], int] | None:
+        """The scheduler's current decode reserve in slots (set by the engine; None: none),
+        which a load must leave free when its copy starts."""
+        return self.loads.decode_reserve
+
+    @decode_reserve.setter
+    def decode_reserve(self, reserve: Callable[[], int] | None) -> None:
+        self.loads.decode_reserve = reserve
+
+    @property
+    def _promoting(self) -> dict[bytes, Future[bool]]:
+        """The promotions (disk reads) in flight, the load path's (tests plant a future
+        here to keep the controller busy)."""
+        return self.loads.promoting
 
     def _keys(self, token_ids: list[int]) -> list[bytes]:
         return page_keys(token_ids, self.page_size, self.fingerprint)
@@ -248,25 +247,16 @@ class HiCache:
     def end_step(self) -> None:
         """Loaded pages lose their hold once the step that could admit their request is over
         (then they are ordinary cached prefixes); finished jobs are dropped."""
-        for job in list(self._loads):
-            if job.state != LOADED:
-                continue
-            if job.hold is not None:
-                self.tree.dec_lock_ref(job.hold)
-                job.hold = None
-            if not job.frames:
-                self._drop_load(job)
+        self.loads.end_step()
 
     def poll(self) -> None:
-        for key, fut in list(self._promoting.items()):
-            if fut.done():
-                del self._promoting[key]
-                self._landed(key, fut.result())  # an I/O thread crash raises: not a miss
+        """Retire what ended: promotions (an I/O thread crash raises: not a miss), stores,
+        then every load moves on; then this step's store orders."""
+        self.loads.land()
         for job in list(self._stores):
             if self.channel.done(job.ticket):
                 self._finish_store(job)
-        for load in list(self._loads):
-            self._advance(load)
+        self.loads.advance_all()
         self.publish_pending()
 
     def quiesce(self) -> None:
@@ -275,7 +265,7 @@ class HiCache:
         for _ in range(4):  # each round moves every job at least one state on
             if not self.busy:
                 break
-            for fut in list(self._promoting.values()):
+            for fut in list(self.loads.promoting.values()):
                 fut.exception()  # waits
             self.poll()
             self.channel.fence()
@@ -422,175 +412,18 @@ class HiCache:
 
     # ------------------------------------------------------------------ loads
     def prefetch(self, req: Req, tokens: list[int], spare_tokens: int) -> bool:
-        """True when `req` may be admitted now (nothing to load, or its pages are visible in
-        the tree). False while its pages are on their way: admit other requests meanwhile.
-        `spare_tokens`: slots a load must leave to the running requests."""
-        job = self._load_of.get(req.rid)
-        if job is not None:
-            return job.state == LOADED
-        self._missed.discard(req.rid)  # a miss of an earlier try that did not admit it
-        hp = self.page_size
-        first = int(self.tree.match_prefix(tokens).slots.numel()) // hp
-        if first >= len(tokens) // hp:
-            return True  # every full page is on the device already: nothing to hash or load
-        keys = self._keys(tokens)
-        if keys[first] in self._loading:
-            return False  # another request is loading these very pages: wait for them
-        job = LoadJob(tokens=[], start=first * hp, keys=[], base=None, spare_tokens=spare_tokens)
-        for key in keys[first:]:
-            found = self._available(key, job)
-            if not found:
-                if found is not None:
-                    self._missed.add(req.rid)  # counted once, when the request is admitted
-                break
-            job.keys.append(key)
-        if not job.keys:
-            # A disk page with no host frame free: while loads and stores in flight hold the
-            # frames (they let go within steps) the request waits rather than recompute it,
-            # FRAME_WAITS tries at most (write-back's cleaner can take every frame each step).
-            waits = self._frame_waits.get(req.rid, 0)
-            if found is None and self.busy and waits < FRAME_WAITS:
-                self._frame_waits[req.rid] = waits + 1
-                return False
-            return True
-        job.tokens = tokens[: job.start + len(job.keys) * hp]
-        job.base = self.tree.match_prefix(tokens[: job.start]).last_node
-        self.tree.inc_lock_ref(job.base)
-        self._loads.append(job)
-        self._load_of[req.rid] = job
-        self._loading[job.keys[0]] = job
-        self._advance(job)
-        return job.state == LOADED
+        """True when `req` may be admitted now; False while its pages are on their way
+        (`LoadPath.prefetch`)."""
+        return self.loads.prefetch(req, tokens, spare_tokens)
 
     def admitted(self, req: Req) -> None:
-        """`req` was admitted and locks its prefix itself: a miss its prefetch met is counted
-        (once an admission, not once a try), and its load's hold is no longer needed."""
-        self._frame_waits.pop(req.rid, None)
-        if req.rid in self._missed:
-            self._missed.discard(req.rid)
-            self._count(miss_pages=1)
-        self.unhold(req)
+        """`req` was admitted: its prefetch's miss is counted, its load's hold goes."""
+        self.loads.admitted(req)
 
     def unhold(self, req: Req) -> None:
         """Drops the hold of `req`'s load, if any: its pages stay in the tree."""
-        job = self._load_of.pop(req.rid, None)
-        if job is not None and job.hold is not None:
-            self.tree.dec_lock_ref(job.hold)
-            job.hold = None
+        self.loads.unhold(req)
 
     def forget(self, req: Req) -> None:
         """`req` left the queue; its load (if any) still completes into the tree."""
-        self._load_of.pop(req.rid, None)
-        self._missed.discard(req.rid)
-        self._frame_waits.pop(req.rid, None)
-
-    def _available(self, key: bytes, job: LoadJob) -> bool | None:
-        """Whether `job` can load page `key`: pinned for it now (host tier) or when it lands
-        (disk). None: on disk, but no host frame can take it now (all pinned or reserved)."""
-        if self.host.acquire_frame(key) is not None:
-            job.pinned.add(key)
-            return True
-        if key not in self._promoting:
-            if self.io is None or not self.disk.contains(key):
-                return False
-            fut = self.io.promote(key)
-            if fut is None:
-                return None
-            self._promoting[key] = fut
-        job.promoting.add(key)
-        return True
-
-    def _landed(self, key: bytes, ok: bool) -> None:
-        """A promotion ended: if the page landed (pinned once, for the controller), every load
-        waiting on it gets a pin of its own, then the promotion's goes."""
-        for job in self._loads:
-            if key in job.promoting:
-                job.promoting.discard(key)
-                if ok:
-                    self.host.pin(key)
-                    job.pinned.add(key)
-                    job.from_disk.add(key)
-        if ok:
-            self.host.unpin(key)
-
-    def _advance(self, job: LoadJob) -> None:
-        if job.state == PROMOTING:
-            if job.promoting:
-                return
-            self._start_copy(job)
-        if job.state == COPYING and self.channel.visible(job.ticket):
-            self._insert(job)
-        if job.frames and job.ticket is not None and self.channel.done(job.ticket):
-            for key in job.keys:
-                self.host.unpin(key)
-            job.frames = []
-
-    def _start_copy(self, job: LoadJob) -> None:
-        """Allocate the slots of the pinned pages up to the first failed promotion, dispatch
-        the host->device copies; the pins of pages not loaded go."""
-        hp = self.page_size
-        for key in job.keys:
-            # a page that failed to promote may have come into the host tier since (a store
-            # of the same prefix): a host hit then, never counted as read from disk
-            if key not in job.pinned and self.host.acquire_frame(key) is not None:
-                job.pinned.add(key)
-            if key not in job.pinned:
-                break  # load up to here
-            job.frames.append(self.host.frame_of(key))
-        alloc = self.kv.allocator
-        # the reserve as of now: a load promoted from disk may start many steps after prefetch
-        spare = max(job.spare_tokens, self.decode_reserve() if self.decode_reserve else 0)
-        room = alloc.free_slots + self.tree.evictable_size() - spare
-        n = min(len(job.frames), max(0, room) // hp)
-        job.keys, job.frames = job.keys[:n], job.frames[:n]
-        for key in job.pinned.difference(job.keys):
-            self.host.unpin(key)
-        if n and alloc.free_slots < n * hp:
-            self.tree.evict(n * hp - alloc.free_slots)
-        slots = alloc.alloc_slots(n * hp // self.kv.page_size) if n else None
-        if slots is None:
-            for key in job.keys:
-                self.host.unpin(key)
-            job.keys, job.frames = [], []
-            self._finish_load(job)
-            return
-        job.slots = slots
-        job.state = COPYING
-        orders = TransferOrders(load_frames=list(job.frames), load_slots=list(slots.split(hp)))
-        job.ticket = self.channel.dispatch(orders)
-        job.dispatched = time.perf_counter()
-
-    def _insert(self, job: LoadJob) -> None:
-        """The loaded pages join the tree under their (locked) prefix; `job.slots` now belong
-        to the tree, except duplicates of pages another request published meanwhile."""
-        hp, start, tree = self.page_size, job.start, self.tree
-        end = start + len(job.keys) * hp
-        prefix = tree.match_prefix(job.tokens[:start]).slots
-        if prefix.numel() != start:
-            raise RuntimeError(f"HiCache: locked prefix shrank to {prefix.numel()} < {start}")
-        dup = tree.insert(job.tokens[:end], torch.cat([prefix, job.slots]))
-        if dup > start:
-            self.kv.allocator.free(job.slots[: dup - start])
-        job.hold = tree.match_prefix(job.tokens[:end]).last_node
-        tree.inc_lock_ref(job.hold)
-        disk = hp * len(job.from_disk.intersection(job.keys))
-        self._count(host_hit_tokens=end - start - disk, disk_hit_tokens=disk,
-                    bytes_loaded=len(job.keys) * self.geometry.payload_len,
-                    load_seconds=time.perf_counter() - job.dispatched)
-        self._finish_load(job)
-
-    def _finish_load(self, job: LoadJob) -> None:
-        if job.base is not None:
-            self.tree.dec_lock_ref(job.base)
-            job.base = None
-        job.state = LOADED
-        job.slots = None
-        for key in list(self._loading):
-            if self._loading[key] is job:
-                del self._loading[key]
-
-    def _drop_load(self, job: LoadJob) -> None:
-        self._loads.remove(job)
-        for rid in [r for r, j in self._load_of.items() if j is job]:
-            del self._load_of[rid]
-
+        self.loads.forget(req)
