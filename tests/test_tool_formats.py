@@ -14,7 +14,8 @@ import json
 import pytest
 
 from phaseflip.engine.outputs import StreamDelta, Usage
-from phaseflip.sampling.detokenize import IncrementalDetokenizer
+from phaseflip.sampling.detokenize import IncrementalDetokenizer, partial_stop_len
+from phaseflip.server import protocol as p
 from phaseflip.server import tools
 from tests import fake_engine
 from tests.conftest import build_tokenizer
@@ -137,18 +138,25 @@ TOOLS = [{"type": "function", "function": f} for f in (WEATHER, TIME)]
 def _scripted_engine(monkeypatch, tok, script: list[int]) -> dict:
     """Makes the fake engine answer every request with `script` (ending in EOS, as the engine
     ends: its text hidden), decoded as the engine would with the request's
-    `skip_special_tokens`. Returns the holder its `engine` goes in."""
+    `skip_special_tokens`, and with the engine's stop-string rule: a suffix that may begin
+    one of the request's `stop` strings waits for the next delta (a special token's spelling
+    may then arrive in two). Returns the holder its `engine` goes in."""
     holder: dict = {}
-    decoders: dict[str, IncrementalDetokenizer] = {}
+    decoders: dict[str, tuple[IncrementalDetokenizer, list[int]]] = {}
 
     def delta(rid: str, finish: str | None, prompt_len: int, done: int) -> StreamDelta:
         params = next(a.params for a in holder["engine"].added if a.rid == rid)
-        detok = decoders.setdefault(rid, IncrementalDetokenizer(tok, [],
-                                                                params.skip_special_tokens))
+        detok, sent = decoders.setdefault(rid, (IncrementalDetokenizer(
+            tok, [], params.skip_special_tokens), [0]))
         tok_id = script[done - 1]
         if finish is None:
-            return StreamDelta(rid, 0, detok.append([tok_id]), [tok_id])
-        return StreamDelta(rid, 0, detok.flush(), [tok_id], finish_reason="stop",
+            detok.append([tok_id])
+            text = detok.text
+            end = max(sent[0], len(text) - partial_stop_len(text, params.stop or []))
+            new, sent[0] = text[sent[0]:end], end
+            return StreamDelta(rid, 0, new, [tok_id])
+        detok.flush()
+        return StreamDelta(rid, 0, detok.text[sent[0]:], [tok_id], finish_reason="stop",
                            matched_stop=tok_id, usage=Usage(prompt_len, done, 0))
 
     monkeypatch.setattr(fake_engine, "_delta", delta)
@@ -183,13 +191,15 @@ def _responses_stream(lines: list[str]) -> tuple[str, list[tuple[str, str]]]:
     return text, calls
 
 
-def _answers(tmp_path, monkeypatch, tok, written: str, extra: dict | None = None) -> dict:
+def _answers(tmp_path, monkeypatch, tok, written: str, extra: dict | None = None,
+             chat_extra: dict | None = None) -> dict:
     """What chat and Responses answer, whole and streamed, when the model writes `written`;
-    and the `skip_special_tokens` the engine got."""
+    and the `skip_special_tokens` the engine got. (`chat_extra`: fields for chat only, such
+    as `stop`, which Responses has not.)"""
     script = [*tok.encode(written, add_special_tokens=False), tok.convert_tokens_to_ids("</s>")]
     holder = _scripted_engine(monkeypatch, tok, script)
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Oslo?"}],
-            "tools": TOOLS, "max_tokens": len(script), **(extra or {})}
+            "tools": TOOLS, "max_tokens": len(script), **(extra or {}), **(chat_extra or {})}
     resp = {"model": "tiny", "input": "Weather in Oslo?", "max_output_tokens": len(script),
             "tools": [{"type": "function", **f} for f in (WEATHER, TIME)], **(extra or {})}
 
@@ -268,20 +278,35 @@ def test_tokenizers_without_the_marker_keep_skipping(tmp_path) -> None:
     assert not tools.keep_specials(_plan(tool_choice="required"), TokenText(tok))
 
 
-UNCARRIABLE = {  # model output whose arguments no response can carry: content, never a 500
+UNCARRIABLE = {  # pythonic arguments no response can carry: content, never a 500
     "pythonic_big_int": "[get_weather(city=0x" + "f" * 4000 + ")]",
     "pythonic_surrogate": r'[get_weather(city="\ud800")]',
-    "json_big_int": '{"name": "get_weather", "parameters": {"x": ' + "1" * 5000 + "}}",
-    "json_surrogate": r'{"name": "get_weather", "parameters": {"city": "\ud800"}}',
-    "hermes_big_int": '<tool_call>{"name": "get_weather", "arguments": {"x": '
-                      + "1" * 5000 + "}}</tool_call>",
+}
+AS_WRITTEN = {  # JSON arguments are sent as the model wrote them, which Python need not load
+    "json_big_int": ('{"name": "get_weather", "parameters": {"x": ' + "1" * 5000 + "}}",
+                     '{"x": ' + "1" * 5000 + "}"),
+    "json_surrogate": (r'{"name": "get_weather", "parameters": {"city": "\ud800"}}',
+                       r'{"city": "\ud800"}'),
+    "hermes_big_int": ('<tool_call>{"name": "get_weather", "arguments": {"x": '
+                       + "1" * 5000 + "}}</tool_call>", '{"x": ' + "1" * 5000 + "}"),
 }
 
 
 @pytest.mark.parametrize("case", UNCARRIABLE)
 def test_arguments_no_response_can_carry_stay_content(case) -> None:
     """An int past Python's 4 300-digit limit raised ValueError out of the parser, and a lone
-    surrogate (JSON's or Python's `\\ud800`) reached the response's UTF-8 encoding: a 500."""
+    surrogate (Python's `\\ud800`) reached the response's UTF-8 encoding: a 500."""
     text = UNCARRIABLE[case]
     content, calls = tools.parse_output(_plan(), text)
     assert calls == [] and content == text
+
+
+@pytest.mark.parametrize("case", AS_WRITTEN)
+def test_json_arguments_are_carried_as_written(case) -> None:
+    """JSON arguments are the model's text, never loaded and dumped again (which raised for
+    these, and made them content): whole, they are what a stream's fragments add up to."""
+    text, args = AS_WRITTEN[case]
+    content, calls = tools.parse_output(_plan(), text)
+    assert (content, calls) == (None, [("get_weather", args)])
+    message = p.ChatResponseMessage(content=content, tool_calls=tools.tool_calls(calls))
+    assert json.loads(message.model_dump_json())["tool_calls"][0]["function"]["arguments"] == args

@@ -22,7 +22,7 @@ from phaseflip.sampling.params import SamplingParams
 from phaseflip.server import protocol as p
 from phaseflip.server import tools
 from phaseflip.server.context import ServerContext
-from phaseflip.server.token_text import OffsetCursor
+from phaseflip.server.token_text import OffsetCursor, SpecialStripper
 
 
 @dataclass
@@ -460,12 +460,18 @@ async def prepare_chat(ctx: ServerContext, req: p.ChatCompletionRequest, rid: st
     return PromptRun(rid, ids, params, 0), plan
 
 
-def parser_delta(plan: tools.ToolPlan | None, d: StreamDelta) -> StreamDelta:
-    """`d` with the text the tool parser reads (`ToolPlan.parser_text`)."""
-    if plan is None:
+def parser_delta(stripper: SpecialStripper | None, d: StreamDelta) -> StreamDelta:
+    """`d` with the text the tool parser reads (`ToolPlan.stripper`: one per choice, since a
+    special's spelling may span deltas)."""
+    if stripper is None:
         return d
-    text = plan.parser_text(d.text, d.token_ids)
+    text = stripper.feed(d.text, d.token_ids, d.finish_reason is not None)
     return d if text == d.text else replace(d, text=text)
+
+
+def strippers(plan: tools.ToolPlan | None, n: int) -> list[SpecialStripper | None]:
+    """Each choice's `ToolPlan.stripper`."""
+    return [plan.stripper() if plan is not None else None for _ in range(n)]
 
 
 def _chat_message(plan: tools.ToolPlan | None,
@@ -483,9 +489,9 @@ def _chat_message(plan: tools.ToolPlan | None,
 
 async def _chat(ctx, req: p.ChatCompletionRequest, run: PromptRun,
                 plan: tools.ToolPlan | None, created: int) -> dict:
-    choices = [Choice(j) for j in range(req.n)]
+    choices, parse = [Choice(j) for j in range(req.n)], strippers(plan, req.n)
     async for _, d in run_prompts(ctx, [run]):
-        choices[d.index].add(parser_delta(plan, d))
+        choices[d.index].add(parser_delta(parse[d.index], d))
         if d.usage is not None:
             run.usage = d.usage
     out = []
@@ -508,12 +514,13 @@ async def _stream_chat(ctx, req: p.ChatCompletionRequest, run: PromptRun,
                                                   usage=usage))
 
     streamers = [tools.ToolStreamer(plan) for _ in range(req.n)] if plan is not None else None
+    parse = strippers(plan, req.n)
 
     for j in range(req.n):
         yield chunk([p.ChatCompletionStreamChoice(
             index=j, delta=p.DeltaMessage(role="assistant", content=""))])
     async for _, d in run_prompts(ctx, [run]):
-        d = parser_delta(plan, d)
+        d = parser_delta(parse[d.index], d)
         if d.usage is not None:
             run.usage = d.usage
         lp = None

@@ -35,6 +35,7 @@ from phaseflip.server.openai_api import (
     prepare_chat,
     respond,
     run_prompts,
+    strippers,
 )
 from phaseflip.server.protocol import responses_api as rp
 from phaseflip.server.response_store import Kept, ResponseStore
@@ -240,9 +241,9 @@ async def create_response(req: rp.ResponsesRequest, request: Request, ctx: Serve
 
 
 async def _answer(ctx: ServerContext, store: ResponseStore, ex: Exchange) -> dict[str, Any]:
-    c = Choice(0)
+    c, (parse,) = Choice(0), strippers(ex.plan, 1)
     async for _, d in run_prompts(ctx, [ex.run]):
-        c.add(parser_delta(ex.plan, d))
+        c.add(parser_delta(parse, d))
         if d.usage is not None:
             ex.run.usage = d.usage
     out, status = ex.output, _status(c.finish_reason)
@@ -283,12 +284,13 @@ async def _events(ctx: ServerContext, store: ResponseStore, ex: Exchange
     yield ev("response.created", response=ex.body(ctx, "in_progress"))
     yield ev("response.in_progress", response=ex.body(ctx, "in_progress"))
     streamer = tools.ToolStreamer(ex.plan) if ex.plan is not None else None
+    (parse,) = strippers(ex.plan, 1)
     out.logprobs = [] if ex.req.logprobs else None
     held: list[dict[str, Any]] = []  # logprobs of tokens whose text the streamer holds back
     reason = None
     try:
         async for _, d in run_prompts(ctx, [ex.run]):
-            d = parser_delta(ex.plan, d)
+            d = parser_delta(parse, d)
             if d.usage is not None:
                 ex.run.usage = d.usage
             reason = d.finish_reason or reason

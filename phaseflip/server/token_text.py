@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import codecs
 import re
+from collections import Counter
+from collections.abc import Iterable
 from functools import lru_cache
 from typing import Any
 
@@ -100,3 +102,59 @@ class OffsetCursor:
         data = self.tt.bytes_of(token_id)
         self.chars += len(self._utf8.decode(data))
         return spell_bytes(data), offset
+
+
+class SpecialStripper:
+    """Takes the spellings of one choice's special tokens out of its text, delta by delta: what
+    `skip_special_tokens` would have given, for text the engine decoded with them kept (`keep`:
+    spellings left in, the tool parser's markers).
+
+    A token's id comes with the delta that generated it, its text with that delta or a later
+    one: the engine holds back text that may begin a stop string, so one spelling can arrive in
+    two deltas (`stop=["]]"]` sends `[/INST` and then `]`). Each special's spelling is owed
+    from its id on and taken out where it appears, in any order, so one whose decoded text
+    differs from its spelling (never seen) does not keep later ones in the text. What is held
+    back is only a suffix that may still become an owed spelling: shorter than the longest
+    one, sent once it cannot (a literal `[/` that goes on otherwise), or at the end."""
+
+    def __init__(self, token_text: TokenText, keep: Iterable[str] = ()) -> None:
+        self.tt = token_text
+        self.keep = frozenset(keep)
+        self.owed: Counter[str] = Counter()
+        self.held = ""
+
+    def feed(self, text: str, token_ids: list[int], finished: bool = False) -> str:
+        """The part of `text` (after what was held) that is sure not to be a special's
+        spelling; `finished`: the last delta, which sends everything left."""
+        for t in token_ids:
+            if t in self.tt.special:
+                spelling = self.tt.spell(t)
+                if spelling and spelling not in self.keep:
+                    self.owed[spelling] += 1
+        text, out = self.held + text, []
+        while (hit := self._first_owed(text)) is not None:
+            i, spelling = hit
+            out.append(text[:i])
+            text = text[i + len(spelling):]
+            self.owed[spelling] -= 1
+            if not self.owed[spelling]:
+                del self.owed[spelling]
+        hold = 0 if finished else self._may_begin(text)
+        self.held = text[len(text) - hold:] if hold else ""
+        out.append(text[:len(text) - hold])
+        return "".join(out)
+
+    def _first_owed(self, text: str) -> tuple[int, str] | None:
+        """(index, spelling) of the first owed spelling in `text` (the longest at a tie)."""
+        hits = [(i, -len(s), s) for s in self.owed if (i := text.find(s)) >= 0]
+        return (min(hits)[0], min(hits)[2]) if hits else None
+
+    def _may_begin(self, text: str) -> int:
+        """The length of the longest suffix of `text` that is a proper prefix of an owed
+        spelling."""
+        longest = max((len(s) for s in self.owed), default=1)
+        for k in range(min(longest - 1, len(text)), 0, -1):
+            tail = text[-k:]
+            if any(s.startswith(tail) for s in self.owed):
+                return k
+        return 0

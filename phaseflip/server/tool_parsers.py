@@ -1,7 +1,9 @@
 """How a model's text becomes tool calls: the formats `tool_choice: "auto"` reads (Hermes/Qwen
 `<tool_call>` blocks, Mistral `[TOOL_CALLS]` calls, Llama-3 JSON calls, Llama 3.2's pythonic
-list), the `{"name", "arguments"}` call of `required`, and what a stream may send before it
-knows (`may_begin_call`, `content_end`). `tools` plans requests and streams with these."""
+list), the `{"name", "arguments"}` call of `required`, and `AutoReader`, which reads an auto
+answer as it comes, so that a stream sends content and calls as soon as they are certain and
+the whole answer is what its stream adds up to. `tools` plans requests and streams with
+these."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import ast
 import json
 import math
 import re
+from dataclasses import dataclass, field
 from typing import Any
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -17,8 +20,6 @@ MISTRAL_TAG, ARGS_TAG = "[TOOL_CALLS]", "[ARGS]"
 PARSER_MARKERS = (MISTRAL_TAG, ARGS_TAG)
 """Special tokens the parser reads (Mistral's), which a request's text may keep for it."""
 HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
-_BLOCK = re.compile(re.escape(TOOL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CLOSE) + r"|$)",
-                    re.DOTALL)
 
 
 def split_required(text: str) -> tuple[str, str] | None:
@@ -32,76 +33,6 @@ def split_required(text: str) -> tuple[str, str] | None:
     if json_object(text) is not None:  # whole: the last brace closes the wrapper
         rest = rest[:-1].rstrip()
     return json.loads(f'"{m.group(1)}"'), rest
-
-
-def auto_calls(text: str, names: set[str],
-               parallel: bool = True) -> tuple[str | None, list[tuple[str, str]]]:
-    """Hermes/Qwen blocks, Mistral `[TOOL_CALLS]` calls, or Llama-3 JSON calls; unparseable
-    text stays content. Text with no marker is a call only when it is nothing but calls naming
-    listed tools (a JSON answer the user asked for stays content): one or more Llama-3
-    `{"name", "parameters"}` objects (separated by `;` or whitespace), a Mistral list of
-    `{"name", "arguments"}` or `name{arguments}` (the two Mistral forms whose special marker
-    tokens `skip_special_tokens` took out), or a Llama 3.2 pythonic list. The content before a
-    call loses its trailing whitespace (a stream holds that back until it knows)."""
-    calls: list[tuple[str, str]] = []
-    head = text
-    if TOOL_OPEN in text:
-        head = text[: text.index(TOOL_OPEN)]
-        for block in _BLOCK.findall(text):
-            obj = json_object(block)
-            call = _call(obj, None, {}) if obj is not None else None
-            if call is not None:
-                calls.append(call)
-    elif MISTRAL_TAG in text:
-        i = text.index(MISTRAL_TAG)
-        head, calls = text[:i], _call_sequence(text[i:].replace(MISTRAL_TAG, " "), None)
-    else:
-        body = text.strip()
-        tagged = body.startswith(PYTHON_TAG)
-        calls = _call_sequence(body[len(PYTHON_TAG):] if tagged else body,
-                               None if tagged else names)
-        if not calls and not tagged:
-            calls = _pythonic_calls(body, names)
-        head = ""
-    if not calls:
-        return text, []
-    return (head.rstrip() if head.strip() else None), calls if parallel else calls[:1]
-
-
-_DECODER = json.JSONDecoder()
-_NAMED = re.compile(r"([A-Za-z0-9_.\-]+)\s*(\[ARGS\])?\s*(?=\{)")
-"""Mistral's newer form, `name[ARGS]{...}` (`name{...}` once `[ARGS]` was skipped)."""
-_NAME_FIRST = re.compile(r'\[?\s*\{\s*"name"\s*:')
-
-
-def _call_sequence(text: str, names: set[str] | None) -> list[tuple[str, str]]:
-    """The calls `text` is made of, all or nothing: JSON call objects or lists of them, or
-    `name[ARGS]{...}`, separated by whitespace, `;` or `,`. `names`: the only names that count
-    (None: any, after a marker)."""
-    calls: list[tuple[str, str]] = []
-    pos, n = 0, len(text)
-    while True:
-        while pos < n and (text[pos].isspace() or text[pos] in ";,"):
-            pos += 1
-        if pos == n:
-            return calls
-        m = _NAMED.match(text, pos)
-        try:
-            if m and (m.group(2) or (names is not None and m.group(1) in names)):
-                args, pos = _DECODER.raw_decode(text, m.end())
-                objs = [{"name": m.group(1), "arguments": args}]
-            elif names is not None and not _NAME_FIRST.match(text, pos):
-                return []  # (unmarked: `"name"` first, as models write it, and a stream tells)
-            else:
-                value, pos = _DECODER.raw_decode(text, pos)
-                objs = value if isinstance(value, list) and value else [value]
-        except ValueError:  # (JSONDecodeError, or an int past Python's 4 300-digit limit)
-            return []
-        for obj in objs:
-            call = _call(obj, names, None) if isinstance(obj, dict) else None
-            if call is None:
-                return []
-            calls.append(call)
 
 
 def _call(obj: dict[str, Any], names: set[str] | None,
@@ -189,63 +120,389 @@ def json_object(text: str) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-_WORD = re.compile(r"[A-Za-z0-9_.\-]+")
-
-
-def may_begin_call(start: str, names: set[str]) -> bool:
-    """Whether an auto answer's text so far (less leading whitespace) may still begin a call
-    with no `<tool_call>` or `[TOOL_CALLS]` marker before it (what `_call_sequence` or
-    `_pythonic_calls` take with `names`): False only when it cannot, so the stream holds
-    nothing longer than needed and never sends as content what the whole answer calls."""
-    if any(t.startswith(start) or start.startswith(t) for t in (PYTHON_TAG, MISTRAL_TAG)):
-        return True
-    if _WORD.match(start):  # Mistral's `name{...}` or `name[ARGS]{...}`
-        return _may_name(start, names, ("{", ARGS_TAG))
-    s = start[1:].lstrip() if start.startswith("[") else start
-    if not s:
-        return True
-    if _WORD.match(s):  # Llama 3.2's `[name(...), ...]`
-        return _may_name(s, names, ("(",))
-    if s[0] != "{":
-        return False
-    s = s[1:].lstrip()
-    key = '"name"'
-    if not s.startswith(key):
-        return key.startswith(s)
-    s = s[len(key):].lstrip()
-    if s[:1] != ":":
-        return not s
-    s = s[1:].lstrip()
-    if s[:1] != '"':
-        return not s
-    s = s[1:]
-    j = s.find('"')
-    name = s if j < 0 else s[:j]
-    if "\\" in name:  # (escaped: told at the end)
-        return True
-    return any(n.startswith(name) for n in names) if j < 0 else name in names
-
-
-def _may_name(s: str, names: set[str], opens: tuple[str, ...]) -> bool:
-    """Whether `s`, which begins with a word, may begin a listed tool's name followed (after
-    any whitespace) by one of `opens`."""
-    m = _WORD.match(s)
-    word, rest = m.group(), s[m.end():]
-    if not rest:
-        return any(n.startswith(word) for n in names)
-    rest = rest.lstrip()
-    return word in names and (not rest or any(
-        rest.startswith(o) or o.startswith(rest) for o in opens))
-
-
-def content_end(text: str) -> int:
+def content_end(text: str, tags: tuple[str, ...] = (TOOL_OPEN, MISTRAL_TAG)) -> int:
     """How much of an unfinished auto answer's `text` is content for sure: all but a suffix
-    that may begin a `<tool_call>` or `[TOOL_CALLS]` and the whitespace before it (content
-    before a call ends without it)."""
+    that may begin one of `tags` (by default a `<tool_call>` or `[TOOL_CALLS]`; a marker kept
+    for the parser too, which the content leaves out whole) and the whitespace before it
+    (content before a call ends without it)."""
     hold = 0
-    for tag in (TOOL_OPEN, MISTRAL_TAG):
+    for tag in tags:
         for k in range(min(len(tag) - 1, len(text)), 0, -1):
             if tag.startswith(text[-k:]):
                 hold = max(hold, k)
                 break
-    return len(text[: len(text) - hold].rstrip())
+    return _rstripped(text, len(text) - hold)
+
+
+def _rstripped(text: str, end: int) -> int:
+    """`len(text[:end].rstrip())`, without copying a long text each delta."""
+    while end > 0 and text[end - 1].isspace():
+        end -= 1
+    return end
+
+
+# ------------------------------------------------------------------ reading as text comes
+_MORE, _FAIL = "more", "fail"
+"""What the start of a call says so far: the text ends before it tells; it is not a call."""
+_WORD = re.compile(r"[A-Za-z0-9_.\-]+")
+_SPACE = re.compile(r"\s*")
+_STRING = re.compile(r'"((?:[^"\\]|\\.)*)"')
+_OUTSIDE = re.compile(r'[{}\[\]"<]')
+_INSIDE = re.compile(r'["\\]')
+_ARGS_KEYS = ('"arguments"', '"parameters"')
+_Head = tuple[Any, ...]
+"""An item's start: ("open", name, where its arguments' `{` is) or ("whole", where the object
+to read whole begins), else _MORE or _FAIL."""
+
+
+class _Scan:
+    """Where a JSON object (or list) that opens at `pos` closes, each character read once
+    however the text arrives: brackets counted outside strings. `close` (a Hermes block's
+    `</tool_call>`) outside a string cuts it short, as the text's end does when it is the
+    last (`whole` stays False)."""
+
+    def __init__(self, pos: int, depth: int = 0, close: str | None = None) -> None:
+        self.pos, self.depth, self.close = pos, depth, close
+        self.in_string = self.whole = False
+
+    def run(self, text: str, finished: bool) -> int | None:
+        """Where it ends, or None: not yet (all before `pos` is its text)."""
+        while (m := (_INSIDE if self.in_string else _OUTSIDE).search(text, self.pos)):
+            c, i = m.group(), m.start()
+            if c == "\\":
+                if i + 1 == len(text):  # (the escaped character is to come)
+                    self.pos = i
+                    return len(text) if finished else None
+                self.pos = i + 2
+            elif c == '"':
+                self.in_string, self.pos = not self.in_string, i + 1
+            elif c == "<":
+                if self.close is not None and text.startswith(self.close, i):
+                    self.pos = i
+                    return i
+                if (self.close is not None and not finished and len(text) - i < len(self.close)
+                        and self.close.startswith(text[i:])):
+                    self.pos = i
+                    return None
+                self.pos = i + 1
+            else:
+                self.depth += 1 if c in "{[" else -1
+                self.pos = i + 1
+                if self.depth <= 0:
+                    self.whole = True
+                    return self.pos
+        self.pos = len(text)
+        return len(text) if finished else None
+
+
+def _ws(text: str, j: int) -> int:
+    return _SPACE.match(text, j).end()
+
+
+def _expect(text: str, j: int, parts: tuple[str | tuple[str, ...], ...]) -> tuple[int, str]:
+    """Reads `parts` (a tuple part: one of them) at `j`, whitespace before each: (where they
+    end, "ok"), else (where they stopped, _MORE when the text ends inside them, or "no")."""
+    for part in parts:
+        j = _ws(text, j)
+        choices = part if isinstance(part, tuple) else (part,)
+        hit = next((c for c in choices if text.startswith(c, j)), None)
+        if hit is None:
+            more = any(len(text) - j < len(c) and c.startswith(text[j:]) for c in choices)
+            return j, _MORE if more else "no"
+        j += len(hit)
+    return j, "ok"
+
+
+def _unquote(body: str) -> str | None:
+    try:
+        return json.loads(f'"{body}"')
+    except ValueError:
+        return None
+
+
+def _object_head(text: str, i: int, names: set[str] | None) -> _Head | str:
+    """An object at `i` as a call: "open" once `"name"` (a listed one, with `names`) and the
+    `{` of its arguments came; "whole" for another object, which is read whole (other keys
+    first, arguments as JSON text); with `names` a `"name"` not first or not listed fails."""
+    lax = ("whole", i) if names is None else _FAIL
+    j, got = _expect(text, i + 1, ('"name"', ":"))
+    if got != "ok":
+        return _MORE if got == _MORE else lax
+    j = _ws(text, j)
+    m = _STRING.match(text, j)
+    if m is None:
+        if text[j:j + 1] not in ("", '"'):
+            return lax
+        part = text[j + 1:]
+        listed = names is None or "\\" in part or any(n.startswith(part) for n in names)
+        return _MORE if listed else _FAIL
+    name = _unquote(m.group(1))
+    if name is None or (names is not None and name not in names):
+        return lax
+    j, got = _expect(text, m.end(), (",", _ARGS_KEYS, ":"))
+    j = _ws(text, j)
+    if got == _MORE or (got == "ok" and j == len(text)):
+        return _MORE
+    return ("open", name, j) if got == "ok" and text[j] == "{" else ("whole", i)
+
+
+def _named_head(text: str, i: int, names: set[str] | None) -> _Head | str:
+    """Mistral's `name[ARGS]{...}` at `i` (`name{...}` once `[ARGS]` was skipped), "open" at
+    its `{`: with `names` the name is a listed one, without (after a marker) `[ARGS]` came."""
+    word, j = (m := _WORD.match(text, i)).group(), m.end()
+    if j == len(text):
+        return _MORE if names is None or any(n.startswith(word) for n in names) else _FAIL
+    if names is not None and word not in names:
+        return _FAIL
+    j = _ws(text, j)
+    tagged = text.startswith(ARGS_TAG, j)
+    if tagged:
+        j = _ws(text, j + len(ARGS_TAG))
+    if j == len(text) or not tagged and len(text) - j < len(ARGS_TAG) and ARGS_TAG.startswith(
+            text[j:]):
+        return _MORE
+    return ("open", word, j) if text[j] == "{" and (tagged or names is not None) else _FAIL
+
+
+def _item_head(text: str, i: int, names: set[str] | None) -> _Head | str:
+    if text[i] == "{":
+        return _object_head(text, i, names)
+    return _named_head(text, i, names) if _WORD.match(text, i) else _FAIL
+
+
+def _pythonic_head(text: str, k: int, names: set[str]) -> str:
+    """Llama 3.2's `[name(...), ...]`, its first name at `k`: "pythonic", _MORE or _FAIL."""
+    word, j = (m := _WORD.match(text, k)).group(), m.end()
+    if j == len(text):
+        return _MORE if any(n.startswith(word) for n in names) else _FAIL
+    j = _ws(text, j)
+    if word not in names:
+        return _FAIL
+    return _MORE if j == len(text) else "pythonic" if text[j] == "(" else _FAIL
+
+
+def _next_item(text: str, j: int) -> int | None:
+    """Where the next call may begin at or after `j`, past what separates calls (whitespace,
+    `;`, `,`, list brackets, `[TOOL_CALLS]`); None: the text ends first (maybe in a marker)."""
+    n = len(text)
+    while j < n:
+        if text.startswith(MISTRAL_TAG, j):
+            j += len(MISTRAL_TAG)
+        elif n - j < len(MISTRAL_TAG) and MISTRAL_TAG.startswith(text[j:]):
+            return None
+        elif text[j].isspace() or text[j] in ";,[]":
+            j += 1
+        else:
+            return j
+    return None
+
+
+@dataclass
+class AutoReader:
+    """An auto answer read as it comes (whole: one `feed`, `finished`), so that a stream sends
+    what the whole answer has, in order: content, then calls, each named once it is certain
+    (its name whole, the `{` of its arguments come too) and its arguments as they arrive.
+
+    Calls begin at a `<tool_call>` (Hermes/Qwen blocks: a block that is not a call is left out)
+    or at a `[TOOL_CALLS]` (Mistral: JSON calls, lists of them, `name[ARGS]{...}`), content
+    before them; or the answer begins with them (listed names only): Llama-3 JSON calls, Mistral
+    forms whose markers were skipped, `<|python_tag|>` calls, Llama 3.2's pythonic list. Calls
+    that fail before the first is certain make the answer content; once one is, the text after
+    the last call is left out. Arguments are the text the model wrote: a call cut short keeps
+    what came (`whole` False). Arguments as JSON text or in another key order are sent whole
+    at the object's end, and pythonic calls (one Python expression, told at its end) at the
+    answer's: both are normalised (`_dumps`)."""
+
+    names: set[str]
+    parallel: bool = True
+    hold: tuple[str, ...] = (TOOL_OPEN, MISTRAL_TAG)  # what content holds the start of
+    text: str = ""
+    mode: str = "start"  # start, plain, content, items, hermes, pythonic, done
+    sent: int = 0  # content sent
+    pos: int = 0  # where reading goes on
+    within: set[str] | None = None  # the names calls may have (None: any, after a marker)
+    marked: bool = False  # items after `[TOOL_CALLS]`: if not calls, content
+    seeking: bool = False  # hermes: for the next `<tool_call>`
+    calls: list[list[Any]] = field(default_factory=list)  # [name, arguments, whole]
+    scan: _Scan | None = None
+    step: str = ""  # what `scan` reads: "args", "wrapper" (the call's object after), "object"
+    at: int = 0  # where the arguments or object `scan` reads begin
+    out: list[str] = field(default_factory=list)
+    events: list[tuple[int, str | None, str]] = field(default_factory=list)
+
+    def feed(self, delta: str, finished: bool) -> tuple[str, list[tuple[int, str | None, str]]]:
+        """(content, [(call index, name: its first piece, else None, arguments piece)])."""
+        self.text += delta
+        self.out, self.events = [], []
+        while getattr(self, "_" + self.mode)(finished):
+            pass
+        return "".join(self.out), self.events
+
+    @property
+    def whole(self) -> bool:
+        """Whether every call's arguments closed (none was cut short)."""
+        return all(c[2] for c in self.calls)
+
+    def _send(self, end: int) -> None:
+        if end > self.sent:
+            self.out.append(self.text[self.sent:end])
+            self.sent = end
+
+    def _start(self, finished: bool) -> bool:
+        """Only whitespace came: the answer may begin with calls, held until it tells."""
+        text = self.text
+        self.pos = s = _ws(text, self.pos)
+        if text.startswith(PYTHON_TAG, s):
+            return self._to_items(s + len(PYTHON_TAG), None, False)
+        k = _ws(text, s + 1) if text[s:s + 1] == "[" else s
+        if k == len(text) or len(text) - s < len(PYTHON_TAG) and PYTHON_TAG.startswith(text[s:]):
+            if finished:
+                self.mode = "plain"
+            return finished
+        if k > s and _WORD.match(text, k):
+            head = _pythonic_head(text, k, self.names)
+            if head == _MORE and not finished:
+                return False
+            self.mode = "pythonic" if head == "pythonic" else "plain"
+            return True
+        return self._to_items(s, self.names, False)
+
+    def _to_items(self, pos: int, within: set[str] | None, marked: bool) -> bool:
+        self.mode, self.pos, self.within, self.marked = "items", pos, within, marked
+        return True
+
+    def _plain(self, finished: bool) -> bool:
+        """Content, until a `<tool_call>` or `[TOOL_CALLS]` begins calls."""
+        text = self.text
+        hits = [(k, tag) for tag in (TOOL_OPEN, MISTRAL_TAG)
+                if (k := text.find(tag, self.sent)) >= 0]
+        if not hits:
+            return self._content(finished)
+        k, tag = min(hits)
+        self._send(_rstripped(text, k))
+        if tag == MISTRAL_TAG:
+            return self._to_items(k + len(tag), None, True)
+        self.mode, self.pos, self.marked = "hermes", k + len(tag), True
+        return True
+
+    def _content(self, finished: bool) -> bool:
+        self._send(len(self.text) if finished else content_end(self.text, self.hold))
+        return False
+
+    def _done(self, finished: bool) -> bool:
+        return False
+
+    def _pythonic(self, finished: bool) -> bool:
+        if not finished:
+            return False
+        calls = _pythonic_calls(self.text.strip(), self.names)
+        for name, args in calls[:None if self.parallel else 1]:
+            self._add(name, args, True)
+        self.mode = "done" if calls else "plain"
+        return True
+
+    def _items(self, finished: bool) -> bool:
+        """Calls one after another (`_next_item`)."""
+        if self.scan is not None:
+            return self._read(finished)
+        j = _next_item(self.text, self.pos)
+        if j is None:
+            return finished and self._end()
+        self.pos = j
+        head = _item_head(self.text, j, self.within)
+        return (head != _MORE or finished) and self._begin(head)
+
+    def _hermes(self, finished: bool) -> bool:
+        """`<tool_call>` blocks, one JSON call each; text around them is left out."""
+        if self.scan is not None:
+            return self._read(finished)
+        text = self.text
+        if self.seeking:
+            k = text.find(TOOL_OPEN, self.pos)
+            if k < 0:
+                self.pos = max(self.pos, len(text) - len(TOOL_OPEN) + 1)
+                return finished and self._end()
+            self.pos, self.seeking = k + len(TOOL_OPEN), False
+        self.pos = j = _ws(text, self.pos)
+        if j == len(text):
+            return finished and self._end()
+        head = _object_head(text, j, None) if text[j] == "{" else _FAIL
+        return (head != _MORE or finished) and self._begin(head)
+
+    def _begin(self, head: _Head | str) -> bool:
+        if head in (_MORE, _FAIL):
+            return self._fail()
+        close = TOOL_CLOSE if self.mode == "hermes" else None
+        if head[0] == "open":
+            self._add(head[1], "", False)
+            self.step, self.at = "args", head[2]
+        else:
+            self.step, self.at = "object", head[1]
+        self.scan = _Scan(self.at, close=close)
+        return True
+
+    def _add(self, name: str, args: str, whole: bool) -> None:
+        self.calls.append([name, args, whole])
+        self.events.append((len(self.calls) - 1, name, args))
+
+    def _read(self, finished: bool) -> bool:
+        """Goes on with what `scan` reads; a call's arguments are sent as they come."""
+        scan, text = self.scan, self.text
+        end = scan.run(text, finished)
+        if self.step == "args":
+            call, done = self.calls[-1], self.at + len(self.calls[-1][1])
+            upto = scan.pos if end is None else end
+            if upto > done:
+                call[1] += text[done:upto]
+                self.events.append((len(self.calls) - 1, None, text[done:upto]))
+            if end is None:
+                return False
+            call[2] = scan.whole
+            if scan.whole and text[self.pos] == "{":  # (the rest of its wrapper object)
+                self.scan, self.step = _Scan(end, 1, scan.close), "wrapper"
+                return True
+            return self._after(end)
+        if end is None:
+            return False
+        if self.step == "object":
+            obj = json_object(text[self.at:end])
+            call = _call(obj, self.within, {} if self.mode == "hermes" else None) if (
+                obj is not None) else None
+            if call is None:
+                self.pos = end
+                return self._fail()
+            self._add(*call, True)
+        return self._after(end)
+
+    def _after(self, end: int) -> bool:
+        """A call ended at `end`."""
+        self.scan, self.pos, self.seeking = None, end, True
+        if not self.parallel:
+            self.mode = "done"
+        return True
+
+    def _fail(self) -> bool:
+        """What was read is not a call: a Hermes block is left out, other calls end."""
+        self.scan = None
+        if self.mode == "hermes":
+            self.seeking = True
+            return True
+        return self._end()
+
+    def _end(self) -> bool:
+        """No more calls: with none, the answer is content (from the marker, or all of it)."""
+        self.mode = "done" if self.calls else "content" if self.marked else "plain"
+        return True
+
+
+def auto_calls(text: str, names: set[str], parallel: bool = True
+               ) -> tuple[str | None, list[tuple[str, str]], bool]:
+    """(content, [(name, arguments)], whether every call is whole) of a finished auto answer:
+    an `AutoReader` given it at once, so what a stream of it sends adds up to the same. Content
+    before calls ends without its whitespace (None if nothing else); with no call, the text
+    is content."""
+    reader = AutoReader(names, parallel)
+    content, _ = reader.feed(text, True)
+    if not reader.calls:
+        return text, [], True
+    return content or None, [(name, args) for name, args, _ in reader.calls], reader.whole

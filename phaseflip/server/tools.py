@@ -4,14 +4,16 @@ generate, and how its text becomes `tool_calls` (whole, or as stream deltas).
 Modes (`tool_choice`): "none" (tools are not shown), "auto" (shown; the text is parsed for the
 formats of `tool_parsers`: Hermes/Qwen `<tool_call>` blocks, Mistral `[TOOL_CALLS]` calls,
 Llama-3 JSON calls, Llama 3.2's pythonic `[f(x=1)]`; text with no marker is a call only when
-it is nothing but calls naming listed tools), "required" (the output is constrained to one
-`{"name": ..., "arguments": {...}}` object naming a listed tool) and a named function (the
-output is constrained to that tool's arguments object). The two constrained modes always
-parse. A chat template that knows tools gets them (`tools=`); any other gets a Hermes-style
-system prompt listing them.
+it begins with a call naming a listed tool, a pythonic list only when it is all calls),
+"required" (the output is constrained to one `{"name": ..., "arguments": {...}}` object
+naming a listed tool) and a named function (the output is constrained to that tool's
+arguments object). The two constrained modes always parse. A chat template that knows tools
+gets them (`tools=`); any other gets a Hermes-style system prompt listing them.
 
 Arguments are the generated JSON text itself, so a streamed call's argument fragments
-concatenate to exactly the arguments of the same call answered whole.
+concatenate to exactly the arguments of the same call answered whole. Under "auto" a stream
+names a call once it is certain and sends its arguments as they come (`AutoReader`); Llama
+3.2's pythonic calls, one expression read at its end, come whole at the end.
 """
 
 from __future__ import annotations
@@ -26,17 +28,17 @@ from typing import Any
 from phaseflip.errors import InvalidRequestError
 from phaseflip.sampling.grammar import GrammarSpec
 from phaseflip.server import protocol as p
-from phaseflip.server.token_text import TokenText
+from phaseflip.server.token_text import SpecialStripper, TokenText
 from phaseflip.server.tool_parsers import (
+    ARGS_TAG,
     HEADER,
     MISTRAL_TAG,
     PARSER_MARKERS,
     TOOL_CLOSE,
     TOOL_OPEN,
+    AutoReader,
     auto_calls,
-    content_end,
     json_object,
-    may_begin_call,
     split_required,
 )
 
@@ -71,25 +73,28 @@ class ToolPlan:
     def finish_reason(self, reason: str | None, called: bool, text: str) -> str | None:
         """An answer that called tools and ended by itself finishes with "tool_calls", except
         under a named tool_choice, where OpenAI (and vLLM after it) says "stop": clients
-        that branch on the reason see what they would from OpenAI. A required call cut short
-        by a user stop string (its `text` not a whole call) says "stop": a client told
-        "tool_calls" would run arguments that are not whole."""
+        that branch on the reason see what they would from OpenAI. A call cut short by a user
+        stop string (its arguments not whole, the `text` of required not a whole call) says
+        "stop": a client told "tool_calls" would run arguments that are not whole."""
         if self.mode == "named" or reason != "stop" or not called:
             return reason
-        whole = self.mode != "required" or json_object(text) is not None
+        if self.mode == "auto":
+            whole = auto_calls(text, self.names, self.parallel)[2]
+        else:
+            whole = json_object(text) is not None
         return "tool_calls" if whole else reason
 
-    def parser_text(self, text: str, token_ids: list[int]) -> str:
-        """A delta's text as the parser reads it: with `specials`, less the special tokens of
-        `token_ids` but the parser's markers (the engine decodes with all or none), so it is
-        what `skip_special_tokens` gives plus the markers."""
-        tt = self.specials
-        if tt is None:
-            return text
-        for t in token_ids:
-            if t in tt.special and (spelling := tt.spell(t)) not in PARSER_MARKERS:
-                text = text.replace(spelling, "", 1)
-        return text
+    def stripper(self) -> SpecialStripper | None:
+        """One choice's text as the parser reads it: with `specials`, less the special tokens
+        but the parser's markers (the engine decodes with all or none), so it is what
+        `skip_special_tokens` gives plus the markers; None: the text as it comes."""
+        return None if self.specials is None else SpecialStripper(self.specials, PARSER_MARKERS)
+
+    @property
+    def content_tags(self) -> tuple[str, ...]:
+        """What streamed content holds back the start of: a call's marker, and with
+        `specials` every marker `shown` takes out (one split over deltas stays whole)."""
+        return (TOOL_OPEN, MISTRAL_TAG, *((ARGS_TAG,) if self.specials else ()))
 
     def shown(self, content: str | None) -> str | None:
         """`content` as the request asked for it: with `specials`, without the markers that
@@ -107,7 +112,7 @@ def keep_specials(plan: ToolPlan | None, token_text: TokenText) -> bool:
     it turned `Sure. [TOOL_CALLS][{"name": ...}]` into `Sure. [{"name": ...}]`, content,
     since only text that is nothing but calls is a call without a marker (vLLM keeps them
     too). The plan (its `specials` set) then reads the text without the others and sends
-    content without the markers (`parser_text`, `shown`)."""
+    content without the markers (`stripper`, `shown`)."""
     if plan is None or plan.mode != "auto":
         return False
     marker = token_text.tokenizer.convert_tokens_to_ids(MISTRAL_TAG)  # (else unk, or None)
@@ -294,7 +299,7 @@ def parse_output(plan: ToolPlan, text: str) -> tuple[str | None, list[tuple[str,
         call = split_required(text)
         return None, [call] if call else []
     if plan.mode == "auto":
-        content, calls = auto_calls(text, plan.names, plan.parallel)
+        content, calls, _ = auto_calls(text, plan.names, plan.parallel)
         content = plan.shown(content)
         return (content or None) if calls else content, calls
     return text, []
@@ -307,23 +312,31 @@ def tool_calls(calls: list[tuple[str, str]]) -> list[p.ToolCall]:
 
 @dataclass
 class ToolStreamer:
-    """Turns one choice's streamed text into content and tool-call deltas."""
+    """Turns one choice's streamed text into content and tool-call deltas: a call's first delta
+    names it (`index`, `id`, `type`, `function.name`, the arguments so far), the next ones
+    carry `index` and the fragments of its arguments as they come (`AutoReader` tells when
+    a call is certain; pythonic calls come whole at the end)."""
 
     plan: ToolPlan
     text: str = ""
-    sent: int = 0  # named/required: argument characters sent; auto: content characters sent
+    sent: int = 0  # named/required: argument characters sent
     opened: bool = False  # the call's first delta (id, name) went out
-    buffering: bool = False  # auto: a tool call began; the rest is parsed at the end
-    plain: bool = False  # auto: the text does not begin with an unmarked call
-    calls: list[tuple[str, str]] = field(default_factory=list)
+    calls: list = field(default_factory=list)  # [name, arguments so far, ...] per call
+    reader: AutoReader | None = None
+
+    def __post_init__(self) -> None:
+        if self.plan.mode == "auto":
+            self.reader = AutoReader(self.plan.names, self.plan.parallel, self.plan.content_tags)
+            self.calls = self.reader.calls
 
     def feed(self, delta: str, finished: bool) -> tuple[str | None, list[p.DeltaToolCall]]:
         """(content to send, tool-call deltas to send) after `delta`; `finished`: last one."""
         self.text += delta
         if self.plan.mode in ("named", "required"):
             return None, self._constrained(finished)
-        if self.plan.mode == "auto":
-            return self._auto(finished)
+        if self.reader is not None:
+            content, events = self.reader.feed(delta, finished)
+            return self.plan.shown(content) or None, _call_deltas(events)
         return delta or None, []
 
     def _constrained(self, finished: bool) -> list[p.DeltaToolCall]:
@@ -354,25 +367,18 @@ class ToolStreamer:
             self.sent = len(args)
         return out
 
-    def _auto(self, finished: bool) -> tuple[str | None, list[p.DeltaToolCall]]:
-        text = self.text
-        if not self.buffering:
-            if TOOL_OPEN in text or MISTRAL_TAG in text:
-                self.buffering = True
-            # (a prefix decides; a cut one can only hold longer: the text is told at the end)
-            elif not self.plain and not may_begin_call(text[:4096].lstrip(), self.plan.names):
-                self.plain = True  # (no unmarked call at the start: content, up to a marker)
-        if not self.buffering and self.plain:
-            end = len(text) if finished else content_end(text)
-            end = max(self.sent, end)
-            out, self.sent = text[self.sent:end], end
-            return self.plan.shown(out) or None, []
-        if not finished:
-            return None, []
-        content, calls = auto_calls(text, self.plan.names, self.plan.parallel)
-        out, self.sent = (content or "")[self.sent:], len(text)
-        self.calls = calls
-        deltas = [p.DeltaToolCall(index=i, id=new_call_id(), type="function",
-                                  function=p.DeltaFunctionCall(name=n, arguments=a))
-                  for i, (n, a) in enumerate(calls)]
-        return self.plan.shown(out) or None, deltas
+
+def _call_deltas(events: list[tuple[int, str | None, str]]) -> list[p.DeltaToolCall]:
+    """`AutoReader` events as deltas: one opening each call (with a new id), the argument
+    pieces that follow it in the same feed joined to the delta before them."""
+    out: list[p.DeltaToolCall] = []
+    for index, name, piece in events:
+        if name is not None:
+            out.append(p.DeltaToolCall(index=index, id=new_call_id(), type="function",
+                                       function=p.DeltaFunctionCall(name=name, arguments=piece)))
+        elif out and out[-1].index == index:
+            out[-1].function.arguments += piece
+        elif piece:
+            out.append(p.DeltaToolCall(index=index, function=p.DeltaFunctionCall(
+                arguments=piece)))
+    return out
