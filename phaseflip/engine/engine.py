@@ -9,7 +9,6 @@ import itertools
 import logging
 import multiprocessing
 import queue
-import re
 import signal
 import threading
 import weakref
@@ -28,10 +27,10 @@ from phaseflip.model.config import ModelConfig
 from phaseflip.model.loader import load_tokenizer
 from phaseflip.model.resolve import resolve_model
 from phaseflip.sampling.params import SamplingParams
+from phaseflip.sampling.surrogates import find_lone_surrogate, lone_surrogate_problem
 from phaseflip.scheduler.scheduler import longest_output_first
 
 Prompt = str | list[int]
-_SURROGATE = re.compile("[\ud800-\udfff]")
 log = logging.getLogger(__name__)
 
 
@@ -218,12 +217,10 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty", param="prompt")
-            bad = _SURROGATE.search(prompt)  # (what a tokenizer cannot encode: a TypeError)
+            bad = find_lone_surrogate(prompt)  # (what a tokenizer cannot encode: a TypeError)
             if bad is not None:
                 raise InvalidRequestError(
-                    f"the prompt contains a lone surrogate "
-                    f"({bad.group().encode('unicode_escape').decode()}) at character "
-                    f"{bad.start()}; text must be valid Unicode", "prompt")
+                    f"the prompt {lone_surrogate_problem(prompt, bad)}", "prompt")
             return self.tokenizer.encode(prompt)
         if not isinstance(prompt, list | tuple):
             raise InvalidRequestError("a prompt is a string or a list of token ids", "prompt")

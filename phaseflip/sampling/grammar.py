@@ -158,12 +158,18 @@ def problem_text(e: Exception) -> str:
 
 def trial(spec: GrammarSpec, compiler) -> str | None:
     """What is wrong with `spec` (None: nothing): built, and compiled with `compiler` unless
-    None (a trial child's work, `grammar_worker`; the check's, without a compiler)."""
+    None (a trial child's work, `grammar_worker`; the check's, without a compiler). Raises
+    `MemoryError` when an allocation failed: the memory's fault, not the text's, so not a
+    problem to tell (or cache) as the grammar's; a trial child dies of it."""
     try:
         grammar = _build(spec)
         if compiler is not None:
             compiler.compile_grammar(grammar)
+    except MemoryError:
+        raise
     except Exception as e:  # noqa: BLE001 — xgrammar raises RuntimeError/ValueError freely
+        if isinstance(e, RuntimeError) and _clean(e) == "std::bad_alloc":  # (C++'s, as
+            raise MemoryError(_clean(e)) from None  # xgrammar passes it on)
         return problem_text(e)
     return None
 

@@ -18,6 +18,13 @@ between trials (its start, importing xgrammar and torch, takes seconds); a kille
 replaced at the next trial. Children die with the thread that started them (Linux's parent
 death signal), so one thread of the `GrammarProbes` starts them all and lives until it closes:
 the process ending, however it ends, takes its children with it.
+
+A child's memory is bounded too (RLIMIT_DATA, set once it has started): a grammar whose
+compile would take the host's RAM before the budget runs out fails an allocation instead, and
+its request gets the same 400 as one past the budget. The limit is headroom over what the
+started child holds (xgrammar, torch and the vocabulary: ~0.2 GiB on the CPU, more where
+torch is a CUDA build), and counts the heap and anonymous mappings but not the shared
+libraries' code, which RLIMIT_AS would.
 """
 
 from __future__ import annotations
@@ -47,14 +54,20 @@ COMPILE_BUDGET_S = 30.0
 """Longest a grammar's trial (build and compile) may take before its request gets a 400: a
 real schema compiles in milliseconds; one that needs more than this is a mistake or an
 attack, and would hold a compile thread as long again when compiled for use."""
+TRIAL_MEMORY_BYTES = 4 * 2**30
+"""Most memory a grammar's trial may take on top of what its started child holds: a large
+real schema takes tens of MB (1 500 optional properties, a 32k vocabulary: 50 MB)."""
 START_TIMEOUT_S = 300.0  # a child that has not imported xgrammar by then is stuck: a 400
 _POLL_S = 0.05  # how often a waiting trial looks whether it is still wanted
 _OUTCOMES = 256  # finished trials remembered per `GrammarProbes` (LRU)
 _PR_SET_PDEATHSIG = 1
+_OUT_OF_MEMORY_EXIT = 3  # a child's exit code when a trial ran out of its memory
+_SIMPLER = "(fewer optional properties or alternatives, smaller repetition counts)"
 
 
 class GrammarTooComplexError(InvalidRequestError):
-    """A grammar whose build and compile outlasted the budget (its trial was killed)."""
+    """A grammar whose build and compile outlasted the budget or the memory limit (its
+    trial was killed, or its child ran out of memory or died)."""
 
 
 class CompileCancelled(Exception):  # noqa: N818 — a stop, not a failure
@@ -70,15 +83,17 @@ class _Child:
     alone closes the pipe (`close`); any thread may kill the process (`stop`), which the
     user sees as the pipe's end (a pipe closed under it could be another's by then)."""
 
-    def __init__(self) -> None:
+    def __init__(self, memory_bytes: int) -> None:
         """A fresh interpreter (a fork of a threaded CUDA process is not safe; multiprocessing's
         spawn would run the parent's main script again, unguarded in user scripts)."""
         ours, theirs = socket.socketpair()
         root = str(Path(__file__).resolve().parents[2])  # where `phaseflip` is imported from
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        self.memory_bytes = memory_bytes
         with theirs:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(theirs.fileno()), str(os.getpid())],
+                [sys.executable, "-m", __name__, str(theirs.fileno()), str(os.getpid()),
+                 str(memory_bytes)],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                 env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"})
         self.conn = Connection(ours.detach())
@@ -128,16 +143,23 @@ class _Child:
                     self.stop()
                     raise GrammarTooComplexError(
                         f"grammar too complex to compile within {budget_s:g} s: simplify the "
-                        f"{spec.kind} (fewer optional properties or alternatives, smaller "
-                        f"repetition counts)", param)
+                        f"{spec.kind} {_SIMPLER}", param)
             return self.conn.recv()
         except (EOFError, OSError):
             self.stop()
             if cancelled():
                 raise CompileCancelled from None
-            raise InvalidRequestError(
-                f"invalid {spec.kind}: compiling it ended the compile process (exit code "
-                f"{self.proc.returncode}): simplify it", param) from None
+            raise self._died(spec, param) from None
+
+    def _died(self, spec: GrammarSpec, param: str) -> GrammarTooComplexError:
+        """The 400 of a trial that ended its child: out of its memory (an allocation failed),
+        or killed by the system (the OOM killer) or crashed, which is told by the exit code."""
+        code = self.proc.returncode
+        how = "" if code == _OUT_OF_MEMORY_EXIT else (
+            f" (compiling it ended the compile process, exit code {code})")
+        return GrammarTooComplexError(
+            f"grammar too complex to compile within {_size(self.memory_bytes)} of memory"
+            f"{how}: simplify the {spec.kind} {_SIMPLER}", param)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -152,17 +174,25 @@ class _Child:
         self.conn.close()
 
 
+def _size(n: int) -> str:
+    """`n` bytes as the error words it: 4 GiB, 16 MiB."""
+    return f"{n / 2**30:g} GiB" if n >= 2**30 else f"{n / 2**20:g} MiB"
+
+
 class GrammarProbes:
     """Trial runs of grammars in at most `processes` children (started when first needed),
-    each within `budget_s`. `tokenizer_json`: what the children compile against
-    (`TokenizerInfo.serialize_json`), asked for once per child; None: they build only (the
-    front end's check). Thread-safe: each trial takes a child of its own."""
+    each within `budget_s` and `memory_bytes` (over what the started child holds).
+    `tokenizer_json`: what the children compile against (`TokenizerInfo.serialize_json`),
+    asked for once per child; None: they build only (the front end's check). Thread-safe:
+    each trial takes a child of its own."""
 
     def __init__(self, budget_s: float = COMPILE_BUDGET_S, processes: int = 2,
-                 tokenizer_json: Callable[[], str | None] | None = None) -> None:
-        if budget_s <= 0 or processes < 1:
-            raise ValueError("GrammarProbes needs budget_s > 0 and processes >= 1")
-        self.budget_s, self.processes = budget_s, processes
+                 tokenizer_json: Callable[[], str | None] | None = None,
+                 memory_bytes: int = TRIAL_MEMORY_BYTES) -> None:
+        if budget_s <= 0 or processes < 1 or memory_bytes <= 0:
+            raise ValueError("GrammarProbes needs budget_s > 0, processes >= 1 and "
+                             "memory_bytes > 0")
+        self.budget_s, self.processes, self.memory_bytes = budget_s, processes, memory_bytes
         self._tokenizer_json = tokenizer_json or (lambda: None)
         self._lock = threading.Condition()
         self._idle: list[_Child] = []
@@ -242,7 +272,7 @@ class GrammarProbes:
         """A new child, started by the starter thread, outside the lock (a start takes a
         while); `CompileCancelled` if the probes closed meanwhile."""
         try:
-            child = self._starter.submit(_Child).result()
+            child = self._starter.submit(_Child, self.memory_bytes).result()
         except RuntimeError:  # (the starter is shut down: closed)
             raise CompileCancelled from None
         except OSError as e:
@@ -275,9 +305,11 @@ class GrammarProbes:
 # ------------------------------------------------------------------ the child
 
 
-def _serve(conn: Connection, parent_pid: int) -> None:
+def _serve(conn: Connection, parent_pid: int, memory_bytes: int) -> None:
     """A child's life: dies with its parent, imports xgrammar (while the parent reads its
-    vocabulary), takes its tokenizer, then answers each spec with its problem or None."""
+    vocabulary), takes its tokenizer, bounds its memory, then answers each spec with its
+    problem or None; a trial out of memory ends it (`_OUT_OF_MEMORY_EXIT`: answering could
+    need memory, and a restart gives the next trial a clean heap)."""
     _die_with_parent(parent_pid)
     from phaseflip.sampling import grammar  # (not above: grammar imports this module)
 
@@ -286,13 +318,37 @@ def _serve(conn: Connection, parent_pid: int) -> None:
     except Exception as e:  # noqa: BLE001 — told to the parent, which refuses the request
         conn.send(grammar.problem_text(e))
         return
+    _limit_memory(memory_bytes)
     conn.send(None)
     while True:
         try:
             spec = conn.recv()
         except EOFError:  # the parent closed its end: nothing more to do
             return
-        conn.send(grammar.trial(spec, compiler))
+        try:
+            problem = grammar.trial(spec, compiler)
+        except MemoryError:
+            os._exit(_OUT_OF_MEMORY_EXIT)
+        conn.send(problem)
+
+
+def _limit_memory(headroom: int) -> None:
+    """Lets this process's heap and anonymous mappings (RLIMIT_DATA, Linux 4.7 on) grow by
+    `headroom` bytes at most, so a compile fails an allocation before it takes the host's
+    RAM; a no-op where there is no /proc (there RLIMIT_DATA leaves mmap unbounded)."""
+    import resource
+
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return
+    held = next((int(line.split()[1]) * 1024 for line in status.splitlines()
+                 if line.startswith("VmData:")), None)
+    if held is None:
+        return
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    soft = held + headroom if hard == resource.RLIM_INFINITY else min(held + headroom, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -304,5 +360,5 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-if __name__ == "__main__":  # a child: python -m phaseflip.sampling.grammar_worker FD PARENT_PID
-    _serve(Connection(int(sys.argv[1])), int(sys.argv[2]))
+if __name__ == "__main__":  # a child: python -m ...grammar_worker FD PARENT_PID MEMORY_BYTES
+    _serve(Connection(int(sys.argv[1])), int(sys.argv[2]), int(sys.argv[3]))

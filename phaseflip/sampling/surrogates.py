@@ -9,15 +9,37 @@ surrogate, so taking them out of every class changes nothing a client can see bu
 `without_surrogates` rewrites a grammar as xgrammar prints it: each character class loses the
 range, and the regexes of `Regex("...")` macros (a JSON schema's `pattern`s, compiled from
 the printed text) lose it from `.`, `\\S`, `\\W`, `\\D` and their classes.
+
+`find_lone_surrogate` and `lone_surrogate_problem` are the one check of input text for them
+(a JSON "\\ud800" or undecodable input makes one; no tokenizer encodes it), shared by the
+HTTP request models and the offline `Engine.encode`, which must not import the server layer.
 """
 
 from __future__ import annotations
 
+import re
+
 SURROGATES = (0xD800, 0xDFFF)
+_LONE = re.compile("[\ud800-\udfff]")
 _SUR = "\\ud800-\\udfff"  # the range as the grammar and the regex syntax both write it
 _ESCAPES = {"0": 0, "a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, "e": 27}
 _HEX_DIGITS = {"x": 2, "u": 4, "U": 8}
 _NEGATED = "SWD"  # regex escapes that match a surrogate (\s, \w, \d do not)
+
+
+def find_lone_surrogate(text: str) -> int | None:
+    """Index of the first surrogate code point in `text`, or None: a `str` may hold one, but
+    it is not Unicode text (UTF-8 cannot encode it, a tokenizer raises a TypeError)."""
+    found = None if text.isascii() else _LONE.search(text)
+    return None if found is None else found.start()
+
+
+def lone_surrogate_problem(text: str, index: int) -> str:
+    """What is wrong with `text`, whose `find_lone_surrogate` is `index`: the words every
+    caller answers with, after its own subject ("the prompt", a field path)."""
+    escaped = text[index].encode("unicode_escape").decode()
+    return (f"contains a lone surrogate ({escaped}) at character {index}; "
+            "text must be valid Unicode")
 
 
 def _char(text: str, i: int) -> tuple[int, int]:

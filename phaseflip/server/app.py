@@ -210,17 +210,27 @@ def _responses_routes(app: FastAPI, ctx: ServerContext) -> None:
 
 def _admin_routes(app: FastAPI, ctx: ServerContext) -> None:
     """What operators change: the prefix cache, the layout, requests in flight."""
+    _flush_route(app, ctx)
+    _flip_route(app, ctx)
+    _abort_route(app, ctx)
 
+
+def _flip_busy(busy: str) -> JSONResponse:
+    """The 409 of a call that cannot run while a flip's seam does (the engine answers
+    nothing until it ends, up to --flip-timeout-s)."""
+    return _error(409, f"a flip to {busy} is in progress; retry once it has ended "
+                       "(/server_info says flip_in_progress until then)",
+                  "invalid_request_error", code="flip_in_progress")
+
+
+def _flush_route(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/flush_cache", responses=ok(FreedTokens))
     @app.get("/flush_cache", include_in_schema=False)  # (as SGLang's)
     async def flush_cache() -> Response:
         """Drops the device prefix cache; 400 while requests run, 409 while a flip runs."""
         if (busy := ctx.flip_in_progress) is not None:
-            # the engine answers nothing until its seam ends (up to --flip-timeout-s): this
-            # call waited it out, or 500 "TimeoutError" after 30 s
-            return _error(409, f"a flip to {busy} is in progress; retry once it has ended "
-                               "(/server_info says flip_in_progress until then)",
-                          "invalid_request_error", code="flip_in_progress")
+            # (without it this call would wait the seam out, or 500 "TimeoutError" after 30 s)
+            return _flip_busy(busy)
         timeout_s = server_context.INFO_TIMEOUT_S  # (answered between two steps, as "info")
         try:
             reply = await ctx.engine.control("flush_cache", timeout_s=timeout_s)
@@ -232,14 +242,14 @@ def _admin_routes(app: FastAPI, ctx: ServerContext) -> None:
             return _error(400, reply.message, "invalid_request_error")
         return JSONResponse({"freed_tokens": reply.data["freed_tokens"]})
 
+
+def _flip_route(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/admin/flip", responses=ok({"type": "object"}))
     async def admin_flip(req: p.FlipRequest) -> Response:
         """Re-lays the engine's ranks out between two steps; answers with the seam census."""
         target = f"tp{req.tp_size}×pp{req.pp_size}"
         if (busy := ctx.flip_in_progress) is not None:
-            return _error(409, f"a flip to {busy} is in progress; retry once it has ended "
-                               "(/server_info says flip_in_progress until then)",
-                          "invalid_request_error", code="flip_in_progress")
+            return _flip_busy(busy)
         ctx.flipping_to = target
         try:
             call = await ctx.engine.send_control("flip", {"tp_size": req.tp_size,
@@ -261,8 +271,10 @@ def _admin_routes(app: FastAPI, ctx: ServerContext) -> None:
             return _error(400, reply.message, "invalid_request_error", reply.param)
         return JSONResponse(reply.data)
 
+
+def _abort_route(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/abort_request", response_model=None, responses=ok(Aborted))
-    async def abort_request(req: p.AbortRequest) -> dict:
+    async def abort_request(req: p.AbortRequest) -> dict | Response:
         rids = list(ctx.engine.state.in_flight) if req.abort_all else ctx.engine.matching(
             req.rid)
         if not rids and not req.abort_all:
@@ -274,7 +286,6 @@ def _admin_routes(app: FastAPI, ctx: ServerContext) -> None:
             ctx.abort_asked.add(rid)
             await ctx.engine.abort(rid)
         return {"rid": req.rid, "aborted": rids}
-
 
 
 def _info_routes(app: FastAPI, ctx: ServerContext) -> None:
