@@ -185,6 +185,8 @@ def config_from_args(args: argparse.Namespace, cls: type = EngineConfig):
 
     names = (cls.field_names() if cls is EngineConfig else
              [f.name for f in dataclasses.fields(cls)])
+    if cls is EngineConfig:
+        _init_addr_from_env(args)
     cfg = cls(**{name: getattr(args, name) for name in names})
     if not isinstance(cfg, EngineConfig):
         return cfg
@@ -194,6 +196,14 @@ def config_from_args(args: argparse.Namespace, cls: type = EngineConfig):
             "--revision %s is ignored: --model %s is a local directory (a revision picks a "
             "snapshot of a Hugging Face id in the local cache)", cfg.revision, cfg.model)
     return resolve_model(cfg)
+
+
+def _init_addr_from_env(args: argparse.Namespace) -> None:
+    """--dist-init-addr from MASTER_ADDR and MASTER_PORT, the standard names (torchrun, SLURM
+    scripts) of node 0's rendezvous, when the ranks span nodes and the flag is not given."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if args.dist_init_addr is None and args.nnodes > 1 and host and port:
+        args.dist_init_addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _setup_logging(level: str) -> None:

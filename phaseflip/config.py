@@ -375,7 +375,8 @@ class EngineConfig:
             raise bad("enable_hicache", "needs every rank on one host (the host tier is shared "
                       "memory of the node); use --nnodes 1 or turn HiCache off")
         if self.nnodes > 1 and not self.dist_init_addr:
-            raise bad("dist_init_addr", "is required with --nnodes > 1 (host:port of node 0)")
+            raise bad("dist_init_addr", "is required with --nnodes > 1 (host:port of node 0; "
+                      "or MASTER_ADDR and MASTER_PORT in the environment)")
         self._check_flip_policy(bad)
 
     def _check_types(self, bad: Callable[[str, str], InvalidRequestError]) -> None:

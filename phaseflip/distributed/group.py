@@ -28,6 +28,12 @@ import torch
 import torch.distributed as dist
 
 from phaseflip.config import EngineConfig
+from phaseflip.distributed.rendezvous import (
+    GroupFormationError,
+    NodeCheckIns,
+    agreed_flags,
+    split_addr,
+)
 from phaseflip.distributed.symm_allreduce import (
     SymmBuffer,
     SymmSetup,
@@ -74,17 +80,26 @@ class DistSpec:
     # host-staged hand-offs within a node through shared-memory pipes (False: the
     # point-to-point path NCCL takes, forced on gloo by NO_STAGE_PIPES_ENV for its tests)
     stage_pipes: bool = True
+    # what every node must have in common, checked in with rank 0 (`rendezvous.py`)
+    agreement: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, model_cfg: ModelConfig) -> DistSpec:
         addr = cfg.dist_init_addr or f"127.0.0.1:{free_port()}"
+        split_addr(addr)  # a malformed --dist-init-addr is named before any rank starts
         per_node = cfg.world_size // cfg.nnodes
-        return cls(cfg.world_size, cfg.tp_size, cfg.pp_size, addr, dist_backend(cfg),
+        backend = dist_backend(cfg)
+        return cls(cfg.world_size, cfg.tp_size, cfg.pp_size, addr, backend,
                    cfg.dist_timeout_s, per_node, cfg.node_rank,
                    layouts=runnable_layouts(cfg, model_cfg), all_reduce=cfg.all_reduce,
                    device=cfg.device,
                    all_reduce_max_bytes=cfg.all_reduce_max_kib << 10,
-                   stage_pipes=not os.environ.get(NO_STAGE_PIPES_ENV))
+                   stage_pipes=not os.environ.get(NO_STAGE_PIPES_ENV),
+                   agreement=agreed_flags(cfg, model_cfg, backend) if cfg.nnodes > 1 else ())
+
+    @property
+    def nnodes(self) -> int:
+        return self.world_size // self.ranks_per_node
 
     def with_layout(self, tp_size: int, pp_size: int) -> DistSpec:
         return dataclasses.replace(self, tp_size=tp_size, pp_size=pp_size)
@@ -209,10 +224,6 @@ class Fabric:
                           symm, self.logits.get((tp_size, pp_size)))
 
 
-class GroupFormationError(RuntimeError):
-    """The rank group did not form: a rank died while joining, or missed the deadline."""
-
-
 JOIN_KEY = "phaseflip/joined/"
 # A live rank may take long to arrive (a loaded host importing torch, another node started by
 # hand): it is waited for at least this long; a local rank that dies is named at once.
@@ -230,11 +241,13 @@ def join(rank: int, spec: DistSpec,
     the group, asking `peers_failed` (its local workers that exited) every 0.1 s: a rank that
     dies while joining is a named `GroupFormationError` at once, not a store timeout minutes
     later; a live rank that never arrives is one after --dist-timeout-s (at least
-    JOIN_FLOOR_S), naming who is missing."""
-    host, port = spec.init_addr.rsplit(":", 1)
+    JOIN_FLOOR_S), naming who is missing. With --nnodes > 1 it also answers each other
+    node's check-in (`rendezvous.NodeCheckIns`): a node started with other flags is a
+    named `GroupFormationError` on both sides before any of its ranks starts."""
+    host, port = split_addr(spec.init_addr)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
     timeout = datetime.timedelta(seconds=spec.timeout_s)
-    store = dist.TCPStore(host, int(port), spec.world_size, is_master=rank == 0,
+    store = dist.TCPStore(host, port, spec.world_size, is_master=rank == 0,
                           timeout=timeout, wait_for_workers=False)
     store.set(f"{JOIN_KEY}{rank}", "1")
     if rank == 0:
@@ -323,9 +336,18 @@ def logits_groups(rank: int, spec: DistSpec, timeout: datetime.timedelta
 def _await_ranks(store: dist.Store, spec: DistSpec,
                  peers_failed: Callable[[], list[str]]) -> None:
     wait_s = max(spec.timeout_s, JOIN_FLOOR_S)
-    deadline = time.monotonic() + wait_s
+    start = time.monotonic()
+    deadline, said = start + wait_s, False
     keys = [f"{JOIN_KEY}{r}" for r in range(spec.world_size)]
+    check_ins = NodeCheckIns(store, spec.nnodes, spec.agreement, spec.init_addr)
     while not store.check(keys):
+        check_ins.poll()
+        if not said and spec.nnodes > 1 and time.monotonic() - start > 2:
+            said = True  # an operator starting node k by hand wants to know who is awaited
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            log.info("rank 0: waiting for ranks %s of %d nodes at %s (`phaseflip serve "
+                     "--node-rank k` with the same flags), up to %g s", missing,
+                     spec.nnodes, spec.init_addr, wait_s)
         failed = peers_failed()
         late = time.monotonic() > deadline
         if failed or late:

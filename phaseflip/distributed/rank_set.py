@@ -25,6 +25,7 @@ from phaseflip.cache.hicache.frames import HostFrames
 from phaseflip.config import EngineConfig
 from phaseflip.distributed.group import DistSpec, check_layouts
 from phaseflip.distributed.plan_channel import plan_channel
+from phaseflip.distributed.rendezvous import NodeJoinError, NodeLink, RemoteNodes
 from phaseflip.distributed.spawner import start_rank
 from phaseflip.distributed.worker import (
     KV_ARENA_WEIGHTS,
@@ -62,6 +63,7 @@ class RankSet:
         self.spec, self.hicache_frames = spec, hicache_frames
         self.closed = False
         self.serving = False  # set once the launch layout is built
+        self.remote: RemoteNodes | None = None  # the other nodes' beats, once the group formed
         self.run_dir = tempfile.mkdtemp(prefix="phaseflip-ranks-")
         self.workers = [
             start_rank(worker_main, (r, spec, cfg, self.run_dir, os.getpid()),
@@ -73,6 +75,8 @@ class RankSet:
             self.rank0 = RankProcess(0, spec, self.run_dir, None, hicache_frames, weight_image,
                                      peers_failed=self.exited_workers)
             self.plans = plan_channel(0, spec.world_size, spec.ranks_per_node, self.plan_group)
+            # the other nodes' beats: a node that dies while the server idles is noticed
+            self.remote = RemoteNodes(spec.init_addr, spec.nnodes) if spec.nnodes > 1 else None
         except BaseException:
             self._terminate()  # none of them may outlive a group that did not form
             shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -154,8 +158,11 @@ class RankSet:
         return type(err)(f"{err}\n  dead ranks: {', '.join(dead)}") if dead else err
 
     def exited_workers(self) -> list[str]:
-        return [f"{w.name} (exit code {w.exitcode})" for w in self.workers
-                if w.exitcode is not None]
+        """This node's workers that exited, then each other node whose ranks exited or whose
+        `serve --node-rank k` stopped beating (`rendezvous.RemoteNodes`)."""
+        local = [f"{w.name} (exit code {w.exitcode})" for w in self.workers
+                 if w.exitcode is not None]
+        return local + (self.remote.failed() if self.remote is not None else [])
 
     def report_ranks(self) -> list[str]:
         """Every rank's last position; each live local worker also writes its stacks to its
@@ -220,14 +227,24 @@ def _destroy_group(timeout_s: float) -> None:
 
 
 def run_node_workers(cfg: EngineConfig) -> int:
-    """`phaseflip serve --node-rank k` (k > 0): run this host's ranks until the driver stops
-    them. Returns non-zero if any rank failed."""
+    """`phaseflip serve --node-rank k` (k > 0): wait for node 0, check this node's flags in
+    with it, then run this host's ranks until the driver stops them, beating to rank 0 all
+    the while (`rendezvous.NodeLink`). Returns 1, its last log line saying why, if node 0
+    never came, refused this node, or any rank failed."""
     model_cfg = ModelConfig.from_dir(cfg.model)
     check_layouts(cfg, model_cfg)  # at once, not after the driver's deadline
     spec = DistSpec.from_config(cfg, model_cfg)
+    try:
+        link = NodeLink.open(spec.init_addr, spec.node_rank, spec.agreement, spec.timeout_s)
+    except NodeJoinError as e:
+        log.error("phaseflip exits with code 1: %s", e)
+        return 1
     procs = [start_rank(worker_main, (r, spec, cfg, None, os.getpid()),
                         name=f"phaseflip-rank{r}")
              for r in spec.local_ranks()]
-    for p in procs:
-        p.join()
-    return max(p.exitcode or 0 for p in procs)
+    code = link.watch(procs)
+    if code:
+        failed = [f"{p.name} (exit code {p.exitcode})" for p in procs if p.exitcode]
+        log.error("phaseflip exits with code 1: node %d's ranks failed: %s", spec.node_rank,
+                  ", ".join(failed))
+    return code
