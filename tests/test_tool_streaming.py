@@ -154,7 +154,9 @@ def test_calls_are_kept_from_when_they_are_certain() -> None:
     assert tools.parse_output(plan, cut) == (None, [("get_weather", '{"ci')])
     assert plan.finish_reason("stop", True, cut) == "stop"  # (not whole: not to be run)
     assert plan.finish_reason("length", True, cut) == "length"
-    assert plan.finish_reason("stop", True, cut + '"}}') == "tool_calls"
+    assert plan.finish_reason("stop", True, cut + 'ty": "Oslo"}}') == "tool_calls"
+    # braces closed, but not JSON: not to be run either
+    assert plan.finish_reason("stop", True, cut + '"}}') == "stop"
 
 
 INCREMENTAL = {  # (text, where the call is certain: its name goes out there)

@@ -44,10 +44,11 @@ def _call(obj: dict[str, Any], names: set[str] | None,
     args = obj.get("arguments", obj.get("parameters", missing))
     if isinstance(args, str):
         args = json_object(args)
-    if not isinstance(name, str) or not isinstance(args, dict) or (
+    if not isinstance(name, str) or not isinstance(args, dict) or len(name) > NAME_CAP or (
             names is not None and name not in names):
         return None
     try:
+        name.encode("utf-8")  # (a lone surrogate, as `_dumps` refuses in the arguments)
         return name, _dumps(args)
     except ValueError:
         return None
@@ -115,9 +116,18 @@ def _literal(node: ast.expr) -> Any:
 def json_object(text: str) -> dict[str, Any] | None:
     try:
         obj = json.loads(text.strip())
-    except ValueError:  # (JSONDecodeError, or an int past Python's 4 300-digit limit)
-        return None
+    except (ValueError, RecursionError):  # (JSONDecodeError, an int past Python's 4 300-digit
+        return None  # limit, or nested deeper than the interpreter's recursion limit)
     return obj if isinstance(obj, dict) else None
+
+
+def _is_json(text: str) -> bool:
+    """Whether `text` is JSON (numbers not converted: an int past Python's digit limit is)."""
+    try:
+        json.loads(text, parse_int=str, parse_float=str, parse_constant=str)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def content_end(text: str, tags: tuple[str, ...] = (TOOL_OPEN, MISTRAL_TAG)) -> int:
@@ -125,13 +135,18 @@ def content_end(text: str, tags: tuple[str, ...] = (TOOL_OPEN, MISTRAL_TAG)) -> 
     that may begin one of `tags` (by default a `<tool_call>` or `[TOOL_CALLS]`; a marker kept
     for the parser too, which the content leaves out whole) and the whitespace before it
     (content before a call ends without it)."""
+    return _rstripped(text, len(text) - _held(text, tags))
+
+
+def _held(text: str, tags: tuple[str, ...]) -> int:
+    """The length of the longest suffix of `text` that begins one of `tags`."""
     hold = 0
     for tag in tags:
         for k in range(min(len(tag) - 1, len(text)), 0, -1):
             if tag.startswith(text[-k:]):
                 hold = max(hold, k)
                 break
-    return _rstripped(text, len(text) - hold)
+    return hold
 
 
 def _rstripped(text: str, end: int) -> int:
@@ -147,6 +162,12 @@ _MORE, _FAIL = "more", "fail"
 _WORD = re.compile(r"[A-Za-z0-9_.\-]+")
 _SPACE = re.compile(r"\s*")
 _STRING = re.compile(r'"((?:[^"\\]|\\.)*)"')
+# The longest name a call may have (OpenAI's function names: 64 characters), and the most
+# characters its JSON text may take (escapes: up to 6 a character). A property of the text,
+# so that a stream and the whole answer agree; and it bounds the name's scan a delta (an
+# unclosed name was matched again over its whole length at every delta: quadratic).
+NAME_CAP = 256
+_NAME_TEXT = 6 * NAME_CAP
 _OUTSIDE = re.compile(r'[{}\[\]"<]')
 _INSIDE = re.compile(r'["\\]')
 _ARGS_KEYS = ('"arguments"', '"parameters"')
@@ -214,10 +235,13 @@ def _expect(text: str, j: int, parts: tuple[str | tuple[str, ...], ...]) -> tupl
 
 
 def _unquote(body: str) -> str | None:
+    """A JSON string's text, or None (not JSON, or a lone surrogate no response can carry)."""
     try:
-        return json.loads(f'"{body}"')
-    except ValueError:
+        text = json.loads(f'"{body}"')
+        text.encode("utf-8")
+    except ValueError:  # (UnicodeEncodeError is one)
         return None
+    return text
 
 
 def _object_head(text: str, i: int, names: set[str] | None) -> _Head | str:
@@ -229,15 +253,16 @@ def _object_head(text: str, i: int, names: set[str] | None) -> _Head | str:
     if got != "ok":
         return _MORE if got == _MORE else lax
     j = _ws(text, j)
-    m = _STRING.match(text, j)
+    m = _STRING.match(text, j, min(len(text), j + _NAME_TEXT + 2))
     if m is None:
-        if text[j:j + 1] not in ("", '"'):
+        if text[j:j + 1] not in ("", '"') or len(text) - j > _NAME_TEXT + 1:
             return lax
         part = text[j + 1:]
-        listed = names is None or "\\" in part or any(n.startswith(part) for n in names)
+        listed = names is None or any(n.startswith(part) for n in names) or (
+            "\\" in part and len(part) <= 6 * max(map(len, names), default=0))
         return _MORE if listed else _FAIL
     name = _unquote(m.group(1))
-    if name is None or (names is not None and name not in names):
+    if name is None or len(name) > NAME_CAP or (names is not None and name not in names):
         return lax
     j, got = _expect(text, m.end(), (",", _ARGS_KEYS, ":"))
     j = _ws(text, j)
@@ -281,20 +306,21 @@ def _pythonic_head(text: str, k: int, names: set[str]) -> str:
     return _MORE if j == len(text) else "pythonic" if text[j] == "(" else _FAIL
 
 
-def _next_item(text: str, j: int) -> int | None:
-    """Where the next call may begin at or after `j`, past what separates calls (whitespace,
-    `;`, `,`, list brackets, `[TOOL_CALLS]`); None: the text ends first (maybe in a marker)."""
+def _next_item(text: str, j: int) -> tuple[int, bool]:
+    """(where the next call may begin at or after `j`, past what separates calls (whitespace,
+    `;`, `,`, list brackets, `[TOOL_CALLS]`), True); (how far the separators go, False): the
+    text ends first (maybe in a marker), and reading goes on from there."""
     n = len(text)
     while j < n:
         if text.startswith(MISTRAL_TAG, j):
             j += len(MISTRAL_TAG)
         elif n - j < len(MISTRAL_TAG) and MISTRAL_TAG.startswith(text[j:]):
-            return None
+            return j, False
         elif text[j].isspace() or text[j] in ";,[]":
             j += 1
         else:
-            return j
-    return None
+            return j, True
+    return j, False
 
 
 @dataclass
@@ -329,6 +355,7 @@ class AutoReader:
     at: int = 0  # where the arguments or object `scan` reads begin
     out: list[str] = field(default_factory=list)
     events: list[tuple[int, str | None, str]] = field(default_factory=list)
+    blank: tuple[int, int] = (0, 0)  # text[a:b] is whitespace (`_content`'s last search)
 
     def feed(self, delta: str, finished: bool) -> tuple[str, list[tuple[int, str | None, str]]]:
         """(content, [(call index, name: its first piece, else None, arguments piece)])."""
@@ -382,11 +409,23 @@ class AutoReader:
         self._send(_rstripped(text, k))
         if tag == MISTRAL_TAG:
             return self._to_items(k + len(tag), None, True)
-        self.mode, self.pos, self.marked = "hermes", k + len(tag), True
+        self.mode, self.pos, self.marked, self.within = "hermes", k + len(tag), True, None
         return True
 
     def _content(self, finished: bool) -> bool:
-        self._send(len(self.text) if finished else content_end(self.text, self.hold))
+        text = self.text
+        if finished:
+            self._send(len(text))
+            return False
+        end = len(text) - _held(text, self.hold)
+        i = end  # (the blank run ending at `end`, reusing the one found last time)
+        while i > self.sent and text[i - 1].isspace():
+            if self.blank[0] < i <= self.blank[1]:
+                i = self.blank[0]
+                break
+            i -= 1
+        self.blank = (i, end)
+        self._send(i)
         return False
 
     def _done(self, finished: bool) -> bool:
@@ -405,10 +444,10 @@ class AutoReader:
         """Calls one after another (`_next_item`)."""
         if self.scan is not None:
             return self._read(finished)
-        j = _next_item(self.text, self.pos)
-        if j is None:
+        self.pos, ready = _next_item(self.text, self.pos)
+        if not ready:
             return finished and self._end()
-        self.pos = j
+        j = self.pos
         head = _item_head(self.text, j, self.within)
         return (head != _MORE or finished) and self._begin(head)
 
@@ -457,7 +496,7 @@ class AutoReader:
                 self.events.append((len(self.calls) - 1, None, text[done:upto]))
             if end is None:
                 return False
-            call[2] = scan.whole
+            call[2] = scan.whole and _is_json(call[1])
             if scan.whole and text[self.pos] == "{":  # (the rest of its wrapper object)
                 self.scan, self.step = _Scan(end, 1, scan.close), "wrapper"
                 return True
