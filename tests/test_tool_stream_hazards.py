@@ -175,3 +175,19 @@ def test_a_name_past_the_cap_is_no_call(length, is_call) -> None:
     assert calls == ([(name, "{}")] if is_call else [])
     got, deltas, _ = _stream(plan, [text[i:i + 7] for i in range(0, len(text), 7)], True)
     assert got == (content or "") and bool(deltas) == is_call
+
+
+# A bare `name {` (Mistral's call once `[ARGS]` was skipped) is a call only where a JSON
+# object follows: prose that names a tool and a brace stays content, whole and streamed
+@pytest.mark.parametrize("text, is_call", [
+    ("get_weather {city} returns the weather for a city.", False),
+    ("get_weather { city } is the tool.", False),
+    ('get_weather{"city": "Oslo"}', True),
+    ("get_weather {}", True),
+])
+def test_a_bare_name_and_brace_needs_a_json_object(text, is_call) -> None:
+    plan = _plan()
+    content, calls = tools.parse_output(plan, text)
+    assert bool(calls) == is_call and (content is None) == is_call
+    got, deltas, _ = _stream(plan, list(text), True)
+    assert got == (content or "") and bool(deltas) == is_call

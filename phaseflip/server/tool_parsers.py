@@ -286,7 +286,15 @@ def _named_head(text: str, i: int, names: set[str] | None) -> _Head | str:
     if j == len(text) or not tagged and len(text) - j < len(ARGS_TAG) and ARGS_TAG.startswith(
             text[j:]):
         return _MORE
-    return ("open", word, j) if text[j] == "{" and (tagged or names is not None) else _FAIL
+    if text[j] != "{" or not (tagged or names is not None):
+        return _FAIL
+    if not tagged:  # a bare `name {`: JSON's `{"` or `{}` only, so prose (`get_weather {city}
+        k = _ws(text, j + 1)  # returns …`) stays content
+        if k == len(text):
+            return _MORE
+        if text[k] not in '"}':
+            return _FAIL
+    return ("open", word, j)
 
 
 def _item_head(text: str, i: int, names: set[str] | None) -> _Head | str:
