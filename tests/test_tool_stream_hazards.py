@@ -150,7 +150,7 @@ def test_arguments_that_are_not_json_do_not_finish_as_tool_calls(text) -> None:
 # not the name (`_unquote` for calls named at their brace, `_call` for those read whole).
 @pytest.mark.parametrize("text", [
     '<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>',
-    # (passes on 1c50183 only because BUG 1 drops this block: fails once that is fixed)
+    # (read whole: `_call` checks this name, `_unquote` the ones named at their brace)
     '<tool_call>{"name": "\\ud800", "arguments": "{}"}</tool_call>',
     '[TOOL_CALLS][{"name": "a\\udfff", "arguments": {"x": 1}}]',
 ])
