@@ -318,7 +318,7 @@ class ToolStreamer:
     a call is certain; pythonic calls come whole at the end)."""
 
     plan: ToolPlan
-    text: str = ""
+    own_text: str = ""  # the text so far, where no `AutoReader` keeps it
     sent: int = 0  # named/required: argument characters sent
     opened: bool = False  # the call's first delta (id, name) went out
     calls: list = field(default_factory=list)  # [name, arguments so far, ...] per call
@@ -329,9 +329,15 @@ class ToolStreamer:
             self.reader = AutoReader(self.plan.names, self.plan.parallel, self.plan.content_tags)
             self.calls = self.reader.calls
 
+    @property
+    def text(self) -> str:
+        """The choice's text so far (the reader's, in `auto` mode: one copy, not two)."""
+        return self.reader.text if self.reader is not None else self.own_text
+
     def feed(self, delta: str, finished: bool) -> tuple[str | None, list[p.DeltaToolCall]]:
         """(content to send, tool-call deltas to send) after `delta`; `finished`: last one."""
-        self.text += delta
+        if self.reader is None:
+            self.own_text += delta
         if self.plan.mode in ("named", "required"):
             return None, self._constrained(finished)
         if self.reader is not None:
