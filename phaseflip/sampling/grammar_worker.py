@@ -85,7 +85,9 @@ class _Child:
 
     def __init__(self, memory_bytes: int) -> None:
         """A fresh interpreter (a fork of a threaded CUDA process is not safe; multiprocessing's
-        spawn would run the parent's main script again, unguarded in user scripts)."""
+        spawn would run the parent's main script again, unguarded in user scripts). It starts
+        in the directory `phaseflip` came from: `python -m` puts its working directory first
+        on the path, so another checkout in the server's would have been the child's code."""
         ours, theirs = socket.socketpair()
         root = str(Path(__file__).resolve().parents[2])  # where `phaseflip` is imported from
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
@@ -94,7 +96,7 @@ class _Child:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", __name__, str(theirs.fileno()), str(os.getpid()),
                  str(memory_bytes)],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, cwd=root,
                 env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"})
         self.conn = Connection(ours.detach())
         self.told = False  # its tokenizer sent
