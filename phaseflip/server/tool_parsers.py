@@ -11,6 +11,7 @@ import ast
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,11 +142,13 @@ def content_end(text: str, tags: tuple[str, ...] = (TOOL_OPEN, MISTRAL_TAG)) -> 
 def _held(text: str, tags: tuple[str, ...]) -> int:
     """The length of the longest suffix of `text` that begins one of `tags`."""
     hold = 0
-    for tag in tags:
-        for k in range(min(len(tag) - 1, len(text)), 0, -1):
-            if tag.startswith(text[-k:]):
-                hold = max(hold, k)
+    for tag in tags:  # (only where the tag's first character is: none in a whitespace run)
+        i = max(0, len(text) - len(tag) + 1)
+        while (i := text.find(tag[0], i)) >= 0:
+            if tag.startswith(text[i:]):
+                hold = max(hold, len(text) - i)
                 break
+            i += 1
     return hold
 
 
@@ -168,6 +171,14 @@ _STRING = re.compile(r'"((?:[^"\\]|\\.)*)"')
 # unclosed name was matched again over its whole length at every delta: quadratic).
 NAME_CAP = 256
 _NAME_TEXT = 6 * NAME_CAP
+# The most characters a call's start may take before it tells whether it is a call: from the
+# `{` or `[` (or first letter) that opens it to what decides it (the `{` of its arguments; at
+# an answer's start, what follows a `[`). The longest a real start needs is a name's text
+# (`_NAME_TEXT`) and its keys, ~1 570; the rest is room for whitespace, which no model writes
+# by the kilobyte there. A property of the text, as NAME_CAP; and a start is read again from
+# its beginning at each delta until it tells, so it bounds that (a whitespace run after a `[`
+# or `{` was rescanned whole every delta: 15 to 24 s for 200 000 spaces, 4 a delta).
+START_CAP = 4096
 _OUTSIDE = re.compile(r'[{}\[\]"<]')
 _INSIDE = re.compile(r'["\\]')
 _ARGS_KEYS = ('"arguments"', '"parameters"')
@@ -275,6 +286,8 @@ def _named_head(text: str, i: int, names: set[str] | None) -> _Head | str:
     """Mistral's `name[ARGS]{...}` at `i` (`name{...}` once `[ARGS]` was skipped), "open" at
     its `{`: with `names` the name is a listed one, without (after a marker) `[ARGS]` came."""
     word, j = (m := _WORD.match(text, i)).group(), m.end()
+    if len(word) > NAME_CAP:
+        return _FAIL
     if j == len(text):
         return _MORE if names is None or any(n.startswith(word) for n in names) else _FAIL
     if names is not None and word not in names:
@@ -301,6 +314,32 @@ def _item_head(text: str, i: int, names: set[str] | None) -> _Head | str:
     if text[i] == "{":
         return _object_head(text, i, names)
     return _named_head(text, i, names) if _WORD.match(text, i) else _FAIL
+
+
+_Read = Callable[[str, int, set[str] | None], _Head | str]
+
+
+def _capped(read: _Read, text: str, i: int, names: set[str] | None) -> _Head | str:
+    """`read`'s start of the call at `i`, told from the START_CAP characters there: one still
+    undecided at their end is no call, whole or streamed alike, and a delta reads no more."""
+    window = text[i:i + START_CAP]
+    head = read(window, 0, names)
+    if head == _MORE:
+        return _FAIL if len(window) == START_CAP else _MORE
+    if head == _FAIL:
+        return head
+    return ("open", head[1], i + head[2]) if head[0] == "open" else ("whole", i)
+
+
+def _list_head(text: str, names: set[str]) -> str:
+    """An answer's opening `[` (`text`: its START_CAP characters from it): "pythonic" for Llama
+    3.2's `[name(...)`, "items" for something else (JSON calls, maybe), _MORE or _FAIL (also
+    when START_CAP characters leave it undecided, as `_capped`)."""
+    k = _ws(text, 1)
+    if k < len(text) and not _WORD.match(text, k):
+        return "items"
+    head = _MORE if k == len(text) else _pythonic_head(text, k, names)
+    return _FAIL if head == _MORE and len(text) == START_CAP else head
 
 
 def _pythonic_head(text: str, k: int, names: set[str]) -> str:
@@ -364,6 +403,7 @@ class AutoReader:
     out: list[str] = field(default_factory=list)
     events: list[tuple[int, str | None, str]] = field(default_factory=list)
     blank: tuple[int, int] = (0, 0)  # text[a:b] is whitespace (`_content`'s last search)
+    looked: int = 0  # plain: no marker begins in text[sent:looked] (`_plain`'s last search)
 
     def feed(self, delta: str, finished: bool) -> tuple[str, list[tuple[int, str | None, str]]]:
         """(content, [(call index, name: its first piece, else None, arguments piece)])."""
@@ -389,18 +429,17 @@ class AutoReader:
         self.pos = s = _ws(text, self.pos)
         if text.startswith(PYTHON_TAG, s):
             return self._to_items(s + len(PYTHON_TAG), None, False)
-        k = _ws(text, s + 1) if text[s:s + 1] == "[" else s
-        if k == len(text) or len(text) - s < len(PYTHON_TAG) and PYTHON_TAG.startswith(text[s:]):
+        if len(text) - s < len(PYTHON_TAG) and PYTHON_TAG.startswith(text[s:]):
             if finished:
                 self.mode = "plain"
             return finished
-        if k > s and _WORD.match(text, k):
-            head = _pythonic_head(text, k, self.names)
-            if head == _MORE and not finished:
-                return False
-            self.mode = "pythonic" if head == "pythonic" else "plain"
-            return True
-        return self._to_items(s, self.names, False)
+        head = _list_head(text[s:s + START_CAP], self.names) if text[s] == "[" else "items"
+        if head == "items":
+            return self._to_items(s, self.names, False)
+        if head == _MORE and not finished:
+            return False
+        self.mode = "pythonic" if head == "pythonic" else "plain"
+        return True
 
     def _to_items(self, pos: int, within: set[str] | None, marked: bool) -> bool:
         self.mode, self.pos, self.within, self.marked = "items", pos, within, marked
@@ -408,10 +447,10 @@ class AutoReader:
 
     def _plain(self, finished: bool) -> bool:
         """Content, until a `<tool_call>` or `[TOOL_CALLS]` begins calls."""
-        text = self.text
-        hits = [(k, tag) for tag in (TOOL_OPEN, MISTRAL_TAG)
-                if (k := text.find(tag, self.sent)) >= 0]
-        if not hits:
+        text, start = self.text, max(self.sent, self.looked)
+        hits = [(k, tag) for tag in (TOOL_OPEN, MISTRAL_TAG) if (k := text.find(tag, start)) >= 0]
+        if not hits:  # (held-back whitespace is not searched again each delta)
+            self.looked = max(start, len(text) - max(len(TOOL_OPEN), len(MISTRAL_TAG)) + 1)
             return self._content(finished)
         k, tag = min(hits)
         self._send(_rstripped(text, k))
@@ -455,8 +494,7 @@ class AutoReader:
         self.pos, ready = _next_item(self.text, self.pos)
         if not ready:
             return finished and self._end()
-        j = self.pos
-        head = _item_head(self.text, j, self.within)
+        head = _capped(_item_head, self.text, self.pos, self.within)
         return (head != _MORE or finished) and self._begin(head)
 
     def _hermes(self, finished: bool) -> bool:
@@ -473,7 +511,7 @@ class AutoReader:
         self.pos = j = _ws(text, self.pos)
         if j == len(text):
             return finished and self._end()
-        head = _object_head(text, j, None) if text[j] == "{" else _FAIL
+        head = _capped(_object_head, text, j, None) if text[j] == "{" else _FAIL
         return (head != _MORE or finished) and self._begin(head)
 
     def _begin(self, head: _Head | str) -> bool:
