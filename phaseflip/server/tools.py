@@ -323,6 +323,13 @@ class ToolStreamer:
     opened: bool = False  # the call's first delta (id, name) went out
     calls: list = field(default_factory=list)  # [name, arguments so far, ...] per call
     reader: AutoReader | None = None
+    # required: the call's name and where its arguments begin, once certain; where the text's
+    # trailing whitespace begins; the last (end, end less its whitespace) of the arguments
+    # but their last character. Each delta costs what it brings (the arguments were copied
+    # and stripped whole at each delta: 2-3 s over a 200 000-character call, 4 a delta).
+    head: tuple[str, int] | None = None
+    tail_ws: int = 0
+    last_end: tuple[int, int] = (-1, -1)
 
     def __post_init__(self) -> None:
         if self.plan.mode == "auto":
@@ -337,6 +344,8 @@ class ToolStreamer:
     def feed(self, delta: str, finished: bool) -> tuple[str | None, list[p.DeltaToolCall]]:
         """(content to send, tool-call deltas to send) after `delta`; `finished`: last one."""
         if self.reader is None:
+            if delta.strip():
+                self.tail_ws = len(self.own_text) + len(delta.rstrip())
             self.own_text += delta
         if self.plan.mode in ("named", "required"):
             return None, self._constrained(finished)
@@ -346,32 +355,47 @@ class ToolStreamer:
         return delta or None, []
 
     def _constrained(self, finished: bool) -> list[p.DeltaToolCall]:
+        text, start = self.own_text, 0  # the arguments: text[start:end]
         if self.plan.mode == "named":
-            name, args = self.plan.name, self.text
+            name, end = self.plan.name, len(text)
         elif finished:
-            call = split_required(self.text)
+            call = split_required(text)
             if call is None:
                 return []
-            name, args = call
+            (name, text), end = call, len(call[1])
         else:
-            m = HEADER.match(self.text)
-            if m is None:
-                return []
-            name = json.loads(f'"{m.group(1)}"')
-            # the last character may be the wrapper's closing brace and the whitespace before
-            # it may end the arguments: both wait
-            args = self.text[m.end():].rstrip()[:-1].rstrip()
+            if self.head is None:
+                m = HEADER.match(text)
+                if m is None or m.end() == len(text):  # (whitespace may still come)
+                    return []
+                self.head = json.loads(f'"{m.group(1)}"'), m.end()
+            (name, start), end = self.head, self._settled()
         out = []
         if not self.opened:
             self.opened = True
             self.calls.append((name, ""))
             out.append(p.DeltaToolCall(index=0, id=new_call_id(), type="function",
                                        function=p.DeltaFunctionCall(name=name, arguments="")))
-        if len(args) > self.sent:
+        if end - start > self.sent:
             out.append(p.DeltaToolCall(index=0, function=p.DeltaFunctionCall(
-                arguments=args[self.sent:])))
-            self.sent = len(args)
+                arguments=text[start + self.sent:end])))
+            self.sent = end - start
         return out
+
+    def _settled(self) -> int:
+        """Where the required call's arguments that may be sent end: the last character may be
+        the wrapper's closing brace and the whitespace before it may end the arguments, so
+        both wait (`text[start:].rstrip()[:-1].rstrip()`, reading only what is not yet sent)."""
+        start, text = self.head[1], self.own_text
+        end = max(self.tail_ws, start) - 1
+        if end <= start + self.sent:
+            return start + self.sent
+        if end != self.last_end[0]:
+            j = end
+            while j > start + self.sent and text[j - 1].isspace():
+                j -= 1
+            self.last_end = end, j
+        return self.last_end[1]
 
 
 def _call_deltas(events: list[tuple[int, str | None, str]]) -> list[p.DeltaToolCall]:
