@@ -243,7 +243,8 @@ def join(rank: int, spec: DistSpec,
     later; a live rank that never arrives is one after --dist-timeout-s (at least
     JOIN_FLOOR_S), naming who is missing. With --nnodes > 1 it also answers each other
     node's check-in (`rendezvous.NodeCheckIns`): a node started with other flags is a
-    named `GroupFormationError` on both sides before any of its ranks starts."""
+    named `GroupFormationError` on both sides before any of its ranks starts, and a node
+    that has not checked in after --dist-timeout-s is one naming the node."""
     host, port = split_addr(spec.init_addr)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
     timeout = datetime.timedelta(seconds=spec.timeout_s)
@@ -335,9 +336,13 @@ def logits_groups(rank: int, spec: DistSpec, timeout: datetime.timedelta
 
 def _await_ranks(store: dist.Store, spec: DistSpec,
                  peers_failed: Callable[[], list[str]]) -> None:
-    wait_s = max(spec.timeout_s, JOIN_FLOOR_S)
+    """Until every rank set its join key. Another node has --dist-timeout-s to check in, as
+    node k waits --dist-timeout-s for node 0; a node's ranks, once it checked in, and this
+    node's have --dist-timeout-s but at least JOIN_FLOOR_S to join (a loaded host imports
+    torch slowly)."""
+    join_s = max(spec.timeout_s, JOIN_FLOOR_S)
     start = time.monotonic()
-    deadline, said = start + wait_s, False
+    said = False
     keys = [f"{JOIN_KEY}{r}" for r in range(spec.world_size)]
     check_ins = NodeCheckIns(store, spec.nnodes, spec.agreement, spec.init_addr)
     while not store.check(keys):
@@ -345,19 +350,38 @@ def _await_ranks(store: dist.Store, spec: DistSpec,
         if not said and spec.nnodes > 1 and time.monotonic() - start > 2:
             said = True  # an operator starting node k by hand wants to know who is awaited
             missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            absent = check_ins.absent()
+            until = (f"nodes {absent} have up to {spec.timeout_s:g} s (--dist-timeout-s) to "
+                     "check in" if absent else f"their ranks have up to {join_s:g} s to join")
             log.info("rank 0: waiting for ranks %s of %d nodes at %s (`phaseflip serve "
-                     "--node-rank k` with the same flags), up to %g s", missing,
-                     spec.nnodes, spec.init_addr, wait_s)
-        failed = peers_failed()
-        late = time.monotonic() > deadline
-        if failed or late:
+                     "--node-rank k` with the same flags): %s", missing, spec.nnodes,
+                     spec.init_addr, until)
+        why = _why_not_joined(peers_failed(), check_ins, spec, start, join_s)
+        if why is not None:
             missing = [r for r, k in enumerate(keys) if not store.check([k])]
-            why = (f"{', '.join(failed)} exited while joining" if failed
-                   else f"not every rank joined within {wait_s:g} s")
             raise GroupFormationError(
                 f"the rank group did not form: {why}; ranks not joined: {missing} "
                 f"(world size {spec.world_size}, rendezvous {spec.init_addr})")
         time.sleep(0.1)
+
+
+def _why_not_joined(failed: list[str], check_ins: NodeCheckIns, spec: DistSpec, start: float,
+                    join_s: float) -> str | None:
+    """Why rank 0 stops waiting now, or None to wait on."""
+    now = time.monotonic()
+    if failed:
+        return f"{', '.join(failed)} exited while joining"
+    absent = check_ins.absent()
+    if absent and now - start > spec.timeout_s:
+        nodes = ("node " if len(absent) == 1 else "nodes ") + ", ".join(map(str, absent))
+        return (f"{nodes} did not check in within {spec.timeout_s:g} s "
+                f"(--dist-timeout-s): start `phaseflip serve --node-rank k` with node 0's flags "
+                f"and --dist-init-addr {spec.init_addr} on each, or give a larger "
+                "--dist-timeout-s")
+    if now - max([start, *check_ins.nodes.values()]) > join_s:
+        return f"not every rank joined within {join_s:g} s (--dist-timeout-s, at least " \
+               f"{JOIN_FLOOR_S:g} s)"
+    return None
 
 
 def rank_device(rank: int, spec: DistSpec, cfg: EngineConfig) -> torch.device:

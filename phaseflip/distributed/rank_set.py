@@ -230,7 +230,8 @@ def run_node_workers(cfg: EngineConfig) -> int:
     """`phaseflip serve --node-rank k` (k > 0): wait for node 0, check this node's flags in
     with it, then run this host's ranks until the driver stops them, beating to rank 0 all
     the while (`rendezvous.NodeLink`). Returns 1, its last log line saying why, if node 0
-    never came, refused this node, or any rank failed."""
+    never came, refused this node, went away or stopped answering before the ranks ended,
+    or any rank failed."""
     model_cfg = ModelConfig.from_dir(cfg.model)
     check_layouts(cfg, model_cfg)  # at once, not after the driver's deadline
     spec = DistSpec.from_config(cfg, model_cfg)
@@ -244,7 +245,5 @@ def run_node_workers(cfg: EngineConfig) -> int:
              for r in spec.local_ranks()]
     code = link.watch(procs)
     if code:
-        failed = [f"{p.name} (exit code {p.exitcode})" for p in procs if p.exitcode]
-        log.error("phaseflip exits with code 1: node %d's ranks failed: %s", spec.node_rank,
-                  ", ".join(failed))
+        log.error("phaseflip exits with code 1: %s", link.failure)
     return code

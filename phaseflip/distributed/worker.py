@@ -16,7 +16,7 @@ import signal
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from phaseflip.distributed.group import (
 )
 from phaseflip.distributed.plan_channel import plan_channel
 from phaseflip.distributed.plan_codec import PlanDecoder
+from phaseflip.distributed.rendezvous import NODE0_GONE_EXIT, node0_gone
 from phaseflip.distributed.reshard import PeerWeights, plan_between
 from phaseflip.distributed.stage import StageExecutor, StepMessage
 from phaseflip.distributed.watchdog import PositionTracker
@@ -395,7 +396,10 @@ def worker_main(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | Non
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the engine watchdog's stack dump
     apply_cpu_threads(cfg)
     allocator_for_flips(cfg)
-    proc = RankProcess(rank, spec, run_dir, parent_pid)
+    try:
+        proc = RankProcess(rank, spec, run_dir, parent_pid)
+    except Exception as e:  # noqa: BLE001 — report, then exit (not multiprocessing's trace)
+        _fail(spec, e, None)
     tracker = proc.tracker
     plans = PlanDecoder()
     if torch.cuda.is_available():  # the import heap out of the collector's full passes (the
@@ -416,12 +420,21 @@ def worker_main(rank: int, spec: DistSpec, cfg: EngineConfig, run_dir: str | Non
                 _run_step(proc, plans, msg)
             tracker.set("idle")
     except Exception as e:  # noqa: BLE001 — report with every rank's position, then exit
-        err = tracker.stall_error(e, spec.world_size)
-        log.error("%s\n%s", err, traceback.format_exc())
-        os._exit(1)
+        _fail(spec, e, tracker)
     # every rank tears down at once: graphs before the communicator their all-reduces use
     proc.close()
     dist.destroy_process_group()
+
+
+def _fail(spec: DistSpec, exc: Exception, tracker: PositionTracker | None) -> NoReturn:
+    """Reports `exc` (with every rank's position once joined) and exits 1. A rank of node k
+    whose node 0 went away exits NODE0_GONE_EXIT instead, without a report: its node's
+    process says that in one line (`rendezvous.NodeLink.watch`)."""
+    if spec.node_rank > 0 and node0_gone(spec.init_addr):
+        os._exit(NODE0_GONE_EXIT)
+    err = tracker.stall_error(exc, spec.world_size) if tracker is not None else exc
+    log.error("%s\n%s", err, traceback.format_exc())
+    os._exit(1)
 
 
 def _run_step(proc: RankProcess, plans: PlanDecoder, msg: StepMessage) -> None:

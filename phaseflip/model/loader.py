@@ -328,6 +328,23 @@ def resolve_hub_model(repo_id: str, revision: str | None = None) -> Path:
     return snapshot
 
 
+def hub_repo_id(model_dir: str | os.PathLike[str]) -> str | None:
+    """ORG/NAME where `model_dir` is a snapshot in a local Hugging Face cache
+    (`…/models--ORG--NAME/snapshots/REV`, as `resolve_hub_model` finds it), also under a
+    --tokenizer / --chat-template overlay; None for any other directory. The cache's own
+    path differs between hosts (HF_HOME, the user's home): the id is what names the model."""
+    path = Path(model_dir)
+    if is_overlay(path):
+        try:
+            path = Path(json.loads((path / OVERLAY_MARKER).read_text())["model"])
+        except (OSError, ValueError, KeyError):
+            return None
+    repo = path.parent.parent.name
+    if path.parent.name != "snapshots" or not repo.startswith("models--"):
+        return None
+    return repo.removeprefix("models--").replace("--", "/", 1)  # hub names hold no "--"
+
+
 def resolve_model_path(name: str, revision: str | None = None) -> Path:
     """A directory as is; `ORG/NAME` from the local hub cache; otherwise a ModelLoadError."""
     path = Path(name).expanduser()
