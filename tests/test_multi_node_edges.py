@@ -97,9 +97,9 @@ def wait_health(url: str, node: Node, deadline_s: float) -> None:
     raise AssertionError(f"node 0 not healthy in {deadline_s} s:\n{node.output()}")
 
 
-def complete(url: str) -> httpx.Response:
+def complete(url: str, prompt: str | list[str] = PROMPT) -> httpx.Response:
     return httpx.post(url + "/v1/completions", timeout=60, json={
-        "model": "tiny-llama", "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+        "model": "tiny-llama", "prompt": prompt, "max_tokens": 8, "temperature": 0})
 
 
 def no_orphans(*nodes: Node, deadline_s: float = 10) -> None:
@@ -122,13 +122,14 @@ def nodes():
 
 def test_node1_waits_for_a_late_node0_and_both_stop_on_sigterm(tmp_path, nodes):
     """Node 1 first: it says it waits (naming the address and the deadline) and joins when
-    node 0 comes 5 s later; the answer equals one process's; node 0's SIGTERM ends both, no
-    rank left behind."""
+    node 0 comes 5 s later; the answers (a batch of two) equal one process's; node 0's SIGTERM
+    ends both, no rank left behind."""
     from phaseflip import Engine, SamplingParams
 
+    prompts = [PROMPT, "def main():"]
     with Engine(device="cpu", cpu_threads=1) as e:
-        want = e.generate([PROMPT], SamplingParams(temperature=0, max_new_tokens=8),
-                          use_tqdm=False)[0].text
+        want = [o.text for o in e.generate(prompts, SamplingParams(
+            temperature=0, max_new_tokens=8), use_tqdm=False)]
     addr, port = f"127.0.0.1:{free_port()}", free_port()
     args = common(addr, "--tp-size", "2", "--dist-timeout-s", "90")
     nodes.append(node1 := Node(tmp_path, "node1", "--node-rank", "1", *args))
@@ -140,8 +141,9 @@ def test_node1_waits_for_a_late_node0_and_both_stop_on_sigterm(tmp_path, nodes):
                                *args))
     url = f"http://127.0.0.1:{port}"
     wait_health(url, node0, 90)
-    r = complete(url)
-    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+    r = complete(url, prompts)
+    assert r.status_code == 200
+    assert [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])] == want
     node0.remember_descendants()
     node1.remember_descendants()
     node0.proc.send_signal(signal.SIGTERM)
@@ -163,9 +165,10 @@ def test_node0_that_never_comes_is_named_within_the_timeout(tmp_path, nodes):
     assert "Traceback" not in out, out
 
 
+# (one pair of processes: every other agreed flag, --dtype included, takes the same path:
+# `test_dist_spec_carries_the_agreement…`, `test_check_in_names_every_differing_flag…`)
 @pytest.mark.parametrize("node1_flags, named", [
     (("--tp-size", "4"), "--tp-size 4 on node 1, 2 on node 0"),  # other world: rank 0 hung 300 s
-    (("--tp-size", "2", "--dtype", "bfloat16"), "--dtype bfloat16 on node 1, float32 on node 0"),
 ])
 def test_mismatched_flags_are_named_on_both_sides(tmp_path, nodes, node1_flags, named):
     addr, port = f"127.0.0.1:{free_port()}", free_port()
@@ -354,6 +357,7 @@ def test_dist_spec_carries_the_agreement_and_refuses_a_malformed_addr():
     spec = DistSpec.from_config(cfg, ModelConfig.from_dir(cfg.model))
     flags = dict(spec.agreement)
     assert spec.nnodes == 2 and flags["--tp-size"] == "2"
+    assert flags["--dtype"] == str(cfg.dtype)  # (a node of another dtype was served silently)
     assert "--model" not in flags  # a local directory is known by its files, not its path
     assert flags["the model's config.json and weight files"]
     assert flags["the process-group backend"] == "gloo"
