@@ -257,14 +257,21 @@ def _iter_plans(
                 raise ModelLoadError(f"cannot read safetensors file ({exc}): {plan.path}") from exc
 
 
-def load_tokenizer(model_dir: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
-    """AutoTokenizer.from_pretrained(model_dir), offline, with a ModelLoadError when the
-    directory has no tokenizer or transformers cannot load it."""
+def tokenizer_dir(model_dir: str | os.PathLike[str]) -> Path:
+    """`model_dir` as a directory with tokenizer files in it, else a ModelLoadError: the
+    cheap part of `load_tokenizer`, for a server to check before it starts its engine."""
     directory = _model_dir(model_dir)
     if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
         raise ModelLoadError(
             f"no tokenizer files in {directory} (looked for {', '.join(_TOKENIZER_FILES)})"
         )
+    return directory
+
+
+def load_tokenizer(model_dir: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    """AutoTokenizer.from_pretrained(model_dir), offline, with a ModelLoadError when the
+    directory has no tokenizer or transformers cannot load it."""
+    directory = tokenizer_dir(model_dir)
     from transformers import AutoTokenizer  # deferred: importing transformers is slow
 
     try:

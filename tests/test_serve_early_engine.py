@@ -1,0 +1,46 @@
+"""`phaseflip serve` starts its engine process before the front end loads its tokenizer, so
+the two load side by side (a server answers ~2 s sooner on a small CPU). A tokenizer that
+cannot be loaded still ends the start with its one line and exit code 2, and the engine that
+had started is stopped, its IPC directory removed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from phaseflip.config import EMBEDDED_MODEL
+from tests.server_process import free_port
+from tests.test_serve_lifecycle_signals import _engine_pid, _gone, _kill_all
+
+
+def test_the_engine_starts_while_the_front_end_loads_its_tokenizer(tmp_path: Path) -> None:
+    """Red before: the engine started only once the front end's tokenizer had loaded, so
+    with a tokenizer that cannot load it never started (no engine process is found)."""
+    model = tmp_path / "model"
+    shutil.copytree(EMBEDDED_MODEL, model)
+    (model / "tokenizer.json").write_text("{not json")
+    tmp = tempfile.mkdtemp(prefix="pf-")  # short: the IPC socket paths live under it
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "phaseflip.cli", "serve", "--model", str(model), "--port",
+         str(free_port()), "--device", "cpu"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env=os.environ | {"TMPDIR": tmp})
+    engine = None
+    try:
+        engine = _engine_pid(proc.pid, deadline_s=15)
+        proc.wait(timeout=30)
+        left = _gone([engine], 10)
+    finally:
+        _kill_all(proc, [engine] if engine else [])
+        leaked = list(Path(tmp).glob("phaseflip-*"))
+        shutil.rmtree(tmp)
+    log = proc.stdout.read()
+    assert proc.returncode == 2, (proc.returncode, log[-2000:])
+    last = log.strip().splitlines()[-1]
+    assert last.startswith("phaseflip serve: error: cannot load the tokenizer in "), log[-2000:]
+    assert not left, f"engine {engine} left running; log:\n{log[-2000:]}"
+    assert not leaked, leaked
