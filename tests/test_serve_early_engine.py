@@ -1,5 +1,5 @@
 """`phaseflip serve` starts its engine process before the front end loads its tokenizer, so
-the two load side by side (a server answers ~2 s sooner on a small CPU). A tokenizer that
+the two load side by side (a server answers ~1.5 s sooner on two cores). A tokenizer that
 cannot be loaded still ends the start with its one line and exit code 2, and the engine that
 had started is stopped, its IPC directory removed."""
 
