@@ -230,7 +230,9 @@ def test_tokenize_with_tools_counts_what_chat_renders(tmp_path):
             out = []
             for choice in ({}, {"tool_choice": "none"}, {"tool_choice": "required"}):
                 extra = {"tools": [TOOL]} | choice
-                chat = await call(c, "POST", "/v1/chat/completions", json=CHAT | extra)
+                # ("required" starts the grammar trial child: ~3 s, more on a loaded box)
+                chat = await asyncio.wait_for(c.request(
+                    "POST", "/v1/chat/completions", json=CHAT | extra), 60)
                 tok = await call(c, "POST", "/tokenize", json={"messages": USER} | extra)
                 assert chat.status_code == 200 and tok.status_code == 200, tok.text
                 out.append((chat.json()["usage"]["prompt_tokens"], tok.json()["count"]))
