@@ -362,14 +362,16 @@ class ToolStreamer:
             call = split_required(text)
             if call is None:
                 return []
-            (name, text), end = call, len(call[1])
+            name, text = call  # (the arguments alone: start 0)
+            end = len(text)
         else:
             if self.head is None:
                 m = HEADER.match(text)
                 if m is None or m.end() == len(text):  # (whitespace may still come)
                     return []
                 self.head = json.loads(f'"{m.group(1)}"'), m.end()
-            (name, start), end = self.head, self._settled()
+            name, start = self.head
+            end = self._settled()
         out = []
         if not self.opened:
             self.opened = True
