@@ -44,3 +44,22 @@ def test_the_engine_starts_while_the_front_end_loads_its_tokenizer(tmp_path: Pat
     assert last.startswith("phaseflip serve: error: cannot load the tokenizer in "), log[-2000:]
     assert not left, f"engine {engine} left running; log:\n{log[-2000:]}"
     assert not leaked, leaked
+
+
+def test_an_engine_that_fails_its_start_is_named_on_the_exit_line() -> None:
+    """Red before (CI, a two-node flag mismatch): the exit watcher heard of the engine's exit
+    before `_announce` read its reason, stopped the server, and the last line said "stopped
+    before the engine was ready (stopped)" without the reason the engine had reported."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from phaseflip.server.engine_client import EngineState
+    from phaseflip.server.launch import Outcome, _stop_if_engine_dies
+
+    state = EngineState()
+    state.dead, state.unhealthy = "engine process exited with code 1", "GroupFormationError: x"
+    server, outcome = SimpleNamespace(should_exit=False), Outcome()
+    asyncio.run(_stop_if_engine_dies(SimpleNamespace(state=state), SimpleNamespace(exitcode=1),
+                                     server, outcome))
+    assert server.should_exit and outcome.code == 1
+    assert outcome.reason == "engine failed to start: GroupFormationError: x"

@@ -346,14 +346,18 @@ async def _announce(client: EngineClient, server: uvicorn.Server, outcome: Outco
 
 async def _stop_if_engine_dies(client: EngineClient, proc: mp.Process, server: uvicorn.Server,
                                outcome: Outcome) -> None:
-    while proc.is_alive():
+    """Stops the server once the client has seen the engine exit: the client reads the
+    engine's last messages (why it failed) first, so the exit line can name the reason
+    whichever of this and `_announce` hears of a failed start first."""
+    while client.state.dead is None:
         await asyncio.sleep(0.5)
     if server.should_exit:  # it stopped because we asked it to
         return
     cause = _exit_cause(proc.exitcode, client.state.unhealthy)
     log.error("engine process exited (%s); shutting down", cause)
-    if client.state.ready is not None:
-        outcome.code, outcome.reason = EXIT_ENGINE_FAILED, f"the engine died: {cause}"
+    outcome.code, outcome.reason = EXIT_ENGINE_FAILED, (
+        f"the engine died: {cause}" if client.state.ready is not None
+        else f"engine failed to start: {client.state.unhealthy or cause}")
     server.should_exit = True
 
 
