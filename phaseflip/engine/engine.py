@@ -37,11 +37,17 @@ log = logging.getLogger(__name__)
 def merge_delta(out: RequestOutput, d: StreamDelta) -> None:
     """Folds one streaming delta into an accumulating RequestOutput."""
     c = out.outputs[d.index]
-    c.text += d.text
+    text, c.text = c.text, ""  # grown in place (see `Detokenizer._append`)
+    text += d.text
+    c.text = text
     c.token_ids += d.token_ids
     if d.logprobs is not None:
-        c.logprobs = (c.logprobs or []) + d.logprobs
-        c.top_logprobs = (c.top_logprobs or []) + (d.top_logprobs or [])
+        if c.logprobs is None:  # (extended in place after: a new list per delta is quadratic)
+            c.logprobs = []
+        if c.top_logprobs is None:
+            c.top_logprobs = []
+        c.logprobs += d.logprobs
+        c.top_logprobs += d.top_logprobs or []
     c.finish_reason, c.matched_stop = d.finish_reason, d.matched_stop
     if d.prompt_logprobs is not None:
         out.prompt_logprobs, out.prompt_top_logprobs = d.prompt_logprobs, d.prompt_top_logprobs

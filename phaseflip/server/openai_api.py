@@ -41,7 +41,9 @@ class Choice:
     def add(self, d: StreamDelta) -> None:
         if d.cached_tokens is not None:
             self.cached_tokens = d.cached_tokens
-        self.text += d.text
+        text, self.text = self.text, ""  # grown in place (see `Detokenizer._append`)
+        text += d.text
+        self.text = text
         self.token_ids += d.token_ids
         self.logprobs += d.logprobs or []
         self.top += d.top_logprobs or []

@@ -340,7 +340,9 @@ def _text_events(ev: _Events, out: Output, text: str, lps: list[dict[str, Any]]
                    ev("response.content_part.added", item_id=item["id"], output_index=index,
                       content_index=0, part={"type": "output_text", "text": "",
                                              "annotations": [], "logprobs": []})]
-    out.text += text
+    grown, out.text = out.text, ""  # grown in place (see `Detokenizer._append`)
+    grown += text
+    out.text = grown
     if out.logprobs is not None:
         out.logprobs += lps
     if text:

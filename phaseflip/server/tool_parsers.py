@@ -407,7 +407,9 @@ class AutoReader:
 
     def feed(self, delta: str, finished: bool) -> tuple[str, list[tuple[int, str | None, str]]]:
         """(content, [(call index, name: its first piece, else None, arguments piece)])."""
-        self.text += delta
+        text, self.text = self.text, ""  # grown in place (see `Detokenizer._append`)
+        text += delta
+        self.text = text
         self.out, self.events = [], []
         while getattr(self, "_" + self.mode)(finished):
             pass
@@ -538,7 +540,9 @@ class AutoReader:
             call, done = self.calls[-1], self.at + len(self.calls[-1][1])
             upto = scan.pos if end is None else end
             if upto > done:
-                call[1] += text[done:upto]
+                args, call[1] = call[1], ""  # grown in place (as `text` in `feed`)
+                args += text[done:upto]
+                call[1] = args
                 self.events.append((len(self.calls) - 1, None, text[done:upto]))
             if end is None:
                 return False

@@ -346,7 +346,9 @@ class ToolStreamer:
         if self.reader is None:
             if delta.strip():
                 self.tail_ws = len(self.own_text) + len(delta.rstrip())
-            self.own_text += delta
+            text, self.own_text = self.own_text, ""  # grown in place (as AutoReader.feed)
+            text += delta
+            self.own_text = text
         if self.plan.mode in ("named", "required"):
             return None, self._constrained(finished)
         if self.reader is not None:
