@@ -25,7 +25,7 @@ from phaseflip.cache.hicache.frames import HostFrames
 from phaseflip.config import EngineConfig
 from phaseflip.distributed.group import DistSpec, check_layouts
 from phaseflip.distributed.plan_channel import plan_channel
-from phaseflip.distributed.rendezvous import NodeJoinError, NodeLink, RemoteNodes
+from phaseflip.distributed.rendezvous import NodeJoinError, NodeLink, RemoteNodes, end_process
 from phaseflip.distributed.spawner import start_rank
 from phaseflip.distributed.worker import (
     KV_ARENA_WEIGHTS,
@@ -239,6 +239,7 @@ def run_node_workers(cfg: EngineConfig) -> int:
         link = NodeLink.open(spec.init_addr, spec.node_rank, spec.agreement, spec.timeout_s)
     except NodeJoinError as e:
         log.error("phaseflip exits with code 1: %s", e)
+        end_process(1)  # (a check-in that got no answer may have left a thread in the store)
         return 1
     procs = [start_rank(worker_main, (r, spec, cfg, None, os.getpid()),
                         name=f"phaseflip-rank{r}")
@@ -246,4 +247,5 @@ def run_node_workers(cfg: EngineConfig) -> int:
     code = link.watch(procs)
     if code:
         log.error("phaseflip exits with code 1: %s", link.failure)
+    end_process(code)  # (a frozen node 0 holds the beat thread in a store call)
     return code

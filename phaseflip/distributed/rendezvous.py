@@ -42,7 +42,9 @@ import hashlib
 import json
 import logging
 import multiprocessing.connection
+import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -207,7 +209,7 @@ def within(timeout_s: float, fn: Callable[[], T]) -> T:
         except BaseException as e:  # noqa: BLE001 — handed to the caller
             out.append((False, e))
 
-    t = threading.Thread(target=run, name="phaseflip-store-op", daemon=True)
+    t = threading.Thread(target=run, name=STORE_THREADS[0], daemon=True)
     t.start()
     t.join(timeout_s)
     if not out:
@@ -216,6 +218,22 @@ def within(timeout_s: float, fn: Callable[[], T]) -> T:
     if not ok:
         raise value
     return value
+
+
+STORE_THREADS = ("phaseflip-store-op", "phaseflip-beat")
+
+
+def end_process(code: int) -> None:
+    """Ends a `--node-rank k` process with `code` now if a thread of ours may still be inside
+    a store call to a frozen node 0: should node 0's connection reset while the interpreter
+    finalises, that thread's C++ wakes into a finalising interpreter and aborts the process
+    (exit 134, "terminate called without an active exception"). Otherwise returns (the
+    ordinary exit runs finalisers)."""
+    if any(t.name in STORE_THREADS and t.is_alive() for t in threading.enumerate()):
+        logging.shutdown()  # (our last line is the exit line: flushed before leaving)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 class NodeLink:
@@ -315,7 +333,7 @@ class NodeLink:
         by themselves: a clean stop ends them first), or node 0 has not answered for
         `silence_s` (frozen, or its host is down). Ranks still running then are stopped."""
         self._exited = _failed(procs)
-        pulse = threading.Thread(target=self._pulse, name="phaseflip-beat", daemon=True)
+        pulse = threading.Thread(target=self._pulse, name=STORE_THREADS[1], daemon=True)
         pulse.start()
         pending, gone_at, silent_s = list(procs), None, 0.0
         while pending:
