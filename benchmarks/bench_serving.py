@@ -164,7 +164,9 @@ async def one_request(client: _Client, url: str, model: str, prompt: list[int], 
                       temperature: float, response_format: dict[str, Any] | None = None
                       ) -> RequestResult:
     """Streams one completion; a token event is any chunk with a choice (the engine emits one
-    per sampled token, with empty text when the token decodes to nothing). Unconstrained, it
+    per sampled token, with empty text when the token decodes to nothing; a stream whose
+    front end fell behind gets the tokens of several steps in one chunk, so ITLs are per
+    chunk and the token count comes from the usage). Unconstrained, it
     must produce exactly `max_tokens` (`ignore_eos`); with a `response_format` it must finish
     ("stop", or "length" when the budget cut the answer) and its text is kept."""
     res = RequestResult(prompt_len=len(prompt), target_len=max_tokens)

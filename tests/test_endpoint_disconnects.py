@@ -381,12 +381,13 @@ def test_a_consumer_leaving_after_the_end_came_sends_no_abort(tmp_path):
 
     async def go() -> None:
         async with _client_and_fake_engine(tmp_path) as (client, inbox, outbox):
-            gen = client.generate("e", [1, 2, 3], SamplingParams(max_new_tokens=2))
+            gen = client.generate("e", [1, 2, 3], SamplingParams(max_new_tokens=1, n=2))
             first = asyncio.create_task(gen.__anext__())
             assert isinstance(m.decode(await inbox.recv()), m.AddRequest)
-            await outbox.send(m.encode(m.Deltas([
-                StreamDelta("e", 0, "a", [7]),
-                StreamDelta("e", 0, "b", [8], finish_reason="length", usage=Usage(3, 2, 0))])))
+            await outbox.send(m.encode(m.Deltas([  # (two samples: waiting deltas of one
+                StreamDelta("e", 0, "a", [7], finish_reason="length"),  # sample are joined)
+                StreamDelta("e", 1, "b", [8]),
+                StreamDelta("e", 1, "", [], finish_reason="length", usage=Usage(3, 2, 0))])))
             assert (await first).token_ids == [7]  # the end waits in the queue
             await gen.aclose()  # the consumer leaves
             assert not client.in_use("e")

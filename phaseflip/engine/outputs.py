@@ -63,3 +63,26 @@ class StreamDelta:
     prompt_top_logprobs: list[TopLogprobs | None] | None = None
     usage: Usage | None = None  # on the request's last delta
     cached_tokens: int | None = None  # on each sample's first delta: the prefix cache's share
+
+    def joins(self, later: StreamDelta) -> bool:
+        """Whether `later` may be folded into this delta (`join`): the same sample, and this
+        one not its last."""
+        return (later.request_id == self.request_id and later.index == self.index
+                and self.finish_reason is None and self.usage is None)
+
+    def join(self, later: StreamDelta) -> StreamDelta:
+        """This delta and the next one of the same sample as one: what a consumer that fell
+        behind sends as one chunk instead of several (the same text, tokens and logprobs)."""
+        def both(a: list | None, b: list | None) -> list | None:
+            return a if b is None else b if a is None else a + b
+
+        return StreamDelta(
+            self.request_id, self.index, self.text + later.text,
+            self.token_ids + later.token_ids, both(self.logprobs, later.logprobs),
+            both(self.top_logprobs, later.top_logprobs), later.finish_reason,
+            later.matched_stop,
+            self.prompt_logprobs if later.prompt_logprobs is None else later.prompt_logprobs,
+            self.prompt_top_logprobs if later.prompt_top_logprobs is None
+            else later.prompt_top_logprobs,
+            later.usage,
+            self.cached_tokens if self.cached_tokens is not None else later.cached_tokens)

@@ -144,6 +144,7 @@ class EngineClient:
         self.state.in_flight[rid] = q
         self.state.widths[rid] = params.n
         done = sent = False
+        carry = None  # taken from `q` while joining, not joinable: the next item
         try:
             # a send cancelled while the socket is full sends nothing (nothing to abort); one
             # the socket completed just as the consumer was cancelled did go out
@@ -153,7 +154,8 @@ class EngineClient:
             finally:
                 sent = fut.done() and not fut.cancelled() and fut.exception() is None
             while not done:
-                item = await q.get()
+                item = carry if carry is not None else await q.get()
+                carry = None
                 if isinstance(item, m.RequestFailed):
                     done = True
                     if item.kind == "shutdown":
@@ -161,12 +163,22 @@ class EngineClient:
                     if item.kind == "server_error":
                         raise EngineDeadError(item.message)
                     raise InvalidRequestError(item.message, item.param)
+                # the consumer fell behind (deltas of several steps wait): one delta, so one
+                # chunk and one socket write, instead of one per step
+                while carry is None and not q.empty():
+                    later = q.get_nowait()
+                    if isinstance(later, m.RequestFailed) or not item.joins(later):
+                        carry = later
+                    else:
+                        item = item.join(later)
                 done = item.usage is not None
                 yield item
         finally:
             self.state.in_flight.pop(rid, None)
             self.state.widths.pop(rid, None)
-            if sent and not done and self._leave(rid, q):
+            ended = carry is not None and (isinstance(carry, m.RequestFailed)
+                                           or carry.usage is not None)
+            if sent and not done and not ended and self._leave(rid, q):
                 await self.abort(rid)
 
     def _leave(self, rid: str, q: asyncio.Queue) -> bool:
