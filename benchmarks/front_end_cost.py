@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--launch-args", default="--device cpu",
+    ap.add_argument("--serve-args", default="--device cpu",
                     help="flags for phaseflip serve (the embedded model unless --model is here)")
     ap.add_argument("--client", default="auto", choices=["auto", "aiohttp", "httpx"])
     ap.add_argument("--null-forward", action="store_true",
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.null_forward:
         null_forward_env(tempfile.mkdtemp(prefix="pf-null-"))
 
-    serve_args = args.launch_args
+    serve_args = args.serve_args
     if "--model" not in serve_args:
         serve_args += f" --model {EMBEDDED_MODEL}"
     serve_args += f" --served-model-name default --max-running-requests {args.concurrency}"
