@@ -163,6 +163,36 @@ def test_inter_token_latency_is_per_sample(tmp_path):
     assert asyncio.run(go()) == [0.0]  # every gap is a step's (20 ms), none between samples
 
 
+def test_a_joined_delta_is_one_gap_then_none(tmp_path):
+    """A stream that fell behind gets its waiting deltas as one (`StreamDelta.join`): the
+    histogram still counts one observation a token after the first, as delivered — the gap
+    before the delta, then 0 for each further token. Red before: one observation a delta (the
+    gap divided by its tokens), so the count hung on the front end's lag (a loaded CI box made
+    `test_counters_match_what_was_sent` count 0 instead of 6)."""
+    from phaseflip.engine.outputs import StreamDelta, Usage
+    from phaseflip.sampling.params import SamplingParams
+
+    steps = [[StreamDelta("r", 0, "aa", [64, 64])],
+             [StreamDelta("r", 0, "aaa", [64] * 3, finish_reason="length",
+                          usage=Usage(2, 5, 0))]]
+
+    async def go() -> tuple[float, float, float]:
+        async with fake_server(tmp_path) as (ctx, _app, _engine):
+            _scripted(ctx, steps, 0.02)
+            async for _ in ctx.run("r", [1, 2], SamplingParams(max_new_tokens=5)):
+                pass
+            samples = ctx.metrics.itl.collect()[0].samples
+            fast = next(s.value for s in samples
+                        if s.name.endswith("_bucket") and s.labels["le"] == "0.005")
+            count = next(s.value for s in samples if s.name.endswith("_count"))
+            total = next(s.value for s in samples if s.name.endswith("_sum"))
+            return count, fast, total
+
+    count, fast, total = asyncio.run(go())
+    assert count == 5 - 1 and fast == 3  # the 20 ms gap, then three tokens delivered with it
+    assert 0.015 < total < 1.0
+
+
 def test_a_request_left_after_its_prefill_counts_its_prompt(tmp_path):
     """A client gone before the last delta (disconnect, shutdown) counted the tokens it was
     sent but never its prompt: prompt_tokens_total only moved with the usage message."""

@@ -332,8 +332,12 @@ class ServerContext:
                     if first:
                         self.metrics.ttft.observe(now - start)
                         first = False
+                    # one observation a token, as delivered: a delta of several (a stream that
+                    # fell behind takes its waiting deltas as one) is one gap, then none
                     if (prev := last.get(d.index)) is not None:
-                        self.metrics.itl.observe((now - prev) / len(d.token_ids))
+                        self.metrics.itl.observe(now - prev)
+                    for _ in range(len(d.token_ids) - 1):
+                        self.metrics.itl.observe(0.0)
                     last[d.index] = now
                 if d.finish_reason is not None:
                     self.metrics.requests.labels(d.finish_reason).inc()
