@@ -164,7 +164,7 @@ def test_inter_token_latency_is_per_sample(tmp_path):
 
 
 def test_a_joined_delta_is_one_gap_then_none(tmp_path):
-    """A stream that fell behind gets its waiting deltas as one (`StreamDelta.join`): the
+    """A stream that fell behind gets its waiting deltas as one (`StreamDelta.joined`): the
     histogram still counts one observation a token after the first, as delivered — the gap
     before the delta, then 0 for each further token. Red before: one observation a delta (the
     gap divided by its tokens), so the count hung on the front end's lag (a loaded CI box made

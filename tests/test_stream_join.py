@@ -1,5 +1,5 @@
 """A stream whose consumer fell behind gets the deltas waiting for it as one (`EngineClient.
-generate`, `StreamDelta.join`): one chunk and one socket write instead of one per engine step
+generate`, `StreamDelta.joined`): one chunk and one socket write instead of one per engine step
 (the front end's cost per chunk bounds the tokens a second it can deliver:
 docs/benchmarks.md, "The front end's cost per token"). Red before: five waiting deltas were
 yielded as five."""
@@ -30,13 +30,14 @@ def test_join_keeps_every_token_and_the_last_deltas_ending():
     c = delta(3, logprobs=[-0.3], top_logprobs=[[(3, -0.3)]], finish_reason="stop",
               matched_stop=3, usage=Usage(4, 3, 3))
     assert a.joins(b) and b.joins(c)
-    j = a.join(b).join(c)
+    j = StreamDelta.joined([a, b, c])
     assert (j.text, j.token_ids, j.logprobs) == ("t1 t2 t3 ", [1, 2, 3], [-0.1, -0.2, -0.3])
     assert j.top_logprobs == [[(1, -0.1)], [(2, -0.2)], [(3, -0.3)]]
     assert (j.finish_reason, j.matched_stop, j.usage) == ("stop", 3, Usage(4, 3, 3))
     assert (j.cached_tokens, j.prompt_logprobs) == (3, [None, -1.0])
     assert j.prompt_top_logprobs == [None, [(5, -1.0)]]
     assert (a.text, a.token_ids, a.logprobs) == ("t1 ", [1], [-0.1]), "a join changed its input"
+    assert StreamDelta.joined([delta(1), delta(2)]).logprobs is None
     assert not c.joins(delta(4)), "nothing joins a sample's last delta"
     assert not a.joins(delta(2, index=1)), "another sample's delta"
 

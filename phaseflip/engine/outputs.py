@@ -65,24 +65,27 @@ class StreamDelta:
     cached_tokens: int | None = None  # on each sample's first delta: the prefix cache's share
 
     def joins(self, later: StreamDelta) -> bool:
-        """Whether `later` may be folded into this delta (`join`): the same sample, and this
-        one not its last."""
+        """Whether `later` may follow this delta into one (`joined`): the same sample, and
+        this one not its last."""
         return (later.request_id == self.request_id and later.index == self.index
                 and self.finish_reason is None and self.usage is None)
 
-    def join(self, later: StreamDelta) -> StreamDelta:
-        """This delta and the next one of the same sample as one: what a consumer that fell
-        behind sends as one chunk instead of several (the same text, tokens and logprobs)."""
-        def both(a: list | None, b: list | None) -> list | None:
-            return a if b is None else b if a is None else a + b
+    @staticmethod
+    def joined(parts: list[StreamDelta]) -> StreamDelta:
+        """Consecutive deltas of one sample (each `joins` the next) as one: what a consumer
+        that fell behind sends as one chunk instead of several (the same text, tokens and
+        logprobs; the last one's end). Built once, linear in what they hold."""
+        first, last = parts[0], parts[-1]
+
+        def cat(name: str) -> list | None:
+            lists = [v for d in parts if (v := getattr(d, name)) is not None]
+            return None if not lists else [x for v in lists for x in v]
+
+        def once(name: str) -> object:  # (sent with one delta of the sample at most)
+            return next((v for d in parts if (v := getattr(d, name)) is not None), None)
 
         return StreamDelta(
-            self.request_id, self.index, self.text + later.text,
-            self.token_ids + later.token_ids, both(self.logprobs, later.logprobs),
-            both(self.top_logprobs, later.top_logprobs), later.finish_reason,
-            later.matched_stop,
-            self.prompt_logprobs if later.prompt_logprobs is None else later.prompt_logprobs,
-            self.prompt_top_logprobs if later.prompt_top_logprobs is None
-            else later.prompt_top_logprobs,
-            later.usage,
-            self.cached_tokens if self.cached_tokens is not None else later.cached_tokens)
+            first.request_id, first.index, "".join(d.text for d in parts),
+            [t for d in parts for t in d.token_ids], cat("logprobs"), cat("top_logprobs"),
+            last.finish_reason, last.matched_stop, once("prompt_logprobs"),
+            once("prompt_top_logprobs"), last.usage, once("cached_tokens"))

@@ -165,12 +165,15 @@ class EngineClient:
                     raise InvalidRequestError(item.message, item.param)
                 # the consumer fell behind (deltas of several steps wait): one delta, so one
                 # chunk and one socket write, instead of one per step
+                parts = [item]
                 while carry is None and not q.empty():
                     later = q.get_nowait()
-                    if isinstance(later, m.RequestFailed) or not item.joins(later):
+                    if isinstance(later, m.RequestFailed) or not parts[-1].joins(later):
                         carry = later
                     else:
-                        item = item.join(later)
+                        parts.append(later)
+                if len(parts) > 1:
+                    item = StreamDelta.joined(parts)
                 done = item.usage is not None
                 yield item
         finally:
