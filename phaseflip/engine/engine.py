@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 def merge_delta(out: RequestOutput, d: StreamDelta) -> None:
     """Folds one streaming delta into an accumulating RequestOutput."""
     c = out.outputs[d.index]
-    text, c.text = c.text, ""  # grown in place (see `Detokenizer._append`)
+    text, c.text = c.text, ""  # grown in place (see `IncrementalDetokenizer._append`)
     text += d.text
     c.text = text
     c.token_ids += d.token_ids

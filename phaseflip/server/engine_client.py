@@ -179,19 +179,18 @@ class EngineClient:
         finally:
             self.state.in_flight.pop(rid, None)
             self.state.widths.pop(rid, None)
-            ended = carry is not None and (isinstance(carry, m.RequestFailed)
-                                           or carry.usage is not None)
-            if sent and not done and not ended and self._leave(rid, q):
+            if sent and not done and self._leave(rid, q, carry):
                 await self.abort(rid)
 
-    def _leave(self, rid: str, q: asyncio.Queue) -> bool:
+    def _leave(self, rid: str, q: asyncio.Queue, taken: object = None) -> bool:
         """The consumer of `rid` stops before its end: whether the engine still runs it (to
         be aborted next). The id stays in `leaving` until the engine's end of it arrives;
-        an end already in `q` means nothing is left to abort."""
+        an end already in `q`, or `taken` from it (by a join), means nothing is left to abort."""
+        items = [] if taken is None else [taken]
         while not q.empty():
-            item = q.get_nowait()
-            if isinstance(item, m.RequestFailed) or item.usage is not None:
-                return False
+            items.append(q.get_nowait())
+        if any(isinstance(i, m.RequestFailed) or i.usage is not None for i in items):
+            return False
         if self.state.dead:
             return False
         self.state.leaving.add(rid)

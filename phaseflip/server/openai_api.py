@@ -41,7 +41,7 @@ class Choice:
     def add(self, d: StreamDelta) -> None:
         if d.cached_tokens is not None:
             self.cached_tokens = d.cached_tokens
-        text, self.text = self.text, ""  # grown in place (see `Detokenizer._append`)
+        text, self.text = self.text, ""  # grown in place (see `IncrementalDetokenizer._append`)
         text += d.text
         self.text = text
         self.token_ids += d.token_ids

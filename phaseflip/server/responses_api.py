@@ -340,7 +340,7 @@ def _text_events(ev: _Events, out: Output, text: str, lps: list[dict[str, Any]]
                    ev("response.content_part.added", item_id=item["id"], output_index=index,
                       content_index=0, part={"type": "output_text", "text": "",
                                              "annotations": [], "logprobs": []})]
-    grown, out.text = out.text, ""  # grown in place (see `Detokenizer._append`)
+    grown, out.text = out.text, ""  # grown in place (see `IncrementalDetokenizer._append`)
     grown += text
     out.text = grown
     if out.logprobs is not None:

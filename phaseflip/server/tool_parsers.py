@@ -407,7 +407,7 @@ class AutoReader:
 
     def feed(self, delta: str, finished: bool) -> tuple[str, list[tuple[int, str | None, str]]]:
         """(content, [(call index, name: its first piece, else None, arguments piece)])."""
-        text, self.text = self.text, ""  # grown in place (see `Detokenizer._append`)
+        text, self.text = self.text, ""  # grown in place (see `IncrementalDetokenizer._append`)
         text += delta
         self.text = text
         self.out, self.events = [], []
