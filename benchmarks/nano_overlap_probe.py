@@ -135,7 +135,7 @@ def pipelined(layers: Layers, halves: list[ForwardBatch], backends: list[TritonA
 
     def launch(h: int, i: int) -> None:
         qkv, rs[h] = layers.pre(i, xs[h], rs[h])
-        out = layers.out_buffer(xs[h].shape[0], xs[0])  # allocated on main: freed in order
+        out = layers.out_buffer(qkv[0].shape[0], xs[0])  # allocated on main: freed in order
         if side is None:
             pending[h] = (qkv, layers.attend(i, qkv, halves[h], rot[h], backends[h], out), None)
             return
@@ -198,7 +198,27 @@ def timed(fn: Callable[[], torch.Tensor], graph: bool, reps: int) -> tuple[float
     return statistics.median(times[2:] or times), out
 
 
-def probe_case(layers: Layers, b: int, mean: int, reps: int, graph: bool) -> dict:
+def carveout(sms: int | None) -> None:
+    """cuBLAS(Lt) GEMMs captured from here leave `sms` SMs free (None: all SMs)."""
+    torch._C._set_sm_carveout_experimental(sms)
+
+
+def gemm_us(rows: int, carve: tuple[int, ...]) -> dict[str, float]:
+    """µs of one bf16 gate_up-shaped GEMM at each carveout: whether cuBLAS honours it."""
+    from triton.testing import do_bench
+
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(28672, 4096, device="cuda", dtype=torch.bfloat16)
+    out = {}
+    for c in (0, *carve):
+        carveout(c or None)
+        out[str(c)] = round(do_bench(lambda: torch.nn.functional.linear(x, w)) * 1e3, 1)
+    carveout(None)
+    return out
+
+
+def probe_case(layers: Layers, b: int, mean: int, reps: int, graph: bool,
+               carve: tuple[int, ...] = ()) -> dict:
     runner_slots = layers.pool.num_slots
     dev = layers.model.embed_tokens.weight.device
     batch = make_batch(b, mean, runner_slots).to(dev)
@@ -217,7 +237,17 @@ def probe_case(layers: Layers, b: int, mean: int, reps: int, graph: bool) -> dic
                        reps)
         row[f"{name}_us"] = t * 1e3 / n
         row[f"{name}_max_diff"] = float((out.float() - ref.float()).abs().max())
-    row["overlap_gain"] = row["serial_us"] / min(row["overlap_us"], row["overlap_hi_us"])
+    for c in carve:  # the projections leave c SMs to the other half's attention
+        backends = [TritonAttention(), TritonAttention()]
+        carveout(c)
+        try:
+            t, out = timed(functools.partial(pipelined, layers, halves, backends,
+                                             torch.cuda.Stream()), graph, reps)
+        finally:
+            carveout(None)
+        row[f"overlap_c{c}_us"] = t * 1e3 / n
+    best = min(v for k, v in row.items() if k.startswith("overlap") and k.endswith("_us"))
+    row["overlap_gain"] = row["serial_us"] / best
     return row
 
 
@@ -231,6 +261,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--cases", default=None, help="B:MEAN,... (default: CASES)")
+    ap.add_argument("--carveouts", default="",
+                    help="SM counts the overlap's GEMMs leave free, e.g. 16,32,48 (cuBLAS)")
+    ap.add_argument("--cublaslt", action="store_true", help="prefer cuBLASLt for GEMMs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     cfg = resolve_model(EngineConfig(
@@ -241,17 +274,23 @@ def main(argv: list[str] | None = None) -> None:
     layers = Layers(ModelRunner(cfg, model_cfg))
     cases = CASES if args.cases is None else [tuple(map(int, c.split(":")))
                                               for c in args.cases.split(",")]
+    carve = tuple(int(c) for c in args.carveouts.split(",") if c)
+    if args.cublaslt:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
     rows = []
+    result = {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+              "cublaslt": args.cublaslt, "rows": rows}
+    if carve:
+        result["gemm_us_by_carveout"] = {r: gemm_us(r, carve) for r in (256, 512)}
+        print("gate_up GEMM us by carveout:", result["gemm_us_by_carveout"], flush=True)
     with torch.inference_mode():
         for b, mean in cases:
-            row = probe_case(layers, b, mean, args.reps, not args.eager)
+            row = probe_case(layers, b, mean, args.reps, not args.eager, carve)
             rows.append(row)
-            print(f"B={b:5d} ctx~{mean:5d}: serial {row['serial_us']:7.1f}  halves "
-                  f"{row['halves_us']:7.1f}  overlap {row['overlap_us']:7.1f}  hi "
-                  f"{row['overlap_hi_us']:7.1f} us/layer  gain {row['overlap_gain']:.3f}x  "
+            arms = "  ".join(f"{k[:-3]} {v:7.1f}" for k, v in row.items() if k.endswith("_us"))
+            print(f"B={b:5d} ctx~{mean:5d}: {arms} us/layer  gain {row['overlap_gain']:.3f}x  "
                   f"diff {row['overlap_max_diff']:.3g}", flush=True)
-            write_json(args.out, {"quantization": args.quantization,
-                                  "kv_cache_dtype": args.kv_cache_dtype, "rows": rows})
+            write_json(args.out, result)
 
 
 if __name__ == "__main__":
