@@ -115,7 +115,8 @@ def serial(layers: Layers, batch: ForwardBatch, backend: TritonAttention) -> tor
     last = len(model.layers) - 1
     for i in range(len(model.layers)):
         qkv, residual = layers.pre(i, x, residual)
-        o = layers.attend(i, qkv, batch, rotary, backend, layers.out_buffer(x.shape[0], x))
+        out = layers.out_buffer(qkv[0].shape[0], qkv[0])
+        o = layers.attend(i, qkv, batch, rotary, backend, out)
         x, residual = layers.post(i, o, residual, fold_out=i < last)
     return x + residual  # the last layer's output is never left scaled (fold_out False)
 
@@ -135,7 +136,7 @@ def pipelined(layers: Layers, halves: list[ForwardBatch], backends: list[TritonA
 
     def launch(h: int, i: int) -> None:
         qkv, rs[h] = layers.pre(i, xs[h], rs[h])
-        out = layers.out_buffer(qkv[0].shape[0], xs[0])  # allocated on main: freed in order
+        out = layers.out_buffer(qkv[0].shape[0], qkv[0])  # allocated on main: freed in order
         if side is None:
             pending[h] = (qkv, layers.attend(i, qkv, halves[h], rot[h], backends[h], out), None)
             return
