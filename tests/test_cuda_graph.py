@@ -228,7 +228,7 @@ def test_padded_replay_fills_its_buffers_without_host_reads(runner, monkeypatch)
         pytest.skip("the recorded graphs run the model; the CPU run checks the filling")
     monkeypatch.setattr(graphs.backend, "bind_graph_batch", lambda batch, n: None)
     monkeypatch.setattr(graphs, "_run",
-                        lambda batch, halves=None: (torch.zeros(batch.batch_size, 1), None, None))
+                        lambda batch: (torch.zeros(batch.batch_size, 1), None, None))
     ctx = _contexts([4, 9, 2], seed=3)
     plan = _plan([(t[-1:], s, len(t) - 1) for t, s in ctx], decode=True)
     # rows 0 and 2 are placeholders naming rows 1 and 0 of the previous step's tokens
