@@ -48,7 +48,7 @@ _AT_LEAST_ONE = ("page_size", "max_running_requests", "max_total_tokens", "cuda_
                  "cpu_threads", "all_reduce_max_kib", "max_model_len")
 # counts where 0 means none (or off), and what the error adds
 _AT_LEAST_ZERO = {"piecewise_graph_max_tokens": " (0 turns them off)", "max_logprobs": "",
-                  "flip_min_dwell_steps": "", "decode_halves_min_batch": " (0 turns it off)"}
+                  "flip_min_dwell_steps": ""}
 # set in the environment, --max-model-len may exceed the model's positions (as vLLM's
 # VLLM_ALLOW_LONG_MAX_MODEL_LEN): positions it was never trained on, at the user's risk
 ALLOW_LONG_MAX_MODEL_LEN_ENV = "PHASEFLIP_ALLOW_LONG_MAX_MODEL_LEN"
@@ -288,11 +288,6 @@ class EngineConfig:
     """Largest decode batch captured in a CUDA graph (capped by max_running_requests); larger
     batches run eagerly. Eager decode at ~770 rows cost 46 ms a step on the H200, 22 ms of it
     host launches, against 31 ms of GPU work."""
-    decode_halves_min_batch: int = 0
-    """Decode batches of at least this many sequences (replayed from CUDA graphs, one rank)
-    run as two halves in flight: each half's attention on a second stream beside the other
-    half's projections (docs/architecture.md, "Two decode halves in flight"). 0 turns it
-    off."""
     piecewise_graph_max_tokens: int = 1024
     """Largest prefill or mixed step (prompt tokens plus decodes) run as piecewise CUDA graphs:
     every layer's kernels but attention replayed from graphs, attention launched between them

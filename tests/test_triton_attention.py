@@ -198,10 +198,10 @@ def test_odd_head_dim_and_mha():
 def test_metadata_reused_across_layers_and_rebuilt_per_batch():
     backend = TritonAttention()
     run_case([(12, 4), (3, 1)], backend=backend, layers=3)
-    first = backend._metas[-1]
+    first = backend._meta
     assert first is not None and first.qo_indptr is not None
     run_case([(12, 1), (3, 1)], backend=backend, layers=2)  # a new batch: new metadata
-    assert backend._metas[-1] is not first and backend._metas[-1].is_decode
+    assert backend._meta is not first and backend._meta.is_decode
 
 
 def test_large_decode_batch_launches_longest_first(monkeypatch):
@@ -220,9 +220,9 @@ def test_large_decode_batch_launches_longest_first(monkeypatch):
     monkeypatch.setattr(kernels, "decode_attention", record)
     backend = TritonAttention()
     run_case([(n, 1) for n in lens], backend=backend, layers=2)
-    assert len(launched) == 2 and all(o is backend._metas[-1].order for o in launched)
+    assert len(launched) == 2 and all(o is backend._meta.order for o in launched)
     want = sorted(range(len(lens)), key=lambda i: -lens[i])
-    assert [lens[i] for i in backend._metas[-1].order.tolist()] == [lens[i] for i in want]
+    assert [lens[i] for i in backend._meta.order.tolist()] == [lens[i] for i in want]
 
 
 @pytest.mark.parametrize("splits", [None, 3])
@@ -235,7 +235,7 @@ def test_mixed_batch_one_token_sequences_take_the_decode_kernel(splits, window):
     for mixed in (True, False):
         backend = TritonAttention(mixed_decode=mixed, decode_splits=splits)
         run_case(seqs, backend=backend, window=window, layers=2)
-        tiles = next(v for k, v in backend._metas[-1].by_layout.items() if k[0] == "tiles")
+        tiles = next(v for k, v in backend._meta.by_layout.items() if k[0] == "tiles")
         tiled = set(tiles[0].tolist())
         assert tiled == ({1, 3} if mixed else set(range(len(seqs))))
 
@@ -271,13 +271,13 @@ def test_a_reused_decode_batch_is_sorted_again_at_every_forward():
     kv = torch.randn(len(lens), 2, 32, generator=gen).to(DEVICE)
     for layer in (0, 1):
         backend.forward(layer, q, kv, kv, batch, pool, 0.2)
-    first = backend._metas[-1].order.tolist()
+    first = backend._meta.order.tolist()
     # the next replay: same batch object, the lengths reversed in the static buffer
     new_lens = list(reversed(lens))
     batch.kv_indptr.copy_(torch.tensor([0] + torch.tensor(new_lens).cumsum(0).tolist()))
     for layer in (0, 1):
         backend.forward(layer, q, kv, kv, batch, pool, 0.2)
-    again = backend._metas[-1].order.tolist()
+    again = backend._meta.order.tolist()
     assert again != first
     assert [new_lens[i] for i in again] == sorted(new_lens, reverse=True)
 

@@ -11,17 +11,14 @@ Per-batch metadata. A model forward calls `forward` once per layer with the same
 its float32 workspace) depends only on the batch, the head layout and the sliding window. It is
 built on the first layer from the batch's *host* lists (`extend_lens`, `prefix_lens`), copied to
 the device once (pinned, non-blocking), and reused by the remaining layers: no host<->device sync
-on the per-layer path. The cache holds two batches (a decode step run as two halves in flight
-alternates between them layer by layer: `model.decode_overlap`), matched by identity (`cached
-is batch`); it keeps a reference to each so that its `id` cannot be recycled by a new batch
-while cached.
+on the per-layer path. The cache holds one batch, matched by identity (`cached is batch`); it
+keeps a reference to that batch so that its `id` cannot be recycled by a new batch while cached.
 Inside it, a small dict keys the layout-dependent parts on (num_kv_heads, group, head_dim,
 dtype, sliding_window), so models whose layers differ in window (Qwen2) get one entry per kind.
 A `ForwardBatch` is treated as immutable once it reaches the backend.
 
-The workspace is shared by all layers of one batch: a batch's layers run their attention in
-order on one stream, so a layer's reduce has consumed the partials before the next layer
-overwrites them (two halves in flight each have their own).
+The workspace is shared by all layers of one batch: layers run in order on one stream, so a
+layer's reduce has consumed the partials before the next layer overwrites them.
 """
 
 from __future__ import annotations
@@ -103,7 +100,7 @@ class TritonAttention:
         self.decode_min_chunk = decode_min_chunk
         self.decode_config = decode_config
         self.extend_config = extend_config
-        self._metas: list[_BatchMeta] = []  # the last two batches', newest last
+        self._meta: _BatchMeta | None = None
 
     def _cuda_kernel(self, device: torch.device) -> CudaFp8Decode | None:
         """The CUDA decode kernel, compiled and loaded at the first decode outside a graph
@@ -115,9 +112,9 @@ class TritonAttention:
         return self._cuda
 
     def _batch_meta(self, batch: ForwardBatch, device: torch.device) -> _BatchMeta:
-        for meta in self._metas:
-            if meta.batch is batch:
-                return meta
+        meta = self._meta
+        if meta is not None and meta.batch is batch:
+            return meta
         seq_lens = [p + e for p, e in zip(batch.prefix_lens, batch.extend_lens)]
         meta = _BatchMeta(batch=batch, is_decode=batch.is_decode,
                           max_kv_len=max(seq_lens, default=0))
@@ -126,10 +123,7 @@ class TritonAttention:
             for e in batch.extend_lens:
                 indptr.append(indptr[-1] + e)
             meta.qo_indptr = _to_device(indptr, device)
-        return self._keep(meta)
-
-    def _keep(self, meta: _BatchMeta) -> _BatchMeta:
-        self._metas = [*self._metas[-1:], meta]
+        self._meta = meta
         return meta
 
     def bind_graph_batch(self, batch: ForwardBatch, max_kv_len: int) -> object:
@@ -143,7 +137,8 @@ class TritonAttention:
         """
         if not batch.is_decode:
             raise ValueError("only decode batches are captured")
-        return self._keep(_BatchMeta(batch=batch, is_decode=True, max_kv_len=max_kv_len))
+        self._meta = _BatchMeta(batch=batch, is_decode=True, max_kv_len=max_kv_len)
+        return self._meta
 
     @staticmethod
     def _decode_order(meta: _BatchMeta, layer_id: int, batch: ForwardBatch) -> torch.Tensor:

@@ -64,7 +64,6 @@ from phaseflip.attention import AttentionBackend
 from phaseflip.cache.kv_pool import KVPool
 from phaseflip.forward_batch import ForwardBatch
 from phaseflip.heap import collector_paused
-from phaseflip.model.decode_overlap import DecodeHalves, split_decode
 from phaseflip.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -107,7 +106,6 @@ class _Captured:
     # [bs, vocab] float32 rows of the shared logits buffer: the last stage's sampling rank only
     logits: torch.Tensor | None
     backend_state: object  # the attention backend's plans/workspaces the graph addresses
-    halves: DecodeHalves | None = None  # the size runs as two halves in flight
 
 
 @dataclass
@@ -151,15 +149,9 @@ class DecodeGraphs:
         max_context: int,
         max_kv_tokens: int,
         record: bool = True,
-        halves_min_bs: int = 0,
     ) -> None:
         self.model, self.pool, self.backend = model, pool, backend
         self.record = record
-        layout = model.layout
-        # sizes from here up run as two halves in flight (`model.decode_overlap`): one rank only
-        self.halves_min_bs = halves_min_bs if (
-            halves_min_bs > 0 and layout.tp_size == 1 and layout.pp_size == 1) else 0
-        self._attn_stream: torch.cuda.Stream | None = None  # the halves' attention stream
         self.max_context = max_context
         self.sizes = capture_sizes(max_bs)
         self.max_bs = self.sizes[-1]
@@ -209,26 +201,12 @@ class DecodeGraphs:
             logits_indices=self.rows[:bs], max_position=0,
         )
 
-    def _halves(self, batch: ForwardBatch) -> DecodeHalves | None:
-        """The static `batch` as two halves in flight where its size runs so, else None."""
-        if not self.halves_min_bs or batch.batch_size < max(self.halves_min_bs, 2):
-            return None
-        return DecodeHalves(split_decode(batch), self._attn_stream)
-
-    def _bind(self, batch: ForwardBatch, halves: DecodeHalves | None) -> object:
-        """The attention backend's capture hook over what the forward hands it: the batch,
-        or each of its halves (their states, kept with the graph)."""
-        parts = (batch,) if halves is None else halves.halves
-        return [self.backend.bind_graph_batch(p, self.max_context) for p in parts]
-
-    def _run(self, batch: ForwardBatch, halves: DecodeHalves | None = None
+    def _run(self, batch: ForwardBatch
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(hidden, residual, logits): the stage's forward, on the last stage through the LM
         head into the shared logits buffer (logits None on the other TP ranks)."""
         bs = batch.batch_size
-        if halves is not None:
-            hidden, residual = self.model(batch, self.pool, self.backend, halves=halves)
-        elif self.in_hidden is None:
+        if self.in_hidden is None:
             hidden, residual = self.model(batch, self.pool, self.backend)
         else:
             hidden, residual = self.model(batch, self.pool, self.backend, self.in_hidden[:bs],
@@ -299,8 +277,6 @@ class DecodeGraphs:
             self._mempool = torch.cuda.graph_pool_handle()
             index = torch.device(self.device).index
             self._side = capture_stream(torch.cuda.current_device() if index is None else index)
-            if self.halves_min_bs:
-                self._attn_stream = torch.cuda.Stream(self._side.device)
         self.addresses = self.addresses_with(self.pool, self.model.layout.tp_comm)
 
     @property
@@ -384,18 +360,17 @@ class DecodeGraphs:
         captures a size at the same step (they replay the same plans), so the all-reduces
         inside the captures pair up."""
         batch = self._static_batch(bs)
-        halves = self._halves(batch)
         if not self.record:
-            self.graphs[bs] = _Captured(batch, None, None, None, None, None, halves)
+            self.graphs[bs] = _Captured(batch, None, None, None, None, None)
             return
         self._keep_gemm_workspace()
         side = self._side
         torch.cuda.synchronize(self.device)
-        state = self._bind(batch, halves)
+        state = self.backend.bind_graph_batch(batch, self.max_context)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):  # compile/autotune outside the capture
-                self._run(batch, halves)
+                self._run(batch)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads' CUDA calls (the NCCL watchdog querying its events,
@@ -403,8 +378,8 @@ class DecodeGraphs:
         # thread that frees an older graph (`collector_paused`)
         with collector_paused(), torch.cuda.graph(graph, pool=self._mempool, stream=side,
                                                   capture_error_mode="thread_local"):
-            hidden, residual, logits = self._run(batch, halves)
-        self.graphs[bs] = _Captured(batch, graph, hidden, residual, logits, state, halves)
+            hidden, residual, logits = self._run(batch)
+        self.graphs[bs] = _Captured(batch, graph, hidden, residual, logits, state)
         torch.cuda.synchronize(self.device)
 
     def _keep_gemm_workspace(self) -> None:
@@ -513,14 +488,12 @@ class DecodeGraphs:
         if captured.graph is None:
             batch = captured.batch
             with torch.inference_mode():
-                halves = captured.halves
-                if not self.backend.graph_capturable:  # the reference attention reads each
-                    lens = self.kv_indptr[1 : bs + 1] - self.kv_indptr[:bs]  # prefix length
+                if self.backend.graph_capturable:
+                    self.backend.bind_graph_batch(batch, self.max_context)
+                else:  # the reference attention reads each prefix length on the host
+                    lens = self.kv_indptr[1 : bs + 1] - self.kv_indptr[:bs]
                     batch = dataclasses.replace(batch, prefix_lens=(lens - 1).tolist())
-                    halves = halves and DecodeHalves(split_decode(batch), None)
-                else:
-                    self._bind(batch, halves)
-                out, res, logits = self._run(batch, halves)
+                out, res, logits = self._run(batch)
             captured = dataclasses.replace(captured, hidden=out, residual=res, logits=logits)
         else:
             captured.graph.replay()

@@ -19,7 +19,6 @@ from phaseflip.errors import ModelLoadError
 from phaseflip.forward_batch import ForwardBatch
 from phaseflip.layout import Layout
 from phaseflip.model.config import ModelConfig
-from phaseflip.model.decode_overlap import DecodeHalves, forward_halves
 from phaseflip.model.layers import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -72,6 +71,19 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor | Fp8Activation,
+        batch: ForwardBatch,
+        rotary: RotaryBatch,
+        pool: KVPool,
+        backend: AttentionBackend,
+        fold: bool = False,
+    ) -> torch.Tensor | ScaledRows:
+        """`fold`: o_proj's FP8 scales may be left to the residual add (`ScaledRows`)."""
+        q, k, v = self.qkv_proj(x)
+        return self.o_proj(self.attend(q, k, v, batch, rotary, pool, backend), fold=fold)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                rotary: RotaryBatch, pool: KVPool, backend: AttentionBackend, *,
@@ -141,13 +153,6 @@ class DecoderLayer(nn.Module):
         (down's FP8 product unscaled, for the next layer's residual add)."""
         if residual is None and folds_rows(x, self.self_attn.o_proj.layout, self._linears):
             return self._forward_folded(x, batch, rotary, pool, backend), None
-        qkv, residual = self.project_qkv(x, residual)
-        o = self.self_attn.attend(*qkv, batch, rotary, pool, backend)
-        return self.finish(o, residual, fold_out)
-
-    def project_qkv(self, x, residual) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        """The layer up to attention: ((q, k, v), residual) after the input norm and qkv.
-        (`forward` and the two-half decode, `model.decode_overlap`, run the layer in parts.)"""
         # each norm quantizes its output for the FP8 projection it feeds where that projection
         # would quantize it the same way itself (`takes_fp8_input`: shapes only, graph-safe)
         quantize = self.self_attn.qkv_proj.takes_fp8_input(output_rows(x))
@@ -155,18 +160,13 @@ class DecoderLayer(nn.Module):
             residual, x = x, self.input_layernorm(x, quantize=quantize)
         else:
             x, residual = self.input_layernorm(x, residual, quantize=quantize)
-        return self.self_attn.qkv_proj(x), residual
-
-    def finish(self, o: torch.Tensor, residual: torch.Tensor, fold_out: bool = False):
-        """The layer after attention (o, the post-attention norm, the MLP) of its output `o`:
-        (hidden, residual), the hidden `ScaledRows` where `fold_out` lets it (see forward)."""
         # o and down may hand the residual adds their products unscaled (`ScaledRows`): the
         # add + norm kernel applies the scales, and cuBLAS runs tensor-wise (faster). A
         # single rank only: it rounds the product once more than row-wise, and the layouts a
         # flip moves between (tp, pp) must keep rounding alike
         layout = self.self_attn.o_proj.layout
         fold = layout.tp_size == 1 and layout.pp_size == 1
-        x = self.self_attn.o_proj(o, fold=fold)
+        x = self.self_attn(x, batch, rotary, pool, backend, fold=fold)
         quantize = self.mlp.gate_up_proj.takes_fp8_input(output_rows(x))
         x, residual = self.post_attention_layernorm(x, residual, quantize=quantize)
         return self.mlp(x, fold=fold and fold_out), residual
@@ -226,14 +226,9 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         hidden: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
-        halves: DecodeHalves | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (hidden, residual) after this stage's layers; on the last stage `hidden` is
-        the final-normed state of the rows named by `batch.logits_indices`. `halves`: the
-        decode `batch` cut in two, run as two halves in flight (`model.decode_overlap`)."""
-        if halves is not None:
-            hidden, residual = forward_halves(self, halves, pool, backend)
-            return self.final_states(hidden, residual, batch.logits_indices), None
+        the final-normed state of the rows named by `batch.logits_indices`."""
         hidden, residual = self.forward_layers(batch, pool, backend, hidden, residual)
         if not self.layout.is_last_stage:
             return hidden, residual

@@ -303,7 +303,6 @@ class ModelRunner:
             max_bs=min(cfg.cuda_graph_max_bs, cfg.max_running_requests),
             max_context=cfg.context_len(self.model_cfg.max_position_embeddings),
             max_kv_tokens=self.num_slots, record=not unrecorded,
-            halves_min_bs=cfg.decode_halves_min_batch,
         )
         if lazy:
             graphs.prepare()
