@@ -18,6 +18,10 @@ decode batch of B sequences with contexts around a mean, each as a CUDA graph of
 
 Prints µs per layer of each and the overlap's gain over serial, and the largest difference of
 the hidden states against serial (the halves' GEMMs may pick other kernels: not bitwise).
+
+Measured on an H100 (2026-12-07, docs/benchmarks.md "Two decode halves in flight"): the
+overlap was 1.03-1.47x slower a layer than serial at 64-1024 sequences, bf16 and FP8; the
+engine path built on it was reverted.
 """
 
 from __future__ import annotations
