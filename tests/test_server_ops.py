@@ -477,3 +477,22 @@ def test_a_layout_the_model_cannot_hold_ends_serve_at_once_naming_why():
     lines = (done.stdout + done.stderr).strip().splitlines()
     assert len(lines) == 1 and "pp_size=8 exceeds the model's 4 layers" in lines[0], lines
     assert time.monotonic() - start < 30
+
+
+def test_a_step_s_deltas_survive_the_codec():
+    """Deltas travel as field tuples (`StreamDelta.as_tuple`): every field comes back, the
+    optional ones whether set or not, and the codec still refuses what it does not know."""
+    from phaseflip.engine.outputs import StreamDelta, Usage
+
+    plain = StreamDelta("a", 0, "hi", [5])
+    full = StreamDelta("b", 1, "", [6, 7], [-0.5, -1.0], [[(6, -0.5)], [(7, -1.0)]], "stop",
+                       "</s>", [None, -2.0], [None, [(3, -2.0)]], Usage(3, 2, 1), 1)
+    late = StreamDelta("c", 0, "x", [8], cached_tokens=4)
+    msg = m.Deltas([plain, full, late], running=3, waiting=1)
+    back = m.decode(m.encode(msg))
+    assert back == msg and all(type(d) is StreamDelta for d in back.deltas)
+    assert plain.as_tuple() == ("a", 0, "hi", [5]) and len(late.as_tuple()) == 12
+    import pickle
+
+    with pytest.raises(pickle.UnpicklingError, match="refuses"):
+        m.decode(pickle.dumps(pickle.loads))
