@@ -496,16 +496,3 @@ def test_a_step_s_deltas_survive_the_codec():
 
     with pytest.raises(pickle.UnpicklingError, match="refuses"):
         m.decode(pickle.dumps(pickle.loads))
-
-
-def test_the_server_runs_on_uvloop_unless_told_not_to(monkeypatch):
-    """uvloop (a dependency) runs the front end; PHASEFLIP_EVENT_LOOP=asyncio rules it out."""
-    pytest.importorskip("uvloop")
-    from phaseflip.server.launch import LOOP_ENV, run_loop
-
-    async def loop_module():
-        return type(asyncio.get_running_loop()).__module__
-
-    assert run_loop(loop_module()).startswith("uvloop")
-    monkeypatch.setenv(LOOP_ENV, "asyncio")
-    assert run_loop(loop_module()).startswith("asyncio")

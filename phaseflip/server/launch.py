@@ -22,11 +22,9 @@ import shutil
 import signal
 import socket
 import tempfile
-from collections.abc import Coroutine
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from pathlib import Path
-from typing import Any
 
 import uvicorn
 
@@ -72,7 +70,7 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
                         format="%(asctime)s %(name)s %(message)s")
     if server_cfg.log_requests:  # asked for: shown whatever --log-level says
         logging.getLogger("phaseflip.requests").setLevel(logging.INFO)
-    outcome = run_loop(_serve(engine_cfg, server_cfg))
+    outcome = asyncio.run(_serve(engine_cfg, server_cfg))
     # the last line of the log says how the server ended (see docs/troubleshooting.md): let
     # multiprocessing's resource tracker finish first (it warns about what a killed engine
     # left, and would otherwise print after us)
@@ -82,26 +80,6 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     (log.info if outcome.code == EXIT_OK else log.error)(
         "phaseflip exits with code %d: %s", outcome.code, outcome.reason)
     return outcome.code
-
-
-# set to "asyncio": the standard event loop even where uvloop is installed (to rule it out)
-LOOP_ENV = "PHASEFLIP_EVENT_LOOP"
-
-
-def run_loop(main: Coroutine[Any, Any, Outcome]) -> Outcome:
-    """Runs the server on uvloop where it is installed (a dependency on Linux and macOS),
-    else on asyncio's loop. The front end is one process that writes a chunk per stream per
-    engine step: on an H100 at 256 FP8 streams it was the bottleneck (docs/benchmarks.md,
-    "The front end's cost per token"), and uvloop's transports and scheduling cost less a
-    chunk. (uvicorn picks httptools, also a dependency, for HTTP/1.1 by itself.)"""
-    if os.environ.get(LOOP_ENV, "").lower() != "asyncio":
-        try:
-            import uvloop
-        except ImportError:
-            pass
-        else:
-            return uvloop.run(main)
-    return asyncio.run(main)
 
 
 class _Server(uvicorn.Server):
