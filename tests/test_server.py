@@ -37,6 +37,17 @@ def test_models(client):
     assert err.value.body["code"] == "model_not_found"
 
 
+def test_the_front_end_froze_its_heap_and_times_its_collector(client, server):
+    """The serving process moves its import heap out of the collector's reach once started
+    (full passes walked it: ~200 ms stalls of every stream) and exports each pass's time."""
+    client.completions.create(model=MODEL, prompt="hi", max_tokens=4)
+    text = httpx.get(server + "/metrics").text
+    frozen = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("phaseflip_frontend_gc_frozen_objects{")]
+    assert frozen and frozen[0] > 50_000, frozen
+    assert "phaseflip_frontend_gc_pause_seconds_bucket{" in text
+
+
 def test_greedy_equals_offline_engine(client):
     prompts = ["Return the", "def main():", "If the file does not exist,"]
     with Engine(device="cpu") as engine:

@@ -6,11 +6,16 @@ so one dashboard can show several servers; docs/metrics.md maps the names to vLL
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
+
+from phaseflip.heap import freeze_heap, thaw_heap
 
 # Seconds. Below 5 ms for the inter-token latency of small models on fast GPUs; up to 40 min
 # for the end-to-end latency of long outputs (120 s left every long request in +Inf).
@@ -115,6 +120,14 @@ class ServerMetrics:
             Gauge, "flip_in_progress", "1 while a phase-flip seam runs or a flip asked for is "
             "not answered, labelled with its target layout; 0 (to=\"\") otherwise", "to")
 
+        self.gc_pause = self._by(
+            Histogram, "frontend_gc_pause_seconds", "Cyclic-collector passes in the front end "
+            "process, by generation (2: full): the event loop, and every stream, waits them "
+            "out", "generation", buckets=_LATENCY_BUCKETS)
+        self.gc_frozen = self._one(
+            Gauge, "frontend_gc_frozen_objects", "Objects the front end moved out of the "
+            "collector's reach once started (its full passes walk only what came since)")
+
         self.hicache_rate = self._by(
             Gauge, "hicache_transfer_gbps", "Observed HiCache copy rate (dispatch to seen done; "
             "a floor on the link rate)", "direction")
@@ -131,9 +144,35 @@ class ServerMetrics:
         return kind(name, doc, ["model_name"], namespace=_NS, registry=self.registry,
                     **kw).labels(self.model_name)
 
-    def _by(self, kind: type[MetricWrapperBase], name: str, doc: str, label: str) -> Labelled:
+    def _by(self, kind: type[MetricWrapperBase], name: str, doc: str, label: str,
+            **kw) -> Labelled:
         return Labelled(kind(name, doc, ["model_name", label], namespace=_NS,
-                             registry=self.registry), self.model_name)
+                             registry=self.registry, **kw), self.model_name)
+
+    @contextlib.contextmanager
+    def collector_watched(self) -> Iterator[None]:
+        """Inside: the front end's heap frozen (`heap.freeze_heap`) and every collector pass
+        timed into `gc_pause`. Unfrozen, the full passes walked the whole import heap
+        (~300 000 objects: transformers, pydantic, FastAPI), ~200 ms each, five in 12 s of
+        256 streams on the CPU box (docs/benchmarks.md). For the serving process only: the
+        freeze and the callback are process-wide."""
+        started: dict[int, float] = {}
+
+        def timed(phase: str, info: dict) -> None:
+            gen = info["generation"]
+            if phase == "start":
+                started[gen] = time.perf_counter()
+            elif gen in started:
+                self.gc_pause.labels(str(gen)).observe(time.perf_counter() - started.pop(gen))
+
+        freeze_heap()
+        self.gc_frozen.set(gc.get_freeze_count())
+        gc.callbacks.append(timed)
+        try:
+            yield
+        finally:
+            gc.callbacks.remove(timed)
+            thaw_heap()
 
     def observe_hicache(self, stats: dict | None) -> None:
         """Mirrors the engine's HiCache totals as counters and its copy rates as gauges (absent
