@@ -212,3 +212,50 @@ def test_a_request_left_after_its_prefill_counts_its_prompt(tmp_path):
     text = asyncio.run(go())
     assert one(text, "phaseflip_prompt_tokens_total") == 40
     assert one(text, "phaseflip_generation_tokens_total") == 1
+
+
+def _gc_pauses(text: str) -> dict[str, float]:
+    return {s.labels["generation"]: s.value
+            for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "phaseflip_frontend_gc_pause_seconds_count"}
+
+
+def test_collector_passes_are_timed_while_watched_and_the_heap_frozen():
+    import gc
+
+    metrics = ServerMetrics("tiny")
+    assert _gc_pauses(metrics.render().decode()) == {"0": 0, "1": 0, "2": 0}
+    with metrics.collector_watched():
+        assert gc.get_freeze_count() > 0
+        gc.collect()
+    assert gc.get_freeze_count() == 0  # thawed on the way out
+    gc.collect()  # not counted: the hook is gone
+    assert _gc_pauses(metrics.render().decode())["2"] == 1
+
+
+def test_a_collector_pass_under_a_metrics_lock_does_not_deadlock():
+    """A pass can start while this thread holds a prometheus_client lock (not reentrant):
+    its scrape copies a family's children under the family's lock. A hook that observed a
+    prometheus histogram took such a lock and hung there; ours takes none."""
+    import gc
+    import threading
+
+    metrics = ServerMetrics("tiny")
+    locks = [c._lock for c in metrics.registry._collector_to_names if hasattr(c, "_lock")]
+    assert locks
+    done = threading.Event()
+
+    def pass_under_locks() -> None:
+        for lock in locks:
+            lock.acquire()
+        try:
+            gc.collect()
+        finally:
+            for lock in locks:
+                lock.release()
+        done.set()
+
+    with metrics.collector_watched():
+        threading.Thread(target=pass_under_locks, daemon=True).start()
+        assert done.wait(10), "a collector pass under the metrics' locks hung"
+    assert _gc_pauses(metrics.render().decode())["2"] >= 1

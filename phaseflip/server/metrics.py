@@ -6,13 +6,15 @@ so one dashboard can show several servers; docs/metrics.md maps the names to vLL
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
+import itertools
 import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 
 from phaseflip.heap import freeze_heap, thaw_heap
@@ -88,6 +90,43 @@ class EngineCounters:
             yield family
 
 
+class CollectorPauses:
+    """The front end process's cyclic-collector passes, by generation, exported as a
+    histogram at each scrape. Kept in plain lists by a `gc.callbacks` hook, which must take
+    no lock: a pass can start while this thread holds one of prometheus_client's (they are
+    not reentrant; its scrape copies a family's children under its lock), and a hook that
+    took the same lock would deadlock the event loop. Collector passes never overlap, so
+    the hook's updates need none."""
+
+    GENERATIONS = (0, 1, 2)
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.counts = {g: [0] * (len(_LATENCY_BUCKETS) + 1) for g in self.GENERATIONS}
+        self.sums = dict.fromkeys(self.GENERATIONS, 0.0)
+        self._started = time.perf_counter()
+
+    def hook(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        gen, took = info["generation"], time.perf_counter() - self._started
+        self.counts[gen][bisect.bisect_left(_LATENCY_BUCKETS, took)] += 1
+        self.sums[gen] += took
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(
+            f"{_NS}_frontend_gc_pause_seconds", "Cyclic-collector passes in the front end "
+            "process, by generation (2: full): the event loop, and every stream, waits them "
+            "out", labels=["model_name", "generation"])
+        bounds = [str(float(b)) for b in _LATENCY_BUCKETS] + ["+Inf"]
+        for gen in self.GENERATIONS:
+            cumulative = list(itertools.accumulate(self.counts[gen]))
+            family.add_metric([self.model_name, str(gen)], list(zip(bounds, cumulative)),
+                              self.sums[gen])
+        yield family
+
+
 class ServerMetrics:
     def __init__(self, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
@@ -120,10 +159,8 @@ class ServerMetrics:
             Gauge, "flip_in_progress", "1 while a phase-flip seam runs or a flip asked for is "
             "not answered, labelled with its target layout; 0 (to=\"\") otherwise", "to")
 
-        self.gc_pause = self._by(
-            Histogram, "frontend_gc_pause_seconds", "Cyclic-collector passes in the front end "
-            "process, by generation (2: full): the event loop, and every stream, waits them "
-            "out", "generation", buckets=_LATENCY_BUCKETS)
+        self.gc_pauses = CollectorPauses(model_name)
+        self.registry.register(self.gc_pauses)
         self.gc_frozen = self._one(
             Gauge, "frontend_gc_frozen_objects", "Objects the front end moved out of the "
             "collector's reach once started (its full passes walk only what came since)")
@@ -144,34 +181,24 @@ class ServerMetrics:
         return kind(name, doc, ["model_name"], namespace=_NS, registry=self.registry,
                     **kw).labels(self.model_name)
 
-    def _by(self, kind: type[MetricWrapperBase], name: str, doc: str, label: str,
-            **kw) -> Labelled:
+    def _by(self, kind: type[MetricWrapperBase], name: str, doc: str, label: str) -> Labelled:
         return Labelled(kind(name, doc, ["model_name", label], namespace=_NS,
-                             registry=self.registry, **kw), self.model_name)
+                             registry=self.registry), self.model_name)
 
     @contextlib.contextmanager
     def collector_watched(self) -> Iterator[None]:
         """Inside: the front end's heap frozen (`heap.freeze_heap`) and every collector pass
-        timed into `gc_pause`. Unfrozen, the full passes walked the whole import heap
-        (~300 000 objects: transformers, pydantic, FastAPI), ~200 ms each, five in 12 s of
-        256 streams on the CPU box (docs/benchmarks.md). For the serving process only: the
-        freeze and the callback are process-wide."""
-        started: dict[int, float] = {}
-
-        def timed(phase: str, info: dict) -> None:
-            gen = info["generation"]
-            if phase == "start":
-                started[gen] = time.perf_counter()
-            elif gen in started:
-                self.gc_pause.labels(str(gen)).observe(time.perf_counter() - started.pop(gen))
-
+        timed (`gc_pauses`). Unfrozen, the full passes walked the whole import heap (~300 000
+        objects: transformers, pydantic, FastAPI), ~200 ms each, five in 12 s of 256 streams
+        on the CPU box (docs/benchmarks.md). For the serving process only: the freeze and the
+        hook are process-wide."""
         freeze_heap()
         self.gc_frozen.set(gc.get_freeze_count())
-        gc.callbacks.append(timed)
+        gc.callbacks.append(self.gc_pauses.hook)
         try:
             yield
         finally:
-            gc.callbacks.remove(timed)
+            gc.callbacks.remove(self.gc_pauses.hook)
             thaw_heap()
 
     def observe_hicache(self, stats: dict | None) -> None:
