@@ -45,7 +45,7 @@ CHOICES: dict[str, tuple] = {
 # counts that must be at least 1 (None: unset, where the field allows it)
 _AT_LEAST_ONE = ("page_size", "max_running_requests", "max_total_tokens", "cuda_graph_max_bs",
                  "max_prefill_tokens", "pp_min_micro_batch_tokens", "hicache_disk_queue_pages",
-                 "cpu_threads", "all_reduce_max_kib", "max_model_len")
+                 "cpu_threads", "all_reduce_max_kib", "max_model_len", "stream_interval")
 # counts where 0 means none (or off), and what the error adds
 _AT_LEAST_ZERO = {"piecewise_graph_max_tokens": " (0 turns them off)", "max_logprobs": "",
                   "flip_min_dwell_steps": ""}
@@ -294,6 +294,11 @@ class EngineConfig:
     (every layout captured at launch; a phase flip's new layout runs these steps eagerly). 0
     turns them off. Launched from Python, a 32-token prompt beside 6 decodes took 45 ms on the
     H200 (8B, FP8), 44 ms of it host time, for 5.4 ms of kernels; from the pieces 7.2 ms."""
+    stream_interval: int = 1
+    """Tokens a stream's chunk waits for (SGLang's `--stream-interval`): each request's first
+    token goes out at once, then a chunk every this many tokens, and its last when it ends.
+    1 sends every step's token; more cuts the engine's messages and the front end's chunks
+    (and its CPU) by about as much, at coarser streaming (docs/benchmarks.md)."""
     seed: int = 0
     """Seed for requests that do not set their own."""
     log_level: str = "info"

@@ -83,7 +83,8 @@ class EngineCore:
             raise
         self.sampling = SamplingStep(Sampler(cfg.seed), GrammarBook(
             tokenizer, model_cfg.vocab_size, budget_s=cfg.grammar_compile_timeout_s))
-        self.outputs = OutputProcessor(tokenizer, self.max_context, self.scheduler.remove)
+        self.outputs = OutputProcessor(tokenizer, self.max_context, self.scheduler.remove,
+                                       cfg.stream_interval)
         self._arrivals = 0
         self._inflight: InFlight | None = None
         # launched run-ahead steps not sampled yet, oldest first (more than one only with PP

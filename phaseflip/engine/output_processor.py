@@ -40,8 +40,10 @@ class Group:
 class OutputProcessor:
     """Finish rules, text and deltas of every request group (see the module docstring)."""
 
-    def __init__(self, tokenizer, max_context: int, finish: Callable[[Req], None]) -> None:
+    def __init__(self, tokenizer, max_context: int, finish: Callable[[Req], None],
+                 stream_interval: int = 1) -> None:
         self.tokenizer, self.max_context, self.finish = tokenizer, max_context, finish
+        self.stream_interval = stream_interval  # tokens a delta waits for (its first: none)
         self.groups: dict[str, Group] = {}
         self._group_of: dict[str, Group] = {}  # by sample rid ("rid#i"): no split a token
         # (request, token to detokenise or None) sampled already, text not yet made
@@ -69,7 +71,8 @@ class OutputProcessor:
                 tok, lp, top = sampled[it]
                 if req.params.stop:  # stop strings need the text now
                     self.append_with_text(req, tok, lp, top)
-                    deltas.append(self.delta(req))
+                    if not self.waits(req):
+                        deltas.append(self.delta(req))
                 else:
                     self.text_pending.append((req, self.append_token(req, tok, lp, top)))
             elif req.prompt_only_done:
@@ -161,9 +164,17 @@ class OutputProcessor:
                 req.detok.append([text_tok])
             if req.finish_reason == "length":
                 req.detok.flush()
-            deltas.append(self.delta(req))
+            if not self.waits(req):
+                deltas.append(self.delta(req))
         self.text_pending = keep
         return deltas
+
+    def waits(self, req: Req) -> bool:
+        """Whether `req`'s next delta waits for more tokens (`--stream-interval`): not its
+        first (the time to first token) nor its last; the text and tokens it waits with come
+        in the next delta, which carries everything since the last one sent."""
+        return (self.stream_interval > 1 and req.finish_reason is None and req.tokens_sent > 0
+                and len(req.output_ids) - req.tokens_sent < self.stream_interval)
 
     def delta(self, req: Req) -> StreamDelta:
         """What `req` produced since its last delta. Text that may still become a stop string
