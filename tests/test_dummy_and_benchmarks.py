@@ -442,7 +442,9 @@ def test_bench_serving_against_live_server(tmp_path):
     data = _valid_json(out)
     assert (data["completed"], data["failed"]) == (5, 0), data["errors"]
     assert data["output_tokens"] == 30 and data["device"] == "cpu"
-    assert data["ttft_s"]["n"] == 5 and data["itl_s"]["n"] == 25
+    # one gap a chunk after the first: 25 with a chunk per token, fewer when a lagging stream
+    # got several tokens in one chunk (the front end's join; 22 once on a loaded CI box)
+    assert data["ttft_s"]["n"] == 5 and 5 <= data["itl_s"]["n"] <= 25
     assert all(math.isfinite(r["e2e"]) and r["e2e"] >= r["ttft"] for r in data["requests"])
 
 

@@ -292,7 +292,9 @@ def test_a_message_is_checked_without_json_or_type_introspection(monkeypatch) ->
     body = {"model": "tiny", "messages": [replayed, {"role": "user", "content": [
         {"type": "text", "text": "hi"}]}] * 500}
     p.ChatCompletionRequest.model_validate(body)
-    assert calls["dumps"] <= 501 and calls["allows_none"] == 0, calls  # (the body; list parts)
+    # (the body; list parts; a few more when another thread of the test process writes JSON
+    # while `json.dumps` is patched: 502 once in CI. Per message it would be 1 000+)
+    assert calls["dumps"] <= 510 and calls["allows_none"] == 0, calls
     with pytest.raises(Exception, match="lone surrogate"):
         p.ChatCompletionRequest.model_validate({"model": "tiny", "messages": [
             replayed | {"content": "ok"}, replayed | {"content": "\ud800"}]})
