@@ -2,7 +2,7 @@
 
 import sys
 
-from phaseflip.cli import main
+from phaseflip.cli import entry
 
 if __name__ == "__main__":  # (a spawned rank imports this module as __mp_main__)
-    sys.exit(main())
+    sys.exit(entry())

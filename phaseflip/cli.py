@@ -415,5 +415,16 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + 2
 
 
+def entry() -> int:
+    """The `phaseflip` command (console script, `python -m phaseflip`): `main`, then the heap
+    frozen for the interpreter's exit (`heap.freeze_for_exit`; `main` itself also runs in
+    test processes, which must not freeze theirs)."""
+    from phaseflip.heap import freeze_for_exit
+
+    code = main()
+    freeze_for_exit()
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

@@ -84,3 +84,21 @@ def test_a_rank_lives_with_its_driver_and_exits_soon_after_it_dies(tmp_path):
     finally:
         if driver.poll() is None:
             driver.kill()
+
+
+def _note_freeze_at_exit(path: str) -> None:
+    import atexit
+    import gc
+
+    atexit.register(lambda: Path(path).write_text(str(gc.get_freeze_count())))
+
+
+def test_a_spawned_rank_exits_with_its_heap_frozen(tmp_path, monkeypatch):
+    """A spawned child finalises its interpreter (a forked one `os._exit`s): frozen first,
+    its exit's collector passes walk no heap (`heap.freeze_for_exit`). The atexit hook runs
+    after the target returns, before finalisation: red without the freeze (count 0)."""
+    monkeypatch.setenv(SPAWN_ENV, "1")
+    proc = start_rank(_note_freeze_at_exit, (str(tmp_path / "frozen"),), name="exit")
+    proc.join(60)
+    assert proc.exitcode == 0
+    assert int((tmp_path / "frozen").read_text()) > 1000

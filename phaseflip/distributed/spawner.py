@@ -36,6 +36,8 @@ from collections.abc import Callable
 from multiprocessing import forkserver, reduction
 from pathlib import Path
 
+from phaseflip.heap import freeze_for_exit
+
 SPAWN_ENV = "PHASEFLIP_SPAWN_RANKS"
 PRELOAD = ["torch"]  # ~90 % of a rank's import time; our own modules import after the env
 
@@ -105,6 +107,7 @@ def _run(env: dict[str, str] | None, stdio: tuple[int | None, ...] | None,
                 os.close(fd)
     target, args = pickle.loads(payload)
     target(*args)
+    freeze_for_exit()  # a spawned child's exit finalises the interpreter: no heap walks
 
 
 def child_pids(pid: int) -> list[int]:

@@ -44,6 +44,7 @@ from phaseflip.distributed.watchdog import StepWatchdog
 from phaseflip.engine.core import EngineCore
 from phaseflip.engine.warmup import warm_up
 from phaseflip.errors import InvalidRequestError, PhaseflipError
+from phaseflip.heap import freeze_for_exit
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.loader import load_tokenizer
 from phaseflip.scheduler.kv_cache import PoolAccounting
@@ -290,6 +291,7 @@ def engine_main(cfg: EngineConfig, requests_addr: str, outputs_addr: str) -> Non
         server.run()
         server.watchdog.close()
         server.core.close()
+        freeze_for_exit()  # the process ends here: its exit walks no heap
     except Exception as e:
         # before the log and the teardown: /health turns 503 now, and a launch that failed
         # (no server yet) names its cause in the front end's last line
