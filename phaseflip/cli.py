@@ -236,19 +236,29 @@ def served_model_name(args: argparse.Namespace) -> str | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from phaseflip.server.context import ServerConfig
-    from phaseflip.server.launch import serve
-    from phaseflip.threads import plan_for
-
     cfg = config_from_args(args)
-    _warn_if_cpu(cfg)
-    args.served_model_name = served_model_name(args)
     if cfg.node_rank > 0:  # another host's ranks: no HTTP, no scheduler, no ready line
         from phaseflip.distributed.rank_set import run_node_workers
+        from phaseflip.threads import plan_for
 
+        _warn_if_cpu(cfg)
         logging.getLogger("phaseflip.threads").info("%s", plan_for(cfg).describe())
         return run_node_workers(cfg)
-    return serve(cfg, config_from_args(args, ServerConfig))
+    from phaseflip.server.engine_start import EngineStart
+
+    # the engine imports beside this process's imports, then waits for serve's go
+    start = EngineStart(cfg)
+    try:
+        from phaseflip.server.context import ServerConfig
+        from phaseflip.server.launch import serve
+
+        _warn_if_cpu(cfg)
+        args.served_model_name = served_model_name(args)
+        server_cfg = config_from_args(args, ServerConfig)
+    except BaseException:
+        start.close()
+        raise
+    return serve(cfg, server_cfg, start)
 
 
 # `generate`'s sampling flags, by the SamplingParams field each sets

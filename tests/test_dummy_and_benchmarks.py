@@ -22,14 +22,12 @@ from phaseflip.cache.kv_pool import KVPool
 from phaseflip.config import EMBEDDED_MODEL
 from phaseflip.forward_batch import ForwardBatch
 from phaseflip.layout import Layout
+from phaseflip.model.bundled import CONFIGS_DIR, bundled_models, resolve_model_dir
 from phaseflip.model.config import ModelConfig
 from phaseflip.model.dummy import (
-    CONFIGS_DIR,
-    bundled_models,
     checkpoint_shapes,
     init_dummy_weights,
     num_parameters,
-    resolve_model_dir,
     write_random_checkpoint,
 )
 from phaseflip.model.llama import LlamaForCausalLM

@@ -17,7 +17,7 @@ import pytest
 
 from benchmarks.fp8_accuracy import VARIANTS, compare, embedded_prompts, id_prompts
 from phaseflip.config import EMBEDDED_MODEL
-from phaseflip.model.dummy import TOKENIZER_DIR, TOKENIZER_FILES, resolve_model_dir
+from phaseflip.model.bundled import TOKENIZER_DIR, TOKENIZER_FILES, resolve_model_dir
 from phaseflip.model.loader import load_tokenizer
 
 pytestmark = pytest.mark.timeout(600, method="thread")

@@ -1,7 +1,9 @@
-"""`phaseflip serve` starts its engine process before the front end loads its tokenizer, so
-the two load side by side (a server answers ~1.5 s sooner on two cores). A tokenizer that
-cannot be loaded still ends the start with its one line and exit code 2, and the engine that
-had started is stopped, its IPC directory removed."""
+"""`phaseflip serve` spawns its engine process before the front end imports torch, and the
+engine imports beside it, then waits at a gate for the front end's go (`engine_start.py`):
+the two load side by side. A flag or tokenizer that fails the front end's checks still ends
+the start with its one line and exit code 2, and the engine that had started is stopped,
+its IPC directory removed; a front end killed before its go takes the engine and the
+directory with it."""
 
 from __future__ import annotations
 
@@ -63,3 +65,76 @@ def test_an_engine_that_fails_its_start_is_named_on_the_exit_line() -> None:
                                      server, outcome))
     assert server.should_exit and outcome.code == 1
     assert outcome.reason == "engine failed to start: GroupFormationError: x"
+
+
+def test_the_engine_is_spawned_before_the_front_end_imports_torch() -> None:
+    """The spawn comes first: red with `--model` resolved through a module that imports torch
+    (the loader did, through the bundled configs' module) or with the engine started by the
+    launcher after its imports."""
+    code = """
+import sys
+from phaseflip import cli
+from phaseflip.server import engine_start
+
+class Stop(Exception):
+    pass
+
+def spawned(cfg):
+    print("torch imported:", "torch" in sys.modules, flush=True)
+    raise Stop
+
+engine_start.EngineStart = spawned
+try:
+    cli.main(["serve", "--device", "cpu"])
+except Stop:
+    pass
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert "torch imported: False" in out, out
+
+
+GATE_DRIVER = """
+import os, signal, sys
+from phaseflip.config import EngineConfig
+from phaseflip.server.engine_start import EngineStart
+
+if __name__ == "__main__":
+    start = EngineStart(EngineConfig(device="cpu"))
+    print(start.proc.pid, start.ipc_dir, flush=True)
+    if sys.argv[1] == "close":
+        start.close()
+        print("closed", start.proc.exitcode, flush=True)
+    else:  # killed before its go: the engine reads EOF at the gate
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _gate_driver(tmp_path: Path, how: str) -> tuple[int, Path, str]:
+    script = tmp_path / "driver.py"
+    script.write_text(GATE_DRIVER)
+    proc = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[1])
+    first, *rest = proc.stdout.splitlines()
+    pid, ipc_dir = first.split()
+    return int(pid), Path(ipc_dir), "\n".join(rest) + proc.stderr
+
+
+def test_an_engine_that_never_gets_its_go_is_ended_and_its_ipc_dir_removed(tmp_path):
+    """`close` before `go` (a check failed): the engine, importing or at the gate, is ended
+    and the IPC directory removed; it printed nothing."""
+    pid, ipc_dir, out = _gate_driver(tmp_path, "close")
+    assert "closed -15" in out, out
+    assert not ipc_dir.exists()
+    assert not _gone([pid], 1), pid
+    assert "Traceback" not in out, out
+
+
+def test_a_front_end_killed_before_the_go_takes_the_engine_and_its_ipc_dir(tmp_path):
+    """The front end SIGKILLed before its go: the engine reads EOF at the gate, removes the
+    IPC directory and exits. Red without the removal at EOF (the directory stays)."""
+    pid, ipc_dir, out = _gate_driver(tmp_path, "kill")
+    left = _gone([pid], 30)
+    assert not left, f"engine {pid} left running"
+    assert not ipc_dir.exists(), ipc_dir
+    assert "Traceback" not in out, out

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from phaseflip.model.dummy import bundled_models, write_random_checkpoint
+from phaseflip.model.bundled import bundled_models
+from phaseflip.model.dummy import write_random_checkpoint
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from phaseflip.errors import ModelLoadError
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -10,7 +10,7 @@ from pathlib import Path
 from phaseflip.config import EngineConfig
 from phaseflip.errors import ModelLoadError
 from phaseflip.model import loader
-from phaseflip.model.dummy import resolve_model_dir
+from phaseflip.model.bundled import resolve_model_dir
 
 
 def resolve_model(cfg: EngineConfig) -> EngineConfig:

@@ -49,6 +49,7 @@ from phaseflip.model.config import ModelConfig
 from phaseflip.model.loader import load_tokenizer
 from phaseflip.scheduler.kv_cache import PoolAccounting
 from phaseflip.server import messages as m
+from phaseflip.server.engine_start import IPC_DIR_PREFIX
 from phaseflip.threads import apply_cpu_threads
 
 log = logging.getLogger("phaseflip.engine")
@@ -59,7 +60,6 @@ IDLE_POLL_MS = 1000
 SLOW_STEP_S = 1.0
 TRACE_ENV = "PHASEFLIP_SLOW_STEP_TRACE_S"
 EXIT_FAILED, EXIT_STALLED = 1, 3  # the engine process's exit codes besides 0
-IPC_DIR_PREFIX = "phaseflip-"  # the launcher's temporary IPC directory (the engine removes it too)
 
 
 class EngineServer:

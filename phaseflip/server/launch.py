@@ -18,10 +18,8 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import socket
-import tempfile
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from pathlib import Path
@@ -38,7 +36,7 @@ from phaseflip.model.quant import engine_quantization
 from phaseflip.server.app import build_app
 from phaseflip.server.context import ServerConfig, ServerContext
 from phaseflip.server.engine_client import EngineClient
-from phaseflip.server.engine_process import IPC_DIR_PREFIX, engine_main
+from phaseflip.server.engine_start import EngineStart
 from phaseflip.threads import plan_for
 
 log = logging.getLogger("phaseflip.server")
@@ -65,12 +63,21 @@ class Outcome:
     reason: str = "stopped"
 
 
-def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
+def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig,
+          start: EngineStart | None = None) -> int:
+    """Serves until stopped; `start`: the engine process the command spawned before its own
+    imports (`engine_start`), closed here whatever happens (else one is spawned here)."""
     logging.basicConfig(level=engine_cfg.log_level.upper(),
                         format="%(asctime)s %(name)s %(message)s")
     if server_cfg.log_requests:  # asked for: shown whatever --log-level says
         logging.getLogger("phaseflip.requests").setLevel(logging.INFO)
-    outcome = asyncio.run(_serve(engine_cfg, server_cfg))
+    try:
+        if start is None:
+            start = EngineStart(engine_cfg)
+        outcome = asyncio.run(_serve(engine_cfg, server_cfg, start))
+    finally:
+        if start is not None:
+            start.close()
     # the last line of the log says how the server ended (see docs/troubleshooting.md): let
     # multiprocessing's resource tracker finish first (it warns about what a killed engine
     # left, and would otherwise print after us)
@@ -171,36 +178,33 @@ class Drain:
                 f"drain short, ending {n} requests still running")
 
 
-async def _serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> Outcome:
+async def _serve(engine_cfg: EngineConfig, server_cfg: ServerConfig,
+                 start: EngineStart) -> Outcome:
     preflight(engine_cfg)
     with bind(server_cfg) as sock:  # (uvicorn closes it too; closed here if we fail first)
         tokenizer_dir(engine_cfg.model)  # a missing model or tokenizer: before the engine
-        ipc_dir = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)
-        try:
-            return await _run(engine_cfg, server_cfg, sock, ipc_dir)
-        finally:
-            shutil.rmtree(ipc_dir, ignore_errors=True)
+        return await _run(engine_cfg, server_cfg, sock, start)
 
 
 async def _run(engine_cfg: EngineConfig, server_cfg: ServerConfig, sock: socket.socket,
-               ipc_dir: str) -> Outcome:
-    """Serves until a signal or the engine's end. The engine process starts first and loads
-    while the front end loads its tokenizer (two imports of transformers, ~2 s each, side by
-    side: a server is up ~1.5 s sooner on two cores). Signals drain from before the engine
-    process starts (one before the front end is made ends the start), and whatever happens
-    after it started, it is stopped on the way out."""
-    req_addr, out_addr = f"ipc://{ipc_dir}/requests", f"ipc://{ipc_dir}/outputs"
-    proc = mp.get_context("spawn").Process(
-        target=engine_main, args=(engine_cfg, req_addr, out_addr), name="phaseflip-engine",
-        daemon=False)  # (it spawns ranks)
-    client = EngineClient(req_addr, out_addr, proc)  # binds before the engine connects
+               start: EngineStart) -> Outcome:
+    """Serves until a signal or the engine's end. The engine process, spawned before the
+    front end's imports and waiting at its gate, gets its go here and loads while the front
+    end loads its tokenizer. Signals drain from before the go (one before the front end is
+    made ends the start), and whatever happens after it, the engine is stopped on the way
+    out."""
+    proc = start.proc
+    client = EngineClient(start.requests_addr, start.outputs_addr, proc)  # binds first
     outcome = Outcome()
     drain = Drain(None, outcome)
     _signals_drain(drain)
     tasks: list[asyncio.Task] = []
     ctx: ServerContext | None = None
     try:
-        _start_shielded(proc)
+        if start.signalled is not None:  # (while this process imported: no go)
+            drain._begin(start.signalled)
+            return outcome
+        start.go()
         client.start()
         tokenizer = await _tokenizer_unless_stopped(engine_cfg.model, drain)
         if tokenizer is None:
@@ -307,20 +311,6 @@ def bind(cfg: ServerConfig) -> socket.socket:
 
 def _origin(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def _start_shielded(proc: mp.Process) -> None:
-    """Starts the engine process with SIGINT blocked, a mask it inherits: a Ctrl-C while it
-    imports waits in it until `engine_main` has moved it to a session of its own and
-    ignores SIGINT, instead of a KeyboardInterrupt traceback. (SIGTERM stays deliverable: it
-    ends an engine that made nothing yet at once. The resource tracker is started first: its
-    start unblocks SIGINT.)"""
-    resource_tracker.ensure_running()
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        proc.start()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _signals_drain(drain: Drain) -> None:
