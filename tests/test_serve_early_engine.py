@@ -138,3 +138,21 @@ def test_a_front_end_killed_before_the_go_takes_the_engine_and_its_ipc_dir(tmp_p
     assert not left, f"engine {pid} left running"
     assert not ipc_dir.exists(), ipc_dir
     assert "Traceback" not in out, out
+
+
+def test_an_engine_dead_before_its_go_is_not_a_broken_pipe() -> None:
+    """An engine that died while importing (a broken install, the OOM killer): the go finds
+    its end closed and says nothing; the launcher reports the exit. Red without the
+    suppression (BrokenPipeError out of `go`, a traceback out of `phaseflip serve`)."""
+    from phaseflip.config import EngineConfig
+    from phaseflip.server.engine_start import EngineStart
+
+    start = EngineStart(EngineConfig(device="cpu"))
+    try:
+        start.proc.kill()
+        start.proc.join(30)
+        start.go()
+        assert start.opened and start.proc.exitcode == -9
+    finally:
+        start.close()
+    assert not Path(start.ipc_dir).exists()

@@ -49,15 +49,18 @@ class EngineStart:
         # a SIGTERM/SIGINT before the launcher's own handlers (`launch._signals_drain`) is
         # kept for it, not death with the engine and the IPC directory left behind
         self.signalled: str | None = None
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._heard)
+        self._handlers = {sig: signal.signal(sig, self._heard)
+                          for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def _heard(self, sig: int, frame) -> None:
         self.signalled = self.signalled or signal.Signals(sig).name
 
     def go(self) -> None:
-        """The front end's checks passed and its sockets are bound: the engine may start."""
-        self._gate.send(True)
+        """The front end's checks passed and its sockets are bound: the engine may start. An
+        engine that died at its imports has closed its end: its exit is the launcher's to
+        report (`_announce` names its exit code), not a broken pipe here."""
+        with contextlib.suppress(OSError):
+            self._gate.send(True)
         self._gate.close()
         self.opened = True
 
@@ -65,6 +68,8 @@ class EngineStart:
         """Ends an engine that never got its go (a check failed, a signal came) and removes
         the IPC directory; an engine that got it is the launcher's to stop (`_stop_engine`)."""
         if not self.opened:
+            for sig, handler in self._handlers.items():  # (the launcher's own never came)
+                signal.signal(sig, handler)
             self._gate.close()
             if self.proc.is_alive():
                 self.proc.terminate()
