@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "front_end_us_per_chunk": round(1e6 * fe / max(chunks, 1), 1),
         "engine_us_per_token": round(1e6 * en / max(tokens, 1), 1),
         "null_forward": args.null_forward, "serve_args": serve_args,
+        "server_ready_s": proc.ready_s,
         "python": sys.version.split()[0], "environment": environment(),
     }
     print(json.dumps({k: v for k, v in result.items() if k != "environment"}, indent=1))
