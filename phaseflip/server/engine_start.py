@@ -8,7 +8,7 @@ its own) until the front end's checks pass and it says go (`EngineStart.go`). A 
 fails ends it unheard (`close`: SIGTERM, which ends a process importing or waiting at the
 gate at once), so a bad flag is still a one-line error and exit code 2 with nothing of the
 engine's in the log. A front end that dies first closes the gate's pipe: the engine reads
-EOF and exits. On a 2-core box a server is ready ~2.5 s sooner (docs/benchmarks.md).
+EOF and exits. On a 2-core box a server is ready ~2 s sooner (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -34,6 +34,12 @@ class EngineStart:
     process, and the gate's write end."""
 
     def __init__(self, cfg: EngineConfig) -> None:
+        # a SIGTERM/SIGINT before the launcher's own handlers (`launch._signals_drain`) is
+        # kept for it, not death with the engine and the IPC directory left behind
+        self.signalled: str | None = None
+        self.opened = False
+        self._handlers = {sig: signal.signal(sig, self._heard)
+                          for sig in (signal.SIGTERM, signal.SIGINT)}
         self.ipc_dir = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)
         self.requests_addr = f"ipc://{self.ipc_dir}/requests"
         self.outputs_addr = f"ipc://{self.ipc_dir}/outputs"
@@ -45,12 +51,6 @@ class EngineStart:
             name="phaseflip-engine", daemon=False)  # (it spawns ranks)
         _start_shielded(self.proc)
         gate_r.close()  # the child holds it now: EOF reaches it when the front end is gone
-        self.opened = False
-        # a SIGTERM/SIGINT before the launcher's own handlers (`launch._signals_drain`) is
-        # kept for it, not death with the engine and the IPC directory left behind
-        self.signalled: str | None = None
-        self._handlers = {sig: signal.signal(sig, self._heard)
-                          for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def _heard(self, sig: int, frame) -> None:
         self.signalled = self.signalled or signal.Signals(sig).name

@@ -1,14 +1,15 @@
 """`phaseflip serve`: check the flags and the model, bind the port, start the engine process,
 then the HTTP front end, and stop both together.
 
-What a flag or the model gets wrong is found before the engine process starts (`preflight`,
-`bind`): a one-line error and exit code 2, not a traceback seconds into the model load. The
-engine is spawned with SIGTERM/SIGINT handled here already and runs in a session of its own
-(`engine_main`), so a signal to the server's process group reaches only this process: the
-port answers 503 on /health until the engine reports Ready, SIGTERM/SIGINT drain (`Drain`),
-then stop uvicorn; on the way out the engine is told to shut down and, failing that,
-terminated — no orphans, and the IPC directory goes too. The exit code says how it ended
-(`EXIT_*`), and so does the log's last line.
+What a flag or the model gets wrong is found before the engine process, spawned first and
+held at its gate (`engine_start`), may start (`preflight`, `bind`): a one-line error and exit
+code 2, not a traceback seconds into the model load. The engine is let go with SIGTERM/SIGINT
+handled here already and runs in a session of its own (`engine_main`), so a signal to the
+server's process group reaches only this process: the port answers 503 on /health until the
+engine reports Ready, SIGTERM/SIGINT drain (`Drain`), then stop uvicorn; on the way out the
+engine is told to shut down and, failing that, terminated — no orphans, and the IPC
+directory goes too. The exit code says how it ended (`EXIT_*`), and so does the log's last
+line.
 """
 
 from __future__ import annotations
