@@ -28,10 +28,10 @@ from phaseflip.server.openai_api import (
     check_grammar,
     respond,
     run_prompts,
-    sse,
     stream_response,
 )
 from phaseflip.server.protocol.sampling import NATIVE_GRAMMARS
+from phaseflip.server.sse import sse
 
 DEFAULT_MAX_NEW_TOKENS = 128
 """SGLang's default when `sampling_params.max_new_tokens` is left out (less where the context

@@ -8,7 +8,6 @@ server-sent events ending in `data: [DONE]`.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -22,6 +21,7 @@ from phaseflip.sampling.params import SamplingParams
 from phaseflip.server import protocol as p
 from phaseflip.server import tools
 from phaseflip.server.context import ServerContext
+from phaseflip.server.sse import TextFrames, arguments_only, sse
 from phaseflip.server.token_text import OffsetCursor, SpecialStripper
 
 
@@ -62,37 +62,6 @@ class PromptRun:
     usage: object = None
     prompt_logprobs: list | None = None
     prompt_top: list | None = None
-
-
-def sse(obj: p.BaseModel | dict) -> str:
-    body = obj.model_dump_json(exclude_none=False) if hasattr(obj, "model_dump_json") else (
-        json.dumps(obj))
-    return f"data: {body}\n\n"
-
-
-_MARK = "phaseflip-text-mark"
-
-
-class TextFrames:
-    """A stream's plain-text chunks (text only: no logprobs, tool calls or finish) from
-    frames: the chunk pydantic makes for a placeholder text, split around it, one per choice
-    index. 1.8 µs a chunk against 8.8 for the model and its JSON (the front end's CPU per
-    chunk is what caps a server's tokens a second at hundreds of streams); the bytes are
-    pydantic's (`json.dumps` without ASCII escapes writes strings as it does: tested).
-    `build(index, text)` makes the chunk's model."""
-
-    def __init__(self, build) -> None:
-        self.build = build
-        self.frames: dict[int, tuple[str, str] | None] = {}
-
-    def __call__(self, index: int, text: str) -> str:
-        frame = self.frames.get(index, False)
-        if frame is False:
-            parts = sse(self.build(index, _MARK)).split(f'"{_MARK}"')
-            frame = self.frames[index] = tuple(parts) if len(parts) == 2 else None
-        if frame is None:  # (the mark elsewhere in the chunk too: the model every time)
-            return sse(self.build(index, text))
-        return frame[0] + json.dumps(text, ensure_ascii=False) + frame[1]
 
 
 async def run_prompts(ctx: ServerContext, runs: list[PromptRun], group: str | None = None
@@ -549,6 +518,11 @@ async def _stream_chat(ctx, req: p.ChatCompletionRequest, run: PromptRun,
     text_only = TextFrames(lambda index, text: p.ChatCompletionStreamResponse(
         id=run.rid, created=created, model=ctx.model_name,
         choices=[p.ChatCompletionStreamChoice(index=index, delta=p.DeltaMessage(content=text))]))
+    fragment = TextFrames(lambda key, text: p.ChatCompletionStreamResponse(
+        id=run.rid, created=created, model=ctx.model_name,
+        choices=[p.ChatCompletionStreamChoice(index=key[0], delta=p.DeltaMessage(
+            tool_calls=[p.DeltaToolCall(index=key[1],
+                                        function=p.DeltaFunctionCall(arguments=text))]))]))
 
     streamers = [tools.ToolStreamer(plan) for _ in range(req.n)] if plan is not None else None
     parse = strippers(plan, req.n)
@@ -569,8 +543,12 @@ async def _stream_chat(ctx, req: p.ChatCompletionRequest, run: PromptRun,
             content, calls = streamer.feed(d.text, d.finish_reason is not None)
             calls = calls or None
             reason = plan.finish_reason(reason, bool(streamer.calls), streamer.text)
-        if content and not calls and lp is None and not reason:
+        plain = lp is None and not reason
+        if content and not calls and plain:
             yield text_only(d.index, content)
+        elif (plain and not content and calls and len(calls) == 1
+              and (args := arguments_only(calls[0])) is not None):
+            yield fragment((d.index, calls[0].index), args)
         elif content or calls or lp is not None or reason:
             yield chunk([p.ChatCompletionStreamChoice(
                 index=d.index, delta=p.DeltaMessage(content=content, tool_calls=calls),
